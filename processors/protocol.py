@@ -1,0 +1,310 @@
+"""The processor protocol that logitscope calls.
+
+A logitscope processor is batch-level and functional: ``process(logits, ctx)``
+takes next-token logits ``[B, V]`` and a :class:`BatchContext` describing the
+rows, and returns logits of the same shape. Every processor is also callable
+in the transformers convention ``processor(input_ids, scores) -> scores``, so
+it can be handed to ``model.generate(logits_processor=[...])`` as it is.
+
+Hosts that know more than transformers does (logitscope's ``Generator``) build
+the context themselves; hosts that pass only ``input_ids`` get a context whose
+prompt boundary is inferred: the first call after :meth:`reset` sees the
+prompt, and an input that does not grow starts a new generation.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterable, Sequence
+
+import torch
+
+__all__ = [
+    "BatchContext",
+    "LogitsProcessor",
+    "ProcessorList",
+    "ProcessorError",
+    "check_logits",
+]
+
+
+class ProcessorError(RuntimeError):
+    """A processor broke its contract (wrong shape, dtype or device) or raised."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchContext:
+    """What a processor may know about the rows of a step.
+
+    Attributes:
+        input_ids: ``[B, L]`` int64, each row its (left-padded) prompt followed
+            by the tokens generated so far.
+        prompt_length: how many leading columns of ``input_ids`` are the padded
+            prompt; ``input_ids[:, prompt_length:]`` are the generated tokens.
+        attention_mask: ``[B, L]``, 0 where a row is left padding, or ``None``
+            when the host has no padding.
+        request_ids: one id per row (the request a row belongs to), or ``None``.
+    """
+
+    input_ids: torch.Tensor
+    prompt_length: int
+    attention_mask: torch.Tensor | None = None
+    request_ids: tuple[Any, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.input_ids.ndim != 2:
+            raise ValueError(
+                f"input_ids must be 2-D [batch, length], got shape {tuple(self.input_ids.shape)}"
+            )
+        length = self.input_ids.shape[1]
+        if not 0 <= self.prompt_length <= length:
+            raise ValueError(
+                f"prompt_length must be in [0, {length}] for input_ids of length {length}, "
+                f"got {self.prompt_length}"
+            )
+        if self.attention_mask is not None and self.attention_mask.shape != self.input_ids.shape:
+            raise ValueError(
+                f"attention_mask must have the shape of input_ids {tuple(self.input_ids.shape)}, "
+                f"got {tuple(self.attention_mask.shape)}"
+            )
+        if self.request_ids is not None and len(self.request_ids) != self.batch_size:
+            raise ValueError(
+                f"request_ids must have one id per row ({self.batch_size}), got {len(self.request_ids)}"
+            )
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens generated so far (the same for every row of a step)."""
+        return int(self.input_ids.shape[1]) - self.prompt_length
+
+    @property
+    def generated_ids(self) -> torch.Tensor:
+        """``[B, num_generated]``: the tokens generated so far."""
+        return self.input_ids[:, self.prompt_length :]
+
+    def pad_length(self, row: int) -> int:
+        """Left padding columns of ``row`` (0 when there is no attention mask)."""
+        if self.attention_mask is None:
+            return 0
+        prompt_mask = self.attention_mask[row, : self.prompt_length]
+        return int(self.prompt_length - int(prompt_mask.sum()))
+
+    def prompt_ids(self, row: int) -> list[int]:
+        """The prompt of ``row`` without its padding."""
+        return self.input_ids[row, self.pad_length(row) : self.prompt_length].tolist()
+
+    def output_ids(self, row: int) -> list[int]:
+        """The tokens generated so far for ``row``."""
+        return self.input_ids[row, self.prompt_length :].tolist()
+
+    def token_ids(self, row: int) -> list[int]:
+        """Prompt and generated tokens of ``row``, without padding."""
+        return self.input_ids[row, self.pad_length(row) :].tolist()
+
+    def request_id(self, row: int) -> Any:
+        return row if self.request_ids is None else self.request_ids[row]
+
+    def select(self, rows: Sequence[int] | torch.Tensor) -> "BatchContext":
+        """The context of a subset of rows (for processors that work row by row)."""
+        index = torch.as_tensor(rows, dtype=torch.long, device=self.input_ids.device)
+        return BatchContext(
+            input_ids=self.input_ids.index_select(0, index),
+            prompt_length=self.prompt_length,
+            attention_mask=None
+            if self.attention_mask is None
+            else self.attention_mask.index_select(0, index),
+            request_ids=None
+            if self.request_ids is None
+            else tuple(self.request_ids[int(i)] for i in index.tolist()),
+        )
+
+
+class _PromptBoundary:
+    """Infers the prompt boundary for hosts that pass only ``input_ids``.
+
+    The first call after a reset sees the whole prompt; an input that does not
+    grow means the host started a new generation.
+    """
+
+    __slots__ = ("prompt_length", "last_length")
+
+    def __init__(self) -> None:
+        self.prompt_length: int | None = None
+        self.last_length: int | None = None
+
+    def starts_new_generation(self, length: int) -> bool:
+        return self.last_length is not None and length <= self.last_length
+
+    def observe(self, length: int) -> int:
+        """Record a call's input length; return the prompt length in force."""
+        if self.prompt_length is None:
+            self.prompt_length = length
+        self.last_length = length
+        return self.prompt_length
+
+    def clear(self) -> None:
+        self.prompt_length = None
+        self.last_length = None
+
+
+def check_logits(name: str, out: Any, like: torch.Tensor) -> torch.Tensor:
+    """Return ``out`` if it is a tensor shaped, typed and placed like ``like``.
+
+    Otherwise raise :class:`ProcessorError` naming the processor, what it
+    returned and what was expected.
+    """
+    if out is None:
+        raise ProcessorError(
+            f"processor {name} returned None; a processor must return the logits. "
+            "If it works in place on one row (the Dynamo convention), wrap it with "
+            "processors.from_dynamo(...); TensorRT-LLM style: processors.from_trtllm(...)"
+        )
+    if not isinstance(out, torch.Tensor):
+        raise ProcessorError(
+            f"processor {name} returned {type(out).__name__}, expected a torch.Tensor "
+            f"of shape {tuple(like.shape)}"
+        )
+    if out.shape != like.shape:
+        raise ProcessorError(
+            f"processor {name} returned logits of shape {tuple(out.shape)}, "
+            f"expected {tuple(like.shape)} (the shape it was given)"
+        )
+    if out.device != like.device:
+        raise ProcessorError(
+            f"processor {name} returned logits on {out.device}, expected {like.device}"
+        )
+    if not out.is_floating_point():
+        raise ProcessorError(f"processor {name} returned {out.dtype} logits, expected floating point")
+    return out
+
+
+class LogitsProcessor(abc.ABC):
+    """Base class of logitscope's processors.
+
+    Subclasses implement :meth:`process`. Processors that keep state per
+    sequence override :meth:`reset`. A processor that modifies the logits it
+    is given sets ``inplace = True`` and says so in its docstring.
+    """
+
+    inplace: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # A subclass's reset() also forgets the prompt boundary inferred for
+        # transformers-style hosts, so that a host which calls reset() and then
+        # passes a longer prompt is seen as starting afresh.
+        own_reset = cls.__dict__.get("reset")
+        if own_reset is not None and not getattr(own_reset, "_forgets_host", False):
+
+            @functools.wraps(own_reset)
+            def reset(self: "LogitsProcessor") -> None:
+                self._forget_host()
+                own_reset(self)
+
+            reset._forgets_host = True  # type: ignore[attr-defined]
+            cls.reset = reset  # type: ignore[method-assign]
+
+    @abc.abstractmethod
+    def process(self, logits: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+        """Return processed logits ``[B, V]`` for the rows described by ``ctx``."""
+
+    def reset(self) -> None:
+        """Forget per-generation state. Hosts call it before each generation."""
+        self._forget_host()
+
+    def on_sampled(self, tokens: torch.Tensor, ctx: BatchContext) -> None:
+        """Hear the tokens chosen at this step (``[B]``), from hosts that know them.
+
+        logitscope's ``Generator`` calls it after every step, the last one
+        included; hosts such as ``model.generate`` do not, and processors learn
+        the chosen tokens from the next call's ``input_ids`` instead.
+        """
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """The transformers convention: ``(input_ids [B, L], scores [B, V]) -> scores``."""
+        boundary = self.__dict__.get("_host_boundary")
+        if boundary is None:
+            boundary = self.__dict__["_host_boundary"] = _PromptBoundary()
+        length = int(input_ids.shape[1])
+        if boundary.starts_new_generation(length):
+            self.reset()
+        ctx = BatchContext(input_ids=input_ids, prompt_length=boundary.observe(length))
+        return self.process(scores, ctx)
+
+    def _forget_host(self) -> None:
+        boundary = self.__dict__.get("_host_boundary")
+        if boundary is not None:
+            boundary.clear()
+
+    def __repr__(self) -> str:
+        return f"{self.name}()"
+
+
+def _as_processor(item: Any) -> LogitsProcessor:
+    # Local import: adapters import this module.
+    from processors.adapters import as_processor
+
+    return as_processor(item)
+
+
+class ProcessorList(LogitsProcessor):
+    """Processors applied in order; checks each one's output.
+
+    Accepts logitscope processors, transformers ``LogitsProcessor`` objects and
+    plain callables in the transformers convention (see
+    :func:`processors.as_processor`). A processor that returns the wrong shape,
+    dtype or device, or raises, fails with an error that names it and its
+    position.
+    """
+
+    def __init__(self, processors: Iterable[Any] = ()) -> None:
+        self.processors: list[LogitsProcessor] = [_as_processor(p) for p in processors]
+
+    @property
+    def inplace(self) -> bool:  # type: ignore[override]
+        return any(p.inplace for p in self.processors)
+
+    def append(self, processor: Any) -> None:
+        self.processors.append(_as_processor(processor))
+
+    def __len__(self) -> int:
+        return len(self.processors)
+
+    def __iter__(self):
+        return iter(self.processors)
+
+    def __getitem__(self, index: int) -> LogitsProcessor:
+        return self.processors[index]
+
+    def process(self, logits: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+        for position, processor in enumerate(self.processors):
+            label = f"{position} ({processor.name})"
+            try:
+                out = processor.process(logits, ctx)
+            except ProcessorError:
+                raise
+            except Exception as exc:
+                raise ProcessorError(f"processor {label} raised {type(exc).__name__}: {exc}") from exc
+            logits = check_logits(label, out, logits)
+        return logits
+
+    def reset(self) -> None:
+        for processor in self.processors:
+            processor.reset()
+
+    def on_sampled(self, tokens: torch.Tensor, ctx: BatchContext) -> None:
+        for processor in self.processors:
+            processor.on_sampled(tokens, ctx)
+
+    def __repr__(self) -> str:
+        return f"ProcessorList([{', '.join(repr(p) for p in self.processors)}])"

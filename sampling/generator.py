@@ -1,0 +1,327 @@
+"""The decode loop over any transformers causal LM.
+
+>>> gen = Generator(model, tokenizer)
+>>> out = gen.generate(["2 + 2 = ", "Call "], SamplingParams(temperature=0.8, seed=1))
+>>> out[0].text
+
+Prompts of different lengths share a batch (left padding with an attention
+mask, positions counted from each row's first real token), the model runs
+with its KV cache, and each row is sampled with its own request's parameters.
+The processors in ``generator.logits_processor`` (a
+:class:`~processors.ProcessorList`) see every step; a wrapper such as a tracker
+can be put around them by replacing that attribute.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from processors import BatchContext, LogitsProcessor, ProcessorList
+from processors.protocol import check_logits
+from sampling.functional import RowParams, row_keys, sample, uniforms
+from sampling.outputs import Completion, RequestOutput
+from sampling.params import SamplingParams
+
+__all__ = ["Generator", "load_model"]
+
+Prompt = str | Sequence[int]
+
+
+def load_model(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """Load a causal LM and its tokenizer from a local folder, never from the network.
+
+    Raises ``FileNotFoundError`` naming the path when it holds no model.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(path)
+    if not folder.is_dir() or not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model: no model folder at '{path}' (expected a local folder with config.json, "
+            "as written by save_pretrained); logitscope never downloads models"
+        )
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    model = AutoModelForCausalLM.from_pretrained(folder, **kwargs).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    return model, tokenizer
+
+
+@dataclass
+class _Row:
+    """Book-keeping for one sequence of the batch."""
+
+    request: int
+    sample: int
+    params: SamplingParams
+    tokens: list[int]
+    logprobs: list[float]
+    raw_logprobs: list[float]
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+
+
+class Generator:
+    """Generate from a transformers causal LM through logitscope's processors.
+
+    Args:
+        model: a transformers causal LM (``model(input_ids, attention_mask,
+            position_ids, past_key_values, use_cache=True)``).
+        tokenizer: its tokenizer.
+        logits_processor: processors applied to the next-token logits of every
+            step, in order: logitscope processors, transformers processors, or
+            functions of another convention wrapped with ``processors.from_*``.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, logits_processor: Any = None) -> None:
+        if not callable(model):
+            raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
+        self.model = model
+        self.tokenizer = tokenizer
+        if logits_processor is None:
+            logits_processor = ProcessorList()
+        elif not isinstance(logits_processor, LogitsProcessor):
+            items = logits_processor if isinstance(logits_processor, (list, tuple)) else [logits_processor]
+            logits_processor = ProcessorList(items)
+        self.logits_processor: LogitsProcessor = logits_processor
+        self.eos_token_ids = self._eos_ids()
+        pad = getattr(tokenizer, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+        if pad is None:
+            pad = self.eos_token_ids[0] if self.eos_token_ids else 0
+        self.pad_token_id = int(pad)
+        forward = inspect.signature(model.forward).parameters
+        self._keeps_last_logits = "logits_to_keep" in forward
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike[str],
+        logits_processor: Any = None,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+    ) -> "Generator":
+        """A Generator over the model saved in the local folder ``path``."""
+        model, tokenizer = load_model(path, device=device, dtype=dtype)
+        return cls(model, tokenizer, logits_processor)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _eos_ids(self) -> list[int]:
+        ids: Any = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if ids is None:
+            ids = getattr(self.tokenizer, "eos_token_id", None)
+        if ids is None:
+            return []
+        return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
+
+    # ------------------------------------------------------------------ input
+
+    def _encode(self, prompts: Sequence[Prompt]) -> list[list[int]]:
+        encoded = []
+        vocab = getattr(self.model.config, "vocab_size", None)
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                ids = list(self.tokenizer(prompt)["input_ids"])
+            elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+                ids = list(prompt)
+                bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+                if bad:
+                    raise ValueError(f"prompts[{i}] holds token ids outside [0, {vocab}): {bad[:5]}")
+            else:
+                raise TypeError(f"prompts[{i}] must be a string or a list of token ids, got {type(prompt).__name__}")
+            if not ids:
+                raise ValueError(f"prompts[{i}] is empty: it has no tokens; give at least one token of text")
+            encoded.append(ids)
+        return encoded
+
+    @staticmethod
+    def _params_per_request(params: Any, n_requests: int, overrides: dict[str, Any]) -> list[SamplingParams]:
+        if overrides:
+            if params is not None:
+                raise TypeError("give either params or keyword sampling parameters, not both")
+            params = SamplingParams(**overrides)
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            return [params] * n_requests
+        params = list(params)
+        if len(params) != n_requests:
+            raise ValueError(f"params must be one SamplingParams or one per prompt ({n_requests}), got {len(params)}")
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}")
+        return params
+
+    # ------------------------------------------------------------------ decode
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache):
+        kwargs: dict[str, Any] = {}
+        if self._keeps_last_logits:
+            kwargs["logits_to_keep"] = 1
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            **kwargs,
+        )
+        return out.logits[:, -1, :].float(), out.past_key_values
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        **sampling: Any,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt; returns one :class:`RequestOutput` per prompt.
+
+        ``params`` is one :class:`SamplingParams` for all prompts or one per
+        prompt; keyword arguments (``temperature=0.7, max_new_tokens=20``) build
+        one instead. Prompts are strings or lists of token ids.
+        """
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if not prompts:
+            raise ValueError("prompts must hold at least one prompt, got an empty list")
+        encoded = self._encode(prompts)
+        per_request = self._params_per_request(params, len(prompts), sampling)
+        rows = [
+            _Row(r, j, p, [], [], [])
+            for r, p in enumerate(per_request)
+            for j in range(p.n)
+        ]
+        device = self.device
+        batch = len(rows)
+
+        # Left-pad the prompts; positions count from each row's first real token.
+        width = max(len(ids) for ids in encoded)
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((batch, width), dtype=torch.long)
+        for b, row in enumerate(rows):
+            ids = encoded[row.request]
+            input_ids[b, width - len(ids) :] = torch.tensor(ids)
+            attention_mask[b, width - len(ids) :] = 1
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        position_ids = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+
+        row_params = RowParams.build([r.params for r in rows], device)
+        seeds = [
+            p.seed if p.seed is not None else int(torch.randint(0, 2**62, ()).item()) for p in per_request
+        ]
+        keys = row_keys(
+            torch.tensor([seeds[r.request] for r in rows], device=device),
+            torch.tensor([r.sample for r in rows], device=device),
+        )
+        limits = [r.params.max_new_tokens for r in rows]
+        eos = set(self.eos_token_ids)
+        stops = [r.params.stop for r in rows]
+        stop_tail = [max((len(s.encode()) for s in st), default=0) + 1 for st in stops]
+        live = list(range(batch))
+
+        self.logits_processor.reset()
+        cache = None
+        step_input, step_positions = input_ids, position_ids
+        for step in range(max(limits)):
+            # 1. the model's next-token logits, and the processors' view of them
+            raw, cache = self._forward(step_input, attention_mask, step_positions, cache)
+            raw_lse = torch.logsumexp(raw, dim=-1)
+            ctx = BatchContext(input_ids=input_ids, prompt_length=width, attention_mask=attention_mask)
+            given = raw.clone() if self.logits_processor.inplace else raw
+            logits = check_logits("logits_processor", self.logits_processor.process(given, ctx), raw)
+            # 2. one token per row, each with its request's parameters and random stream
+            drawn = sample(logits, row_params, uniforms(keys, step))
+            tokens = drawn.tokens.masked_fill(_finished_mask(rows, device), self.pad_token_id)
+            self.logits_processor.on_sampled(tokens, ctx)
+            raw_lp = (raw.gather(1, tokens[:, None]).squeeze(1) - raw_lse).tolist()
+            # 3. book-keeping: append, then stop rows on EOS, stop strings or length
+            token_list, lp_list = tokens.tolist(), drawn.logprobs.tolist()
+            for b in live:
+                row = rows[b]
+                row.tokens.append(token_list[b])
+                row.logprobs.append(lp_list[b])
+                row.raw_logprobs.append(raw_lp[b])
+                if token_list[b] in eos and not row.params.ignore_eos:
+                    row.finish_reason = "stop"
+                elif stops[b] and (hit := self._stop_hit(row.tokens, stops[b], stop_tail[b])):
+                    row.finish_reason, row.stop_reason = "stop", hit
+                elif len(row.tokens) >= limits[b]:
+                    row.finish_reason = "length"
+            live = [b for b in live if rows[b].finish_reason is None]
+            if not live:
+                break
+            # 4. feed the tokens back: one new column of ids, mask and positions
+            input_ids = torch.cat([input_ids, tokens[:, None]], dim=1)
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], dim=1)
+            step_input, step_positions = tokens[:, None], step_positions[:, -1:] + 1
+        return self._outputs(prompts, encoded, per_request, rows)
+
+    def _stop_hit(self, tokens: list[int], stop: tuple[str, ...], tail: int) -> str | None:
+        text = self.tokenizer.decode(tokens[-tail:], skip_special_tokens=True)
+        for s in stop:
+            if s in text:
+                return s
+        return None
+
+    def _outputs(self, prompts, encoded, per_request, rows: list[_Row]) -> list[RequestOutput]:
+        completions: list[list[Completion]] = [[] for _ in prompts]
+        for row in rows:
+            text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
+            if row.stop_reason is not None:
+                text = text[: text.find(row.stop_reason)]
+            completions[row.request].append(
+                Completion(
+                    index=row.sample,
+                    token_ids=row.tokens,
+                    text=text,
+                    finish_reason=row.finish_reason or "length",  # type: ignore[arg-type]
+                    stop_reason=row.stop_reason,
+                    logprobs=row.logprobs,
+                    raw_logprobs=row.raw_logprobs,
+                )
+            )
+        return [
+            RequestOutput(
+                request_index=r,
+                prompt=prompt if isinstance(prompt, str) else self.tokenizer.decode(encoded[r]),
+                prompt_token_ids=encoded[r],
+                params=per_request[r],
+                outputs=completions[r],
+            )
+            for r, prompt in enumerate(prompts)
+        ]
+
+    def __call__(self, prompts: Prompt | Sequence[Prompt], params: Any = None, **sampling: Any) -> str | list[str]:
+        """Generate and return the text: a string for one prompt, a list for several."""
+        single = isinstance(prompts, str)
+        outputs = self.generate(prompts, params, **sampling)
+        texts = [c.text for out in outputs for c in out.outputs]
+        return texts[0] if single and len(texts) == 1 else texts
+
+    def reset(self) -> None:
+        """Reset the processors (Outlines-style hosts call this between generations)."""
+        self.logits_processor.reset()
+
+    def __repr__(self) -> str:
+        name = getattr(self.model.config, "_name_or_path", "") or type(self.model).__name__
+        return f"Generator(model={name!r}, logits_processor={self.logits_processor!r})"
+
+
+def _finished_mask(rows: list[_Row], device: torch.device) -> torch.Tensor:
+    return torch.tensor([r.finish_reason is not None for r in rows], dtype=torch.bool, device=device)
