@@ -53,7 +53,44 @@ __all__ = [
 
 
 def _callable_name(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or type(fn).__name__
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+class _PerRequest:
+    """The callable for each row: one shared function, or one instance per row.
+
+    vLLM and Dynamo make a processor per request. With ``factory`` each row of
+    a generation gets its own instance (made on first use, dropped by
+    :meth:`reset`), so per-request state never mixes rows.
+    """
+
+    def __init__(self, fn: Any, factory: Callable[[], Any] | None, adapter: str) -> None:
+        if (fn is None) == (factory is None):
+            raise TypeError(f"{adapter}: give exactly one of fn or factory")
+        _require_callable(fn if factory is None else factory, adapter)
+        self.fn = fn
+        self.factory = factory
+        self._rows: list[Any] = []
+
+    @property
+    def name(self) -> str:
+        return _callable_name(self.fn if self.factory is None else self.factory)
+
+    def for_row(self, row: int) -> Any:
+        if self.factory is None:
+            return self.fn
+        while len(self._rows) <= row:
+            made = self.factory()
+            _require_callable(made, "factory()")
+            self._rows.append(made)
+        return self._rows[row]
+
+    def reset(self) -> None:
+        self._rows = []
+        if self.fn is not None:
+            reset = getattr(self.fn, "reset", None)
+            if callable(reset):
+                reset()
 
 
 def _require_callable(fn: Any, adapter: str) -> None:
@@ -118,31 +155,41 @@ class FromVLLM(LogitsProcessor):
 
     ``fn(output_ids, logits_row) -> logits_row``, or with ``with_prompt=True``
     ``fn(prompt_ids, output_ids, logits_row) -> logits_row``. The ids are
-    lists of ints; ``logits_row`` is the row ``[V]``. The same callable serves
-    every row.
+    lists of ints; ``logits_row`` is the row ``[V]``. Give ``fn`` to use one
+    callable for every row (right for stateless processors), or ``factory`` to
+    make one per row for each generation, as vLLM makes one per request.
     """
 
     inplace = True  # vLLM processors may write into the row they are given
 
-    def __init__(self, fn: Callable[..., torch.Tensor], *, with_prompt: bool = False) -> None:
-        _require_callable(fn, "from_vllm")
-        self.fn = fn
+    def __init__(
+        self,
+        fn: Callable[..., torch.Tensor] | None = None,
+        *,
+        factory: Callable[[], Callable[..., torch.Tensor]] | None = None,
+        with_prompt: bool = False,
+    ) -> None:
+        self.rows = _PerRequest(fn, factory, "from_vllm")
         self.with_prompt = bool(with_prompt)
 
     @property
     def name(self) -> str:
-        return _callable_name(self.fn)
+        return self.rows.name
 
     def process(self, logits: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
-        rows = []
+        out_rows = []
         for i in range(ctx.batch_size):
+            fn = self.rows.for_row(i)
             output_ids = ctx.output_ids(i)
             if self.with_prompt:
-                out = self.fn(ctx.prompt_ids(i), output_ids, logits[i])
+                out = fn(ctx.prompt_ids(i), output_ids, logits[i])
             else:
-                out = self.fn(output_ids, logits[i])
-            rows.append(_check_row(self.name, out, logits[i]))
-        return torch.stack(rows)
+                out = fn(output_ids, logits[i])
+            out_rows.append(_check_row(self.name, out, logits[i]))
+        return torch.stack(out_rows)
+
+    def reset(self) -> None:
+        self.rows.reset()
 
     def __repr__(self) -> str:
         return f"FromVLLM({self.name}, with_prompt={self.with_prompt})"
@@ -152,24 +199,30 @@ class FromDynamo(LogitsProcessor):
     """A Dynamo-style processor ``fn(input_ids, logits_row) -> None`` that works in place.
 
     ``input_ids`` is the row's prompt and generated tokens (a list of ints,
-    no padding). The given logits are modified in place and returned.
+    no padding). The given logits are modified in place and returned. Give
+    ``fn`` to use one callable for every row, or ``factory`` to make one per
+    row for each generation (Dynamo makes one per request).
     """
 
     inplace = True
 
-    def __init__(self, fn: Callable[[Sequence[int], torch.Tensor], None]) -> None:
-        _require_callable(fn, "from_dynamo")
-        self.fn = fn
+    def __init__(
+        self,
+        fn: Callable[[Sequence[int], torch.Tensor], None] | None = None,
+        *,
+        factory: Callable[[], Callable[[Sequence[int], torch.Tensor], None]] | None = None,
+    ) -> None:
+        self.rows = _PerRequest(fn, factory, "from_dynamo")
 
     @property
     def name(self) -> str:
-        return _callable_name(self.fn)
+        return self.rows.name
 
     def process(self, logits: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
         if not logits.is_contiguous():
             logits = logits.contiguous()
         for i in range(ctx.batch_size):
-            result = self.fn(ctx.token_ids(i), logits[i])
+            result = self.rows.for_row(i)(ctx.token_ids(i), logits[i])
             if result is not None:
                 raise ProcessorError(
                     f"processor {self.name} returned {type(result).__name__}; a Dynamo-style "
@@ -179,9 +232,7 @@ class FromDynamo(LogitsProcessor):
         return logits
 
     def reset(self) -> None:
-        reset = getattr(self.fn, "reset", None)
-        if callable(reset):
-            reset()
+        self.rows.reset()
 
     def __repr__(self) -> str:
         return f"FromDynamo({self.name})"
@@ -240,14 +291,29 @@ def from_transformers(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) 
     return FromTransformers(fn)
 
 
-def from_vllm(fn: Callable[..., torch.Tensor], *, with_prompt: bool = False) -> FromVLLM:
-    """Adapt a vLLM per-request processor (``with_prompt`` selects the 3-argument form)."""
-    return FromVLLM(fn, with_prompt=with_prompt)
+def from_vllm(
+    fn: Callable[..., torch.Tensor] | None = None,
+    *,
+    factory: Callable[[], Callable[..., torch.Tensor]] | None = None,
+    with_prompt: bool = False,
+) -> FromVLLM:
+    """Adapt a vLLM per-request processor (``with_prompt`` selects the 3-argument form).
+
+    ``fn`` serves every row; ``factory()`` makes one per row and generation.
+    """
+    return FromVLLM(fn, factory=factory, with_prompt=with_prompt)
 
 
-def from_dynamo(fn: Callable[[Sequence[int], torch.Tensor], None]) -> FromDynamo:
-    """Adapt a Dynamo-style in-place processor ``fn(input_ids, logits_row) -> None``."""
-    return FromDynamo(fn)
+def from_dynamo(
+    fn: Callable[[Sequence[int], torch.Tensor], None] | None = None,
+    *,
+    factory: Callable[[], Callable[[Sequence[int], torch.Tensor], None]] | None = None,
+) -> FromDynamo:
+    """Adapt a Dynamo-style in-place processor ``fn(input_ids, logits_row) -> None``.
+
+    ``fn`` serves every row; ``factory()`` makes one per row and generation.
+    """
+    return FromDynamo(fn, factory=factory)
 
 
 def from_trtllm(fn: Callable[..., None], *, batched: bool = False) -> FromTensorRTLLM:

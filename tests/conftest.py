@@ -1,0 +1,70 @@
+"""Shared fixtures: a tiny model and tokenizer built in the test, and the demo model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+EOS = 0
+
+
+class CharTokenizer:
+    """One token per character (code points 1..V-1); token 0 is end-of-text.
+
+    Small enough to reason about in tests, with the parts of the transformers
+    tokenizer interface the Generator uses.
+    """
+
+    def __init__(self, vocab_size: int = 128) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_id = EOS
+        self.pad_token_id = EOS
+        self.eos_token = "<eos>"
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        ids = [ord(c) for c in text]
+        bad = [c for c in text if not 0 < ord(c) < self.vocab_size]
+        if bad:
+            raise ValueError(f"characters outside the tiny vocabulary: {bad}")
+        return {"input_ids": ids}
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        return "".join(
+            ("" if skip_special_tokens else self.eos_token) if i == EOS else chr(i) for i in ids
+        )
+
+
+def make_tiny_model(vocab_size: int = 128, seed: int = 0) -> GPT2LMHeadModel:
+    """A random GPT-2 whose distributions are far from flat (large init)."""
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=vocab_size,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        n_positions=256,
+        bos_token_id=EOS,
+        eos_token_id=EOS,
+        initializer_range=0.3,
+    )
+    return GPT2LMHeadModel(config).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> GPT2LMHeadModel:
+    return make_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def char_tokenizer() -> CharTokenizer:
+    return CharTokenizer()
+
+
+@pytest.fixture(scope="session")
+def demo():
+    """The shipped demo model and tokenizer (loaded once per session)."""
+    from logitscope.demo_model import load_demo_model
+
+    return load_demo_model()
