@@ -1,0 +1,360 @@
+"""Regex, JSON-schema and context-free-grammar constraints, on llguidance.
+
+>>> proc = RegexLogitsProcessor(r"\\(\\d{3}\\) \\d{3}-\\d{4}", tokenizer)
+>>> proc = JSONLogitsProcessor(Person, tokenizer)          # a pydantic model, a dict or a string
+>>> proc = CFGLogitsProcessor('start: NUM " + " NUM', tokenizer)   # Lark; syntax="gbnf" for GBNF
+
+Each row of a batch gets its own matcher, created when the batch is first
+seen and advanced with the tokens the row generated (read from
+``ctx.input_ids[:, ctx.prompt_length:]``, so the processors also work inside
+``model.generate``). The generated text of every row matches the constraint
+as a whole: EOS is allowed exactly when the grammar accepts, and a row whose
+grammar is complete, or that has ended, is allowed EOS only (hosts keep
+finished rows in the batch and feed them padding). A pattern, schema or
+grammar that cannot be compiled fails at construction with the engine's
+message. The llguidance tokenizer set-up (about a second at 128k tokens) is
+made once per tokenizer and cached.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import weakref
+from typing import Any, Literal, Mapping, Sequence
+
+import llguidance
+import torch
+
+from processors.bitmask import apply_bitmask_, bitmask_words, pack_bool, unpack_bitmask
+from processors.protocol import BatchContext, LogitsProcessor
+from processors.token_feed import TokenFeed
+
+__all__ = [
+    "GrammarLogitsProcessor",
+    "RegexLogitsProcessor",
+    "JSONLogitsProcessor",
+    "CFGLogitsProcessor",
+    "GrammarSyntax",
+    "llguidance_tokenizer",
+]
+
+GrammarSyntax = Literal["lark", "gbnf"]
+
+_TOKENIZERS: "weakref.WeakKeyDictionary[Any, dict[tuple[int, ...] | None, llguidance.LLTokenizer]]" = (
+    weakref.WeakKeyDictionary()
+)
+_TOKENIZERS_LOCK = threading.Lock()
+_EXECUTOR: llguidance.LLExecutor | None = None
+
+
+def _eos_key(eos_token_id: int | Sequence[int] | None) -> tuple[int, ...] | None:
+    if eos_token_id is None:
+        return None
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"eos_token_id must be a token id >= 0 or a non-empty list of them, got {eos_token_id!r}")
+    return tuple(ids)
+
+
+def llguidance_tokenizer(tokenizer: Any, eos_token_id: int | Sequence[int] | None = None) -> llguidance.LLTokenizer:
+    """llguidance's view of a transformers fast tokenizer, made once per tokenizer and cached.
+
+    ``eos_token_id`` overrides the tokenizer's end-of-sequence id(s) (for
+    models whose generation config ends on other tokens).
+    """
+    key = _eos_key(eos_token_id)
+    with _TOKENIZERS_LOCK:
+        per_tokenizer = _TOKENIZERS.setdefault(tokenizer, {})
+        cached = per_tokenizer.get(key)
+        if cached is None:
+            import llguidance.hf  # imports transformers: only when a grammar is first built
+
+            try:
+                cached = llguidance.hf.from_tokenizer(tokenizer, eos_token=None if key is None else list(key))
+            except Exception as exc:
+                raise TypeError(
+                    f"tokenizer: llguidance needs a transformers fast tokenizer, got "
+                    f"{type(tokenizer).__name__} ({exc})"
+                ) from exc
+            per_tokenizer[key] = cached
+        return cached
+
+
+def _executor() -> llguidance.LLExecutor:
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        _EXECUTOR = llguidance.LLExecutor()
+    return _EXECUTOR
+
+
+class GrammarLogitsProcessor(LogitsProcessor):
+    """Allow, in each row, only the tokens that keep its text inside an llguidance grammar.
+
+    Works in place: sets the logits of disallowed tokens to -inf in the
+    tensor it is given and returns it (``inplace = True``). Tokens the
+    tokenizer does not have (a model's vocabulary may be wider) are never
+    allowed. Keeps one matcher per row; :meth:`reset` forgets them.
+
+    Args:
+        grammar: an llguidance grammar (see ``llguidance.grammar_from``).
+        tokenizer: the model's transformers fast tokenizer.
+        eos_token_id: end-of-sequence id(s), default the tokenizer's.
+        argument, description: how construction errors name the user's input.
+    """
+
+    inplace = True
+
+    def __init__(
+        self,
+        grammar: str,
+        tokenizer: Any,
+        *,
+        eos_token_id: int | Sequence[int] | None = None,
+        argument: str = "grammar",
+        description: str = "grammar",
+    ) -> None:
+        self.tokenizer = tokenizer
+        self._ll_tokenizer = llguidance_tokenizer(tokenizer, eos_token_id)
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._ll_tokenizer)
+        if failed:
+            raise ValueError(f"{argument}: the {description} cannot be compiled: {messages[0].strip()}")
+        template = llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise ValueError(f"{argument}: the {description} cannot be compiled: {template.get_error().strip()}")
+        self._template = template
+        self._n_tokens = int(self._ll_tokenizer.vocab_size)
+        self._eos = frozenset(int(t) for t in self._ll_tokenizer.eos_tokens)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self._pad = int(pad) if isinstance(pad, int) else None
+        eos_only = torch.zeros(1, self._n_tokens, dtype=torch.bool)
+        eos_only[0, [t for t in self._eos if t < self._n_tokens]] = True
+        self._eos_only = pack_bool(eos_only)[0]
+        self._matchers: list[llguidance.LLMatcher] | None = None
+        self._done: list[bool] = []
+        self._feed = TokenFeed()
+
+    # ------------------------------------------------------------ state
+
+    def _start(self, batch: int) -> None:
+        self._matchers = [self._template.deep_copy() for _ in range(batch)]
+        self._done = [False] * batch
+        self._bitmask = torch.zeros((batch, bitmask_words(self._n_tokens)), dtype=torch.int32)
+
+    def reset(self) -> None:
+        """Forget every row's matcher; the next call starts a new generation."""
+        self._matchers = None
+        self._feed.reset()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "GrammarLogitsProcessor":
+        """A fresh copy that shares the compiled grammar and the tokenizer set-up."""
+        clone = copy.copy(self)
+        clone.__dict__.pop("_host_boundary", None)
+        clone._matchers = None
+        clone._feed = TokenFeed()
+        return clone
+
+    def _advance(self, row: int, tokens: list[int]) -> None:
+        matcher = self._matchers[row]  # type: ignore[index]
+        for token in tokens:
+            if token in self._eos:
+                # The row ended; whatever the host feeds it from now on is padding.
+                if matcher.is_accepting():
+                    matcher.consume_token(token)
+                self._done[row] = True
+                return
+            stopped = matcher.is_stopped()
+            if stopped or not matcher.consume_token(token):
+                if token == self._pad:  # a host that ended the row for its own reasons
+                    self._done[row] = True
+                    return
+                reason = "the text was already complete" if stopped else matcher.get_error().strip()
+                raise ValueError(
+                    f"{self.name}: row {row} generated token {token} "
+                    f"({self._ll_tokenizer.dbg_tokens([token])}), which the grammar does not allow "
+                    f"there ({reason}); did a later processor undo the mask?"
+                )
+
+    def _sync(self, ctx: BatchContext) -> None:
+        """Create the row matchers if needed and feed them the tokens generated since the last call."""
+        update = self._feed.update(ctx, self.name)
+        if update.restarted or self._matchers is None:
+            self._start(update.batch)
+        for row, tokens in enumerate(update.new_tokens):
+            if tokens:
+                self._advance(row, tokens)
+
+    def _fill(self) -> torch.Tensor:
+        bitmask = self._bitmask
+        matchers, done = self._matchers, self._done
+        assert matchers is not None
+        live = [(m, row) for row, m in enumerate(matchers) if not done[row]]
+        row_bytes = bitmask.shape[1] * 4
+        if len(live) == 1:
+            matcher, row = live[0]
+            matcher.unsafe_compute_mask_ptr(bitmask.data_ptr() + row * row_bytes, row_bytes)
+        elif live:
+            _executor().unsafe_compute_mask_ptr(live, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
+        for row, is_done in enumerate(done):
+            if is_done:
+                bitmask[row] = self._eos_only
+        for matcher, row in live:
+            if matcher.is_error():
+                raise ValueError(f"{self.name}: the matcher of row {row} failed: {matcher.get_error().strip()}")
+        return bitmask
+
+    # ------------------------------------------------------------ step
+
+    def process(self, logits: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+        """Set to -inf the logits of every token the row's grammar does not allow next (in place)."""
+        self._sync(ctx)
+        return apply_bitmask_(logits, self._fill(), self._n_tokens)
+
+    def allowed_token_mask(self, ctx: BatchContext) -> torch.Tensor:
+        """``[B, n_tokens]`` bool: the tokens each row may take next (for inspection)."""
+        self._sync(ctx)
+        return unpack_bitmask(self._fill(), self._n_tokens)
+
+    def is_accepting(self) -> list[bool]:
+        """Per row: whether the text generated so far is a complete match."""
+        if self._matchers is None:
+            return []
+        return [m.is_accepting() for m in self._matchers]
+
+
+class RegexLogitsProcessor(GrammarLogitsProcessor):
+    """Constrain each row's generated text to match ``pattern`` as a whole (``re.fullmatch``).
+
+    ``pattern`` uses Rust ``regex`` syntax (close to Python's ``re``; ``\\d``
+    is any Unicode digit, as in Python). Works in place.
+    """
+
+    def __init__(self, pattern: str, tokenizer: Any, *, eos_token_id: int | Sequence[int] | None = None) -> None:
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"pattern must be a non-empty regular expression string, got {pattern!r}")
+        self.pattern = pattern
+        super().__init__(
+            llguidance.grammar_from("regex", pattern),
+            tokenizer,
+            eos_token_id=eos_token_id,
+            argument="pattern",
+            description=f"regex {pattern!r}",
+        )
+
+    def __repr__(self) -> str:
+        return f"RegexLogitsProcessor(pattern={self.pattern!r})"
+
+
+def _schema_text(schema: Any) -> str:
+    if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
+        return json.dumps(schema.model_json_schema())
+    if isinstance(schema, Mapping):
+        try:
+            return json.dumps(schema)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"schema: the dict is not JSON-serialisable: {exc}") from exc
+    if isinstance(schema, str):
+        try:
+            parsed = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"schema: the string is not valid JSON ({exc}): {schema[:80]!r}") from exc
+        if not isinstance(parsed, (dict, bool)):
+            raise ValueError(f"schema: a JSON schema is an object or a boolean, got {type(parsed).__name__}")
+        return schema
+    raise TypeError(
+        f"schema must be a JSON-schema dict, a JSON string or a pydantic model class, got {type(schema).__name__}"
+    )
+
+
+class JSONLogitsProcessor(GrammarLogitsProcessor):
+    """Constrain each row's generated text to a JSON document valid against ``schema``.
+
+    Args:
+        schema: a JSON-schema dict, its JSON text, or a pydantic model class.
+        tokenizer: the model's transformers fast tokenizer.
+        separators: ``None`` allows any JSON whitespace between tokens
+            (llguidance's default); an ``(item, key)`` pair such as
+            ``(", ", ": ")`` fixes the separators and allows no other whitespace.
+        lenient: ignore schema keywords the engine cannot enforce instead of
+            refusing the schema (by default ``uniqueItems``, ``not``, ``if`` ...
+            fail at construction, naming the keyword).
+
+    Works in place.
+    """
+
+    def __init__(
+        self,
+        schema: Any,
+        tokenizer: Any,
+        *,
+        separators: tuple[str, str] | None = None,
+        lenient: bool = False,
+        eos_token_id: int | Sequence[int] | None = None,
+    ) -> None:
+        text = _schema_text(schema)
+        options: dict[str, Any] = {}
+        if separators is not None:
+            if (
+                not isinstance(separators, (tuple, list))
+                or len(separators) != 2
+                or not all(isinstance(s, str) and s.strip() in {",", ":"} for s in separators)
+            ):
+                raise ValueError(
+                    f"separators must be an (item, key) pair of strings like (', ', ': '), got {separators!r}"
+                )
+            options.update(item_separator=separators[0], key_separator=separators[1], whitespace_flexible=False)
+        if lenient:
+            options["lenient"] = True
+        self.schema = json.loads(text)
+        self.separators = separators
+        self.lenient = bool(lenient)
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=options or None)
+        except ValueError as exc:
+            raise ValueError(f"schema: the JSON schema cannot be compiled: {exc}") from exc
+        super().__init__(
+            grammar, tokenizer, eos_token_id=eos_token_id, argument="schema", description="JSON schema"
+        )
+
+    def __repr__(self) -> str:
+        return f"JSONLogitsProcessor(schema={json.dumps(self.schema)[:60]!r})"
+
+
+class CFGLogitsProcessor(GrammarLogitsProcessor):
+    """Constrain each row's generated text to a context-free grammar.
+
+    Args:
+        grammar: the grammar text, its start rule named ``start`` (Lark) or
+            ``root`` (GBNF).
+        tokenizer: the model's transformers fast tokenizer.
+        syntax: ``"lark"`` (llguidance's Lark dialect) or ``"gbnf"``
+            (llama.cpp's GBNF).
+
+    Works in place.
+    """
+
+    def __init__(
+        self,
+        grammar: str,
+        tokenizer: Any,
+        *,
+        syntax: GrammarSyntax = "lark",
+        eos_token_id: int | Sequence[int] | None = None,
+    ) -> None:
+        if syntax not in ("lark", "gbnf"):
+            raise ValueError(f"syntax must be 'lark' or 'gbnf', got {syntax!r}")
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise ValueError(f"grammar must be a non-empty {syntax} grammar string, got {grammar!r}")
+        self.grammar = grammar
+        self.syntax = syntax
+        try:
+            compiled = llguidance.grammar_from(syntax, grammar)
+        except ValueError as exc:
+            raise ValueError(f"grammar: the {syntax} grammar cannot be compiled: {exc}") from exc
+        super().__init__(
+            compiled, tokenizer, eos_token_id=eos_token_id, argument="grammar", description=f"{syntax} grammar"
+        )
+
+    def __repr__(self) -> str:
+        return f"CFGLogitsProcessor(syntax={self.syntax!r}, grammar={self.grammar[:60]!r})"
