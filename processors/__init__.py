@@ -5,6 +5,11 @@
 logitscope calls :class:`LogitsProcessor.process(logits, ctx)`; every
 processor is also a transformers-style callable. ``from_*`` / ``to_*`` adapt
 functions of the vLLM, Dynamo and TensorRT-LLM conventions.
+
+The library: grammar constraints on llguidance (``RegexLogitsProcessor``,
+``JSONLogitsProcessor``, ``CFGLogitsProcessor``), bad words at the text or
+token level, logit bias, forced text, temperature, minimum new tokens,
+repetition / presence / frequency penalties and allowed token ids.
 """
 
 from processors.adapters import (
@@ -25,7 +30,14 @@ from processors.adapters import (
     to_trtllm,
     to_vllm,
 )
+from processors.bad_words import BadWordsLogitsProcessor
+from processors.basic import AllowedTokenIdsLogitsProcessor, MinNewTokensLogitsProcessor, TemperatureLogitsProcessor
+from processors.bias import LogitBiasLogitsProcessor
+from processors.forced import ForcedTextLogitsProcessor
+from processors.grammar import CFGLogitsProcessor, GrammarLogitsProcessor, JSONLogitsProcessor, RegexLogitsProcessor
+from processors.penalties import PenaltiesLogitsProcessor
 from processors.protocol import BatchContext, LogitsProcessor, ProcessorError, ProcessorList, check_logits
+from processors.vocab import Vocab, vocab_for
 
 __all__ = [
     "BatchContext",
@@ -49,4 +61,17 @@ __all__ = [
     "VLLMProcessor",
     "DynamoProcessor",
     "TensorRTLLMProcessor",
+    "RegexLogitsProcessor",
+    "JSONLogitsProcessor",
+    "CFGLogitsProcessor",
+    "GrammarLogitsProcessor",
+    "BadWordsLogitsProcessor",
+    "LogitBiasLogitsProcessor",
+    "ForcedTextLogitsProcessor",
+    "TemperatureLogitsProcessor",
+    "MinNewTokensLogitsProcessor",
+    "AllowedTokenIdsLogitsProcessor",
+    "PenaltiesLogitsProcessor",
+    "Vocab",
+    "vocab_for",
 ]
