@@ -1,0 +1,740 @@
+"""The analysis API: top tokens, data frames, text, arrays and per-step statistics of a run.
+
+:class:`Analysis` answers the documented tracking calls (``get_top_tokens``,
+``to_dataframe``, ``sequence``, ``get_logits``, ``get_probabilities``) plus
+``stats`` and ``continuation_probability`` from a run's Arrow rows, with no
+model and no tokenizer. Every answer is computed on whole blocks of rows (see
+:mod:`tracker.compute`) and cached, so asking again is free.
+
+Selectors, on every call: ``generation`` (default ``-1``, the latest; negative
+values count from the end), ``sequence`` (the batch row, default 0) and
+``include_finished`` (default False: a sequence ends at its first
+end-of-sequence token, as the rows a host keeps feeding a finished sequence
+are padding). "position" is the index of the generated token (0 is the first
+token after the prompt).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Sequence
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import torch
+
+from tracker import compute
+from tracker.schema import FIELD_DTYPE, RunMetadata, value_column
+from tracker.vocab import Vocabulary
+
+__all__ = ["Analysis", "Continuation", "Selection"]
+
+_KEYS = {"natural": "unstructured", "constrained": "structured"}
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The rows of one sequence of one generation, in step order."""
+
+    generation: int
+    sequence: int
+    steps: np.ndarray
+    chosen: np.ndarray  # int64, -1 where unknown
+    processor_error: np.ndarray
+    blocks: tuple[tuple[int, np.ndarray], ...]  # (batch index, rows of that batch)
+
+    @property
+    def length(self) -> int:
+        return int(self.steps.shape[0])
+
+    @property
+    def known_chosen(self) -> list[int]:
+        """The chosen tokens up to the first unknown one."""
+        unknown = np.nonzero(self.chosen < 0)[0]
+        end = int(unknown[0]) if unknown.size else self.length
+        return self.chosen[:end].tolist()
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """The probability that the text continues with ``text`` at ``position``.
+
+    Summed over every way the vocabulary can start it: tokens whose text
+    starts with the whole remainder, plus (along the recorded path) a token
+    that is a proper prefix of it times the probability of the rest at the
+    next step. ``exact`` is False when a prefix token other than the one
+    chosen had probability (its continuation was never computed) or the
+    record ended first: the values are then lower bounds.
+
+    Attributes:
+        text: the continuation asked about.
+        position: where it starts.
+        probabilities: per recorded stage ("natural", "constrained", ...).
+        exact: whether the values are exact rather than lower bounds.
+        path: the chosen token ids the computation followed.
+    """
+
+    text: str
+    position: int
+    probabilities: dict[str, float]
+    exact: bool
+    path: list[int] = field(default_factory=list)
+
+    @property
+    def natural(self) -> float:
+        return self.probabilities["natural"]
+
+    @property
+    def constrained(self) -> float:
+        return self.probabilities.get("constrained", self.probabilities["natural"])
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """A torch view of a (possibly read-only) numpy array; it is never written."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
+
+
+def _contiguous(rows: np.ndarray) -> bool:
+    return rows.size > 0 and int(rows[-1]) - int(rows[0]) + 1 == rows.size and bool(np.all(np.diff(rows) == 1))
+
+
+class Analysis:
+    """Mixin: the analysis API over ``self._record_batches()``, ``self.metadata``, ``self.vocab``."""
+
+    metadata: RunMetadata
+
+    # provided by the class that holds the data
+    def _record_batches(self) -> list[pa.RecordBatch]:
+        raise NotImplementedError
+
+    @property
+    def vocab(self) -> Vocabulary:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- caching and selection
+
+    def _cache(self) -> dict[Any, Any]:
+        cache = self.__dict__.get("_analysis_cache")
+        if cache is None:
+            cache = self.__dict__["_analysis_cache"] = {}
+        return cache
+
+    def _cached(self, key: Any, make: Callable[[], Any]) -> Any:
+        cache = self._cache()
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
+
+    def _index(self) -> dict[str, np.ndarray]:
+        def build() -> dict[str, np.ndarray]:
+            batches = self._record_batches()
+            parts: dict[str, list[np.ndarray]] = {k: [] for k in ("generation", "sequence", "step", "chosen", "error", "batch", "local")}
+            for b, batch in enumerate(batches):
+                n = batch.num_rows
+                parts["generation"].append(batch.column("generation").to_numpy())
+                parts["sequence"].append(batch.column("sequence").to_numpy())
+                parts["step"].append(batch.column("step").to_numpy())
+                parts["chosen"].append(batch.column("chosen").fill_null(-1).to_numpy())
+                parts["error"].append(batch.column("processor_error").to_numpy(zero_copy_only=False))
+                parts["batch"].append(np.full(n, b, dtype=np.int64))
+                parts["local"].append(np.arange(n, dtype=np.int64))
+            empty = {"chosen": np.int64, "error": bool}
+            return {
+                k: np.concatenate(v) if v else np.zeros(0, dtype=empty.get(k, np.int64)) for k, v in parts.items()
+            }
+
+        return self._cached("index", build)
+
+    def generations(self) -> list[int]:
+        """The generation ids recorded, in order."""
+        return sorted(set(self._index()["generation"].tolist()))
+
+    def sequences(self, generation: int = -1) -> list[int]:
+        """The sequence ids (batch rows) of a generation."""
+        g = self._generation_id(generation)
+        index = self._index()
+        return sorted(set(index["sequence"][index["generation"] == g].tolist()))
+
+    def _generation_id(self, generation: int) -> int:
+        ids = self.generations()
+        if not ids:
+            raise ValueError("nothing recorded yet: run a generation with the tracker first")
+        if not isinstance(generation, (int, np.integer)) or isinstance(generation, bool):
+            raise TypeError(f"generation must be an int, got {type(generation).__name__}")
+        if generation < 0:
+            if -generation > len(ids):
+                raise ValueError(f"generation={generation} but only {len(ids)} generations were recorded")
+            return ids[generation]
+        if generation not in ids:
+            raise ValueError(f"generation={generation} was not recorded; recorded generations: {ids}")
+        return int(generation)
+
+    def _select(self, generation: int = -1, sequence: int = 0, include_finished: bool = False) -> Selection:
+        g = self._generation_id(generation)
+        key = ("select", g, sequence, include_finished)
+
+        def build() -> Selection:
+            index = self._index()
+            in_gen = index["generation"] == g
+            rows = np.nonzero(in_gen & (index["sequence"] == sequence))[0]
+            if rows.size == 0:
+                present = sorted(set(index["sequence"][in_gen].tolist()))
+                raise ValueError(f"sequence={sequence} is not in generation {g}; its sequences are {present}")
+            rows = rows[np.argsort(index["step"][rows], kind="stable")]
+            chosen = index["chosen"][rows]
+            if not include_finished and self.metadata.eos_token_ids:
+                ends = np.nonzero(np.isin(chosen, self.metadata.eos_token_ids))[0]
+                if ends.size:
+                    rows, chosen = rows[: ends[0] + 1], chosen[: ends[0] + 1]
+            batch_of, local = index["batch"][rows], index["local"][rows]
+            blocks = []
+            for b in np.unique(batch_of):
+                blocks.append((int(b), local[batch_of == b]))
+            blocks.sort(key=lambda item: int(np.nonzero(batch_of == item[0])[0][0]))
+            return Selection(g, int(sequence), index["step"][rows], chosen, index["error"][rows], tuple(blocks))
+
+        return self._cached(key, build)
+
+    # ---------------------------------------------------------------- stage data
+
+    @property
+    def stages(self) -> list[str]:
+        return list(self.metadata.stages)
+
+    def _has(self, stage: str) -> bool:
+        return stage in self.metadata.stages
+
+    def _dense_blocks(self, stage: str, sel: Selection) -> list[torch.Tensor]:
+        """The stage's logits for the selection as float32 blocks (views where possible)."""
+        batches = self._record_batches()
+        vocab = self.metadata.vocab_size
+        name = value_column(stage, "full")
+        out = []
+        for b, rows in sel.blocks:
+            column = batches[b].column(name)
+            child = column.values.slice(column.offset * vocab, len(column) * vocab)
+            stored = batches[b].schema.field(name).metadata or {}
+            flat = child.to_numpy(zero_copy_only=True)
+            matrix = _tensor(flat.reshape(len(column), vocab))
+            if stored.get(FIELD_DTYPE) == b"bfloat16":
+                matrix = matrix.view(torch.int16).view(torch.bfloat16)
+            block = matrix[int(rows[0]) : int(rows[-1]) + 1] if _contiguous(rows) else matrix[_tensor(rows)]
+            block = block.float()
+            if column.null_count:
+                valid = column.is_valid().to_numpy(zero_copy_only=False)[rows]
+                block = block.clone() if block.data_ptr() == matrix.data_ptr() else block
+                block[_tensor(~valid)] = math.nan
+            out.append(block)
+        return out
+
+    def _sparse(self, stage: str, sel: Selection) -> dict[str, torch.Tensor]:
+        """Top-k storage of a stage for the selection: ids, logits, natural, lse, allowed."""
+        key = ("sparse", stage, sel.generation, sel.sequence, sel.length)
+
+        def build() -> dict[str, torch.Tensor]:
+            batches = self._record_batches()
+            parts: dict[str, list[torch.Tensor]] = {}
+            for b, rows in sel.blocks:
+                batch = batches[b]
+                for name in ("ids", "logits", "natural"):
+                    col_name = f"{stage}_topk_{name}"
+                    if col_name not in batch.schema.names:
+                        continue
+                    column = batch.column(col_name)
+                    width = column.type.list_size
+                    child = column.values.slice(column.offset * width, len(column) * width)
+                    values = child.to_numpy(zero_copy_only=False).reshape(len(column), width)[rows]
+                    if column.null_count:
+                        valid = column.is_valid().to_numpy(zero_copy_only=False)[rows]
+                        values = values.astype(np.float64 if name != "ids" else np.int64)
+                        values[~valid] = math.nan if name != "ids" else 0
+                    parts.setdefault(name, []).append(torch.as_tensor(np.ascontiguousarray(values)))
+                for name in ("lse", "allowed"):
+                    column = batch.column(f"{stage}_{name}")
+                    values = column.to_numpy(zero_copy_only=False)[rows].astype(np.float64)
+                    parts.setdefault(name, []).append(torch.as_tensor(values))
+            out = {k: torch.cat(v) for k, v in parts.items()}
+            out["ids"] = out["ids"].long()
+            for k in ("logits", "natural"):
+                if k in out:
+                    out[k] = out[k].float()
+            return out
+
+        return self._cached(key, build)
+
+    @property
+    def _full(self) -> bool:
+        return self.metadata.storage != "topk"
+
+    def _lse(self, stage: str, sel: Selection) -> torch.Tensor:
+        key = ("lse", stage, sel.generation, sel.sequence, sel.length)
+        if not self._full:
+            return self._sparse(stage, sel)["lse"].float()
+        return self._cached(key, lambda: torch.cat([compute.logsumexp_rows(x) for x in self._dense_blocks(stage, sel)]))
+
+    def _constrained_stage(self) -> str:
+        return "constrained" if self._has("constrained") else "natural"
+
+    # ---------------------------------------------------------------- documented surface
+
+    def sequence(
+        self,
+        pos: int | None = None,
+        *,
+        sequence: int = 0,
+        generation: int = -1,
+        include_finished: bool = False,
+    ) -> str:
+        """The text of the chosen tokens before position ``pos`` (all of them when None)."""
+        sel = self._select(generation, sequence, include_finished)
+        ids = sel.known_chosen
+        if pos is not None:
+            if not isinstance(pos, (int, np.integer)) or pos < 0:
+                raise ValueError(f"pos must be an int >= 0 or None, got {pos!r}")
+            ids = ids[: int(pos)]
+        return self.vocab.decode(ids)
+
+    def _texts(self, sel: Selection) -> list[str]:
+        key = ("texts", sel.generation, sel.sequence, sel.length)
+        return self._cached(key, lambda: self.vocab.prefixes(sel.known_chosen))
+
+    def _top(self, sel: Selection, k: int) -> dict[str, np.ndarray]:
+        """Per position: the k best allowed tokens with both stages' logits and probabilities."""
+        key = ("top", k, sel.generation, sel.sequence, sel.length)
+
+        def build() -> dict[str, np.ndarray]:
+            con_stage = self._constrained_stage()
+            if self._full:
+                lse_n, lse_c = self._lse("natural", sel), self._lse(con_stage, sel)
+                parts: dict[str, list[torch.Tensor]] = {k_: [] for k_ in ("ids", "count", "ln", "lc")}
+                start = 0
+                nat_blocks = self._dense_blocks("natural", sel)
+                con_blocks = nat_blocks if con_stage == "natural" else self._dense_blocks(con_stage, sel)
+                for nat, con in zip(nat_blocks, con_blocks):
+                    t = nat.shape[0]
+                    top = compute.top_allowed(nat, con, lse_n[start : start + t], lse_c[start : start + t], k)
+                    parts["ids"].append(top.ids)
+                    parts["count"].append(top.count)
+                    parts["ln"].append(nat.gather(1, top.ids))
+                    parts["lc"].append(con.gather(1, top.ids))
+                    start += t
+                if not parts["ids"]:
+                    empty = torch.zeros(0, min(k, self.metadata.vocab_size))
+                    ids, count, ln, lc = empty.long(), torch.zeros(0, dtype=torch.long), empty, empty
+                else:
+                    ids, count = torch.cat(parts["ids"]), torch.cat(parts["count"])
+                    ln, lc = torch.cat(parts["ln"]), torch.cat(parts["lc"])
+            else:
+                ids, count, ln, lc, lse_n, lse_c = self._top_sparse(sel, k, con_stage)
+            return {
+                "ids": ids.numpy(),
+                "count": count.numpy(),
+                "natural_logit": ln.numpy(),
+                "constrained_logit": lc.numpy(),
+                "natural_prob": torch.exp(ln - lse_n[:, None]).numpy(),
+                "constrained_prob": torch.exp(lc - lse_c[:, None]).numpy(),
+            }
+
+        return self._cached(key, build)
+
+    def _top_sparse(self, sel: Selection, k: int, con_stage: str):
+        con = self._sparse(con_stage, sel)
+        nat_lse = self._sparse("natural", sel)["lse"].float()
+        ids, lc = con["ids"], con["logits"]
+        ln = con.get("natural", lc)
+        lse_c = con["lse"].float()
+        score = torch.maximum(torch.exp(ln - nat_lse[:, None]), torch.exp(lc - lse_c[:, None]))
+        score = torch.where((lc > compute.NEG_INF) & ~torch.isnan(score), score, -1.0)
+        kk = min(k, ids.shape[1])
+        best, order = torch.topk(score, kk, dim=1)
+        pick = lambda x: x.gather(1, order)  # noqa: E731
+        return pick(ids), (best >= 0).sum(dim=1), pick(ln), pick(lc), nat_lse, lse_c
+
+    def get_top_tokens(
+        self,
+        k: int = 10,
+        positions: int | Sequence[int] | None = None,
+        include_logits: bool = True,
+        *,
+        sequence: int = 0,
+        generation: int = -1,
+        include_finished: bool = False,
+    ) -> list[dict[str, Any]]:
+        """The ``k`` most likely allowed tokens at each position.
+
+        Returns one dict per position: ``{"position", "text_so_far",
+        "tokens"}`` where ``tokens`` is a list, best first by the larger of
+        the two probabilities, of ``{"token", "unstructured_prob",
+        "structured_prob", "unstructured_logit", "structured_logit",
+        "is_chosen"}`` (no logits when ``include_logits`` is False). Tokens
+        the constraint masked are never listed: with fewer than ``k`` allowed
+        the list is shorter. ``is_chosen`` compares token ids. Positions that
+        were not recorded are skipped. In top-k storage, ``k`` is at most the
+        stored ``top_k``.
+        """
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"k must be an int >= 1, got {k!r}")
+        sel = self._select(generation, sequence, include_finished)
+        top = self._top(sel, k)
+        texts = self._texts(sel)
+        where = {int(s): i for i, s in enumerate(sel.steps.tolist())}
+        wanted = self._positions(positions, sel)
+        display = self.vocab.display
+        ids_all, counts = top["ids"].tolist(), top["count"].tolist()
+        columns = {name: top[name].tolist() for name in ("natural_prob", "constrained_prob", "natural_logit", "constrained_logit")}
+        chosen = sel.chosen.tolist()
+        results = []
+        for pos in wanted:
+            i = where.get(pos)
+            if i is None:
+                continue
+            tokens = []
+            for j in range(counts[i]):
+                token_id = ids_all[i][j]
+                entry: dict[str, Any] = {
+                    "token": display[token_id],
+                    "unstructured_prob": columns["natural_prob"][i][j],
+                    "structured_prob": columns["constrained_prob"][i][j],
+                }
+                if include_logits:
+                    entry["unstructured_logit"] = columns["natural_logit"][i][j]
+                    entry["structured_logit"] = columns["constrained_logit"][i][j]
+                entry["is_chosen"] = token_id == chosen[i]
+                tokens.append(entry)
+            results.append({"position": pos, "text_so_far": texts[min(i, len(texts) - 1)], "tokens": tokens})
+        return results
+
+    @staticmethod
+    def _positions(positions: int | Sequence[int] | None, sel: Selection) -> list[int]:
+        if positions is None:
+            return [int(s) for s in sel.steps.tolist()]
+        if isinstance(positions, (int, np.integer)) and not isinstance(positions, bool):
+            return [int(positions)]
+        try:
+            out = [int(p) for p in positions]  # type: ignore[union-attr]
+        except TypeError:
+            raise TypeError(f"positions must be None, an int or a list of ints, got {type(positions).__name__}") from None
+        return out
+
+    def to_dataframe(
+        self,
+        show: Literal["probs", "logits"] = "probs",
+        min_value: float | None = None,
+        *,
+        sequence: int | None = 0,
+        generation: int = -1,
+        include_finished: bool = False,
+        token_ids: bool = False,
+    ) -> pd.DataFrame:
+        """One row per (position, token) with columns ``position, token, natural, constrained, chosen``.
+
+        ``show`` picks probabilities or logits. With ``min_value``, every token
+        whose natural or constrained value is at least ``min_value`` is kept
+        (no cap per position); without it, every token of the vocabulary.
+        ``chosen`` compares token ids. ``sequence=None`` takes every sequence
+        of the generation and adds a ``sequence`` column; ``token_ids=True``
+        adds a ``token_id`` column.
+        """
+        if show not in ("probs", "logits"):
+            raise ValueError(f"show must be 'probs' or 'logits', got {show!r}")
+        if min_value is not None and (not isinstance(min_value, (int, float)) or math.isnan(min_value)):
+            raise ValueError(f"min_value must be a number or None, got {min_value!r}")
+        if sequence is None:
+            frames = [
+                self.to_dataframe(show, min_value, sequence=s, generation=generation,
+                                  include_finished=include_finished, token_ids=token_ids).assign(sequence=s)
+                for s in self.sequences(generation)
+            ]
+            frame = pd.concat(frames, ignore_index=True)
+            return frame[["sequence"] + [c for c in frame.columns if c != "sequence"]]
+        sel = self._select(generation, sequence, include_finished)
+        key = ("frame", show, min_value, sel.generation, sel.sequence, sel.length)
+        rows, ids, nat, con = self._cached(key, lambda: self._entries(sel, show, min_value))
+        chosen = sel.chosen[rows] == ids
+        data = {
+            "position": pa.array(sel.steps[rows].astype(np.int64)),
+            "token": self.vocab.display_array.take(pa.array(ids)),
+            "natural": pa.array(nat),
+            "constrained": pa.array(con),
+            "chosen": pa.array(chosen),
+        }
+        if token_ids:
+            data["token_id"] = pa.array(ids)
+        return pa.table(data).to_pandas()
+
+    def _entries(self, sel: Selection, show: str, min_value: float | None):
+        """Vectorised: (row index, token id, natural value, constrained value) of every kept entry."""
+        con_stage = self._constrained_stage()
+        if not self._full:
+            return self._entries_sparse(sel, show, min_value, con_stage)
+        probs = show == "probs"
+        lse_n, lse_c = (self._lse("natural", sel), self._lse(con_stage, sel)) if probs else (None, None)
+        out: dict[str, list[np.ndarray]] = {k: [] for k in ("rows", "ids", "nat", "con")}
+        start = 0
+        nat_blocks = self._dense_blocks("natural", sel)
+        con_blocks = nat_blocks if con_stage == "natural" else self._dense_blocks(con_stage, sel)
+        for nat, con in zip(nat_blocks, con_blocks):
+            t = nat.shape[0]
+            if min_value is None:
+                rows = torch.arange(t).repeat_interleave(nat.shape[1])
+                ids = torch.arange(nat.shape[1]).repeat(t)
+            elif probs:
+                # Relaxed logit thresholds find the candidates; the exact test is on the probabilities.
+                slack = math.log(min_value) - 1e-4 if min_value > 0 else -math.inf
+                rows, ids = compute.entries_above(nat, con, lse_n[start : start + t] + slack, lse_c[start : start + t] + slack)
+            else:
+                bound = torch.full((t,), float(min_value))
+                rows, ids = compute.entries_above(nat, con, bound, bound)
+            vn, vc = nat[rows, ids], con[rows, ids]
+            if probs:
+                vn = torch.exp(vn - lse_n[start + rows])
+                vc = torch.exp(vc - lse_c[start + rows])
+                if min_value is not None:
+                    keep = (vn >= min_value) | (vc >= min_value)
+                    rows, ids, vn, vc = rows[keep], ids[keep], vn[keep], vc[keep]
+            out["rows"].append((rows + start).numpy())
+            out["ids"].append(ids.numpy())
+            out["nat"].append(vn.numpy())
+            out["con"].append(vc.numpy())
+            start += t
+        if not out["rows"]:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.float32)
+        return tuple(np.concatenate(out[k]) for k in ("rows", "ids", "nat", "con"))
+
+    def _entries_sparse(self, sel: Selection, show: str, min_value: float | None, con_stage: str):
+        """Top-k storage: the stored entries (constrained list, then natural-only ones with an unknown constrained value)."""
+        nat = self._sparse("natural", sel)
+        con = self._sparse(con_stage, sel)
+        t, k = con["ids"].shape
+        rows = torch.arange(t)[:, None].expand(t, k)
+        c_ids, c_val = con["ids"], con["logits"]
+        c_nat = con.get("natural", c_val)
+        extra = ~(nat["ids"][:, :, None] == c_ids[:, None, :]).any(dim=2) if con_stage != "natural" else torch.zeros_like(nat["ids"], dtype=torch.bool)
+        ids = torch.cat([c_ids, nat["ids"]], dim=1)
+        vn = torch.cat([c_nat, nat["logits"]], dim=1)
+        vc = torch.cat([c_val, torch.full_like(nat["logits"], math.nan)], dim=1)
+        keep = torch.cat([torch.ones_like(c_ids, dtype=torch.bool), extra], dim=1)
+        rows = torch.cat([rows, rows], dim=1)
+        if show == "probs":
+            vn = torch.exp(vn - nat["lse"].float()[:, None])
+            vc = torch.exp(vc - con["lse"].float()[:, None])
+        if min_value is not None:
+            keep &= (vn >= min_value) | (vc >= min_value)
+        order = torch.argsort(rows[keep] * (ids.max() + 1 if ids.numel() else 1) + ids[keep], stable=True)
+        pick = lambda x: x[keep][order].numpy()  # noqa: E731
+        return pick(rows), pick(ids), pick(vn), pick(vc)
+
+    def get_logits(
+        self, *, sequence: int = 0, generation: int = -1, include_finished: bool = False
+    ) -> dict[str, np.ndarray]:
+        """``{"unstructured": [T, V], "structured": [T, V]}`` float32 logits (plus ``"sampled"`` when recorded).
+
+        In top-k storage, values that were not stored are NaN.
+        """
+        sel = self._select(generation, sequence, include_finished)
+        return self._cached(("logits", sel.generation, sel.sequence, sel.length), lambda: self._arrays(sel, probs=False))
+
+    def get_probabilities(
+        self, *, sequence: int = 0, generation: int = -1, include_finished: bool = False
+    ) -> dict[str, np.ndarray]:
+        """The softmax of :meth:`get_logits`, same keys (masked tokens have probability 0)."""
+        sel = self._select(generation, sequence, include_finished)
+        return self._cached(("probs", sel.generation, sel.sequence, sel.length), lambda: self._arrays(sel, probs=True))
+
+    def _arrays(self, sel: Selection, probs: bool) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        vocab = self.metadata.vocab_size
+        for stage in self.stages:
+            dense = np.empty((sel.length, vocab), dtype=np.float32)
+            target = _tensor(dense)
+            if self._full:
+                start = 0
+                lse = self._lse(stage, sel) if probs else None
+                for block in self._dense_blocks(stage, sel):
+                    t = block.shape[0]
+                    if probs:
+                        torch.exp(block - lse[start : start + t, None], out=target[start : start + t])
+                    else:
+                        target[start : start + t] = block
+                    start += t
+            else:
+                data = self._sparse(stage, sel)
+                target.fill_(math.nan)
+                values = data["logits"] - data["lse"].float()[:, None] if probs else data["logits"]
+                target.scatter_(1, data["ids"], torch.exp(values) if probs else values)
+            out[_KEYS.get(stage, stage)] = dense
+        if "structured" not in out:
+            out["structured"] = out["unstructured"]
+        return out
+
+    def clear_cache(self) -> None:
+        """Drop cached answers (they are rebuilt on the next call)."""
+        self._cache().clear()
+
+    # ---------------------------------------------------------------- beyond the documented surface
+
+    def stats(
+        self, *, sequence: int | None = 0, generation: int = -1, include_finished: bool = False
+    ) -> pd.DataFrame:
+        """One row per step: how the constraint and the sampler changed the distribution.
+
+        Columns: ``generation, sequence, position, chosen_id, chosen_token``;
+        per stage (natural, constrained, sampled when recorded)
+        ``entropy_*`` (nats), ``p_chosen_*``, ``rank_chosen_*`` (0 = the
+        stage's best token), ``p_eos_*`` (probability of end-of-sequence);
+        ``allowed`` (tokens the constraint left), ``removed_mass`` (natural
+        probability the constraint removed), ``margin`` (best token's natural
+        log-probability minus the best allowed token's); ``processor_error``
+        and ``nonfinite`` (NaN or +inf in a stored row). In top-k storage,
+        what the stored values cannot tell (entropy, removed mass, ranks
+        beyond k) is NaN. ``sequence=None`` gives every sequence.
+        """
+        if sequence is None:
+            frames = [self.stats(sequence=s, generation=generation, include_finished=include_finished)
+                      for s in self.sequences(generation)]
+            return pd.concat(frames, ignore_index=True)
+        sel = self._select(generation, sequence, include_finished)
+        values = self._cached(("stats", sel.generation, sel.sequence, sel.length), lambda: self._stats(sel))
+        frame = pd.DataFrame(
+            {
+                "generation": np.full(sel.length, sel.generation, dtype=np.int64),
+                "sequence": np.full(sel.length, sel.sequence, dtype=np.int64),
+                "position": sel.steps.astype(np.int64),
+                "chosen_id": pd.arrays.IntegerArray(np.where(sel.chosen >= 0, sel.chosen, 0).astype(np.int64), sel.chosen < 0),
+                "chosen_token": [self.vocab.display[c] if c >= 0 else None for c in sel.chosen.tolist()],
+            }
+        )
+        for name, column in values.items():
+            frame[name] = column
+        frame["processor_error"] = sel.processor_error
+        frame["nonfinite"] = self._nonfinite(sel)
+        return frame
+
+    def _nonfinite(self, sel: Selection) -> np.ndarray:
+        batches = self._record_batches()
+        out = np.zeros(sel.length, dtype=bool)
+        start = 0
+        for b, rows in sel.blocks:
+            for stage in self.stages:
+                flags = batches[b].column(f"{stage}_nonfinite").to_numpy(zero_copy_only=False)
+                out[start : start + rows.size] |= flags[rows]
+            start += rows.size
+        return out
+
+    def _stats(self, sel: Selection) -> dict[str, np.ndarray]:
+        eos = list(self.metadata.eos_token_ids)
+        chosen = torch.as_tensor(sel.chosen)
+        if not self._full:
+            return self._stats_sparse(sel, chosen, eos)
+        lses = {stage: self._lse(stage, sel) for stage in self.stages}
+        blocks = {stage: self._dense_blocks(stage, sel) for stage in self.stages}
+        parts: dict[str, list[torch.Tensor]] = {}
+        start = 0
+        for i in range(len(sel.blocks)):
+            rows = {stage: blocks[stage][i] for stage in self.stages}
+            t = rows["natural"].shape[0]
+            part = compute.step_stats(
+                rows, {s: lses[s][start : start + t] for s in self.stages}, chosen[start : start + t], eos
+            )
+            for name, value in part.items():
+                parts.setdefault(name, []).append(value)
+            start += t
+        return self._order_stats({name: torch.cat(v).double().numpy() for name, v in parts.items()})
+
+    def _order_stats(self, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        order = []
+        for stage in self.stages:
+            order += [f"entropy_{stage}", f"p_chosen_{stage}", f"rank_chosen_{stage}", f"p_eos_{stage}"]
+        order += ["allowed", "removed_mass", "margin"]
+        return {name: values[name] for name in order if name in values}
+
+    def _stats_sparse(self, sel: Selection, chosen: torch.Tensor, eos: list[int]) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        n = sel.length
+        nan = np.full(n, math.nan)
+        for stage in self.stages:
+            data = self._sparse(stage, sel)
+            ids, logits, lse = data["ids"], data["logits"], data["lse"].float()
+            hit = ids == chosen[:, None]
+            found = hit.any(dim=1)
+            value = torch.where(hit, logits, compute.NEG_INF).max(dim=1).values
+            out[f"entropy_{stage}"] = nan
+            out[f"p_chosen_{stage}"] = torch.where(found, torch.exp(value - lse), math.nan).double().numpy()
+            rank = hit.float().argmax(dim=1).double()
+            out[f"rank_chosen_{stage}"] = torch.where(found, rank, math.nan).numpy()
+            is_eos = torch.isin(ids, torch.as_tensor(eos, dtype=torch.long)) if eos else torch.zeros_like(hit)
+            p_eos = torch.where(is_eos, torch.exp(logits - lse[:, None]), 0.0).sum(dim=1).double()
+            out[f"p_eos_{stage}"] = torch.where(is_eos.any(dim=1), p_eos, math.nan).numpy()
+        con_stage = self._constrained_stage()
+        out["allowed"] = self._sparse(con_stage, sel)["allowed"].double().numpy()
+        out["removed_mass"] = nan
+        out["margin"] = nan
+        return self._order_stats(out)
+
+    def continuation_probability(
+        self,
+        text: str,
+        position: int = 0,
+        *,
+        sequence: int = 0,
+        generation: int = -1,
+        include_finished: bool = False,
+    ) -> Continuation:
+        """The probability that the output continues with ``text`` at ``position`` (see :class:`Continuation`).
+
+        ``"cat"`` counts every token starting with "cat" (" cat" does not:
+        give the space), so it is at least the probability of ``"catfish"``.
+        """
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"text must be a non-empty string, got {text!r}")
+        sel = self._select(generation, sequence, include_finished)
+        where = {int(s): i for i, s in enumerate(sel.steps.tolist())}
+        if position not in where:
+            raise ValueError(f"position={position} was not recorded; recorded positions are 0..{sel.length - 1}")
+        probs = self.get_probabilities(sequence=sequence, generation=generation, include_finished=include_finished)
+        matrix, lengths = self.vocab.byte_matrix
+        remaining = text.encode("utf-8")
+        i = where[position]
+        path_prob = {key: 1.0 for key in probs}
+        total = {key: 0.0 for key in probs}
+        exact, path = True, []
+        while remaining:
+            if i >= sel.length:
+                exact = False
+                break
+            covers, prefixes = _match(matrix, lengths, remaining)
+            for key, array in probs.items():
+                total[key] += path_prob[key] * float(np.asarray(array[i], dtype=np.float64)[covers].sum())
+            chosen = int(sel.chosen[i])
+            others = prefixes.copy()
+            if chosen >= 0:
+                others[chosen] = False
+            if any(float(np.asarray(array[i])[others].sum()) > 0 for array in probs.values()):
+                exact = False
+            if chosen < 0 or not prefixes[chosen]:
+                break
+            for key, array in probs.items():
+                path_prob[key] *= float(array[i][chosen])
+            path.append(chosen)
+            remaining = remaining[int(lengths[chosen]) :]
+            i += 1
+        names = {"unstructured": "natural", "structured": "constrained"}
+        result = {names.get(key, key): value for key, value in total.items()}
+        return Continuation(text, int(position), result, exact, path)
+
+
+def _match(matrix: np.ndarray, lengths: np.ndarray, target: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """Token masks: tokens whose bytes start with ``target``; non-empty proper prefixes of ``target``."""
+    want = np.frombuffer(target, dtype=np.uint8)
+    width = min(matrix.shape[1], want.size)
+    equal = matrix[:, :width] == want[:width]
+    cols = np.arange(width)
+    covers = (lengths >= want.size) & equal.all(axis=1) if width == want.size else np.zeros(len(lengths), dtype=bool)
+    prefix_equal = np.where(cols[None, :] < lengths[:, None], equal, True).all(axis=1)
+    prefixes = (lengths > 0) & (lengths < want.size) & prefix_equal
+    return covers, prefixes

@@ -1,0 +1,150 @@
+"""Host memory for recorded rows: large buffers, reused rather than freshly touched.
+
+Writing logits into memory touched for the first time costs more than the
+copy itself (page faults: see ``shared/reference/measured-here.md``), so the
+recorder takes its chunk buffers from a :class:`BufferPool`:
+
+- new buffers are anonymous memory mappings advised to use transparent huge
+  pages on Linux (one fault per 2 MiB instead of per 4 KiB);
+- buffers given back (after a spill or ``clear()``) are reused, but only when
+  nothing outside the pool still views them: a table a user kept from an
+  earlier read keeps its buffer out of circulation, so it never changes under
+  them;
+- on CUDA, pinned (page-locked) staging buffers for non-blocking copies come
+  from :class:`PinnedRing`, a fixed number of slots reused round-robin.
+"""
+
+from __future__ import annotations
+
+import mmap
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["HostBuffer", "BufferPool", "PinnedRing", "numpy_dtype_for"]
+
+_HUGE_PAGE_MIN = 4 << 20  # below this, plain heap memory is as good
+
+_NUMPY_VIEW = {
+    torch.float32: np.float32,
+    torch.float16: np.float16,
+    torch.bfloat16: np.int16,  # numpy has no bfloat16: same bits, viewed back in torch
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+}
+
+
+def numpy_dtype_for(dtype: torch.dtype) -> type:
+    """The numpy type whose bits match ``dtype`` (int16 for bfloat16)."""
+    try:
+        return _NUMPY_VIEW[dtype]
+    except KeyError:
+        raise ValueError(f"no host buffer type for {dtype}; supported: {sorted(map(str, _NUMPY_VIEW))}") from None
+
+
+def _allocate(nbytes: int) -> np.ndarray:
+    """``nbytes`` of fresh host memory as a uint8 array (huge-page advised when large)."""
+    advise = getattr(mmap, "MADV_HUGEPAGE", None)
+    if nbytes >= _HUGE_PAGE_MIN and advise is not None and sys.platform.startswith("linux"):
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            mapping.madvise(advise)
+        except OSError:
+            pass
+        return np.frombuffer(mapping, dtype=np.uint8)
+    return np.empty(nbytes, dtype=np.uint8)
+
+
+@dataclass(eq=False)
+class HostBuffer:
+    """One block of host memory; typed tensor views of it are made with :meth:`tensor`.
+
+    ``owner`` is the array every view refers back to, so its reference count
+    says whether any view (a torch tensor, a numpy array, an Arrow buffer) is
+    still alive.
+    """
+
+    owner: np.ndarray
+    nbytes: int
+
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A writable tensor over the start of this buffer."""
+        np_type = numpy_dtype_for(dtype)
+        count = int(np.prod(shape))
+        itemsize = np.dtype(np_type).itemsize
+        if count * itemsize > self.nbytes:
+            raise ValueError(f"buffer of {self.nbytes} bytes cannot hold {shape} of {dtype}")
+        view = self.owner[: count * itemsize].view(np_type).reshape(shape)
+        out = torch.from_numpy(view)
+        return out.view(dtype) if dtype == torch.bfloat16 else out
+
+    def unreferenced(self) -> bool:
+        """True when no view of this buffer is alive outside the pool."""
+        # One reference from this object, one from getrefcount's argument.
+        return sys.getrefcount(self.owner) <= 2
+
+
+@dataclass
+class BufferPool:
+    """Host buffers by size, reused once no view of them is alive.
+
+    Attributes:
+        free: buffers given back, oldest first.
+        allocated_bytes: bytes ever allocated (a measure of fresh memory touched).
+    """
+
+    free: list[HostBuffer] = field(default_factory=list)
+    allocated_bytes: int = 0
+    max_free: int = 64
+
+    def take(self, nbytes: int) -> HostBuffer:
+        """A buffer of exactly ``nbytes``: a reusable one from the pool, else a new one."""
+        for i, buf in enumerate(self.free):
+            if buf.nbytes == nbytes and buf.unreferenced():
+                return self.free.pop(i)
+        self.allocated_bytes += nbytes
+        return HostBuffer(_allocate(nbytes), nbytes)
+
+    def give(self, buf: HostBuffer) -> None:
+        """Return a buffer; it is handed out again only once nothing views it."""
+        self.free.append(buf)
+        if len(self.free) > self.max_free:
+            self.free.pop(0)
+
+    def clear(self) -> None:
+        self.free.clear()
+
+
+@dataclass
+class PinnedRing:
+    """A fixed number of pinned staging slots, reused round-robin (CUDA only).
+
+    A slot is a dict of pinned tensors laid out by the recorder; ``layout`` is
+    a hashable description of that layout, and slots of an older layout are
+    dropped when the layout changes (a new stage, a larger batch).
+    """
+
+    slots: int = 3
+    layout: Any = None
+    free: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    outstanding: int = 0
+
+    def take(self, layout: Any, make: Any) -> dict[str, torch.Tensor] | None:
+        """A free slot for ``layout`` (made with ``make()`` while under ``slots``), or None when all are busy."""
+        if layout != self.layout:
+            self.layout, self.free, self.outstanding = layout, [], 0
+        if self.free:
+            self.outstanding += 1
+            return self.free.pop()
+        if self.outstanding < self.slots:
+            self.outstanding += 1
+            return make()
+        return None
+
+    def give(self, layout: Any, slot: dict[str, torch.Tensor]) -> None:
+        if layout == self.layout:
+            self.outstanding -= 1
+            self.free.append(slot)

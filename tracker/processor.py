@@ -1,0 +1,532 @@
+"""``LogitTrackingProcessor``: wrap any processor, record what goes in and what comes out.
+
+>>> tracker = LogitTrackingProcessor(my_processor, tokenizer=tok)
+>>> out = model.generate(**enc, logits_processor=LogitsProcessorList([tracker]),
+...                      stopping_criteria=StoppingCriteriaList([tracker.stopping_criteria()]))
+>>> tracker.get_top_tokens(k=5)
+
+Per step and batch row the tracker records the logits *before* the wrapped
+processor ("natural": the copy is taken before an in-place processor can
+touch them), the logits it returned ("constrained"), optionally further stages
+such as the distribution actually sampled from ("sampled", from logitscope's
+sampling taps), and the token chosen.
+
+Where the chosen tokens come from:
+
+- logitscope's ``Generator`` calls :meth:`on_sampled` after every step, the
+  last one included;
+- transformers-style hosts (``model.generate``, Outlines) do not: the tracker
+  reads each step's token from the next call's ``input_ids``, and the last
+  step's from :meth:`stopping_criteria` (pass it to ``generate``) or from
+  :meth:`finish` (give it the ``generate`` output).
+
+A new generation starts after :meth:`reset` (which is passed on to the
+wrapped processor), when the input stops growing, or after :meth:`finish`;
+:meth:`clear` forgets everything. The tracker is itself a logitscope
+processor, so it works in every convention: transformers as it is, and
+``processors.to_vllm/to_dynamo/to_trtllm(tracker)`` for the others.
+TensorRT-LLM's adapter copies the processor per request: copies made with
+``copy.deepcopy`` share this tracker's recording (each records its own
+generations) and deep-copy the wrapped processor.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import functools
+import threading
+import uuid
+from dataclasses import dataclass, field
+from importlib import metadata as _importlib_metadata
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import numpy as np
+import torch
+
+from processors import BatchContext, LogitsProcessor, ProcessorError, as_processor
+from processors.protocol import check_logits
+from tracker.analysis import Analysis
+from tracker.recorder import Recorder, StepRows, Storage
+from tracker.run import Run
+from tracker.schema import RunMetadata
+from tracker.vocab import Vocabulary
+
+__all__ = ["LogitTrackingProcessor", "find_tokenizer"]
+
+StageKind = Literal["logits", "logprobs", "probs"]
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _library_version() -> str:
+    try:
+        return _importlib_metadata.version("logitscope")
+    except _importlib_metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def find_tokenizer(*candidates: Any) -> Any:
+    """The first tokenizer found on the candidates (or their ``.tokenizer`` chains)."""
+    for candidate in candidates:
+        seen = 0
+        obj = candidate
+        while obj is not None and seen < 4:
+            if hasattr(obj, "convert_ids_to_tokens") or (hasattr(obj, "decode") and hasattr(obj, "eos_token_id")):
+                return obj
+            obj = getattr(obj, "tokenizer", None)
+            seen += 1
+    return None
+
+
+def _eos_ids(eos_token_id: int | Sequence[int] | None, tokenizer: Any) -> list[int]:
+    if eos_token_id is None:
+        eos_token_id = getattr(tokenizer, "eos_token_id", None)
+    if eos_token_id is None:
+        return []
+    ids = [eos_token_id] if isinstance(eos_token_id, (int, np.integer)) else list(eos_token_id)
+    return [int(i) for i in ids]
+
+
+@dataclass
+class _Generation:
+    """Book-keeping for the generation in progress."""
+
+    id: int
+    batch: int
+    prompt_length: int
+    epoch: int
+    last_step: int = -1
+    last_rows: StepRows | None = None
+    chosen_known: bool = True
+
+
+@dataclass
+class _Recording:
+    """What a tracker and its copies share: the recorder and the run's description."""
+
+    recorder: Recorder
+    storage: Storage
+    tokenizer: Any
+    eos_token_ids: list[int]
+    model: str | None
+    processors: str | None
+    run_id: str
+    created_at: str
+    sampling: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    generations: list[dict[str, Any]] = field(default_factory=list)
+    next_generation: int = 0
+    epoch: int = 0
+    vocab: Vocabulary | None = None
+    run_cache: tuple[Any, Run] | None = None
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def vocabulary(self) -> Vocabulary:
+        size = self.recorder.vocab_size or 0
+        if self.vocab is None or self.vocab.size != size:
+            if self.tokenizer is None:
+                self.vocab = Vocabulary.placeholder(size)
+            else:
+                self.vocab = Vocabulary.from_tokenizer(self.tokenizer, size)
+        return self.vocab
+
+    def metadata(self) -> RunMetadata:
+        size = self.recorder.vocab_size or 0
+        return RunMetadata(
+            run_id=self.run_id,
+            storage=self.storage.kind,
+            top_k=self.storage.k_for(size) if size else self.storage.top_k,
+            stages=list(self.recorder.stages),
+            vocab_size=size,
+            eos_token_ids=list(self.eos_token_ids),
+            model=self.model,
+            processors=self.processors,
+            sampling=self.sampling,
+            generations=[dict(g) for g in self.generations],
+            library_version=_library_version(),
+            created_at=self.created_at,
+            extra=dict(self.extra),
+        )
+
+
+def _new_run_id() -> str:
+    return f"{_dt.datetime.now(_dt.timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
+
+
+def _delegate(method: Any) -> Any:
+    """A tracker method answering like the same :class:`~tracker.Run` method on the recorded run."""
+
+    @functools.wraps(method)
+    def call(self: "LogitTrackingProcessor", *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.run, method.__name__)(*args, **kwargs)
+
+    return call
+
+
+class LogitTrackingProcessor(LogitsProcessor):
+    """Record the logits before and after a wrapped processor, and the chosen tokens.
+
+    Args:
+        processor: the processor to wrap: a logitscope processor, a
+            transformers one (or ``LogitsProcessorList``), any callable
+            ``(input_ids, scores) -> scores``; wrap other conventions with
+            ``processors.from_vllm/from_dynamo/from_trtllm``. ``None`` records
+            the model's own distribution only.
+        tokenizer: for token texts; by default the wrapped processor's
+            ``tokenizer`` attribute. Without one, tokens show as ``<id>``.
+        storage: ``"float32"``, ``"float16"``, ``"bfloat16"`` (the whole
+            vocabulary per row) or ``"topk"`` (the ``top_k`` best per stage,
+            with the row's log-sum-exp and allowed count).
+        top_k: values kept per row with ``storage="topk"``.
+        memory_limit: bytes of recorded rows kept in memory; past it, finished
+            chunks spill to Arrow IPC files in ``spill_dir``. ``None``: no bound.
+        spill_dir: where spilled chunks go (``spill_dir/<run_id>/``, readable
+            with ``Run.load`` even if the process dies); by default a
+            temporary folder removed with the tracker.
+        chunk_bytes: rows are kept in chunks of about this size.
+        eos_token_id: end-of-sequence id(s); by default the tokenizer's.
+        model: the model or its name, for the run's metadata.
+    """
+
+    def __init__(
+        self,
+        processor: Any = None,
+        tokenizer: Any = None,
+        *,
+        storage: Literal["float32", "float16", "bfloat16", "topk"] = "float32",
+        top_k: int = 20,
+        memory_limit: int | None = 2 << 30,
+        spill_dir: str | Path | None = None,
+        chunk_bytes: int = 32 << 20,
+        eos_token_id: int | Sequence[int] | None = None,
+        model: Any = None,
+    ) -> None:
+        self.processor: LogitsProcessor | None = None if processor is None else as_processor(processor)
+        if tokenizer is None:
+            tokenizer = find_tokenizer(processor, getattr(self.processor, "fn", None))
+        parsed = Storage.parse(storage, top_k)
+        stages = ["natural"] if self.processor is None else ["natural", "constrained"]
+        run_id = _new_run_id()
+        recorder = Recorder(
+            parsed, stages, chunk_bytes=chunk_bytes, memory_limit=memory_limit, spill_dir=spill_dir, run_id=run_id
+        )
+        if model is not None and not isinstance(model, str):
+            config = getattr(model, "config", None)
+            model = getattr(config, "_name_or_path", None) or type(model).__name__
+        self._shared = _Recording(
+            recorder=recorder,
+            storage=parsed,
+            tokenizer=tokenizer,
+            eos_token_ids=_eos_ids(eos_token_id, tokenizer),
+            model=model,
+            processors=None if self.processor is None else repr(self.processor),
+            run_id=run_id,
+            created_at=_now(),
+        )
+        recorder.describe = self._describe
+        self._gen: _Generation | None = None
+
+    # ---------------------------------------------------------------- properties
+
+    @property
+    def inplace(self) -> bool:  # type: ignore[override]
+        """True when the wrapped processor may modify the logits it is given."""
+        return self.processor is not None and self.processor.inplace
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._shared.tokenizer
+
+    @property
+    def storage(self) -> Storage:
+        return self._shared.storage
+
+    @property
+    def recorder(self) -> Recorder:
+        return self._shared.recorder
+
+    @property
+    def run_id(self) -> str:
+        return self._shared.run_id
+
+    @property
+    def name(self) -> str:
+        inner = "none" if self.processor is None else self.processor.name
+        return f"LogitTrackingProcessor({inner})"
+
+    def __repr__(self) -> str:
+        return (
+            f"LogitTrackingProcessor({self.processor!r}, storage={self.storage.kind!r}, "
+            f"stages={self.recorder.stages}, rows={self.recorder.rows})"
+        )
+
+    def annotate(self, *, model: Any = None, sampling: Any = None, **extra: Any) -> None:
+        """Add facts to the run's metadata: the model's name, sampling parameters, anything JSON-ready."""
+        if model is not None:
+            self._shared.model = model if isinstance(model, str) else getattr(
+                getattr(model, "config", None), "_name_or_path", type(model).__name__
+            )
+        if sampling is not None:
+            self._shared.sampling = sampling.to_dict() if hasattr(sampling, "to_dict") else sampling
+        self._shared.extra.update(extra)
+
+    def add_stage(self, stage: str) -> None:
+        """Record a further stage (e.g. ``"sampled"``) through :meth:`record_stage`."""
+        if not isinstance(stage, str) or not stage.isidentifier():
+            raise ValueError(f"stage must be an identifier-like name, got {stage!r}")
+        self.recorder.add_stage(stage)
+
+    # ---------------------------------------------------------------- the processor protocol
+
+    def process(self, logits: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+        """Record ``logits [B, V]``, call the wrapped processor, record and return its output."""
+        if not isinstance(logits, torch.Tensor):
+            raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+        if logits.ndim != 2:
+            raise ValueError(f"logits must be 2-D [batch, vocab], got shape {tuple(logits.shape)}")
+        if not logits.is_floating_point():
+            raise TypeError(f"logits must be floating point, got {logits.dtype}")
+        batch = int(logits.shape[0])
+        if ctx.batch_size != batch:
+            raise ValueError(f"logits has {batch} rows but input_ids has {ctx.batch_size}")
+        recorder = self.recorder
+        with self._shared.lock:
+            gen = self._generation_for(ctx, batch)
+            step = ctx.num_generated
+            if gen.last_rows is not None and not gen.chosen_known and step == gen.last_step + 1:
+                recorder.set_chosen(gen.last_rows, ctx.input_ids[:, -1])
+            rows = recorder.begin_step(gen.id, step, batch, int(logits.shape[1]), logits.device)
+            gen.last_rows, gen.last_step, gen.chosen_known = rows, step, False
+            recorder.write(rows, "natural", logits)
+        if self.processor is None:
+            return logits
+        keep_natural = not self.storage.full and self.processor.inplace
+        natural = logits.clone() if keep_natural else logits
+        try:
+            out = check_logits(self.processor.name, self.processor.process(logits, ctx), logits)
+        except Exception as exc:
+            recorder.mark_error(rows)
+            where = f"(the tracker recorded generation {gen.id}, step {step} with processor_error=True)"
+            if isinstance(exc, ProcessorError):
+                raise ProcessorError(f"{exc} {where}") from exc
+            raise ProcessorError(f"processor {self.processor.name} raised {type(exc).__name__}: {exc} {where}") from exc
+        recorder.write(rows, "constrained", out, natural=natural)
+        return out
+
+    def on_sampled(self, tokens: torch.Tensor, ctx: BatchContext) -> None:
+        """Record the tokens chosen at this step (hosts such as logitscope's Generator call it)."""
+        gen = self._current()
+        if gen is not None and gen.last_rows is not None:
+            self.recorder.set_chosen(gen.last_rows, tokens)
+            gen.chosen_known = True
+        if self.processor is not None:
+            self.processor.on_sampled(tokens, ctx)
+
+    def reset(self) -> None:
+        """End the generation in progress and reset the wrapped processor."""
+        self._end_generation()
+        if self.processor is not None:
+            self.processor.reset()
+
+    def record_stage(self, stage: str, values: torch.Tensor, kind: StageKind = "logits") -> None:
+        """Record ``values [B, V]`` as ``stage`` for the current step (a sampling tap calls this).
+
+        ``kind`` says what the values are: logits, log-probabilities, or
+        probabilities (stored as their logarithm, so zeros become ``-inf``).
+        """
+        if kind not in ("logits", "logprobs", "probs"):
+            raise ValueError(f"kind must be 'logits', 'logprobs' or 'probs', got {kind!r}")
+        if stage not in self.recorder.stages:
+            raise ValueError(f"stage {stage!r} is not recorded; call add_stage({stage!r}) before the generation")
+        gen = self._current()
+        if gen is None or gen.last_rows is None:
+            raise RuntimeError(f"record_stage({stage!r}): no step in progress; call it after process() of the step")
+        if kind == "probs":
+            values = torch.log(values.float())
+        self.recorder.write(gen.last_rows, stage, values)
+
+    def sample_tap(self, values: torch.Tensor, *args: Any, kind: StageKind = "probs", **kwargs: Any) -> None:
+        """Observer for a sampling pipeline's taps: the distribution sampled from, as the ``"sampled"`` stage."""
+        self.record_stage("sampled", values, kind)
+
+    # ---------------------------------------------------------------- chosen tokens for transformers-style hosts
+
+    def stopping_criteria(self) -> Any:
+        """A transformers ``StoppingCriteria`` that never stops and tells the tracker each step's token.
+
+        Pass it as ``model.generate(..., stopping_criteria=StoppingCriteriaList([tracker.stopping_criteria()]))``
+        so that the last step's token is recorded without calling :meth:`finish`.
+        """
+        from transformers import StoppingCriteria
+
+        tracker = self
+
+        class TrackerChosenTokens(StoppingCriteria):
+            def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+                tracker._observe_sequences(input_ids)
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+        return TrackerChosenTokens()
+
+    def finish(self, output: Any = None) -> Run:
+        """End the generation in progress; with the host's output, record the last step's tokens.
+
+        ``output`` is what the tracked generation returned: a ``[B, L]``
+        tensor of sequences (prompt and generated tokens), an object with
+        ``.sequences`` (transformers' ``generate`` with
+        ``return_dict_in_generate=True``), or logitscope's list of
+        ``RequestOutput``. Returns the recorded run.
+        """
+        gen = self._current()
+        if output is not None:
+            if gen is None or gen.last_rows is None:
+                raise ValueError("finish(output): no generation in progress; call it right after the tracked generate()")
+            tokens = self._last_tokens(output, gen)
+            self.recorder.set_chosen(gen.last_rows, tokens)
+            gen.chosen_known = True
+        self._end_generation()
+        return self.run
+
+    def _last_tokens(self, output: Any, gen: _Generation) -> torch.Tensor | list[int]:
+        if isinstance(output, (list, tuple)) and output and hasattr(output[0], "outputs"):
+            rows = [c.token_ids for request in output for c in request.outputs]
+            if len(rows) != gen.batch:
+                raise ValueError(f"output holds {len(rows)} completions, the tracked batch had {gen.batch} rows")
+            return [int(r[gen.last_step]) if len(r) > gen.last_step else -1 for r in rows]
+        sequences = getattr(output, "sequences", output)
+        if isinstance(sequences, np.ndarray):
+            sequences = torch.from_numpy(sequences)
+        if not isinstance(sequences, torch.Tensor) or sequences.ndim != 2:
+            raise TypeError(
+                "output must be a [batch, length] tensor of sequences, an object with .sequences, "
+                f"or a list of RequestOutput; got {type(output).__name__}"
+            )
+        column = gen.prompt_length + gen.last_step
+        if sequences.shape[0] != gen.batch or sequences.shape[1] <= column:
+            raise ValueError(
+                f"output sequences have shape {tuple(sequences.shape)}, but the tracked generation has "
+                f"{gen.batch} rows and its last step {gen.last_step} is column {column} (prompt length "
+                f"{gen.prompt_length}); pass the output of the generate() call that was tracked"
+            )
+        return sequences[:, column]
+
+    def _observe_sequences(self, input_ids: torch.Tensor) -> None:
+        gen = self._current()
+        if gen is None or gen.last_rows is None or gen.chosen_known:
+            return
+        if input_ids.shape[0] == gen.batch and input_ids.shape[1] == gen.prompt_length + gen.last_step + 1:
+            self.recorder.set_chosen(gen.last_rows, input_ids[:, -1])
+            gen.chosen_known = True
+
+    # ---------------------------------------------------------------- generations
+
+    def _current(self) -> _Generation | None:
+        gen = self._gen
+        if gen is not None and gen.epoch != self._shared.epoch:
+            self._gen = gen = None  # clear() was called (maybe on a copy sharing this recording)
+        return gen
+
+    def _generation_for(self, ctx: BatchContext, batch: int) -> _Generation:
+        gen = self._current()
+        step = ctx.num_generated
+        if gen is not None and step > gen.last_step:
+            if batch != gen.batch:
+                raise ValueError(
+                    f"logits: batch size changed from {gen.batch} to {batch} within generation {gen.id} "
+                    f"(step {step}); a generation keeps its rows (call reset() to start a new one)"
+                )
+            return gen
+        self._end_generation()
+        shared = self._shared
+        gid = shared.next_generation
+        shared.next_generation += 1
+        prompts = ctx.input_ids[:, : ctx.prompt_length]
+        if ctx.attention_mask is not None:
+            keep = ctx.attention_mask[:, : ctx.prompt_length].bool().cpu()
+            prompt_ids = [row[mask].tolist() for row, mask in zip(prompts.cpu(), keep)]
+        else:
+            prompt_ids = prompts.cpu().tolist()
+        shared.generations.append(
+            {"generation": gid, "batch_size": batch, "prompt_ids": prompt_ids, "started_at": _now()}
+        )
+        self._gen = _Generation(gid, batch, ctx.prompt_length, shared.epoch)
+        return self._gen
+
+    def _end_generation(self) -> None:
+        gen = self._current()
+        if gen is not None:
+            self.recorder.end_generation(gen.id)
+        self._gen = None
+
+    def clear(self) -> None:
+        """Forget everything recorded: rows, generations, spill files; the next call starts a new run."""
+        shared = self._shared
+        with shared.lock:
+            shared.recorder.clear()
+            shared.generations.clear()
+            shared.next_generation = 0
+            shared.epoch += 1
+            shared.run_cache = None
+            shared.run_id = _new_run_id()
+            shared.created_at = _now()
+            shared.recorder.run_id = shared.run_id
+        self._gen = None
+        self._forget_host()
+        if self.processor is not None:
+            self.processor.reset()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "LogitTrackingProcessor":
+        """A copy that shares this tracker's recording, with its own copy of the wrapped processor."""
+        clone = object.__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        clone.__dict__.pop("_host_boundary", None)
+        clone.processor = copy.deepcopy(self.processor, memo)
+        clone._gen = None
+        return clone
+
+    # ---------------------------------------------------------------- the run
+
+    def _describe(self) -> tuple[bytes, bytes]:
+        shared = self._shared
+        return shared.metadata().to_json(), shared.vocabulary().serialize()
+
+    @property
+    def run(self) -> Run:
+        """The recorded run so far (rebuilt only when something new was recorded)."""
+        shared = self._shared
+        with shared.lock:
+            key = (shared.epoch, shared.recorder.version, len(shared.generations), shared.model, str(shared.sampling),
+                   tuple(shared.extra.items()).__repr__())
+            if shared.run_cache is not None and shared.run_cache[0] == key:
+                return shared.run_cache[1]
+            batches = shared.recorder.batches()
+            run = Run(batches, shared.metadata(), shared.vocabulary)
+            shared.run_cache = (key, run)
+            return run
+
+    def to_arrow(self):
+        """The recorded run as an Arrow table (zero-copy; see :meth:`tracker.Run.to_arrow`)."""
+        return self.run.to_arrow()
+
+    def to_parquet(self, path: Any, **kwargs: Any) -> Path:
+        """Write the recorded run to one Parquet file, atomically (see :meth:`tracker.Run.to_parquet`)."""
+        return self.run.to_parquet(path, **kwargs)
+
+    def to_dataset(self, root: Any, **kwargs: Any) -> Path:
+        """Write the recorded run under ``root/run_id=<id>/`` (see :meth:`tracker.Run.to_dataset`)."""
+        return self.run.to_dataset(root, **kwargs)
+
+    get_top_tokens = _delegate(Analysis.get_top_tokens)
+    to_dataframe = _delegate(Analysis.to_dataframe)
+    sequence = _delegate(Analysis.sequence)
+    get_logits = _delegate(Analysis.get_logits)
+    get_probabilities = _delegate(Analysis.get_probabilities)
+    stats = _delegate(Analysis.stats)
+    continuation_probability = _delegate(Analysis.continuation_probability)
+    generations = _delegate(Analysis.generations)
+    sequences = _delegate(Analysis.sequences)
+

@@ -1,0 +1,629 @@
+"""Device to host: each step's rows into preallocated chunks, chunks into Arrow record batches.
+
+A *chunk* is a block of rows (one per sequence and step) with one buffer per
+recorded column. Per step the recorder only copies: on a CPU, straight into
+the current chunk's host buffers (the copy is also the snapshot an in-place
+processor cannot disturb); on CUDA, with ``non_blocking`` copies into pinned
+staging buffers (a :class:`~tracker.buffers.PinnedRing` slot), recording a
+CUDA event, with no synchronisation. A staging chunk is drained into host
+memory only when the ring has no free slot or someone reads, by which time its
+copies have long finished. Nothing turns into Arrow until it is read.
+
+Past ``memory_limit`` bytes of host chunks, the oldest complete chunks spill
+to Arrow IPC files (see :mod:`tracker.spill`) and their buffers are reused.
+
+Storage (:class:`Storage`): the whole row as float32, float16 or bfloat16, or
+the top ``k`` values with their ids, the row's log-sum-exp and its count of
+allowed tokens (``logit > -inf``), computed on the device.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from tracker.buffers import BufferPool, HostBuffer, PinnedRing
+from tracker.schema import META_VOCAB, STORAGE_KINDS, run_schema
+from tracker.spill import RUN_JSON, VOCAB_FILE, atomic_path, chunk_name, read_ipc, write_ipc
+
+__all__ = ["Storage", "StepRows", "Recorder"]
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_MAX_CHUNK_ROWS = 4096
+
+
+@dataclass(frozen=True)
+class Storage:
+    """How a stage's row is kept.
+
+    Attributes:
+        kind: ``"float32"``, ``"float16"``, ``"bfloat16"`` (the whole row) or
+            ``"topk"`` (the ``top_k`` largest logits, their ids, the row's
+            log-sum-exp and allowed count).
+        top_k: values kept per row in top-k storage.
+    """
+
+    kind: str = "float32"
+    top_k: int = 0
+
+    @classmethod
+    def parse(cls, storage: str, top_k: int = 20) -> "Storage":
+        if storage not in STORAGE_KINDS:
+            raise ValueError(f"storage must be one of {STORAGE_KINDS}, got {storage!r}")
+        if storage == "topk":
+            if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+                raise ValueError(f"top_k must be an int >= 1 for storage='topk', got {top_k!r}")
+            return cls("topk", int(top_k))
+        return cls(storage, 0)
+
+    @property
+    def full(self) -> bool:
+        return self.kind != "topk"
+
+    def k_for(self, vocab_size: int) -> int:
+        """The number of values kept per row for a vocabulary (top_k, at most the vocabulary)."""
+        return min(self.top_k, vocab_size) if not self.full else 0
+
+    def layout(self, stage: str, vocab_size: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Buffer name -> (shape of one row, dtype) for one stage."""
+        if self.full:
+            return {f"{stage}:logits": ((vocab_size,), _TORCH_DTYPES[self.kind])}
+        k = self.k_for(vocab_size)
+        out = {
+            f"{stage}:ids": ((k,), torch.int32),
+            f"{stage}:logits": ((k,), torch.float32),
+            f"{stage}:lse": ((), torch.float32),
+            f"{stage}:allowed": ((), torch.int32),
+        }
+        if stage != "natural":
+            out[f"{stage}:natural"] = ((k,), torch.float32)
+        return out
+
+    def row_bytes(self, stages: Sequence[str], vocab_size: int) -> int:
+        total = 8  # chosen
+        for stage in stages:
+            for shape, dtype in self.layout(stage, vocab_size).values():
+                total += int(np.prod(shape, dtype=np.int64)) * torch.tensor([], dtype=dtype).element_size()
+        return total
+
+
+@dataclass(slots=True)
+class StepRows:
+    """The rows one step reserved: ``count`` consecutive rows of ``chunk`` from ``start``."""
+
+    chunk: "_Chunk"
+    start: int
+    count: int
+    generation: int
+    step: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.count
+
+
+def summarise_topk(x: torch.Tensor, k: int, natural: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Top-k storage of rows ``x [B, V]`` on their device: ids, values, log-sum-exp, allowed count.
+
+    ``natural`` (the rows before the processor) gives the natural logits at the
+    same ids, so a constrained top-k row still knows what the model wanted.
+    """
+    x = x.float()
+    values, ids = torch.topk(x, k, dim=1)
+    out = {
+        "ids": ids.to(torch.int32),
+        "logits": values,
+        "lse": torch.logsumexp(x, dim=1),
+        "allowed": (x > float("-inf")).sum(dim=1, dtype=torch.int32),
+    }
+    if natural is not None:
+        out["natural"] = natural.float().gather(1, ids)
+    return out
+
+
+class _Chunk:
+    """Rows of one block: id columns in numpy, recorded values in (pinned or host) tensors."""
+
+    def __init__(
+        self,
+        index: int,
+        capacity: int,
+        stages: Sequence[str],
+        buffers: dict[str, torch.Tensor],
+        host: list[HostBuffer] | None,
+        device: torch.device,
+    ) -> None:
+        self.index = index
+        self.capacity = capacity
+        self.n = 0
+        self.device = device
+        self.generation = np.zeros(capacity, dtype=np.int32)
+        self.sequence = np.zeros(capacity, dtype=np.int32)
+        self.step = np.zeros(capacity, dtype=np.int32)
+        self.processor_error = np.zeros(capacity, dtype=bool)
+        self.chosen_set = np.zeros(capacity, dtype=bool)
+        self.written = {stage: np.zeros(capacity, dtype=bool) for stage in stages}
+        self.buffers = buffers
+        self.host = host  # None while the buffers are a pinned staging slot
+        self.events: dict[int, Any] = {}
+        self.spilled: pa.RecordBatch | None = None
+        self.version = 0
+        self.cached: tuple[int, tuple[str, ...], pa.RecordBatch] | None = None
+
+    @property
+    def staging(self) -> bool:
+        return self.host is None and self.spilled is None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.host) if self.host else 0
+
+    def complete(self, ended: set[int]) -> bool:
+        """Every row's chosen token is known, or its generation is over."""
+        rows = slice(0, self.n)
+        pending = ~self.chosen_set[rows]
+        return not pending.any() or bool(np.isin(self.generation[rows][pending], list(ended)).all())
+
+    def note_stream(self) -> None:
+        """Record an event after the copies just enqueued on the current CUDA stream."""
+        stream = torch.cuda.current_stream(self.device)
+        event = self.events.get(stream.cuda_stream)
+        if event is None:
+            event = self.events[stream.cuda_stream] = torch.cuda.Event()
+        event.record(stream)
+
+    def wait(self) -> None:
+        for event in self.events.values():
+            event.synchronize()
+
+
+class Recorder:
+    """Rows of logits from any device into Arrow record batches.
+
+    Args:
+        storage: how each stage's row is kept (:class:`Storage`).
+        stages: the stages recorded, in order (more can be added later).
+        chunk_bytes: target size of one chunk of rows (a chunk always holds at
+            least one step of the batch).
+        memory_limit: bytes of host chunks kept in memory; past it, complete
+            chunks spill to Arrow IPC files. ``None`` never spills.
+        spill_dir: folder for spilled chunks (a subfolder per run is made);
+            by default a temporary folder removed with the recorder.
+        ring_slots: pinned staging chunks per CUDA device.
+    """
+
+    def __init__(
+        self,
+        storage: Storage,
+        stages: Sequence[str],
+        *,
+        chunk_bytes: int = 32 << 20,
+        memory_limit: int | None = 2 << 30,
+        spill_dir: str | Path | None = None,
+        ring_slots: int = 3,
+        run_id: str = "run",
+    ) -> None:
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        if memory_limit is not None and memory_limit < 0:
+            raise ValueError(f"memory_limit must be >= 0 bytes or None, got {memory_limit}")
+        if ring_slots < 2:
+            raise ValueError(f"ring_slots must be >= 2 (one filling, one draining), got {ring_slots}")
+        self.storage = storage
+        self.stages: list[str] = list(stages)
+        self.chunk_bytes = int(chunk_bytes)
+        self.memory_limit = memory_limit
+        self.spill_root = Path(spill_dir) if spill_dir is not None else None
+        self.run_id = run_id
+        self.vocab_size: int | None = None
+        self.version = 0
+        self.describe: Callable[[], tuple[bytes, bytes]] | None = None
+        self.spilled_bytes = 0
+        self._ring_slots = int(ring_slots)
+        self._rings: dict[torch.device, PinnedRing] = {}
+        self._pool = BufferPool()
+        self._chunks: list[_Chunk] = []
+        self._active: _Chunk | None = None
+        self._ended: set[int] = set()
+        self._lock = threading.RLock()
+        self._spill_dir: Path | None = None
+        self._spill_cleanup: Any = None
+        self._next_index = 0
+
+    # ---------------------------------------------------------------- state
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host chunks held in memory (spilled chunks excluded)."""
+        return sum(c.nbytes for c in self._chunks)
+
+    @property
+    def rows(self) -> int:
+        return sum(c.n for c in self._chunks)
+
+    @property
+    def spill_path(self) -> Path | None:
+        """The folder holding this run's spilled chunks, once something spilled."""
+        return self._spill_dir
+
+    def add_stage(self, stage: str) -> None:
+        """Record one more stage from the next step on (earlier rows hold nulls for it)."""
+        with self._lock:
+            if stage in self.stages:
+                return
+            self.stages.append(stage)
+            self._seal_active()
+            self.version += 1
+
+    def schema(self) -> pa.Schema:
+        """The Arrow schema of the rows (without run metadata)."""
+        vocab = self.vocab_size or 0
+        return run_schema(self.storage.kind, self.stages, vocab, self.storage.k_for(vocab) if vocab else 0)
+
+    # ---------------------------------------------------------------- writing
+
+    def begin_step(self, generation: int, step: int, batch: int, vocab_size: int, device: torch.device) -> StepRows:
+        """Reserve ``batch`` rows for a step; their values come with :meth:`write`."""
+        with self._lock:
+            if self.vocab_size is None:
+                self.vocab_size = int(vocab_size)
+            elif vocab_size != self.vocab_size:
+                raise ValueError(
+                    f"logits: vocabulary size changed from {self.vocab_size} to {vocab_size} "
+                    f"(generation {generation}, step {step}); a run holds one vocabulary size. "
+                    "Call clear() before tracking a model with another vocabulary."
+                )
+            device = torch.device(device)
+            chunk = self._active
+            if chunk is None or chunk.capacity - chunk.n < batch or chunk.device != device:
+                self._seal_active()
+                chunk = self._active = self._new_chunk(batch, device)
+            start = chunk.n
+            end = start + batch
+            chunk.n = end
+            chunk.generation[start:end] = generation
+            chunk.sequence[start:end] = np.arange(batch, dtype=np.int32)
+            chunk.step[start:end] = step
+            chunk.processor_error[start:end] = False
+            chunk.chosen_set[start:end] = False
+            for written in chunk.written.values():
+                written[start:end] = False
+            chunk.buffers["chosen"][start:end].fill_(-1)
+            chunk.version += 1
+            self.version += 1
+            return StepRows(chunk, start, batch, generation, step)
+
+    def write(self, rows: StepRows, stage: str, values: torch.Tensor, natural: torch.Tensor | None = None) -> None:
+        """Record ``values [count, V]`` as ``stage`` for the reserved rows.
+
+        In top-k storage ``natural`` (the rows before the processor) supplies
+        the natural logits at the stage's top-k ids.
+        """
+        with self._lock:
+            self._write(rows, stage, values, natural)
+
+    def _write(self, rows: StepRows, stage: str, values: torch.Tensor, natural: torch.Tensor | None) -> None:
+        chunk = rows.chunk
+        if stage not in chunk.written:
+            return  # the stage was added after this chunk began; later chunks carry it
+        self._check_writable(chunk, "write")
+        expected = (rows.count, self.vocab_size)
+        if tuple(values.shape) != expected:
+            raise ValueError(f"{stage} values must have shape {expected}, got {tuple(values.shape)}")
+        staging = chunk.staging
+        sl = slice(rows.start, rows.end)
+        with torch.no_grad():
+            if self.storage.full:
+                dst = chunk.buffers[f"{stage}:logits"][sl]
+                src = values.detach()
+                if staging and src.dtype != dst.dtype:
+                    src = src.to(dst.dtype)  # convert on the device, copy the smaller row
+                dst.copy_(src, non_blocking=staging)
+            else:
+                k = self.storage.k_for(self.vocab_size or 0)
+                summary = summarise_topk(values.detach(), k, None if stage == "natural" else natural)
+                for name, tensor in summary.items():
+                    chunk.buffers[f"{stage}:{name}"][sl].copy_(tensor, non_blocking=staging)
+        if staging:
+            chunk.note_stream()
+        chunk.written[stage][sl] = True
+        chunk.version += 1
+        self.version += 1
+
+    def mark_error(self, rows: StepRows) -> None:
+        """Flag the rows: the wrapped processor failed at this step."""
+        with self._lock:
+            rows.chunk.processor_error[rows.start : rows.end] = True
+            rows.chunk.version += 1
+            self.version += 1
+
+    def set_chosen(self, rows: StepRows, tokens: torch.Tensor | Sequence[int]) -> None:
+        """Record the tokens chosen for the reserved rows (a tensor on any device, or ints)."""
+        with self._lock:
+            self._set_chosen(rows, tokens)
+
+    def _set_chosen(self, rows: StepRows, tokens: torch.Tensor | Sequence[int]) -> None:
+        chunk = rows.chunk
+        self._check_writable(chunk, "set_chosen")
+        if isinstance(tokens, torch.Tensor):
+            src = tokens.detach().reshape(-1)
+        else:
+            src = torch.as_tensor(list(tokens), dtype=torch.int64)
+        if src.numel() != rows.count:
+            raise ValueError(f"chosen tokens must be one per row ({rows.count}), got {src.numel()}")
+        dst = chunk.buffers["chosen"][rows.start : rows.end]
+        staging = chunk.staging and src.is_cuda
+        dst.copy_(src.to(torch.int64), non_blocking=staging)
+        if staging:
+            chunk.note_stream()
+        chunk.chosen_set[rows.start : rows.end] = True
+        chunk.version += 1
+        self.version += 1
+
+    def end_generation(self, generation: int) -> None:
+        """No more chosen tokens will come for ``generation`` (its rows may spill)."""
+        with self._lock:
+            self._ended.add(generation)
+
+    # ---------------------------------------------------------------- reading
+
+    def batches(self) -> list[pa.RecordBatch]:
+        """Every row so far as record batches (drains CUDA staging: synchronises once)."""
+        with self._lock:
+            self._drain_staging(everything=True)
+            schema = self.schema()
+            return [self._batch_of(chunk, schema) for chunk in self._chunks if chunk.n]
+
+    def clear(self) -> None:
+        """Forget every row, delete spill files, keep buffers for reuse."""
+        with self._lock:
+            for chunk in self._chunks:
+                self._release(chunk)
+            self._chunks.clear()
+            self._active = None
+            self._ended.clear()
+            self.vocab_size = None
+            self.spilled_bytes = 0
+            self.version += 1
+            if self._spill_dir is not None:
+                shutil.rmtree(self._spill_dir, ignore_errors=True)
+                self._spill_dir = None
+
+    # ---------------------------------------------------------------- internals
+
+    def _check_writable(self, chunk: _Chunk, what: str) -> None:
+        if chunk.spilled is not None:
+            raise RuntimeError(
+                f"{what}: rows of generation {int(chunk.generation[0])} already spilled to disk; "
+                "tell the tracker the chosen tokens before the next generation starts"
+            )
+
+    def _layout(self, capacity: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        vocab = self.vocab_size or 0
+        layout: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"chosen": ((capacity,), torch.int64)}
+        for stage in self.stages:
+            for name, (shape, dtype) in self.storage.layout(stage, vocab).items():
+                layout[name] = ((capacity, *shape), dtype)
+        return layout
+
+    def _capacity(self, batch: int) -> int:
+        per_row = self.storage.row_bytes(self.stages, self.vocab_size or 0)
+        rows = max(batch, min(_MAX_CHUNK_ROWS, self.chunk_bytes // max(per_row, 1)))
+        return -(-rows // batch) * batch  # whole steps
+
+    def _host_buffers(self, layout: dict[str, tuple[tuple[int, ...], torch.dtype]]):
+        host: list[HostBuffer] = []
+        tensors: dict[str, torch.Tensor] = {}
+        for name, (shape, dtype) in layout.items():
+            nbytes = int(np.prod(shape, dtype=np.int64)) * torch.tensor([], dtype=dtype).element_size()
+            buf = self._pool.take(max(nbytes, 1))
+            host.append(buf)
+            tensors[name] = buf.tensor(shape, dtype)
+        return tensors, host
+
+    def _new_chunk(self, batch: int, device: torch.device) -> _Chunk:
+        index = self._next_index
+        self._next_index += 1
+        if device.type == "cuda":
+            ring = self._rings.get(device)
+            capacity = self._capacity(batch)
+            if ring is None or (ring.layout is not None and ring.layout[0] < capacity):
+                ring = self._rings[device] = PinnedRing(self._ring_slots)
+            capacity = max(capacity, ring.layout[0] if ring.layout is not None else 0)
+            layout = self._layout(capacity)
+            key = (capacity, tuple((k, v[0], str(v[1])) for k, v in layout.items()))
+
+            def make() -> dict[str, torch.Tensor]:
+                return {name: torch.empty(shape, dtype=dtype, pin_memory=True) for name, (shape, dtype) in layout.items()}
+
+            slot = ring.take(key, make)
+            while slot is None:
+                self._drain_staging(everything=False)
+                slot = ring.take(key, make)
+            chunk = _Chunk(index, capacity, self.stages, slot, None, device)
+            chunk._ring_key = key  # type: ignore[attr-defined]
+        else:
+            capacity = self._capacity(batch)
+            tensors, host = self._host_buffers(self._layout(capacity))
+            chunk = _Chunk(index, capacity, self.stages, tensors, host, device)
+        self._chunks.append(chunk)
+        return chunk
+
+    def _seal_active(self) -> None:
+        """The active chunk takes no more rows; spill old chunks if over the memory bound."""
+        self._active = None
+        self._enforce_bound()
+
+    def _drain_staging(self, everything: bool) -> None:
+        """Move staging chunks into host memory: the oldest one, or all of them."""
+        for chunk in self._chunks:
+            if not chunk.staging:
+                continue
+            if chunk is self._active:
+                if not everything:
+                    continue
+                self._active = None
+            chunk.wait()
+            layout = {name: (tuple(t.shape), t.dtype) for name, t in chunk.buffers.items()}
+            tensors, host = self._host_buffers(layout)
+            for name, tensor in tensors.items():
+                tensor[: chunk.n].copy_(chunk.buffers[name][: chunk.n])
+            ring = self._rings[chunk.device]
+            ring.give(chunk._ring_key, chunk.buffers)  # type: ignore[attr-defined]
+            chunk.buffers, chunk.host = tensors, host
+            chunk.events.clear()
+            chunk.version += 1
+            if not everything:
+                break
+        self._enforce_bound()
+
+    def _enforce_bound(self) -> None:
+        if self.memory_limit is None:
+            return
+        excess = self.host_bytes - self.memory_limit
+        for chunk in list(self._chunks):
+            if excess <= 0:
+                break
+            if chunk is self._active or chunk.host is None or not chunk.complete(self._ended):
+                continue
+            excess -= chunk.nbytes
+            self._spill(chunk)
+
+    def _spill_folder(self) -> Path:
+        if self._spill_dir is None:
+            if self.spill_root is not None:
+                self._spill_dir = self.spill_root / self.run_id
+                self._spill_dir.mkdir(parents=True, exist_ok=True)
+            else:
+                self._spill_dir = Path(tempfile.mkdtemp(prefix="logitscope-spill-"))
+                self._spill_cleanup = weakref.finalize(self, shutil.rmtree, str(self._spill_dir), True)
+        return self._spill_dir
+
+    def _spill(self, chunk: _Chunk) -> None:
+        folder = self._spill_folder()
+        schema = self.schema()
+        batch = self._batch_of(chunk, schema)
+        self.spilled_bytes += write_ipc(folder / chunk_name(chunk.index), [batch], schema)
+        if self.describe is not None:
+            run_json, vocab = self.describe()
+            if not (folder / VOCAB_FILE).exists():
+                write_ipc(folder / VOCAB_FILE, [], pa.schema([], metadata={META_VOCAB: vocab}))
+            with atomic_path(folder / RUN_JSON) as tmp:
+                tmp.write_bytes(run_json)
+        mapped = read_ipc(folder / chunk_name(chunk.index)).to_batches()
+        chunk.spilled = mapped[0] if mapped else batch.slice(0, 0)
+        chunk.cached = None
+        self._release(chunk)
+
+    def _release(self, chunk: _Chunk) -> None:
+        """Give a chunk's buffers back: host buffers to the pool, a staging slot to its ring."""
+        if chunk.staging:
+            chunk.wait()
+            self._rings[chunk.device].give(chunk._ring_key, chunk.buffers)  # type: ignore[attr-defined]
+        for buf in chunk.host or ():
+            self._pool.give(buf)
+        chunk.buffers = {}
+        chunk.host = []
+        chunk.cached = None
+        chunk.events.clear()
+
+    def _batch_of(self, chunk: _Chunk, schema: pa.Schema) -> pa.RecordBatch:
+        if chunk.spilled is not None:
+            return _conform(chunk.spilled, schema)
+        key = (chunk.version, tuple(self.stages))
+        if chunk.cached is not None and chunk.cached[:2] == key:
+            return chunk.cached[2]
+        batch = _to_batch(chunk, schema, self.stages, self.storage, self.vocab_size or 0)
+        chunk.cached = (*key, batch)
+        return batch
+
+
+def _conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
+    """``batch`` with the columns of ``schema``: stages it lacks become nulls."""
+    if batch.schema.names == schema.names:
+        return batch
+    columns = []
+    for field in schema:
+        if field.name in batch.schema.names:
+            columns.append(batch.column(field.name))
+        elif field.type == pa.bool_():
+            columns.append(pa.array(np.zeros(batch.num_rows, dtype=bool)))
+        else:
+            columns.append(pa.nulls(batch.num_rows, field.type))
+    return pa.RecordBatch.from_arrays(columns, schema=schema)
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A zero-copy numpy view of a host tensor (bfloat16 as uint16 bits)."""
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(np.uint16)
+    return tensor.numpy()
+
+
+def _nonfinite_rows(values: torch.Tensor, written: np.ndarray) -> np.ndarray:
+    """Rows holding NaN or +inf, found with one summing pass and exact checks only where needed.
+
+    A row's float32 sum is NaN or +inf exactly when the row holds NaN or +inf
+    (or +inf beside -inf, or overflows): only those rows are checked value by
+    value. -inf alone (masked tokens) is normal.
+    """
+    n = values.shape[0]
+    out = np.zeros(n, dtype=bool)
+    if n == 0:
+        return out
+    sums = values.sum(dim=1, dtype=torch.float32)
+    candidates = (torch.isnan(sums) | (sums == float("inf"))).numpy() & written
+    rows = np.nonzero(candidates)[0]
+    if rows.size:
+        sub = values[torch.from_numpy(rows)]
+        out[rows] = (torch.isnan(sub) | torch.isposinf(sub)).any(dim=1).numpy()
+    return out
+
+
+def _to_batch(chunk: _Chunk, schema: pa.Schema, stages: Sequence[str], storage: Storage, vocab: int) -> pa.RecordBatch:
+    """The chunk's rows as a record batch: values zero-copy, id columns copied."""
+    n = chunk.n
+    chosen = chunk.buffers["chosen"][:n].numpy().copy()
+    unknown = ~chunk.chosen_set[:n] | (chosen < 0)
+    arrays: list[pa.Array] = [
+        pa.array(chunk.generation[:n].copy()),
+        pa.array(chunk.sequence[:n].copy()),
+        pa.array(chunk.step[:n].copy()),
+        pa.array(chosen, mask=unknown),
+        pa.array(chunk.processor_error[:n].copy()),
+    ]
+    for stage in stages:
+        written = chunk.written.get(stage)
+        if written is None:  # stage added after this chunk began
+            for field in schema:
+                if field.name.startswith(f"{stage}_"):
+                    arrays.append(
+                        pa.array(np.zeros(n, dtype=bool)) if field.type == pa.bool_() else pa.nulls(n, field.type)
+                    )
+            continue
+        written = written[:n]
+        mask = None if written.all() else pa.array(~written)
+        if storage.full:
+            values = chunk.buffers[f"{stage}:logits"][:n]
+            flat = pa.array(_numpy(values).reshape(-1))
+            arrays.append(pa.FixedSizeListArray.from_arrays(flat, vocab, mask=mask))
+            arrays.append(pa.array(_nonfinite_rows(values, written)))
+        else:
+            k = storage.k_for(vocab)
+            for name in ("ids", "logits") + (() if stage == "natural" else ("natural",)):
+                flat = pa.array(_numpy(chunk.buffers[f"{stage}:{name}"][:n]).reshape(-1))
+                arrays.append(pa.FixedSizeListArray.from_arrays(flat, k, mask=mask))
+            lse = _numpy(chunk.buffers[f"{stage}:lse"][:n]).copy()
+            arrays.append(pa.array(lse, mask=~written))
+            arrays.append(pa.array(_numpy(chunk.buffers[f"{stage}:allowed"][:n]).copy(), mask=~written))
+            arrays.append(pa.array(written & (np.isnan(lse) | (lse == np.inf))))
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)

@@ -1,0 +1,176 @@
+"""The run's Arrow schema, declared once and versioned, and its metadata.
+
+One row per (generation, sequence, step). The id columns come first; then one
+column group per recorded stage ("natural": the logits before the wrapped
+processor, "constrained": what it returned, "sampled": the distribution the
+sampling stack drew from, as log-probabilities):
+
+================================ ===================================== ===========
+column                           type                                  storage
+================================ ===================================== ===========
+``generation``                   int32                                 all
+``sequence``                     int32 (the batch row)                 all
+``step``                         int32 (index of the generated token)  all
+``chosen``                       int64, null until known               all
+``processor_error``              bool: the wrapped processor failed    all
+``{stage}_logits``               fixed_size_list<V> of float32,        full
+                                 float16, or uint16 holding bfloat16
+``{stage}_topk_ids``             fixed_size_list<k> of int32           top-k
+``{stage}_topk_logits``          fixed_size_list<k> of float32         top-k
+``{stage}_topk_natural``         natural logits at those ids           top-k
+                                 (stages other than natural)
+``{stage}_lse``                  float32: the row's log-sum-exp        top-k
+``{stage}_allowed``              int32: tokens with logit > -inf       top-k
+``{stage}_nonfinite``            bool: the stored row holds NaN/+inf   all
+================================ ===================================== ===========
+
+A stage's value columns are null in rows where that stage was not recorded
+(the wrapped processor raised, or the sampling tap was not there). Run-level
+facts travel in the schema metadata under :data:`META_RUN` (JSON) and
+:data:`META_VOCAB` (the vocabulary, see :mod:`tracker.vocab`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import pyarrow as pa
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "ID_SCHEMA",
+    "META_RUN",
+    "META_VOCAB",
+    "FIELD_DTYPE",
+    "STORAGE_KINDS",
+    "StorageKind",
+    "RunMetadata",
+    "value_column",
+    "stage_fields",
+    "run_schema",
+]
+
+#: Bumped when a column changes meaning or type; readers check the major part.
+SCHEMA_VERSION = "1.0"
+
+#: Schema metadata keys.
+META_RUN = b"logitscope.run"
+META_VOCAB = b"logitscope.vocab"
+#: Field metadata key naming the element type of a value column ("bfloat16" is stored as uint16).
+FIELD_DTYPE = b"logitscope.dtype"
+
+StorageKind = Literal["float32", "float16", "bfloat16", "topk"]
+STORAGE_KINDS: tuple[str, ...] = ("float32", "float16", "bfloat16", "topk")
+
+#: The id columns every run has, in order.
+ID_SCHEMA = pa.schema(
+    [
+        pa.field("generation", pa.int32(), nullable=False),
+        pa.field("sequence", pa.int32(), nullable=False),
+        pa.field("step", pa.int32(), nullable=False),
+        pa.field("chosen", pa.int64(), nullable=True),
+        pa.field("processor_error", pa.bool_(), nullable=False),
+    ]
+)
+
+_FULL_TYPES = {"float32": pa.float32(), "float16": pa.float16(), "bfloat16": pa.uint16()}
+
+
+def value_column(stage: str, storage: str) -> str:
+    """The column holding a stage's values: ``{stage}_logits`` or ``{stage}_topk_logits``."""
+    return f"{stage}_topk_logits" if storage == "topk" else f"{stage}_logits"
+
+
+def stage_fields(stage: str, storage: str, vocab_size: int, top_k: int) -> list[pa.Field]:
+    """The columns of one stage for a storage kind (see the module table)."""
+    if storage == "topk":
+        k = int(top_k)
+        fields = [
+            pa.field(f"{stage}_topk_ids", pa.list_(pa.int32(), k)),
+            pa.field(f"{stage}_topk_logits", pa.list_(pa.float32(), k), metadata={FIELD_DTYPE: b"float32"}),
+        ]
+        if stage != "natural":
+            fields.append(pa.field(f"{stage}_topk_natural", pa.list_(pa.float32(), k)))
+        fields += [
+            pa.field(f"{stage}_lse", pa.float32()),
+            pa.field(f"{stage}_allowed", pa.int32()),
+        ]
+    elif storage in _FULL_TYPES:
+        fields = [
+            pa.field(
+                f"{stage}_logits",
+                pa.list_(_FULL_TYPES[storage], int(vocab_size)),
+                metadata={FIELD_DTYPE: storage.encode()},
+            )
+        ]
+    else:
+        raise ValueError(f"storage must be one of {STORAGE_KINDS}, got {storage!r}")
+    fields.append(pa.field(f"{stage}_nonfinite", pa.bool_(), nullable=False))
+    return fields
+
+
+def run_schema(
+    storage: str,
+    stages: tuple[str, ...] | list[str],
+    vocab_size: int,
+    top_k: int,
+    metadata: dict[bytes, bytes] | None = None,
+) -> pa.Schema:
+    """The schema of a run: :data:`ID_SCHEMA` then each stage's columns."""
+    fields = list(ID_SCHEMA)
+    for stage in stages:
+        fields += stage_fields(stage, storage, vocab_size, top_k)
+    return pa.schema(fields, metadata=metadata)
+
+
+@dataclass
+class RunMetadata:
+    """What a run says about itself; stored as JSON under :data:`META_RUN`.
+
+    Attributes:
+        run_id: unique name of the run (also its partition value on disk).
+        storage: ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``"topk"``.
+        top_k: values kept per stage and row in top-k storage (0 otherwise).
+        stages: the recorded stages, in pipeline order.
+        vocab_size: the width of every logits row.
+        eos_token_ids: end-of-sequence ids (steps after one are "finished").
+        model: the model's name, when known.
+        processors: a description of the wrapped processor.
+        sampling: sampling parameters, when the host told them.
+        generations: per generation: ``{"generation", "batch_size",
+            "prompt_ids" (one list per row), "started_at"}``.
+        library_version, created_at, schema_version: provenance.
+        extra: anything the user added (JSON-ready).
+    """
+
+    run_id: str
+    storage: str
+    top_k: int
+    stages: list[str]
+    vocab_size: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    model: str | None = None
+    processors: str | None = None
+    sampling: Any = None
+    generations: list[dict[str, Any]] = field(default_factory=list)
+    library_version: str = ""
+    created_at: str = ""
+    schema_version: str = SCHEMA_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> "RunMetadata":
+        data = json.loads(raw)
+        version = str(data.get("schema_version", ""))
+        if version.split(".")[0] != SCHEMA_VERSION.split(".")[0]:
+            raise ValueError(
+                f"run schema version {version!r} cannot be read by this logitscope "
+                f"(schema {SCHEMA_VERSION}); read it with the version that wrote it"
+            )
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
