@@ -133,6 +133,7 @@ class GrammarLogitsProcessor(LogitsProcessor):
         self._eos_only = pack_bool(eos_only)[0]
         self._matchers: list[llguidance.LLMatcher] | None = None
         self._done: list[bool] = []
+        self._bitmask = torch.zeros((0, bitmask_words(self._n_tokens)), dtype=torch.int32)
         self._feed = TokenFeed()
 
     # ------------------------------------------------------------ state
@@ -158,17 +159,19 @@ class GrammarLogitsProcessor(LogitsProcessor):
     def _advance(self, row: int, tokens: list[int]) -> None:
         matcher = self._matchers[row]  # type: ignore[index]
         for token in tokens:
+            if self._done[row]:
+                return
             if token in self._eos:
                 # The row ended; whatever the host feeds it from now on is padding.
                 if matcher.is_accepting():
                     matcher.consume_token(token)
                 self._done[row] = True
-                return
+                continue
             stopped = matcher.is_stopped()
             if stopped or not matcher.consume_token(token):
                 if token == self._pad:  # a host that ended the row for its own reasons
                     self._done[row] = True
-                    return
+                    continue
                 reason = "the text was already complete" if stopped else matcher.get_error().strip()
                 raise ValueError(
                     f"{self.name}: row {row} generated token {token} "

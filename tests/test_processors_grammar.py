@@ -175,6 +175,25 @@ def test_finished_rows_are_allowed_eos_only(tok):
     assert mask[1].nonzero().flatten().tolist() == [eos]
 
 
+def test_rows_ended_by_the_host_with_a_pad_token_that_is_not_eos(tok):
+    """Hosts stop rows for their own reasons (stop strings, length) and pad them; such rows are left alone."""
+    from transformers import PreTrainedTokenizerFast
+
+    padded = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, eos_token=EOT, pad_token="x")
+    pad, eos = padded.pad_token_id, padded.eos_token_id
+    assert pad != eos
+    proc = RegexLogitsProcessor(r"[0-9]{1,3}", padded)
+    digit = ids(tok, "1")
+    step = context([digit + [pad, pad, pad], digit * 3 + [eos]])
+    mask = allowed(proc, step, len(tok))
+    assert mask[0].nonzero().flatten().tolist() == [eos]
+    assert mask[1].nonzero().flatten().tolist() == [eos]
+    assert proc.allowed_token_mask(step).shape == (2, len(tok))
+    proc.reset()
+    with pytest.raises(ValueError, match="the text was already complete"):
+        allowed(proc, context([digit * 4]), len(tok))
+
+
 def test_state_follows_the_context_step_by_step_and_repeated_calls_change_nothing(tok):
     proc = RegexLogitsProcessor(PHONE, tok)
     tokens = ids(tok, "(555) 123-4567")
