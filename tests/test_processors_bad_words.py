@@ -75,14 +75,6 @@ def test_token_table_bans_exactly_the_tokens_that_complete_a_word(tok):
         assert table == brute, text
 
 
-def test_vocab_bytes_spell_the_text(tok):
-    vocab = vocab_for(tok)
-    text = '{"name": "Zoë Moreau"} Malice 123'
-    assert vocab.decode_bytes(ids(tok, text)) == text.encode()
-    assert vocab.token_bytes[tok.eos_token_id] == b"" and bool(vocab.special[tok.eos_token_id])
-    assert vocab_for(tok) is vocab, "the vocabulary is cached per tokenizer"
-
-
 # --------------------------------------------------------------- text mode
 
 

@@ -1,0 +1,108 @@
+"""Vocabulary bytes per tokenizer, and the bitmask helpers every constraint shares."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from processors import vocab_for
+from processors.bitmask import apply_bitmask_, pack_bool, unpack_bitmask
+
+EOT = "<|endoftext|>"
+
+
+@pytest.fixture(scope="module")
+def byte_level():
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["Zoë and Chloé live in Zürich. Alice!"] * 20, vocab_size=300, special_tokens=[EOT], show_progress=False)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token=EOT, pad_token=EOT)
+    tok.add_tokens(["<custom>"])
+    return tok
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_like():
+    """A Llama-style tokenizer: ``▁`` for spaces and ``<0xNN>`` byte-fallback pieces."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{i:02X}>": 3 + i for i in range(256)}}
+    for piece in ["▁", "H", "e", "l", "o", "A", "i", "c", "▁H", "▁He", "ll", "▁Hell", "▁Hello", "▁A", "li", "ce"]:
+        vocab[piece] = len(vocab)
+    merges = [("▁", "H"), ("▁H", "e"), ("l", "l"), ("▁He", "ll"), ("▁Hell", "o"), ("▁", "A"), ("l", "i"), ("c", "e")]
+    model = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>"))
+    model.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    model.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=model, eos_token="</s>", bos_token="<s>", unk_token="<unk>")
+
+
+def test_byte_level_tokens_spell_the_decoded_text(byte_level):
+    vocab = vocab_for(byte_level)
+    text = "Zoë and Chloé <custom> Zürich! 😀"
+    ids = byte_level(text, add_special_tokens=False)["input_ids"]
+    assert vocab.decode_bytes(ids) == byte_level.decode(ids).encode()
+    assert vocab.size == len(byte_level)
+    assert vocab.token_bytes[byte_level.eos_token_id] == b"" and bool(vocab.special[byte_level.eos_token_id])
+    custom = byte_level.convert_tokens_to_ids("<custom>")
+    assert vocab.token_bytes[custom] == b"<custom>" and not vocab.special[custom]
+
+
+def test_byte_matrix_matches_token_bytes(byte_level):
+    vocab = vocab_for(byte_level)
+    for token in range(vocab.size):
+        length = int(vocab.lengths[token])
+        assert bytes(vocab.byte_matrix[token, :length].tolist()) == vocab.token_bytes[token]
+        assert not vocab.byte_matrix[token, length:].any()
+
+
+def test_sentencepiece_pieces_and_byte_fallback(sentencepiece_like):
+    tok = sentencepiece_like
+    ids = tok("Hello Zoë! Alice", add_special_tokens=False)["input_ids"]
+    assert vocab_for(tok).decode_bytes(ids) == " Hello Zoë! Alice".encode()
+
+
+def test_vocab_is_cached_per_tokenizer(byte_level, sentencepiece_like):
+    assert vocab_for(byte_level) is vocab_for(byte_level)
+    assert vocab_for(sentencepiece_like) is not vocab_for(byte_level)
+
+
+def test_vocab_rejects_what_is_not_a_tokenizer():
+    with pytest.raises(TypeError, match="tokenizer must be a transformers tokenizer .* got int"):
+        vocab_for(3)
+
+
+# --------------------------------------------------------------- bitmasks
+
+
+def test_pack_and_unpack_round_trip():
+    allowed = torch.rand(3, 70, generator=torch.Generator().manual_seed(0)) > 0.5
+    packed = pack_bool(allowed)
+    assert packed.shape == (3, 3) and packed.dtype == torch.int32
+    assert torch.equal(unpack_bitmask(packed, 70), allowed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_apply_matches_llguidance_numpy_reference(dtype):
+    from llguidance.numpy import apply_token_bitmask_inplace
+
+    gen = torch.Generator().manual_seed(1)
+    mask = torch.randint(-(2**31), 2**31 - 1, (2, 4), dtype=torch.int32, generator=gen)
+    logits = torch.randn(2, 128, generator=gen)
+    expected = logits.numpy().copy()
+    apply_token_bitmask_inplace(expected, mask.numpy())
+    out = apply_bitmask_(logits.to(dtype), mask)
+    assert out.dtype == dtype
+    assert torch.equal(out.float(), torch.from_numpy(expected).to(dtype).float())
+
+
+def test_apply_bans_tokens_beyond_the_mask():
+    logits = torch.zeros(1, 40)
+    apply_bitmask_(logits, torch.full((1, 1), -1, dtype=torch.int32), n_tokens=30)
+    assert torch.isfinite(logits[0, :30]).all() and torch.isinf(logits[0, 30:]).all()
+    assert np.isneginf(logits[0, 30:].numpy()).all()
