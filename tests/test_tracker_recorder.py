@@ -1,0 +1,186 @@
+"""The recorder: storage modes, chunks, the memory bound and spilling, buffer reuse, and the CUDA path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from tracker import Run
+from tracker.buffers import BufferPool
+from tracker.recorder import Recorder, Storage
+
+CPU = torch.device("cpu")
+
+
+def fill(recorder: Recorder, steps: int, batch: int, vocab: int, seed: int = 0, end: bool = True):
+    gen = torch.Generator().manual_seed(seed)
+    natural, constrained = [], []
+    for t in range(steps):
+        rows = recorder.begin_step(0, t, batch, vocab, CPU)
+        x = torch.randn(batch, vocab, generator=gen) * 4
+        y = x.clone()
+        y[:, ::3] = float("-inf")
+        recorder.write(rows, "natural", x)
+        recorder.write(rows, "constrained", y, natural=x)
+        recorder.set_chosen(rows, torch.arange(batch) + t)
+        natural.append(x)
+        constrained.append(y)
+    if end:
+        recorder.end_generation(0)
+    return torch.stack(natural, 1), torch.stack(constrained, 1)
+
+
+def column_matrix(table: pa.Table, name: str, width: int) -> np.ndarray:
+    column = table.column(name).combine_chunks()
+    return column.values.to_numpy(zero_copy_only=False).reshape(len(column), width)
+
+
+@pytest.mark.parametrize("kind", ["float32", "float16", "bfloat16"])
+def test_full_storage_keeps_rows_exactly_in_the_storage_type(kind):
+    recorder = Recorder(Storage.parse(kind), ["natural", "constrained"], chunk_bytes=4096)
+    natural, constrained = fill(recorder, steps=9, batch=3, vocab=40)
+    table = pa.Table.from_batches(recorder.batches())
+    assert len(recorder.batches()) > 1  # several chunks
+    assert table.column("step").to_pylist() == [t for t in range(9) for _ in range(3)]
+    assert table.column("sequence").to_pylist() == [0, 1, 2] * 9
+    assert table.column("chosen").to_pylist() == [t + b for t in range(9) for b in range(3)]
+    dtype = getattr(torch, kind)
+    stored = column_matrix(table, "constrained_logits", 40)
+    if kind == "bfloat16":
+        stored = torch.from_numpy(stored.view(np.int16).copy()).view(torch.bfloat16).float().numpy()
+    expected = constrained.transpose(0, 1).reshape(-1, 40).to(dtype).float().numpy()
+    assert np.array_equal(stored.astype(np.float32), expected)
+
+
+def test_topk_storage_keeps_ids_values_lse_and_allowed_count():
+    recorder = Recorder(Storage.parse("topk", 4), ["natural", "constrained"])
+    natural, constrained = fill(recorder, steps=5, batch=2, vocab=30)
+    table = pa.Table.from_batches(recorder.batches())
+    rows_c = constrained.transpose(0, 1).reshape(-1, 30)
+    rows_n = natural.transpose(0, 1).reshape(-1, 30)
+    values, ids = torch.topk(rows_c, 4, dim=1)
+    assert np.array_equal(column_matrix(table, "constrained_topk_ids", 4), ids.numpy())
+    assert np.array_equal(column_matrix(table, "constrained_topk_logits", 4), values.numpy())
+    assert np.array_equal(column_matrix(table, "constrained_topk_natural", 4), rows_n.gather(1, ids).numpy())
+    np.testing.assert_allclose(table.column("constrained_lse").to_numpy(), torch.logsumexp(rows_c.double(), 1), rtol=1e-6)
+    assert table.column("constrained_allowed").to_pylist() == [20] * 10
+    assert table.column("natural_allowed").to_pylist() == [30] * 10
+
+
+def test_nonfinite_rows_are_flagged_and_masked_rows_are_not():
+    recorder = Recorder(Storage.parse("float32"), ["natural", "constrained"])
+    rows = recorder.begin_step(0, 0, 3, 10, CPU)
+    x = torch.zeros(3, 10)
+    x[1, 4] = float("nan")
+    x[2, 0] = float("inf")
+    y = torch.full((3, 10), float("-inf"))
+    y[:, 0] = 1.0
+    recorder.write(rows, "natural", x)
+    recorder.write(rows, "constrained", y)
+    table = pa.Table.from_batches(recorder.batches())
+    assert table.column("natural_nonfinite").to_pylist() == [False, True, True]
+    assert table.column("constrained_nonfinite").to_pylist() == [False, False, False]
+
+
+def test_past_the_memory_bound_finished_chunks_spill_to_ipc_and_read_back(tmp_path):
+    recorder = Recorder(
+        Storage.parse("float32"), ["natural", "constrained"], chunk_bytes=6 * 1024, memory_limit=16 * 1024,
+        spill_dir=tmp_path, run_id="r1",
+    )
+    natural, constrained = fill(recorder, steps=40, batch=2, vocab=64)
+    assert recorder.host_bytes <= 16 * 1024 + 6 * 1024 * 2
+    files = sorted((tmp_path / "r1").glob("chunk-*.arrow"))
+    assert files and recorder.spilled_bytes > 0
+    table = pa.Table.from_batches(recorder.batches())
+    assert table.num_rows == 80
+    got = column_matrix(table, "natural_logits", 64)
+    assert np.array_equal(got, natural.transpose(0, 1).reshape(-1, 64).numpy())
+    recorder.clear()
+    assert not (tmp_path / "r1").exists()
+
+
+def test_a_crashed_run_leaves_its_spilled_chunks_readable(tmp_path):
+    from tracker import LogitTrackingProcessor
+
+    tracker = LogitTrackingProcessor(None, memory_limit=0, chunk_bytes=2048, spill_dir=tmp_path)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.tensor([[1, 2]])
+    seen = []
+    for _ in range(20):
+        logits = torch.randn(1, 50, generator=gen)
+        seen.append(logits)
+        ids = torch.cat([ids, tracker(ids, logits).argmax(1, keepdim=True)], 1)
+    folder = tmp_path / tracker.run_id
+    del tracker  # the process "dies": only what reached the disk is left
+    run = Run.load(folder)
+    n = run.num_rows
+    assert 0 < n < 20
+    np.testing.assert_array_equal(run.get_logits(include_finished=True)["unstructured"], torch.cat(seen[:n]).numpy())
+    assert run.stats()["chosen_id"].tolist() == ids[0, 2 : 2 + n].tolist()
+
+
+def test_buffers_are_reused_after_clear_but_never_under_a_table_someone_holds():
+    recorder = Recorder(Storage.parse("float32"), ["natural", "constrained"], chunk_bytes=1 << 20)
+    fill(recorder, steps=4, batch=1, vocab=1 << 14, seed=1)
+    held = pa.Table.from_batches(recorder.batches())
+    snapshot = column_matrix(held, "natural_logits", 1 << 14).copy()
+    allocated = recorder._pool.allocated_bytes
+    recorder.clear()
+    fill(recorder, steps=4, batch=1, vocab=1 << 14, seed=2)
+    assert recorder._pool.allocated_bytes > allocated  # the held table's buffers were not reused
+    assert np.array_equal(column_matrix(held, "natural_logits", 1 << 14), snapshot)
+    del held
+    recorder.clear()
+    allocated = recorder._pool.allocated_bytes
+    fill(recorder, steps=4, batch=1, vocab=1 << 14, seed=3)
+    assert recorder._pool.allocated_bytes == allocated  # nothing held: warm buffers reused
+
+
+def test_buffer_pool_hands_back_only_unreferenced_buffers():
+    pool = BufferPool()
+    buf = pool.take(1 << 16)
+    view = buf.tensor((16, 1024), torch.float32)
+    pool.give(buf)
+    assert pool.take(1 << 16) is not buf
+    del view
+    assert pool.take(1 << 16) is buf
+
+
+def test_vocabulary_size_change_is_an_error_naming_both_sizes():
+    recorder = Recorder(Storage.parse("float32"), ["natural"])
+    recorder.begin_step(0, 0, 1, 10, CPU)
+    with pytest.raises(ValueError, match="vocabulary size changed from 10 to 11"):
+        recorder.begin_step(0, 1, 1, 11, CPU)
+
+
+def test_storage_validation_names_the_value():
+    with pytest.raises(ValueError, match="storage must be one of"):
+        Storage.parse("int8")
+    with pytest.raises(ValueError, match="top_k must be an int >= 1"):
+        Storage.parse("topk", 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["float32", "float16", "bfloat16", "topk"])
+def test_cuda_path_records_what_a_synchronous_copy_records(kind):
+    device = torch.device("cuda")
+    recorder = Recorder(Storage.parse(kind, 5), ["natural", "constrained"], chunk_bytes=64 * 1024, ring_slots=2)
+    reference = Recorder(Storage.parse(kind, 5), ["natural", "constrained"], chunk_bytes=64 * 1024)
+    gen = torch.Generator(device=device).manual_seed(0)
+    for t in range(50):
+        x = torch.randn(3, 1000, device=device, generator=gen)
+        y = x.masked_fill(x < 0, float("-inf"))
+        for rec, dev in ((recorder, device), (reference, CPU)):
+            rows = rec.begin_step(0, t, 3, 1000, dev)
+            rec.write(rows, "natural", x.to(dev))
+            rec.write(rows, "constrained", y.to(dev), natural=x.to(dev))
+            rec.set_chosen(rows, y.argmax(1).to(dev))
+    got = pa.Table.from_batches(recorder.batches())
+    want = pa.Table.from_batches(reference.batches())
+    for name in want.column_names:
+        if kind == "topk" and name.endswith("_lse"):
+            np.testing.assert_allclose(got.column(name).to_numpy(), want.column(name).to_numpy(), rtol=1e-5)
+        else:
+            assert got.column(name).equals(want.column(name)), name

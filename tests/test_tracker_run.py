@@ -1,0 +1,135 @@
+"""Runs on disk: Parquet round trips, atomic writes, datasets read by pyarrow and DuckDB, metadata."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pytest
+import torch
+from test_tracker_support import byte_tokenizer
+
+import tracker.run as run_module
+from processors import LogitsProcessor
+from tracker import LogitTrackingProcessor, Run, Vocabulary
+from tracker.schema import META_RUN, SCHEMA_VERSION, RunMetadata
+
+
+class MaskOdd(LogitsProcessor):
+    def process(self, logits, ctx):
+        out = logits.clone()
+        out[:, 1::2] = float("-inf")
+        return out
+
+
+def tracked(storage="float32", seed=0, steps=6, batch=2, generations=1):
+    tok = byte_tokenizer()
+    tracker = LogitTrackingProcessor(MaskOdd(), tokenizer=tok, storage=storage, top_k=8, model="tiny-test")
+    tracker.annotate(sampling={"temperature": 0.7}, purpose="test")
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(generations):
+        ids = torch.tensor(tok(["the cat", "héllo"], padding=True)["input_ids"])[:batch]
+        for _ in range(steps):
+            out = tracker(ids, torch.randn(batch, len(tok), generator=gen) * 3)
+            ids = torch.cat([ids, out.argmax(1, keepdim=True)], 1)
+        tracker.finish(ids)
+    return tracker
+
+
+@pytest.mark.parametrize("storage", ["float32", "float16", "bfloat16", "topk"])
+def test_parquet_round_trip_answers_the_same_without_a_tokenizer(tmp_path, storage):
+    tracker = tracked(storage)
+    path = tracker.to_parquet(tmp_path / "run.parquet")
+    run = Run.load(path)
+    live = tracker.run
+    assert run.metadata.storage == storage and run.metadata.vocab_size == live.metadata.vocab_size
+    for s in (0, 1):
+        assert run.get_top_tokens(k=5, sequence=s) == live.get_top_tokens(k=5, sequence=s)
+        assert run.sequence(sequence=s) == live.sequence(sequence=s)
+        np.testing.assert_array_equal(run.get_logits(sequence=s)["structured"], live.get_logits(sequence=s)["structured"])
+    assert run.to_dataframe(min_value=0.01).equals(live.to_dataframe(min_value=0.01))
+    assert run.stats().equals(live.stats())
+
+
+def test_run_metadata_travels_with_the_data(tmp_path):
+    tracker = tracked(generations=2)
+    run = Run.load(tracker.to_parquet(tmp_path / "run.parquet"))
+    meta = run.metadata
+    assert meta.schema_version == SCHEMA_VERSION
+    assert meta.model == "tiny-test" and meta.sampling == {"temperature": 0.7} and meta.extra == {"purpose": "test"}
+    assert meta.stages == ["natural", "constrained"] and meta.eos_token_ids == [0]
+    assert [g["generation"] for g in meta.generations] == [0, 1]
+    tok = byte_tokenizer()
+    assert run.vocab.decode(meta.generations[0]["prompt_ids"][1]).endswith("héllo")
+    assert "MaskOdd" in meta.processors and meta.created_at and meta.library_version
+    assert run.vocab.display[: len(tok)] == tuple(
+        Vocabulary.from_tokenizer(tok, len(tok)).display
+    )
+
+
+def test_writes_are_atomic_a_failed_write_leaves_the_old_file(tmp_path, monkeypatch):
+    tracker = tracked()
+    path = tracker.to_parquet(tmp_path / "run.parquet")
+    before = path.read_bytes()
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(run_module.pq, "write_table", broken)
+    with pytest.raises(OSError, match="disk full"):
+        tracked(seed=1).to_parquet(path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["run.parquet"]  # no temporary file left
+
+
+def test_many_runs_form_one_dataset_for_pyarrow_and_duckdb(tmp_path):
+    duckdb = pytest.importorskip("duckdb")
+    runs = [tracked(seed=s, steps=3 + s) for s in range(3)]
+    for tracker in runs:
+        tracker.to_dataset(tmp_path)
+    dataset = ds.dataset(tmp_path, format="parquet", partitioning="hive")
+    table = dataset.to_table(columns=["run_id", "generation", "sequence", "step", "chosen"])
+    counts = {r: c for r, c in zip(*np.unique(table.column("run_id").to_numpy(zero_copy_only=False), return_counts=True))}
+    assert counts == {t.run_id: 2 * (3 + s) for s, t in enumerate(runs)}
+    con = duckdb.connect()
+    rows = con.execute(
+        f"select run_id, count(*), max(step) from read_parquet('{tmp_path}/**/*.parquet', hive_partitioning=true) "
+        "group by run_id order by run_id"
+    ).fetchall()
+    assert rows == sorted((t.run_id, 2 * (3 + s), 2 + s) for s, t in enumerate(runs))
+    one = Run.load(tmp_path, run_id=runs[1].run_id)
+    assert one.get_top_tokens(k=3) == runs[1].get_top_tokens(k=3)
+    with pytest.raises(ValueError, match="holds 3 runs; pass run_id="):
+        Run.load(tmp_path)
+
+
+def test_to_arrow_is_zero_copy_and_carries_the_schema_metadata():
+    tracker = tracked()
+    table = tracker.to_arrow()
+    assert json.loads(table.schema.metadata[META_RUN])["run_id"] == tracker.run_id
+    buffers = {b.address for batch in tracker.recorder.batches() for b in batch.column("natural_logits").values.buffers() if b}
+    assert {b.address for chunk in table.column("natural_logits").chunks for b in chunk.values.buffers() if b} <= buffers
+    again = Run.from_arrow(table)
+    assert again.get_top_tokens(k=2) == tracker.get_top_tokens(k=2)
+
+
+def test_loading_errors_name_the_problem(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no run at"):
+        Run.load(tmp_path / "missing.parquet")
+    with pytest.raises(ValueError, match="no logitscope run metadata"):
+        Run.from_arrow(pa.table({"x": [1]}))
+    newer = RunMetadata("r", "float32", 0, ["natural"], 4, schema_version="9.0")
+    with pytest.raises(ValueError, match="schema version '9.0' cannot be read"):
+        RunMetadata.from_json(newer.to_json())
+
+
+def test_vocabulary_serialises_bytes_that_are_not_utf8():
+    pieces = [b"\xe2\x98", b"\x83", b"ok", b""]
+    vocab = Vocabulary.from_parts(pieces, [False, False, False, True])
+    back = Vocabulary.deserialize(vocab.serialize())
+    assert [back.token_bytes(i) for i in range(4)] == pieces
+    assert back.display == vocab.display and back.display[0] == "\\xe2\\x98"
+    assert back.decode([0, 1, 2]) == "☃ok"
+    assert back.special.tolist() == [False, False, False, True]
