@@ -1,0 +1,220 @@
+"""The tracker in every host and convention, and what it does with bad input."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from test_tracker_support import byte_tokenizer, random_gpt2
+from transformers import LogitsProcessorList
+
+from processors import LogitsProcessor, ProcessorError, from_dynamo, to_dynamo, to_trtllm, to_vllm
+from sampling import Generator, SamplingParams
+from tracker import LogitTrackingProcessor, add_tracking
+
+V = 32
+
+
+class MaskEven(LogitsProcessor):
+    def process(self, logits, ctx):
+        return logits.masked_fill(torch.arange(logits.shape[1]) % 2 == 0, float("-inf"))
+
+
+def test_add_tracking_on_logitscope_generator_records_every_row_and_the_last_token():
+    tok = byte_tokenizer()
+    model = random_gpt2(len(tok), seed=5)
+    banned = MaskEven()
+    generator = add_tracking(Generator(model, tok, logits_processor=[banned]))
+    tracker = generator.logits_processor
+    assert isinstance(tracker, LogitTrackingProcessor) and tracker.tokenizer is tok
+    outputs = generator.generate(["the cat", "héllo wörld"], SamplingParams(temperature=0.9, seed=3, max_new_tokens=8, n=2))
+    completions = [c for out in outputs for c in out.outputs]
+    assert tracker.sequences() == [0, 1, 2, 3]
+    for row, completion in enumerate(completions):
+        stats = tracker.stats(sequence=row)
+        assert stats["chosen_id"].tolist() == completion.token_ids  # the last token included
+        assert (stats["p_chosen_constrained"] > 0).all()
+        natural = torch.from_numpy(tracker.get_logits(sequence=row)["unstructured"]).double()
+        chosen = torch.tensor(completion.token_ids)
+        raw_lp = torch.log_softmax(natural, 1).gather(1, chosen[:, None])[:, 0]
+        np.testing.assert_allclose(raw_lp.numpy(), completion.raw_logprobs, rtol=1e-4, atol=1e-5)
+        assert tracker.sequence(sequence=row) == tok.decode(completion.token_ids)
+    assert add_tracking(generator) is generator and generator.logits_processor is tracker
+    generator.generate(["2"], SamplingParams(max_new_tokens=3))
+    assert tracker.generations() == [0, 1]
+
+
+def test_add_tracking_on_an_outlines_style_generator():
+    tok = byte_tokenizer()
+    model = random_gpt2(len(tok), seed=6)
+
+    class OutlinesLikeGenerator:
+        """What add_tracking relies on in an Outlines 1.x Generator: .logits_processor, reset(), model.generate."""
+
+        def __init__(self, processor):
+            self.logits_processor = processor
+            self.model = model
+
+        def __call__(self, prompt, max_new_tokens=5):
+            self.logits_processor.reset()
+            enc = tok([prompt], return_tensors="pt")
+            out = model.generate(**enc, logits_processor=LogitsProcessorList([self.logits_processor]),
+                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+            return out[0, enc["input_ids"].shape[1]:]
+
+    class OutlinesLikeProcessor:
+        def __init__(self):
+            self.tokenizer = tok
+            self.resets = 0
+
+        def reset(self):
+            self.resets += 1
+
+        def __call__(self, input_ids, logits):
+            logits[:, 1::2] = float("-inf")  # in place, as Outlines' backends do
+            return logits
+
+    inner = OutlinesLikeProcessor()
+    generator = add_tracking(OutlinesLikeGenerator(inner))
+    tracker = generator.logits_processor
+    first = generator("the cat")
+    second = generator("héllo", max_new_tokens=4)
+    assert inner.resets == 2 and tracker.generations() == [0, 1]
+    chosen_first = tracker.stats(generation=0)["chosen_id"]
+    assert chosen_first.tolist()[:-1] == first.tolist()[:-1]
+    assert chosen_first.isna().tolist()[-1]  # never told the last token of that generation
+    natural = tracker.get_logits(generation=1)["unstructured"]
+    assert np.isfinite(natural[:, 1::2]).all()  # recorded before the in-place mask
+    assert np.isinf(tracker.get_logits(generation=1)["structured"][:, 1::2]).all()
+    tracker.finish(torch.cat([tok(["héllo"], return_tensors="pt")["input_ids"], second[None]], 1))
+    assert tracker.stats(generation=1)["chosen_id"].tolist() == second.tolist()
+
+
+def test_add_tracking_fails_clearly_without_a_processor_attribute():
+    with pytest.raises(TypeError, match="must have a logits_processor attribute.*got object"):
+        add_tracking(object())
+
+
+def _step_rows(gen, batch=1):
+    return torch.randn(batch, V, generator=gen)
+
+
+def test_vllm_convention_per_request_callable():
+    tracker = LogitTrackingProcessor(MaskEven())
+    gen = torch.Generator().manual_seed(1)
+    outputs = []
+    for request in range(2):
+        fn = to_vllm(tracker, with_prompt=True)  # vLLM makes one callable per request
+        prompt, output = [1, 2, 3], []
+        for _ in range(4):
+            row = _step_rows(gen)[0]
+            out = fn(prompt, output, row.clone())
+            assert torch.isinf(out[::2]).all()
+            output.append(int(out.argmax()))
+        tracker.finish(torch.tensor([prompt + output]))
+        outputs.append(output)
+    assert tracker.generations() == [0, 1]
+    for g in (0, 1):
+        assert tracker.stats(generation=g)["chosen_id"].tolist() == outputs[g]
+
+
+def test_dynamo_convention_in_place_and_wrapping_an_in_place_processor():
+    def zero_first_half(ids, row):
+        row[: V // 2] = float("-inf")
+
+    tracker = LogitTrackingProcessor(from_dynamo(zero_first_half))
+    fn = to_dynamo(tracker)
+    gen = torch.Generator().manual_seed(2)
+    ids, seen = [5, 6], []
+    for _ in range(3):
+        row = _step_rows(gen)[0]
+        seen.append(row.clone())
+        assert fn(ids, row) is None
+        assert torch.isinf(row[: V // 2]).all()  # modified in place for the host
+        ids.append(int(row.argmax()))
+    natural = tracker.get_logits()["unstructured"]
+    assert np.array_equal(natural, torch.stack(seen).numpy())  # snapshot taken before the in-place processor
+    assert tracker.stats()["chosen_id"].tolist()[:2] == ids[2:4]
+
+
+def test_trtllm_convention_copies_share_one_recording():
+    tracker = LogitTrackingProcessor(MaskEven())
+    fn = to_trtllm(tracker)
+    gen = torch.Generator().manual_seed(3)
+    tokens = {"a": [[1, 2]], "b": [[3, 4, 5]]}
+    for _ in range(3):
+        for req in ("a", "b"):  # interleaved requests
+            logits = _step_rows(gen)[None]  # [beam, 1, V]
+            fn(req, logits, tokens[req], None, None)
+            tokens[req][0].append(int(logits[0, 0].argmax()))
+    assert sorted(tracker.generations()) == [0, 1]
+    for g, req in ((0, "a"), (1, "b")):
+        assert tracker.stats(generation=g)["chosen_id"].tolist()[:2] == tokens[req][0][-3:-1]
+    assert copy.deepcopy(tracker).recorder is tracker.recorder
+
+
+def test_transformers_convention_is_the_tracker_itself():
+    tracker = LogitTrackingProcessor(MaskEven())
+    out = tracker(torch.tensor([[1, 2]]), torch.randn(1, V))
+    assert torch.isinf(out[0, ::2]).all() and tracker.recorder.rows == 1
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_logits_of_the_wrong_rank_are_an_error():
+    tracker = LogitTrackingProcessor(MaskEven())
+    with pytest.raises(ValueError, match=r"logits must be 2-D \[batch, vocab\], got shape \(1, 1, 32\)"):
+        tracker(torch.tensor([[1]]), torch.randn(1, 1, V))
+    with pytest.raises(ValueError, match="logits has 2 rows but input_ids has 1"):
+        tracker(torch.tensor([[1]]), torch.randn(2, V))
+    assert tracker.recorder.rows == 0
+
+
+def test_a_vocabulary_that_changes_size_midway_is_an_error():
+    tracker = LogitTrackingProcessor(MaskEven())
+    tracker(torch.tensor([[1]]), torch.randn(1, V))
+    with pytest.raises(ValueError, match=f"vocabulary size changed from {V} to {V + 1}"):
+        tracker(torch.tensor([[1, 2]]), torch.randn(1, V + 1))
+
+
+def test_nan_logits_are_recorded_and_flagged():
+    tracker = LogitTrackingProcessor(MaskEven())
+    logits = torch.randn(2, V)
+    logits[1, 3] = float("nan")
+    tracker(torch.tensor([[1], [2]]), logits)
+    assert tracker.stats(sequence=1)["nonfinite"].tolist() == [True]
+    assert tracker.stats(sequence=0)["nonfinite"].tolist() == [False]
+    assert np.isnan(tracker.get_logits(sequence=1)["unstructured"][0, 3])
+    assert tracker.to_arrow().column("natural_nonfinite").to_pylist() == [False, True]
+
+
+def test_a_processor_that_raises_is_reported_and_its_step_flagged():
+    class Breaks(LogitsProcessor):
+        def process(self, logits, ctx):
+            if ctx.num_generated == 1:
+                raise RuntimeError("grammar state lost")
+            return logits
+
+    tracker = LogitTrackingProcessor(Breaks())
+    tracker(torch.tensor([[1]]), torch.randn(1, V))
+    with pytest.raises(ProcessorError, match="Breaks raised RuntimeError: grammar state lost.*step 1 with processor_error=True"):
+        tracker(torch.tensor([[1, 2]]), torch.randn(1, V))
+    stats = tracker.stats()
+    assert stats["processor_error"].tolist() == [False, True]
+    table = tracker.to_arrow()
+    assert table.column("constrained_logits").null_count == 1 and table.column("natural_logits").null_count == 0
+    assert np.isnan(tracker.get_logits()["structured"][1]).all()
+
+
+def test_a_processor_returning_the_wrong_shape_is_reported():
+    class Wrong(LogitsProcessor):
+        def process(self, logits, ctx):
+            return logits[:, :-1]
+
+    tracker = LogitTrackingProcessor(Wrong())
+    with pytest.raises(ProcessorError, match=r"returned logits of shape \(1, 31\), expected \(1, 32\)"):
+        tracker(torch.tensor([[1]]), torch.randn(1, V))
+    assert tracker.stats()["processor_error"].tolist() == [True]
