@@ -1,0 +1,384 @@
+"""The sampling maths, as plain functions over batches of rows.
+
+All functions work on whole ``[B, V]`` tensors with per-row parameters given
+as Python scalars or ``[B]`` tensors; none loops over rows or tokens.
+
+**The order.** Tokens are ranked by descending weight (logit or probability),
+ties broken by lower token id. Every filter keeps a prefix of that order:
+
+- top-k keeps exactly ``k`` tokens: the first ``k`` of the order (so among
+  tokens tied at the boundary, the lower ids are kept);
+- top-p keeps token ``t`` iff the mass of the tokens strictly before ``t`` is
+  ``< top_p`` (the smallest prefix whose mass is ``>= top_p``);
+- min-p keeps every token with ``p >= min_p * max(p)`` (ties all kept).
+
+A token is drawn by inverting the CDF **in that order** at the row's uniform
+number ``u``: the token ``t`` with ``before(t) <= u * M < before(t) + p(t)``,
+``M`` the mass kept. So every path (fused or not, partial selection or not)
+maps the same ``u`` to the same token, up to float rounding at a boundary.
+
+**Without sorting.** Top-p and sampling over the whole vocabulary need the
+token at which the running mass crosses a target. :func:`mass_crossing` finds
+it by a radix select on the float bits of the probabilities: three
+histograms of probability mass (11, 10 and 10 bits), the first over the whole
+row, the next two over the few tokens of the chosen bucket; no sort and no
+loop over data. Top-k uses a
+partial selection (``torch.topk``) of the ``k`` largest only.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Union
+
+import torch
+
+__all__ = [
+    "Param",
+    "Crossing",
+    "Cut",
+    "as_column",
+    "top_k_candidates",
+    "top_k_column",
+    "top_k_mask",
+    "radix_keys",
+    "mass_crossing",
+    "top_p_cut",
+    "nth_equal",
+    "cut_mask",
+    "full_cut",
+    "shorter",
+    "sample_weights",
+    "candidate_masses",
+    "Length",
+    "prefix_mass",
+    "shorten",
+    "min_p_length",
+    "top_p_length",
+    "sample_prefix",
+]
+
+Param = Union[float, int, torch.Tensor]
+"""A runtime parameter: one value for every row, or a ``[B]`` tensor."""
+
+_LEVELS = ((20, 11), (10, 10), (0, 10))  # (shift, width) of the three radix levels over 31 bits
+_BLOCK = 256  # block length for locating the n-th equal token without a full cumsum
+
+
+class Crossing(NamedTuple):
+    """Where the running mass (in the order of the module docstring) crosses a target.
+
+    ``value`` is the weight of the token at the crossing, ``above`` the mass of
+    all tokens with a larger weight, ``ties`` how many tokens have weight
+    ``value``, ``target`` the target mass and ``total`` the total mass of the
+    row (both in the units of the weights given).
+    """
+
+    value: torch.Tensor  # float32 [B]
+    above: torch.Tensor  # float64 [B]
+    ties: torch.Tensor  # int64 [B]
+    target: torch.Tensor  # float64 [B]
+    total: torch.Tensor  # float64 [B]
+
+
+class Cut(NamedTuple):
+    """A prefix of the order: tokens with weight > ``value``, then the first ``count`` (by id) equal to it.
+
+    ``mass`` is the prefix's mass in the units of the weights; NaN means "the
+    whole row of (possibly masked) weights", to be read off the next histogram.
+    """
+
+    value: torch.Tensor  # float32 [B]
+    count: torch.Tensor  # int64 [B]
+    mass: torch.Tensor  # float64 [B]
+
+
+def as_column(value: Param, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor | float | int:
+    """A per-row parameter shaped ``[B, 1]`` to broadcast against ``[B, V]``; scalars stay scalars."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device=like.device, dtype=dtype or like.dtype).reshape(-1, 1)
+    return value
+
+
+def _per_row(value: Param, batch: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=dtype).reshape(-1).expand(batch)
+    return torch.full((batch,), value, device=device, dtype=dtype)
+
+
+# --------------------------------------------------------------------------- top-k
+
+
+def top_k_candidates(x: torch.Tensor, width: int, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``width`` tokens of the order, as ``(values, ids)`` sorted by (value desc, id asc).
+
+    ``x`` holds logits (``floor=-inf``) or probabilities (``floor=0``). Uses
+    ``torch.topk`` (a partial selection); only rows where tokens of positive
+    mass tie across the boundary are re-selected with a stable sort, so the
+    lower ids win as the tie rule says. NaN ranks first (``torch.topk``'s
+    rule), so a row holding NaN is caught downstream as a dead row.
+    """
+    vocab = x.shape[-1]
+    if width >= vocab:
+        return torch.sort(x, dim=-1, descending=True, stable=True)
+    values, ids = torch.topk(x, width + 1, dim=-1)
+    if not bool((values.diff(dim=-1) == 0).any()):  # no ties at all: the common case, one check
+        return values[:, :width], ids[:, :width]
+    boundary = (values[:, width - 1] == values[:, width]) & (values[:, width - 1] > floor)
+    if bool(boundary.any()):
+        rows = boundary.nonzero().squeeze(1)
+        exact_values, exact_ids = torch.sort(x.index_select(0, rows), dim=-1, descending=True, stable=True)
+        values = values.index_copy(0, rows, exact_values[:, : width + 1])
+        ids = ids.index_copy(0, rows, exact_ids[:, : width + 1])
+    values, ids = values[:, :width], ids[:, :width]
+    ids, order = ids.sort(dim=-1)  # order ties inside the candidates by id
+    values, order = values.gather(1, order).sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(1, order)
+    return values, ids
+
+
+def top_k_column(k: Param, batch: int, vocab: int, device: torch.device) -> tuple[int, torch.Tensor | None]:
+    """``(width, k)``: how many candidates to select, and per-row ``k`` as ``[B]`` (0 means all) if ``k`` is a tensor."""
+    if isinstance(k, torch.Tensor):
+        column = k.to(device=device, dtype=torch.long).reshape(-1).expand(batch)
+        column = torch.where(column > 0, column, vocab).clamp(max=vocab)
+        return int(column.max()), column
+    return (min(int(k), vocab) if k > 0 else vocab), None
+
+
+def top_k_mask(x: torch.Tensor, k: Param, floor: float) -> torch.Tensor:
+    """``bool [B, V]``: exactly ``k`` tokens per row, the first of the order (ties: lower id)."""
+    batch, vocab = x.shape
+    width, column = top_k_column(k, batch, vocab, x.device)
+    _, ids = top_k_candidates(x, width, floor)
+    rank = torch.arange(width, device=x.device).expand(batch, width)
+    keep = rank < (width if column is None else column[:, None])
+    return torch.zeros_like(x, dtype=torch.bool).scatter_(1, ids, keep)
+
+
+# --------------------------------------------------------------------------- radix select on mass
+
+
+def radix_keys(w: torch.Tensor) -> torch.Tensor:
+    """``int64 [B, V]``: the top 11 bits of each non-negative float32 weight, ordered like the weights.
+
+    Computed once per weights tensor and shared by every crossing over it
+    (int64 because ``scatter_add_`` converts any other index type on each call).
+    """
+    return ((w.contiguous().view(torch.int32) >> _LEVELS[0][0]) & ((1 << _LEVELS[0][1]) - 1)).long()
+
+
+def _suffix(hist: torch.Tensor) -> torch.Tensor:
+    """Mass in buckets ``>= j``, for every bucket ``j``."""
+    return hist.flip(-1).cumsum(-1).flip(-1)
+
+
+def _select(
+    hist: torch.Tensor, suffix: torch.Tensor, above: torch.Tensor, target: torch.Tensor, inclusive: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The bucket where the mass, summed from the top bucket down, crosses ``target``.
+
+    Returns ``(bucket, mass above it, mass in it)``. The chosen bucket always
+    holds mass: if rounding leaves no crossing, the lowest bucket with mass.
+    """
+    reached = above[:, None] + suffix
+    crossed = reached >= target[:, None] if inclusive else reached > target[:, None]
+    bucket = crossed.sum(-1) - 1
+    lowest = (hist > 0).to(torch.uint8).argmax(-1)
+    bucket = torch.where(bucket >= 0, bucket, lowest)
+    suffix = torch.nn.functional.pad(suffix, (0, 1))
+    new_above = above + suffix.gather(1, (bucket + 1)[:, None]).squeeze(1)
+    return bucket, new_above, hist.gather(1, bucket[:, None]).squeeze(1)
+
+
+def mass_crossing(
+    w: torch.Tensor,
+    fraction: torch.Tensor | float,
+    of_mass: torch.Tensor | None = None,
+    *,
+    inclusive: bool,
+    keys: torch.Tensor | None = None,
+) -> Crossing:
+    """Find the token at which the running mass of ``w`` crosses ``fraction * of_mass``.
+
+    ``w``: float32 ``[B, V]`` non-negative weights (need not sum to 1).
+    ``of_mass``: ``[B]`` float64; NaN or ``None`` means the row's total.
+    ``inclusive=True`` finds the last token of the smallest prefix with mass
+    ``>= target`` (top-p); ``inclusive=False`` the token ``t`` with
+    ``before(t) <= target < before(t) + w(t)`` (sampling). ``keys`` may pass
+    :func:`radix_keys` of ``w`` when it is reused.
+
+    The first level histograms every token by its top 11 bits; the next two
+    see only the tokens of the chosen bucket (gathered with one ``nonzero``,
+    which synchronises a GPU once), so their cost does not grow with ``V``.
+    """
+    batch = w.shape[0]
+    keys = radix_keys(w) if keys is None else keys
+    (_, width), *inner_levels = _LEVELS
+    hist = w.new_zeros(batch, 1 << width).scatter_add_(1, keys, w).double()
+    suffix = _suffix(hist)
+    total = suffix[:, 0]  # summed as the crossing sums it, so fraction 1 keeps every token
+    mass = total if of_mass is None else torch.where(torch.isnan(of_mass), total, of_mass)
+    target = (fraction.double() if isinstance(fraction, torch.Tensor) else fraction) * mass
+    above = torch.zeros_like(total)
+    prefix, above, in_bucket = _select(hist, suffix, above, target, inclusive)
+    rows, cols = (keys == prefix.to(keys.dtype)[:, None]).nonzero(as_tuple=True)
+    sub_w = w[rows, cols]
+    sub_bits = (sub_w.view(torch.int32) & 0x7FFFFFFF).long()
+    for shift, width in inner_levels:
+        size = 1 << width
+        inside = (sub_bits >> (shift + width)) == prefix[rows]
+        slot = rows * size + ((sub_bits >> shift) & (size - 1))
+        hist = w.new_zeros(batch * size).index_add_(0, slot, torch.where(inside, sub_w, 0.0))
+        hist = hist.view(batch, size).double()
+        bucket, above, in_bucket = _select(hist, _suffix(hist), above, target, inclusive)
+        prefix = (prefix << width) | bucket
+    value = prefix.to(torch.int32).view(torch.float32)
+    safe = torch.where(value > 0, value, torch.ones_like(value)).double()
+    ties = torch.round(in_bucket / safe).long().clamp_(min=1)
+    return Crossing(value, above, ties, target, total)
+
+
+def top_p_cut(
+    w: torch.Tensor, top_p: Param, of_mass: torch.Tensor | None = None, keys: torch.Tensor | None = None
+) -> Cut:
+    """The top-p prefix of ``w`` (renormalised to ``of_mass``): keep ``t`` iff mass before ``t`` < top_p * mass."""
+    batch = w.shape[0]
+    fraction = _per_row(top_p, batch, w.device, torch.float64)
+    c = mass_crossing(w, fraction, of_mass, inclusive=True, keys=keys)
+    safe = torch.where(c.value > 0, c.value, torch.ones_like(c.value)).double()
+    count = torch.ceil((c.target - c.above) / safe).clamp_(min=1)
+    count = torch.minimum(count, c.ties.double()).long()
+    return Cut(c.value, count, c.above + count.double() * c.value.double())
+
+
+def full_cut(w: torch.Tensor) -> Cut:
+    """The prefix that keeps every token of ``w`` (mass read off later histograms)."""
+    batch = w.shape[0]
+    return Cut(
+        torch.full((batch,), -1.0, device=w.device),
+        torch.zeros(batch, dtype=torch.long, device=w.device),
+        torch.full((batch,), float("nan"), dtype=torch.float64, device=w.device),
+    )
+
+
+def shorter(a: Cut, b: Cut) -> Cut:
+    """Per row, the shorter of two prefixes of the same order."""
+    take_a = (a.value > b.value) | ((a.value == b.value) & (a.count < b.count))
+    mass_a = torch.where(torch.isnan(a.mass), b.mass, a.mass)  # a whole-row cut never shortens
+    return Cut(
+        torch.where(take_a, a.value, b.value),
+        torch.where(take_a, a.count, b.count),
+        torch.where(take_a, mass_a, b.mass),
+    )
+
+
+def nth_equal(w: torch.Tensor, value: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """Per row, the id of the ``n``-th (0-based, by id) token whose weight equals ``value``.
+
+    Counts equal tokens in blocks of 256, then scans one block: no cumsum over
+    the whole vocabulary, no sync.
+    """
+    batch, vocab = w.shape
+    equal = w == value[:, None]
+    blocks = -(-vocab // _BLOCK)
+    if blocks * _BLOCK != vocab:
+        equal = torch.nn.functional.pad(equal, (0, blocks * _BLOCK - vocab))
+    equal = equal.view(batch, blocks, _BLOCK)
+    counts = equal.sum(-1, dtype=torch.int32).long()
+    running = counts.cumsum(-1)
+    block = torch.searchsorted(running, n[:, None], right=True).clamp_(max=blocks - 1)
+    before = running.gather(1, block) - counts.gather(1, block)
+    inner = equal.gather(1, block[:, :, None].expand(batch, 1, _BLOCK)).squeeze(1).cumsum(-1)
+    offset = torch.searchsorted(inner, n[:, None] - before, right=True).clamp_(max=_BLOCK - 1)
+    return (block * _BLOCK + offset).squeeze(1)
+
+
+def cut_mask(w: torch.Tensor, cut: Cut) -> torch.Tensor:
+    """``bool [B, V]``: the tokens of ``w`` inside ``cut`` (with positive weight). No sync."""
+    value = cut.value[:, None]
+    equal = w == value
+    rank = equal.cumsum(-1, dtype=torch.int32)
+    return (w > 0) & ((w > value) | (equal & (rank <= cut.count[:, None])))
+
+
+def sample_weights(
+    w: torch.Tensor, u: torch.Tensor, cut: Cut | None = None, keys: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draw one token per row from weights ``w`` restricted to ``cut``, by the CDF in the order.
+
+    Returns ``(tokens, log-probability in the renormalised distribution,
+    mass sampled from)``. The mass is NaN or 0 for a dead row (its token is
+    then meaningless; the caller flags it).
+    """
+    c = mass_crossing(w, u, None if cut is None else cut.mass, inclusive=False, keys=keys)
+    safe = torch.where(c.value > 0, c.value, torch.ones_like(c.value)).double()
+    n = torch.floor((c.target - c.above) / safe).clamp_(min=0)
+    n = torch.minimum(n, (c.ties - 1).double()).long()
+    value = c.value
+    if cut is not None:
+        outside = (value < cut.value) | ((value == cut.value) & (n >= cut.count))
+        value = torch.where(outside, cut.value, value)
+        n = torch.where(outside, cut.count - 1, n)
+    tokens = nth_equal(w, value, n)
+    mass = c.total if cut is None else torch.where(torch.isnan(cut.mass), c.total, cut.mass)
+    mass = torch.where(torch.isfinite(c.total), mass, c.total)  # NaN anywhere in the row: dead
+    logprobs = torch.log(value.double() / mass)
+    return tokens, logprobs, mass
+
+
+# --------------------------------------------------------------------------- candidates
+
+
+def candidate_masses(values: torch.Tensor, temperature: Param | None, from_logits: bool) -> torch.Tensor:
+    """float64 masses of sorted candidates: their softmax (with temperature) for logits, the values for probs."""
+    if not from_logits:
+        return values.double()
+    if temperature is not None:
+        values = values / as_column(temperature, values)
+    return torch.softmax(values, dim=-1, dtype=torch.float64)
+
+
+Length = Union[int, torch.Tensor]
+"""How many sorted candidates a row keeps: one int for all rows, or ``int64 [B]``."""
+
+
+def prefix_mass(running: torch.Tensor, length: Length) -> torch.Tensor:
+    """``[B]``: the mass of the first ``length`` candidates, from their cumulative sum."""
+    if isinstance(length, int):
+        return running[:, length - 1]
+    return running.gather(1, (length - 1)[:, None]).squeeze(1)
+
+
+def shorten(length: Length, kept: torch.Tensor | int) -> Length:
+    """The shorter of two prefix lengths."""
+    if isinstance(kept, int):
+        return min(length, kept) if isinstance(length, int) else length.clamp(max=kept)
+    return kept.clamp(max=length) if isinstance(length, int) else torch.minimum(length, kept)
+
+
+def min_p_length(masses: torch.Tensor, min_p: Param) -> torch.Tensor:
+    """How many sorted candidates have ``mass >= min_p * max``."""
+    return (masses >= as_column(min_p, masses) * masses[:, :1]).sum(-1)
+
+
+def top_p_length(masses: torch.Tensor, running: torch.Tensor, top_p: Param, total: torch.Tensor) -> torch.Tensor:
+    """How many sorted candidates have a mass strictly before them ``< top_p * total``.
+
+    At least 1 for a live row (the first has nothing before it); 0 only for
+    a row of NaN, which the sampler then flags as dead.
+    """
+    return ((running - masses) < as_column(top_p, masses) * total[:, None]).sum(-1).clamp_(min=1)
+
+
+def sample_prefix(
+    masses: torch.Tensor, running: torch.Tensor, length: Length, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draw a position in the first ``length`` sorted candidates by the CDF in their order.
+
+    Returns ``(positions, log-probabilities, mass sampled from)``; the mass is
+    NaN or 0 for a dead row.
+    """
+    mass = prefix_mass(running, length)
+    pos = torch.searchsorted(running, (u * mass)[:, None], right=True).squeeze(1)
+    pos = shorten(pos, length - 1) if isinstance(length, int) else torch.minimum(pos, length - 1)
+    return pos, torch.log(masses.gather(1, pos[:, None]).squeeze(1) / mass), mass

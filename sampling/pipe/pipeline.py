@@ -1,0 +1,283 @@
+"""``LogitsPipe``: a declarative list of processors, legalized into ops, checked, fused, and run.
+
+>>> pipe = LogitsPipe([Temperature(), Softmax(), TopK(), TopP(), Sample()])
+>>> pipe
+LogitsPipe([Temperature -> Softmax -> TopK -> TopP -> Sample], ops=[TemperatureOp -> SoftmaxOp -> \
+ProbsTopKOp -> ProbsTopPOp -> ProbsSampleOp], compiled=[FusedTemperatureSoftmaxTopKTopPSampleOp])
+>>> tokens = pipe(logits, temperature=0.7, top_k=50, top_p=0.9)
+>>> result = pipe.sample(logits, temperature=0.7, top_k=50, top_p=0.9, top_logprobs=5)
+
+Runtime parameters (``temperature``, ``top_k``, ``top_p``, ``min_p``) are
+keyword arguments of the call, each a scalar (validated) or a ``[B]`` tensor
+(one value per row); a processor's own value is the default. Randomness
+comes from ``u`` (one float64 uniform in [0, 1) per row; the
+:mod:`sampling.functional` streams pass it) or else from ``generator``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Literal, Sequence
+
+import torch
+
+from sampling.pipe.compiler import compile_ops
+from sampling.pipe.fusion import FusionRule, default_rules
+from sampling.pipe.op import Op
+from sampling.pipe.results import SampleResult, raw_logprobs
+from sampling.pipe.runtime import Runtime
+from sampling.pipe.stages import Stage
+from sampling.pipe.taps import INPUT, SAMPLED, Tap, group_taps
+from sampling.pipe.types import CompileError, DeadRowError, LegalizationError, PipeError, TaggedTensor, TensorType
+from sampling.pipe.validators import ValidityCheck, check_param, default_checks
+
+__all__ = ["LogitsPipe", "dead_row_error"]
+
+
+def _join(names: Iterable[str]) -> str:
+    return " -> ".join(names)
+
+
+def dead_row_error(x: TaggedTensor, dead: torch.Tensor, rows: Sequence[int] | None = None) -> DeadRowError:
+    """A :class:`DeadRowError` naming the dead rows of ``x`` and why (``rows`` renames them)."""
+    index = dead.nonzero().flatten()
+    names = [rows[i] for i in index.tolist()] if rows is not None else index.tolist()
+    nan = torch.isnan(x.data.index_select(0, index)).any(-1).tolist()
+    nan_rows = [r for r, n in zip(names, nan) if n]
+    other = [r for r, n in zip(names, nan) if not n]
+    parts = []
+    if nan_rows:
+        parts.append(f"rows {nan_rows} hold NaN {x.type.name.lower()}")
+    if other:
+        what = "every logit is -inf or +inf" if x.type is TensorType.LOGITS else "every probability is 0 or inf"
+        parts.append(f"rows {other} have no allowed token ({what}, or a stage removed every token)")
+    return DeadRowError("cannot sample: " + "; ".join(parts) + " (pass on_dead='flag' for a validity flag)")
+
+
+class LogitsPipe:
+    """A pipe of processors (:mod:`sampling.pipe.stages`) over ``[B, V]`` logits or probabilities.
+
+    Args:
+        processors: the steps, in order.
+        compile: fuse ops now (see :mod:`sampling.pipe.fusion`); otherwise the
+            plain ops run until :meth:`compile` is called.
+        input_type: LOGITS or PROBS; by default LOGITS unless the first
+            processor only accepts PROBS.
+        fusion_rules: rules added to the default ones.
+        validity_checks: checks added to the default ones.
+
+    Raises :class:`~sampling.pipe.types.PipeError` (a ``ValueError``) naming
+    the processor's position, class and the problem.
+    """
+
+    def __init__(
+        self,
+        processors: Sequence[Stage],
+        *,
+        compile: bool = True,
+        input_type: TensorType | None = None,
+        fusion_rules: Sequence[FusionRule] = (),
+        validity_checks: Sequence[ValidityCheck] = (),
+    ) -> None:
+        processors = list(processors)
+        if not processors:
+            raise PipeError("a pipe needs at least one processor, got none")
+        for i, p in enumerate(processors):
+            if not isinstance(p, Stage):
+                raise TypeError(f"processor {i} must be a sampling.pipe Stage, got {type(p).__name__}")
+        if input_type is None:
+            input_type = TensorType.LOGITS if TensorType.LOGITS in processors[0].ACCEPTS else TensorType.PROBS
+        if input_type not in (TensorType.LOGITS, TensorType.PROBS):
+            raise PipeError(f"input_type must be LOGITS or PROBS, got {input_type}")
+        self.processors = tuple(processors)
+        self.input_type = input_type
+        self.stage_names = self._name_stages()
+        self.ops = self._legalize()
+        self.checks = [*default_checks(), *validity_checks]
+        for check in self.checks:
+            check(self.ops, input_type)
+        self.compiled_ops: list[Op] | None = None
+        if compile:
+            self.compile(fusion_rules)
+
+    # ------------------------------------------------------------------ construction
+
+    def _name_stages(self) -> tuple[str, ...]:
+        names: list[str] = []
+        for i, p in enumerate(self.processors):
+            base = p.default_name
+            if base in (INPUT, SAMPLED):
+                raise PipeError(f"processor {i} ({type(p).__name__}): the stage name {base!r} is reserved")
+            name, n = base, 1
+            while name in names:
+                n += 1
+                name = f"{base}_{n}"
+            names.append(name)
+        return tuple(names)
+
+    def _legalize(self) -> list[Op]:
+        ops: list[Op] = []
+        current = self.input_type
+        for i, (p, stage) in enumerate(zip(self.processors, self.stage_names)):
+            try:
+                if current is TensorType.INDICES:
+                    raise LegalizationError(
+                        f"{type(p).__name__} follows a sampler; nothing may come after INDICES"
+                    )
+                new = p.legalize(current, stage)
+            except LegalizationError as e:
+                raise LegalizationError(f"Failed to legalize processor {i} ({type(p).__name__}): {e}") from e
+            ops.extend(new)
+            current = new[-1].OUT
+        return ops
+
+    def compile(self, fusion_rules: Sequence[FusionRule] = (), *, defaults: bool = True) -> None:
+        """Fuse the ops with the default rules (unless ``defaults=False``) and ``fusion_rules``."""
+        rules = [*(default_rules() if defaults else []), *fusion_rules]
+        try:
+            self.compiled_ops = compile_ops(self.ops, self.input_type, rules, self.checks)
+        except CompileError as e:
+            raise CompileError(f"Compilation failed: {e}") from e
+
+    # ------------------------------------------------------------------ description
+
+    @property
+    def output_type(self) -> TensorType:
+        return self.ops[-1].OUT
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        """The runtime parameters this pipe reads."""
+        return tuple(sorted({name for op in self.ops for name in op.PARAMS}))
+
+    @property
+    def tap_stages(self) -> tuple[str, ...]:
+        """The stage names a :class:`~sampling.pipe.taps.Tap` may observe."""
+        extra = (SAMPLED,) if self.output_type is TensorType.INDICES else ()
+        return (INPUT, *self.stage_names, *extra)
+
+    def __repr__(self) -> str:
+        compiled = _join(op.name for op in self.compiled_ops) if self.compiled_ops is not None else ""
+        return (
+            f"LogitsPipe([{_join(repr(p) for p in self.processors)}], "
+            f"ops=[{_join(op.name for op in self.ops)}], compiled=[{compiled}])"
+        )
+
+    # ------------------------------------------------------------------ running
+
+    def __call__(
+        self,
+        x: torch.Tensor | TaggedTensor,
+        *,
+        u: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+        taps: Iterable[Tap] | None = None,
+        **params: Any,
+    ) -> torch.Tensor:
+        """Run the pipe; returns the last stage's tensor (token ids ``[B]`` for a sampling pipe).
+
+        A dead row (nothing to sample, or NaN) raises :class:`DeadRowError`.
+        """
+        tagged, rt = self._prepare(x, u, generator, taps, params)
+        out = self._run(tagged, rt)
+        if rt.valid is not None and not bool(rt.valid.all()):
+            raise dead_row_error(tagged, ~rt.valid)
+        return out.data
+
+    def sample(
+        self,
+        x: torch.Tensor | TaggedTensor,
+        *,
+        u: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+        taps: Iterable[Tap] | None = None,
+        on_dead: Literal["raise", "flag"] = "raise",
+        raw: bool = False,
+        top_logprobs: int = 0,
+        **params: Any,
+    ) -> SampleResult:
+        """Sample one token per row and say how likely it was (see :class:`SampleResult`).
+
+        ``on_dead="flag"`` returns ``valid`` False (token -1) for dead rows
+        instead of raising, and then never synchronises the device.
+        ``raw=True`` or ``top_logprobs=n`` adds log-probabilities under the
+        pipe's input (:class:`RawLogprobs`), at the cost of a log-softmax.
+        """
+        if self.output_type is not TensorType.INDICES:
+            raise PipeError(f"sample() needs a pipe that ends in a sampler, this one ends in {self.output_type.name}")
+        if on_dead not in ("raise", "flag"):
+            raise PipeError(f"on_dead must be 'raise' or 'flag', got {on_dead!r}")
+        if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or top_logprobs < 0:
+            raise PipeError(f"top_logprobs must be an int >= 0, got {top_logprobs!r}")
+        tagged, rt = self._prepare(x, u, generator, taps, params)
+        tokens = self._run(tagged, rt).data
+        assert rt.logprobs is not None and rt.valid is not None
+        if on_dead == "raise" and not bool(rt.valid.all()):
+            raise dead_row_error(tagged, ~rt.valid)
+        extra = raw_logprobs(tagged, tokens, top_logprobs) if raw or top_logprobs else None
+        return SampleResult(tokens, rt.logprobs, rt.valid, extra)
+
+    def _prepare(
+        self,
+        x: torch.Tensor | TaggedTensor,
+        u: torch.Tensor | None,
+        generator: torch.Generator | None,
+        taps: Iterable[Tap] | None,
+        params: dict[str, Any],
+    ) -> tuple[TaggedTensor, Runtime]:
+        if isinstance(x, TaggedTensor):
+            if x.type is not self.input_type:
+                raise PipeError(f"this pipe takes {self.input_type.name}, got a tensor tagged {x.type.name}")
+            tagged = x
+        elif isinstance(x, torch.Tensor):
+            tagged = TaggedTensor(x, self.input_type)
+        else:
+            raise TypeError(f"x must be a torch.Tensor or a TaggedTensor, got {type(x).__name__}")
+        data = tagged.data
+        if data.ndim != 2 or data.shape[-1] == 0:
+            raise PipeError(f"x must be [batch, vocab] with vocab > 0, got shape {tuple(data.shape)}")
+        batch = data.shape[0]
+        known = self.param_names
+        checked = {}
+        for name, value in params.items():
+            if name not in known:
+                raise PipeError(f"unknown parameter {name!r}; this pipe takes {list(known)}")
+            if value is not None:
+                checked[name] = check_param(name, value, batch)
+        if u is not None:
+            if not isinstance(u, torch.Tensor) or u.shape != (batch,):
+                shape = tuple(u.shape) if isinstance(u, torch.Tensor) else type(u).__name__
+                raise PipeError(f"u must be a [batch] tensor of uniform numbers ({batch},), got {shape}")
+            if u.dtype != torch.float64 or u.device != data.device:
+                u = u.to(device=data.device, dtype=torch.float64)
+        rt = Runtime(batch, data.device, checked, u, generator, group_taps(taps, self.tap_stages))
+        return tagged, rt
+
+    def _run(self, x: TaggedTensor, rt: Runtime) -> TaggedTensor:
+        ops = self.compiled_ops if self.compiled_ops is not None else self.ops
+        rt.emit(INPUT, x)
+        for i, op in enumerate(ops):
+            if rt.taps:
+                self._emit_hidden(op, x, rt)
+            try:
+                y = op(x, rt)
+            except (PipeError, DeadRowError):
+                raise
+            except Exception as e:
+                raise PipeError(f"op {i} ({op.name}, stage {op.stage!r}) failed: {e}") from e
+            if op.ends_stage and rt.wants(op.stage):
+                rt.emit(op.stage, y)
+            x = y
+        return x
+
+    @staticmethod
+    def _emit_hidden(op: Op, x: TaggedTensor, rt: Runtime) -> None:
+        """Give taps the stages a fused op skips, by running its plain parts on the side (only when tapped)."""
+        inner = op.parts[:-1]
+        wanted = [i for i, part in enumerate(inner) if part.ends_stage and rt.wants(part.stage)]
+        if not wanted:
+            return
+        side = Runtime(rt.batch, rt.device, rt.params)
+        for part in inner[: wanted[-1] + 1]:
+            x = part(x, side)
+            if part.ends_stage and rt.wants(part.stage):
+                rt.emit(part.stage, x)

@@ -1,0 +1,196 @@
+"""The processors a pipe is written with; each legalizes into ops for the tensor type it receives.
+
+>>> LogitsPipe([Temperature(0.7), Softmax(), TopK(50), TopP(0.9), Sample()])
+
+A processor may carry default values for its parameters; a value passed when
+the pipe is called wins. ``TopK`` and ``Sample`` accept LOGITS or PROBS,
+``Temperature`` and ``Softmax`` only LOGITS, ``TopP`` and ``MinP`` only PROBS.
+A user's own step subclasses :class:`Stage` (or wraps a function with
+:class:`Apply`).
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from typing import Callable, ClassVar
+
+import torch
+
+from sampling.pipe import ops as O
+from sampling.pipe.op import Op
+from sampling.pipe.types import LegalizationError, TensorType
+from sampling.pipe.validators import check_param
+
+__all__ = ["Stage", "Temperature", "Softmax", "TopK", "TopP", "MinP", "Sample", "Greedy", "Apply"]
+
+LOGITS, PROBS, INDICES = TensorType.LOGITS, TensorType.PROBS, TensorType.INDICES
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<=[a-z])(?=[A-Z])", "_", name).lower()
+
+
+class Stage(abc.ABC):
+    """A step of a pipe. Subclasses set ``ACCEPTS`` and implement :meth:`ops_for`.
+
+    ``name`` names the stage for taps (default: the class name in snake case,
+    ``TopK`` -> ``"top_k"``).
+    """
+
+    ACCEPTS: ClassVar[tuple[TensorType, ...]]
+
+    def __init__(self, *, name: str | None = None) -> None:
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"name must be a non-empty string, got {name!r}")
+        self.name = name
+
+    @property
+    def default_name(self) -> str:
+        return self.name or _snake(type(self).__name__)
+
+    @abc.abstractmethod
+    def ops_for(self, input_type: TensorType, stage: str) -> list[Op]:
+        """The ops that do this step on a tensor of ``input_type``."""
+
+    def legalize(self, input_type: TensorType, stage: str) -> list[Op]:
+        """The ops for ``input_type``; raises :class:`LegalizationError` if the type is not accepted."""
+        if input_type not in self.ACCEPTS:
+            accepted = " or ".join(t.name for t in self.ACCEPTS)
+            raise LegalizationError(f"{type(self).__name__} can only be applied to {accepted}, got {input_type.name}")
+        ops = self.ops_for(input_type, stage)
+        for op in ops:
+            op.ends_stage = op is ops[-1]
+        return ops
+
+    def __repr__(self) -> str:
+        return type(self).__name__
+
+
+class Temperature(Stage):
+    """Divide logits by ``temperature`` (> 0; greedy decoding is :class:`Greedy`)."""
+
+    ACCEPTS = (LOGITS,)
+
+    def __init__(self, temperature: float | None = None, *, name: str | None = None) -> None:
+        super().__init__(name=name)
+        self.temperature = None if temperature is None else check_param("temperature", temperature)
+
+    def ops_for(self, input_type: TensorType, stage: str) -> list[Op]:
+        return [O.TemperatureOp(stage, temperature=self.temperature)]
+
+
+class Softmax(Stage):
+    """Logits to probabilities. At most one per pipe."""
+
+    ACCEPTS = (LOGITS,)
+
+    def ops_for(self, input_type: TensorType, stage: str) -> list[Op]:
+        return [O.SoftmaxOp(stage)]
+
+
+class TopK(Stage):
+    """Keep exactly ``top_k`` tokens (ties: lower id); on PROBS, renormalise.
+
+    ``joint=True`` is the joint top-k/top-p filter (FlashInfer's
+    ``joint_topk_topp``): no renormalisation after top-k, so a following
+    :class:`TopP` counts mass against the whole distribution. It samples a
+    different distribution from the default (renormalise, then top-p).
+    """
+
+    ACCEPTS = (LOGITS, PROBS)
+
+    def __init__(self, top_k: int | None = None, *, joint: bool = False, name: str | None = None) -> None:
+        super().__init__(name=name)
+        if not isinstance(joint, bool):
+            raise ValueError(f"joint must be a bool, got {joint!r}")
+        self.top_k = None if top_k is None else check_param("top_k", top_k)
+        self.joint = joint
+
+    def ops_for(self, input_type: TensorType, stage: str) -> list[Op]:
+        if input_type is LOGITS:
+            if self.joint:
+                raise LegalizationError("TopK(joint=True) needs PROBS (put a Softmax before it), got LOGITS")
+            return [O.LogitsTopKOp(stage, top_k=self.top_k)]
+        return [O.ProbsTopKOp(stage, renormalize=not self.joint, top_k=self.top_k)]
+
+
+class TopP(Stage):
+    """Keep the smallest prefix of most probable tokens whose mass is ``>= top_p``; renormalise."""
+
+    ACCEPTS = (PROBS,)
+
+    def __init__(self, top_p: float | None = None, *, name: str | None = None) -> None:
+        super().__init__(name=name)
+        self.top_p = None if top_p is None else check_param("top_p", top_p)
+
+    def ops_for(self, input_type: TensorType, stage: str) -> list[Op]:
+        return [O.ProbsTopPOp(stage, top_p=self.top_p)]
+
+
+class MinP(Stage):
+    """Keep tokens with ``p >= min_p * max(p)``; renormalise."""
+
+    ACCEPTS = (PROBS,)
+
+    def __init__(self, min_p: float | None = None, *, name: str | None = None) -> None:
+        super().__init__(name=name)
+        self.min_p = None if min_p is None else check_param("min_p", min_p)
+
+    def ops_for(self, input_type: TensorType, stage: str) -> list[Op]:
+        return [O.ProbsMinPOp(stage, min_p=self.min_p)]
+
+
+class Sample(Stage):
+    """Draw one token per row (INDICES) by inverting the CDF in the order at the row's uniform number."""
+
+    ACCEPTS = (LOGITS, PROBS)
+
+    def ops_for(self, input_type: TensorType, stage: str) -> list[Op]:
+        return [O.LogitsSampleOp(stage) if input_type is LOGITS else O.ProbsSampleOp(stage)]
+
+
+class Greedy(Stage):
+    """Take the arg-max of each row (lowest id among ties)."""
+
+    ACCEPTS = (LOGITS, PROBS)
+
+    def ops_for(self, input_type: TensorType, stage: str) -> list[Op]:
+        return [O.LogitsGreedyOp(stage) if input_type is LOGITS else O.ProbsGreedyOp(stage)]
+
+
+class Apply(Stage):
+    """A user's function as a step: ``fn(tensor [B, V]) -> tensor``, from ``accepts`` to ``returns``.
+
+    ``returns`` defaults to ``accepts``; INDICES means the function picks one
+    token per row (``[B]``).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[torch.Tensor], torch.Tensor],
+        *,
+        accepts: TensorType = LOGITS,
+        returns: TensorType | None = None,
+        name: str | None = None,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        for arg, value in (("accepts", accepts), ("returns", returns)):
+            if value is not None and not isinstance(value, TensorType):
+                raise TypeError(f"{arg} must be a TensorType, got {value!r}")
+        super().__init__(name=name or _snake(getattr(fn, "__name__", "apply")).strip("_<>") or "apply")
+        self.fn = fn
+        self.accepts = accepts
+        self.returns = returns or accepts
+
+    @property
+    def ACCEPTS(self) -> tuple[TensorType, ...]:  # type: ignore[override]
+        return (self.accepts,)
+
+    def ops_for(self, input_type: TensorType, stage: str) -> list[Op]:
+        return [O.FunctionOp(self.fn, self.accepts, self.returns, stage)]
+
+    def __repr__(self) -> str:
+        return f"Apply[{getattr(self.fn, '__name__', type(self.fn).__name__)}]"
+
