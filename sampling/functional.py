@@ -1,36 +1,48 @@
-"""The sampling maths as plain functions over a batch of rows.
+"""Batched sampling for the Generator: per-row parameters, per-row random streams, grouped pipes.
 
 Each row has its own parameters (``RowParams``) and its own stream of uniform
 numbers, derived by a counter-based hash from the row's seed and the step
 (:func:`uniforms`), so a seeded request draws the same numbers whatever else
-shares the batch, on any device. A token is drawn by inverting the CDF of the
-row's final distribution at its uniform number: exact, and with no sampling
-kernel that depends on batch layout.
+shares the batch, on any device.
 
-Rows with ``top_k > 0`` use a partial selection (``torch.topk``) of the
-largest ``max(top_k)`` logits; only rows without top-k sort the whole
-vocabulary. Ties at the top-k boundary are broken by ``torch.topk``; ties
-inside the sorted order by lower token id first is not guaranteed here.
+:func:`sample` groups rows whose parameters switch on the same stages (greedy;
+or which of min-p, top-k, top-p and the joint filter are on) and samples each
+group with one compiled :class:`~sampling.pipe.LogitsPipe`, the parameters
+passed per row. Within a pipe a row's token depends only on its logits, its
+parameters and its uniform number (the CDF is inverted in the order of
+:mod:`sampling.pipe.kernels`, whose docstring states the tie and boundary
+rules), so grouping never changes a row's token.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from functools import lru_cache
+from typing import Any, Callable, Sequence
 
 import torch
 
-from sampling.params import SamplingParams
+from sampling.params import SamplingParams, sampling_stages
+from sampling.pipe import Greedy, LogitsPipe, Tap, TaggedTensor
+from sampling.pipe.pipeline import dead_row_error
+from sampling.pipe.taps import SAMPLED
+from sampling.pipe.types import DeadRowError
 
-__all__ = ["RowParams", "SampleOutput", "DeadRowError", "row_keys", "uniforms", "sample"]
+__all__ = [
+    "RowParams",
+    "RowGroup",
+    "SampleOutput",
+    "SampleTap",
+    "DeadRowError",
+    "row_keys",
+    "uniforms",
+    "sample",
+    "group_pipe",
+]
 
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
 _MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
 _MIX2 = -7723592293110705685  # 0x94D049BB133111EB
-
-
-class DeadRowError(RuntimeError):
-    """A row has no token left to sample (all -inf) or holds NaN."""
 
 
 def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -61,20 +73,87 @@ def uniforms(keys: torch.Tensor, step: int) -> torch.Tensor:
     return _shr(z, 11).double() * (1.0 / (1 << 53))
 
 
+SampleTap = Callable[[torch.Tensor], None]
+"""An observer of the distribution sampled from: called with float32 probabilities ``[B, V]``."""
+
+GroupKey = tuple[bool, bool, bool, bool, bool]
+"""``(greedy, min_p, top_k, top_p, joint)``: which stages a row needs."""
+
+
+@lru_cache(maxsize=None)
+def group_pipe(key: GroupKey) -> LogitsPipe:
+    """The compiled pipe for rows with this :data:`GroupKey` (parameters come per call)."""
+    greedy, min_p, top_k, top_p, joint = key
+    if greedy:
+        return LogitsPipe([Greedy()])
+    return LogitsPipe(sampling_stages(min_p=min_p, top_k=top_k, top_p=top_p, joint=joint))
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """Rows that share a pipe: their indices, the pipe's key and their parameters.
+
+    A parameter is a Python scalar when every row of the group has the same
+    value (cheaper: no per-row tensor, no sync for the top-k width), else a
+    ``[n]`` tensor.
+    """
+
+    rows: torch.Tensor  # int64 [n]
+    key: GroupKey
+    params: dict[str, Any]
+    whole_batch: bool  # the group is every row, in order
+
+    @property
+    def pipe(self) -> LogitsPipe:
+        return group_pipe(self.key)
+
+
+def _column(values: list[Any], dtype: torch.dtype, device: torch.device | str) -> Any:
+    return values[0] if len(set(values)) == 1 else torch.tensor(values, dtype=dtype, device=device)
+
+
+def _plan(
+    greedy: list[bool],
+    eff: list[tuple[float, int, float, float]],
+    joint: list[bool],
+    device: torch.device | str,
+) -> tuple[RowGroup, ...]:
+    """Group rows by the stages they need; parameters per group (host-side lists, built once)."""
+    keys: list[GroupKey] = []
+    for g, (_, k, p, m), j in zip(greedy, eff, joint):
+        keys.append((True, False, False, False, False) if g else (False, m > 0, k > 0, p < 1, j and k > 0 and p < 1))
+    groups = []
+    for key in dict.fromkeys(keys):
+        rows = [i for i, k in enumerate(keys) if k == key]
+        params: dict[str, Any] = {}
+        if not key[0]:
+            params["temperature"] = _column([eff[i][0] for i in rows], torch.float32, device)
+            for on, name, index, dtype in ((key[1], "min_p", 3, torch.float32), (key[2], "top_k", 1, torch.long), (key[3], "top_p", 2, torch.float32)):
+                if on:
+                    params[name] = _column([eff[i][index] for i in rows], dtype, device)
+        groups.append(
+            RowGroup(torch.tensor(rows, dtype=torch.long, device=device), key, params, len(rows) == len(keys))
+        )
+    return tuple(groups)
+
+
 @dataclass(frozen=True)
 class RowParams:
-    """Per-row sampling parameters as tensors (built once per generation)."""
+    """Per-row sampling parameters as tensors, and the rows grouped by pipe (built once per generation)."""
 
     greedy: torch.Tensor  # bool [B]
     temperature: torch.Tensor  # float32 [B]; 1.0 in greedy rows (never divided by zero)
     top_k: torch.Tensor  # int64 [B]; 0 = off
     top_p: torch.Tensor  # float32 [B]
     min_p: torch.Tensor  # float32 [B]
+    joint: torch.Tensor | None = None  # bool [B]: the joint top-k/top-p filter
+    groups: tuple[RowGroup, ...] = ()
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], device: torch.device | str) -> "RowParams":
         eff = [p.effective for p in params]
         greedy = [p.is_greedy for p in params]
+        joint = [p.joint_top_k_top_p for p in params]
         return cls(
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             temperature=torch.tensor(
@@ -83,7 +162,18 @@ class RowParams:
             top_k=torch.tensor([e[1] for e in eff], dtype=torch.long, device=device),
             top_p=torch.tensor([e[2] for e in eff], dtype=torch.float32, device=device),
             min_p=torch.tensor([e[3] for e in eff], dtype=torch.float32, device=device),
+            joint=torch.tensor(joint, dtype=torch.bool, device=device),
+            groups=_plan(greedy, eff, joint, device),
         )
+
+    def plan(self) -> tuple[RowGroup, ...]:
+        """The row groups (computed from the tensors when the instance was not made by :meth:`build`)."""
+        if self.groups:
+            return self.groups
+        greedy = self.greedy.tolist()
+        eff = list(zip(self.temperature.tolist(), self.top_k.tolist(), self.top_p.tolist(), self.min_p.tolist()))
+        joint = self.joint.tolist() if self.joint is not None else [False] * len(greedy)
+        return _plan(greedy, eff, joint, self.greedy.device)
 
     def __len__(self) -> int:
         return int(self.greedy.shape[0])
@@ -95,49 +185,13 @@ class SampleOutput:
     logprobs: torch.Tensor  # float32 [B]: log-probability in the distribution sampled from
 
 
-def _check_rows(logits: torch.Tensor) -> None:
-    bad_nan = torch.isnan(logits).any(dim=-1)
-    dead = ~torch.isfinite(logits.max(dim=-1).values)
-    if bool(bad_nan.any()) or bool(dead.any()):
-        nan_rows = bad_nan.nonzero().flatten().tolist()
-        dead_rows = (dead & ~bad_nan).nonzero().flatten().tolist()
-        parts = []
-        if nan_rows:
-            parts.append(f"rows {nan_rows} hold NaN logits")
-        if dead_rows:
-            parts.append(f"rows {dead_rows} have no allowed token (every logit is -inf or +inf)")
-        raise DeadRowError("cannot sample: " + "; ".join(parts))
-
-
-def _sample_candidates(
-    values: torch.Tensor,
-    indices: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
+def sample(
+    logits: torch.Tensor,
+    params: RowParams,
     u: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample from rows of candidates sorted by descending (temperature-scaled) logit."""
-    width = values.shape[-1]
-    rank = torch.arange(width, device=values.device)
-    k = torch.where(top_k > 0, top_k.clamp(max=width), width)
-    values = values.masked_fill(rank >= k[:, None], float("-inf"))
-    probs = torch.softmax(values, dim=-1)  # renormalised over the top-k survivors
-    probs = probs.masked_fill(probs < min_p[:, None] * probs[:, :1], 0.0)
-    probs = probs / probs.sum(dim=-1, keepdim=True)
-    before = torch.cumsum(probs, dim=-1) - probs  # mass strictly before each token
-    probs = probs.masked_fill(before >= top_p[:, None], 0.0)
-    probs = probs / probs.sum(dim=-1, keepdim=True)
-    cdf = torch.cumsum(probs.double(), dim=-1)
-    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=width - 1)
-    # searchsorted never lands on a zero-probability slot except by rounding at the end
-    pick = torch.where(probs.gather(1, pick) > 0, pick, torch.zeros_like(pick))
-    tokens = indices.gather(1, pick).squeeze(1)
-    logprobs = torch.log(probs.gather(1, pick).squeeze(1))
-    return tokens, logprobs
-
-
-def sample(logits: torch.Tensor, params: RowParams, u: torch.Tensor) -> SampleOutput:
+    *,
+    taps: Sequence[SampleTap] | None = None,
+) -> SampleOutput:
     """Draw one token per row of ``logits [B, V]`` (float32) with the row's parameters.
 
     Greedy rows take the arg-max (lowest id among equals) and report the
@@ -145,42 +199,50 @@ def sample(logits: torch.Tensor, params: RowParams, u: torch.Tensor) -> SampleOu
     log-probability in the final (temperature, min-p, top-k, top-p)
     distribution. Raises :class:`DeadRowError` naming rows that are NaN or have
     nothing allowed.
+
+    ``taps``: observers of the distribution actually sampled from, each called
+    once with float32 probabilities ``[B, V]`` (rows sum to 1, exactly 0 for
+    tokens removed by top-k, top-p or min-p, one-hot for greedy rows), on the
+    device, without a copy or a synchronisation. Built only when a tap is given.
     """
     if logits.ndim != 2:
         raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
     if len(params) != logits.shape[0]:
         raise ValueError(f"params has {len(params)} rows, logits has {logits.shape[0]}")
-    _check_rows(logits)
+    if u.shape != (logits.shape[0],):
+        raise ValueError(f"u must hold one uniform number per row, shape ({logits.shape[0]},), got {tuple(u.shape)}")
+    for i, fn in enumerate(taps or ()):
+        if not callable(fn):
+            raise TypeError(f"taps[{i}] must be callable with the sampled probabilities, got {type(fn).__name__}")
     logits = logits.float()
-    tokens = torch.argmax(logits, dim=-1)
-    logprobs = (logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)).float()
-    sampling = (~params.greedy).nonzero().flatten()
-    if sampling.numel() == 0:
-        return SampleOutput(tokens, logprobs)
-
-    rows = logits.index_select(0, sampling) / params.temperature.index_select(0, sampling)[:, None]
-    top_k = params.top_k.index_select(0, sampling)
-    has_k = top_k > 0
-    groups = [(has_k, True), (~has_k, False)]
-    for mask, partial in groups:
-        sub = mask.nonzero().flatten()
-        if sub.numel() == 0:
-            continue
-        x = rows.index_select(0, sub)
-        if partial:
-            width = int(top_k.index_select(0, sub).max())
-            values, indices = torch.topk(x, min(width, x.shape[-1]), dim=-1)
-        else:
-            values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
-        target = sampling.index_select(0, sub)
-        t, lp = _sample_candidates(
-            values,
-            indices,
-            params.top_k.index_select(0, target),
-            params.top_p.index_select(0, target),
-            params.min_p.index_select(0, target),
-            u.index_select(0, target),
-        )
-        tokens[target] = t
-        logprobs[target] = lp.float()
+    sampled: torch.Tensor | None = None
+    captured: list[torch.Tensor] = []
+    pipe_taps = [Tap(SAMPLED, lambda t: captured.append(t.data))] if taps else None
+    groups = params.plan()
+    if len(groups) == 1 and groups[0].whole_batch:
+        group = groups[0]
+        out = group.pipe.sample(logits, u=u, on_dead="flag", taps=pipe_taps, **group.params)
+        tokens, logprobs, valid = out.tokens, out.logprobs, out.valid
+        sampled = captured[0] if taps else None
+    else:
+        tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+        logprobs = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        valid = torch.empty(logits.shape[0], dtype=torch.bool, device=logits.device)
+        if taps:
+            sampled = torch.zeros_like(logits)
+        for group in groups:
+            rows = group.rows
+            out = group.pipe.sample(
+                logits.index_select(0, rows), u=u.index_select(0, rows), on_dead="flag", taps=pipe_taps, **group.params
+            )
+            tokens.index_copy_(0, rows, out.tokens)
+            logprobs.index_copy_(0, rows, out.logprobs)
+            valid.index_copy_(0, rows, out.valid)
+            if sampled is not None:
+                sampled.index_copy_(0, rows, captured.pop())
+    if not bool(valid.all()):
+        raise dead_row_error(TaggedTensor.logits(logits), ~valid)
+    if sampled is not None:
+        for fn in taps or ():
+            fn(sampled)
     return SampleOutput(tokens, logprobs)

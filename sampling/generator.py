@@ -100,6 +100,8 @@ class Generator:
         self.pad_token_id = int(pad)
         forward = inspect.signature(model.forward).parameters
         self._keeps_last_logits = "logits_to_keep" in forward
+        # observers of the distribution each step samples from ([B, V] probabilities; see sampling.functional.sample)
+        self.sample_taps: list = []
 
     @classmethod
     def from_pretrained(
@@ -246,7 +248,7 @@ class Generator:
             given = raw.clone() if self.logits_processor.inplace else raw
             logits = check_logits("logits_processor", self.logits_processor.process(given, ctx), raw)
             # 2. one token per row, each with its request's parameters and random stream
-            drawn = sample(logits, row_params, uniforms(keys, step))
+            drawn = sample(logits, row_params, uniforms(keys, step), taps=self.sample_taps)
             tokens = drawn.tokens.masked_fill(_finished_mask(rows, device), self.pad_token_id)
             self.logits_processor.on_sampled(tokens, ctx)
             raw_lp = (raw.gather(1, tokens[:, None]).squeeze(1) - raw_lse).tolist()

@@ -12,7 +12,16 @@ The stages run in this order: temperature, min-p (tokens with
 probable tokens whose mass is at least ``top_p``), renormalise, sample. Min-p
 and top-k select by the same ranking, so their order does not matter; top-p
 sees the renormalised survivors of both (vLLM's order; transformers applies
-min-p after top-p instead).
+min-p after top-p instead). ``joint_top_k_top_p=True`` asks for FlashInfer's
+joint filter instead: no renormalisation after top-k, so top-p counts mass
+against the whole distribution (a different distribution, kept only when
+both top-k and top-p are set).
+
+Ties and boundaries: top-k keeps exactly ``k`` tokens, the lower ids among
+equal probabilities; top-p keeps a token iff the mass of the more probable
+tokens before it (equal ones: lower ids first) is ``< top_p``. See
+:mod:`sampling.pipe.kernels`. :meth:`SamplingParams.to_pipe` gives the
+:class:`~sampling.pipe.LogitsPipe` that samples these parameters.
 """
 
 from __future__ import annotations
@@ -21,7 +30,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["SamplingParams"]
+from sampling.pipe import Greedy, LogitsPipe, MinP, Sample, Softmax, Stage, Temperature, TopK, TopP
+
+__all__ = ["SamplingParams", "sampling_stages"]
 
 
 def _is_int(value: Any) -> bool:
@@ -50,6 +61,8 @@ class SamplingParams:
             generator (so ``torch.manual_seed`` makes runs repeatable).
         n: samples per prompt (sample ``j`` uses the seed ``(seed, j)``).
         ignore_eos: keep generating after the end-of-sequence token.
+        joint_top_k_top_p: use the joint top-k/top-p filter (no renormalisation
+            after top-k; see the module docstring).
     """
 
     temperature: float | None = None
@@ -61,6 +74,7 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     ignore_eos: bool = False
+    joint_top_k_top_p: bool = False
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -79,6 +93,8 @@ class SamplingParams:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
+        if not isinstance(self.joint_top_k_top_p, bool):
+            raise ValueError(f"joint_top_k_top_p must be a bool, got {self.joint_top_k_top_p!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         for s in stop:
             if not isinstance(s, str) or not s:
@@ -102,6 +118,34 @@ class SamplingParams:
             0.0 if self.min_p is None else float(self.min_p),
         )
 
+    @property
+    def active(self) -> tuple[bool, bool, bool, bool]:
+        """Which sampling stages are on: ``(min_p, top_k, top_p, joint)``; all False when greedy."""
+        if self.is_greedy:
+            return (False, False, False, False)
+        _, k, p, m = self.effective
+        return (m > 0, k > 0, p < 1, self.joint_top_k_top_p and k > 0 and p < 1)
+
+    def to_pipe(self) -> LogitsPipe:
+        """The compiled :class:`~sampling.pipe.LogitsPipe` that decodes with these parameters.
+
+        Greedy parameters give ``LogitsPipe([Greedy()])``; otherwise the stages
+        of the module docstring's order that are on, carrying these values.
+        """
+        if self.is_greedy:
+            return LogitsPipe([Greedy()])
+        t, k, p, m = self.effective
+        min_p, top_k, top_p, joint = self.active
+        return LogitsPipe(
+            sampling_stages(
+                min_p=min_p,
+                top_k=top_k,
+                top_p=top_p,
+                joint=joint,
+                values={"temperature": t, "top_k": k, "top_p": p, "min_p": m},
+            )
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready description (for run metadata)."""
         return {
@@ -114,5 +158,26 @@ class SamplingParams:
             "seed": self.seed,
             "n": self.n,
             "ignore_eos": self.ignore_eos,
+            "joint_top_k_top_p": self.joint_top_k_top_p,
             "greedy": self.is_greedy,
         }
+
+
+def sampling_stages(
+    *, min_p: bool, top_k: bool, top_p: bool, joint: bool = False, values: dict[str, float] | None = None
+) -> list[Stage]:
+    """The pipe stages, in the documented order, for the sampling stages that are on.
+
+    ``values`` gives the processors default values; without it they take
+    their values (scalars or per-row tensors) when the pipe is called.
+    """
+    v = values or {}
+    stages: list[Stage] = [Temperature(v.get("temperature")), Softmax()]
+    if min_p:
+        stages.append(MinP(v.get("min_p")))
+    if top_k:
+        stages.append(TopK(v.get("top_k"), joint=joint and top_p))
+    if top_p:
+        stages.append(TopP(v.get("top_p")))
+    stages.append(Sample())
+    return stages
