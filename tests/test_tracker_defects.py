@@ -136,13 +136,14 @@ def test_7_probabilities_are_computed_once_and_cached(monkeypatch):
     tracker = LogitTrackingProcessor(MaskBelow(8))
     drive(tracker, 6)
     calls = {"lse": 0}
-    original = compute_module.logsumexp_rows
+    for name in ("logsumexp_rows", "lse_pair"):
+        original = getattr(compute_module, name)
 
-    def counting(x):
-        calls["lse"] += 1
-        return original(x)
+        def counting(*args, _original=original, **kwargs):
+            calls["lse"] += 1
+            return _original(*args, **kwargs)
 
-    monkeypatch.setattr(analysis_module.compute, "logsumexp_rows", counting)
+        monkeypatch.setattr(analysis_module.compute, name, counting)
     first = tracker.get_top_tokens(k=5)
     after_first = calls["lse"]
     assert after_first > 0
@@ -150,6 +151,7 @@ def test_7_probabilities_are_computed_once_and_cached(monkeypatch):
         assert tracker.get_top_tokens(k=5) == first
     tracker.to_dataframe(min_value=0.01)
     tracker.get_probabilities()
+    tracker.stats()
     assert calls["lse"] == after_first
 
 

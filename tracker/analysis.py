@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 import numpy as np
 import pandas as pd
@@ -33,6 +33,7 @@ from tracker.vocab import Vocabulary
 __all__ = ["Analysis", "Continuation", "Selection"]
 
 _KEYS = {"natural": "unstructured", "constrained": "structured"}
+_BLOCK_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -271,11 +272,47 @@ class Analysis:
     def _full(self) -> bool:
         return self.metadata.storage != "topk"
 
+    def _block_rows(self) -> int:
+        """Rows per block of maths: about 4 MiB of float32 per stage, so a block stays in cache."""
+        return max(1, _BLOCK_BYTES // (4 * max(1, self.metadata.vocab_size)))
+
+    def _sub_blocks(self, sel: Selection, stages: Sequence[str]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """``(first row, {stage: rows})`` over the selection, in blocks of :meth:`_block_rows`."""
+        per = self._block_rows()
+        lists = {stage: self._dense_blocks(stage, sel) for stage in dict.fromkeys(stages)}
+        start = 0
+        for i in range(len(sel.blocks)):
+            blocks = {stage: lists[stage][i] for stage in lists}
+            t = next(iter(blocks.values())).shape[0]
+            for a in range(0, t, per):
+                yield start + a, {stage: block[a : a + per] for stage, block in blocks.items()}
+            start += t
+
+    def _lses(self, sel: Selection) -> dict[str, torch.Tensor]:
+        """Each stage's per-row log-sum-exp (natural and constrained share one exponential pass)."""
+        key = ("lse", sel.generation, sel.sequence, sel.length)
+
+        def build() -> dict[str, torch.Tensor]:
+            if not self._full:
+                return {stage: self._sparse(stage, sel)["lse"].float() for stage in self.stages}
+            parts: dict[str, list[torch.Tensor]] = {stage: [] for stage in self.stages}
+            scratch = torch.empty(self._block_rows(), self.metadata.vocab_size)
+            for _, rows in self._sub_blocks(sel, self.stages):
+                natural = rows["natural"]
+                lse_n, lse_c = compute.lse_pair(natural, rows.get("constrained", natural), scratch)
+                parts["natural"].append(lse_n)
+                if "constrained" in parts:
+                    parts["constrained"].append(lse_c)
+                for stage in self.stages:
+                    if stage not in ("natural", "constrained"):
+                        parts[stage].append(compute.logsumexp_rows(rows[stage]))
+            empty = torch.zeros(0)
+            return {stage: torch.cat(v) if v else empty for stage, v in parts.items()}
+
+        return self._cached(key, build)
+
     def _lse(self, stage: str, sel: Selection) -> torch.Tensor:
-        key = ("lse", stage, sel.generation, sel.sequence, sel.length)
-        if not self._full:
-            return self._sparse(stage, sel)["lse"].float()
-        return self._cached(key, lambda: torch.cat([compute.logsumexp_rows(x) for x in self._dense_blocks(stage, sel)]))
+        return self._lses(sel)[stage]
 
     def _constrained_stage(self) -> str:
         return "constrained" if self._has("constrained") else "natural"
@@ -312,17 +349,14 @@ class Analysis:
             if self._full:
                 lse_n, lse_c = self._lse("natural", sel), self._lse(con_stage, sel)
                 parts: dict[str, list[torch.Tensor]] = {k_: [] for k_ in ("ids", "count", "ln", "lc")}
-                start = 0
-                nat_blocks = self._dense_blocks("natural", sel)
-                con_blocks = nat_blocks if con_stage == "natural" else self._dense_blocks(con_stage, sel)
-                for nat, con in zip(nat_blocks, con_blocks):
+                for start, rows in self._sub_blocks(sel, ["natural", con_stage]):
+                    nat, con = rows["natural"], rows[con_stage]
                     t = nat.shape[0]
                     top = compute.top_allowed(nat, con, lse_n[start : start + t], lse_c[start : start + t], k)
                     parts["ids"].append(top.ids)
                     parts["count"].append(top.count)
                     parts["ln"].append(nat.gather(1, top.ids))
                     parts["lc"].append(con.gather(1, top.ids))
-                    start += t
                 if not parts["ids"]:
                     empty = torch.zeros(0, min(k, self.metadata.vocab_size))
                     ids, count, ln, lc = empty.long(), torch.zeros(0, dtype=torch.long), empty, empty
@@ -475,10 +509,8 @@ class Analysis:
         probs = show == "probs"
         lse_n, lse_c = (self._lse("natural", sel), self._lse(con_stage, sel)) if probs else (None, None)
         out: dict[str, list[np.ndarray]] = {k: [] for k in ("rows", "ids", "nat", "con")}
-        start = 0
-        nat_blocks = self._dense_blocks("natural", sel)
-        con_blocks = nat_blocks if con_stage == "natural" else self._dense_blocks(con_stage, sel)
-        for nat, con in zip(nat_blocks, con_blocks):
+        for start, block in self._sub_blocks(sel, ["natural", con_stage]):
+            nat, con = block["natural"], block[con_stage]
             t = nat.shape[0]
             if min_value is None:
                 rows = torch.arange(t).repeat_interleave(nat.shape[1])
@@ -501,7 +533,6 @@ class Analysis:
             out["ids"].append(ids.numpy())
             out["nat"].append(vn.numpy())
             out["con"].append(vc.numpy())
-            start += t
         if not out["rows"]:
             return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.float32)
         return tuple(np.concatenate(out[k]) for k in ("rows", "ids", "nat", "con"))
@@ -631,19 +662,15 @@ class Analysis:
         chosen = torch.as_tensor(sel.chosen)
         if not self._full:
             return self._stats_sparse(sel, chosen, eos)
-        lses = {stage: self._lse(stage, sel) for stage in self.stages}
-        blocks = {stage: self._dense_blocks(stage, sel) for stage in self.stages}
+        lses = self._lses(sel)
         parts: dict[str, list[torch.Tensor]] = {}
-        start = 0
-        for i in range(len(sel.blocks)):
-            rows = {stage: blocks[stage][i] for stage in self.stages}
+        for start, rows in self._sub_blocks(sel, self.stages):
             t = rows["natural"].shape[0]
             part = compute.step_stats(
                 rows, {s: lses[s][start : start + t] for s in self.stages}, chosen[start : start + t], eos
             )
             for name, value in part.items():
                 parts.setdefault(name, []).append(value)
-            start += t
         return self._order_stats({name: torch.cat(v).double().numpy() for name, v in parts.items()})
 
     def _order_stats(self, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["TopTokens", "logsumexp_rows", "top_allowed", "entries_above", "step_stats", "probs_at"]
+__all__ = ["TopTokens", "logsumexp_rows", "lse_pair", "top_allowed", "entries_above", "step_stats", "probs_at"]
 
 NEG_INF = float("-inf")
 
@@ -36,6 +36,36 @@ class TopTokens:
 def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
     """``[t]`` log-sum-exp of each row (``-inf`` for a row with nothing allowed, NaN for NaN rows)."""
     return torch.logsumexp(x, dim=1)
+
+
+def lse_pair(
+    natural: torch.Tensor, constrained: torch.Tensor, scratch: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-sum-exp of natural and constrained rows with one exponential pass where the constraint only masks.
+
+    A constraint that only masks (constrained equals natural wherever it is
+    above ``-inf``, the usual grammar case) keeps a subset of the natural
+    terms: their sum comes from the same ``exp(natural - max)`` values. Rows
+    where that does not hold, or where the allowed terms are too small to sum
+    accurately in float32, are computed directly. ``scratch`` (at least the
+    block's shape, float32) avoids a fresh temporary per call.
+    """
+    t = natural.shape[0]
+    shift = natural.amax(dim=1, keepdim=True)
+    shift = torch.where(torch.isfinite(shift), shift, 0.0)
+    terms = scratch[:t] if scratch is not None else torch.empty_like(natural)
+    torch.sub(natural, shift, out=terms).exp_()
+    lse_natural = terms.sum(dim=1).log_().add_(shift[:, 0])
+    if constrained is natural:
+        return lse_natural, lse_natural
+    masked = constrained == NEG_INF
+    pure = ((constrained == natural) | masked).all(dim=1)
+    lse_constrained = terms.masked_fill_(masked, 0.0).sum(dim=1).log_().add_(shift[:, 0])
+    redo = ~pure | (lse_constrained - shift[:, 0] < -60.0)
+    if bool(redo.any()):
+        rows = redo.nonzero()[:, 0]
+        lse_constrained[rows] = torch.logsumexp(constrained[rows], dim=1)
+    return lse_natural, lse_constrained
 
 
 def probs_at(x: torch.Tensor, lse: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

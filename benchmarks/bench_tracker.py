@@ -1,0 +1,243 @@
+"""Measure the tracker against a straightforward one and against the floor, in one process.
+
+    python benchmarks/bench_tracker.py [--steps 512] [--vocab 32768 131072] [--repeats 5]
+
+Per vocabulary size, over ``--steps`` steps of batch 1 with a processor that
+masks half the vocabulary (called transformers-style, ``tracker(ids, logits)``):
+
+- per-step overhead over the bare processor of: the logitscope tracker (float32
+  storage; fresh, and after ``clear()`` when its buffers are warm), a
+  straightforward tracker (blocking ``.cpu().numpy().copy()`` of both rows into
+  Python lists), and the floor (copying the same two rows into a preallocated
+  ``[steps * 2, V]`` buffer: untouched, and pre-touched);
+- the tracker's read at the end (``finish`` + building the Arrow run), per step;
+- bytes per step for each storage mode (Arrow bytes of the recorded run);
+- ``get_top_tokens(k=10)`` over all positions and ``to_dataframe(min_value=0.01)``
+  against a straightforward per-position implementation (softmax per row,
+  sort, decode), first call on a fresh run and repeated calls.
+
+Overheads are medians over ``--repeats`` runs, alternating the variants; the
+ratios are what to read (the machine is noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
+
+from processors import LogitsProcessor  # noqa: E402
+from tracker import LogitTrackingProcessor, Run, Vocabulary  # noqa: E402
+
+POOL = 8  # distinct logits rows cycled through (as a model would produce new ones)
+
+
+class HalfMask(LogitsProcessor):
+    """Masks a fixed random half of the vocabulary (returns a new tensor, like most processors)."""
+
+    def __init__(self, vocab: int) -> None:
+        self.mask = torch.rand(vocab, generator=torch.Generator().manual_seed(1)) < 0.5
+
+    def process(self, logits, ctx):
+        return logits.masked_fill(self.mask, float("-inf"))
+
+
+def model_like_logits(vocab: int, seed: int) -> torch.Tensor:
+    """``[POOL, 1, V]`` logits shaped like a model's: broad noise and a few strong candidates."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(POOL, vocab, generator=gen) * 2.0
+    top = torch.randint(0, vocab, (POOL, 8), generator=gen)
+    x.scatter_add_(1, top, torch.rand(POOL, 8, generator=gen) * 6 + 8)
+    return x[:, None, :]
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def per_step_overheads(vocab: int, steps: int, repeats: int) -> dict[str, float]:
+    proc = HalfMask(vocab)
+    logits = model_like_logits(vocab, seed=vocab)
+    ids_all = torch.arange(steps + 8).view(1, -1) % vocab
+    views = [ids_all[:, : 4 + t] for t in range(steps)]
+
+    def bare() -> None:
+        for t in range(steps):
+            proc(views[t], logits[t % POOL])
+
+    def straightforward() -> None:
+        natural, constrained = [], []
+        for t in range(steps):
+            x = logits[t % POOL]
+            natural.append(x[0].cpu().numpy().copy())
+            out = proc(views[t], x)
+            constrained.append(out[0].cpu().numpy().copy())
+
+    def floor(buffer: torch.Tensor) -> Callable[[], None]:
+        def run() -> None:
+            for t in range(steps):
+                x = logits[t % POOL]
+                buffer[2 * t].copy_(x[0])
+                out = proc(views[t], x)
+                buffer[2 * t + 1].copy_(out[0])
+
+        return run
+
+    warm_tracker = LogitTrackingProcessor(HalfMask(vocab), memory_limit=None)
+
+    def tracked(tracker: LogitTrackingProcessor) -> Callable[[], None]:
+        def run() -> None:
+            for t in range(steps):
+                tracker(views[t], logits[t % POOL])
+
+        return run
+
+    results: dict[str, list[float]] = {}
+    finish: list[float] = []
+    for _ in range(repeats):
+        base = timed(bare)
+        fresh_floor = torch.empty(2 * steps, vocab)
+        warm_floor = torch.zeros(2 * steps, vocab)
+        fresh_tracker = LogitTrackingProcessor(HalfMask(vocab), memory_limit=None)
+        warm_tracker.clear()
+        candidates = {
+            "straightforward": straightforward,
+            "floor (fresh buffer)": floor(fresh_floor),
+            "floor (warm buffer)": floor(warm_floor),
+            "tracker (fresh)": tracked(fresh_tracker),
+            "tracker (after clear)": tracked(warm_tracker),
+        }
+        for name, fn in candidates.items():
+            results.setdefault(name, []).append((timed(fn) - base) / steps)
+        finish.append(timed(lambda: (fresh_tracker.finish(ids_all[:, : 4 + steps]), fresh_tracker.to_arrow())) / steps)
+        del fresh_floor, warm_floor, fresh_tracker
+    out = {name: statistics.median(v) for name, v in results.items()}
+    out["tracker read at the end (per step)"] = statistics.median(finish)
+    return out
+
+
+def bytes_per_step(vocab: int, steps: int) -> dict[str, float]:
+    logits = model_like_logits(vocab, seed=vocab + 1)
+    ids_all = torch.arange(steps + 8).view(1, -1) % vocab
+    out = {}
+    for storage in ("float32", "float16", "bfloat16", "topk"):
+        tracker = LogitTrackingProcessor(HalfMask(vocab), storage=storage, top_k=20, memory_limit=None)
+        for t in range(steps):
+            tracker(ids_all[:, : 4 + t], logits[t % POOL])
+        out[storage if storage != "topk" else "topk (k=20)"] = tracker.to_arrow().nbytes / steps
+    return out
+
+
+# ---------------------------------------------------------------- analysis baselines
+
+
+def straightforward_top_tokens(natural, constrained, chosen, vocab_text, k=10):
+    results = []
+    for pos in range(len(natural)):
+        u = torch.softmax(torch.tensor(natural[pos]), dim=-1).numpy()
+        s = torch.softmax(torch.tensor(constrained[pos]), dim=-1).numpy()
+        text_so_far = "".join(vocab_text[i] for i in chosen[:pos])
+        top = np.argsort(np.maximum(u, s))[-k:][::-1]
+        tokens = [
+            {
+                "token": vocab_text[i],
+                "unstructured_prob": float(u[i]),
+                "structured_prob": float(s[i]),
+                "unstructured_logit": float(natural[pos][i]),
+                "structured_logit": float(constrained[pos][i]),
+                "is_chosen": int(i) == chosen[pos],
+            }
+            for i in top
+        ]
+        results.append({"position": pos, "text_so_far": text_so_far, "tokens": tokens})
+    return results
+
+
+def straightforward_dataframe(natural, constrained, chosen, vocab_text, min_value=0.01):
+    rows = []
+    for pos in range(len(natural)):
+        u = torch.softmax(torch.tensor(natural[pos]), dim=-1).numpy()
+        s = torch.softmax(torch.tensor(constrained[pos]), dim=-1).numpy()
+        for i in np.nonzero(np.maximum(u, s) >= min_value)[0]:
+            rows.append({"position": pos, "token": vocab_text[i], "natural": u[i], "constrained": s[i], "chosen": int(i) == chosen[pos]})
+    return pd.DataFrame(rows)
+
+
+def analysis_times(vocab: int, steps: int) -> dict[str, float]:
+    proc = HalfMask(vocab)
+    logits = model_like_logits(vocab, seed=vocab + 2)
+    pieces = [f"t{i}".encode() for i in range(vocab)]
+    vocab_obj = Vocabulary.from_parts(pieces)
+    vocab_text = list(vocab_obj.display)
+    tracker = LogitTrackingProcessor(proc, memory_limit=None)
+    ids = torch.tensor([[1, 2, 3]])
+    natural, constrained, chosen = [], [], []
+    gen = torch.Generator().manual_seed(0)
+    for t in range(steps):
+        x = logits[t % POOL] + torch.randn(1, vocab, generator=gen) * 0.1
+        natural.append(x[0].numpy().copy())
+        out = tracker(ids, x)
+        constrained.append(out[0].numpy().copy())
+        token = int(torch.multinomial(torch.softmax(out[0], 0), 1, generator=gen))
+        chosen.append(token)
+        ids = torch.cat([ids, torch.tensor([[token]])], 1)
+    tracker.finish(ids)
+    live = tracker.run
+    batches, metadata = live._record_batches(), live.metadata
+
+    def fresh_run() -> Run:
+        return Run(batches, metadata, vocab_obj)
+
+    out = {}
+    out["get_top_tokens: straightforward"] = timed(lambda: straightforward_top_tokens(natural, constrained, chosen, vocab_text))
+    run = fresh_run()
+    out["get_top_tokens: first call"] = timed(lambda: run.get_top_tokens(k=10))
+    out["get_top_tokens: repeated call"] = statistics.median(timed(lambda: run.get_top_tokens(k=10)) for _ in range(3))
+    out["to_dataframe: straightforward"] = timed(lambda: straightforward_dataframe(natural, constrained, chosen, vocab_text))
+    run = fresh_run()
+    out["to_dataframe: first call"] = timed(lambda: run.to_dataframe(min_value=0.01))
+    out["to_dataframe: repeated call"] = statistics.median(timed(lambda: run.to_dataframe(min_value=0.01)) for _ in range(3))
+    ours = run.to_dataframe(min_value=0.01)
+    reference = straightforward_dataframe(natural[:8], constrained[:8], chosen, vocab_text)
+    assert len(ours[ours.position < 8]) == len(reference), "the two to_dataframe implementations disagree"
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=512)
+    parser.add_argument("--vocab", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    print(f"{args.steps} steps, batch 1, torch threads {torch.get_num_threads()}, median of {args.repeats}")
+    for vocab in args.vocab:
+        print(f"\n=== vocabulary {vocab} ===")
+        overheads = per_step_overheads(vocab, args.steps, args.repeats)
+        ref, floor = overheads["straightforward"], overheads["floor (fresh buffer)"]
+        print(f"{'per-step overhead':<38}{'us':>10}{'/ straightforward':>19}{'/ floor (fresh)':>17}")
+        for name, value in overheads.items():
+            print(f"{name:<38}{value * 1e6:>10.1f}{value / ref:>19.2f}{value / floor:>17.2f}")
+        print(f"{'storage':<38}{'bytes per step':>16}")
+        for name, value in bytes_per_step(vocab, min(args.steps, 64)).items():
+            print(f"{name:<38}{value:>16,.0f}")
+        times = analysis_times(vocab, args.steps)
+        print(f"{'analysis over all positions':<38}{'ms':>10}{'speed-up':>10}")
+        for name, value in times.items():
+            base = times[name.split(":")[0] + ": straightforward"]
+            print(f"{name:<38}{value * 1e3:>10.1f}{base / value:>10.1f}")
+
+
+if __name__ == "__main__":
+    main()
