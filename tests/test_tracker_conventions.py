@@ -29,13 +29,20 @@ def test_add_tracking_on_logitscope_generator_records_every_row_and_the_last_tok
     generator = add_tracking(Generator(model, tok, logits_processor=[banned]))
     tracker = generator.logits_processor
     assert isinstance(tracker, LogitTrackingProcessor) and tracker.tokenizer is tok
-    outputs = generator.generate(["the cat", "héllo wörld"], SamplingParams(temperature=0.9, seed=3, max_new_tokens=8, n=2))
+    assert generator.sample_taps == [tracker.sample_tap]
+    params = SamplingParams(temperature=0.9, top_k=6, seed=3, max_new_tokens=8, n=2)
+    outputs = generator.generate(["the cat", "héllo wörld"], params)
     completions = [c for out in outputs for c in out.outputs]
     assert tracker.sequences() == [0, 1, 2, 3]
+    assert tracker.recorder.stages == ["natural", "constrained", "sampled"]
     for row, completion in enumerate(completions):
         stats = tracker.stats(sequence=row)
         assert stats["chosen_id"].tolist() == completion.token_ids  # the last token included
         assert (stats["p_chosen_constrained"] > 0).all()
+        # the sampled stage is the distribution the token was drawn from (top-k 6 after temperature)
+        np.testing.assert_allclose(np.log(stats["p_chosen_sampled"]), completion.logprobs, rtol=1e-4, atol=1e-5)
+        sampled = tracker.get_logits(sequence=row)["sampled"]
+        assert (np.isfinite(sampled).sum(axis=1) <= 6).all()
         natural = torch.from_numpy(tracker.get_logits(sequence=row)["unstructured"]).double()
         chosen = torch.tensor(completion.token_ids)
         raw_lp = torch.log_softmax(natural, 1).gather(1, chosen[:, None])[:, 0]
@@ -218,3 +225,18 @@ def test_a_processor_returning_the_wrong_shape_is_reported():
     with pytest.raises(ProcessorError, match=r"returned logits of shape \(1, 31\), expected \(1, 32\)"):
         tracker(torch.tensor([[1]]), torch.randn(1, V))
     assert tracker.stats()["processor_error"].tolist() == [True]
+
+
+def test_a_logits_pipe_tap_records_the_sampled_stage():
+    from sampling.pipe import TaggedTensor
+
+    tracker = LogitTrackingProcessor(MaskEven())
+    tracker.add_stage("sampled")
+    logits = torch.randn(2, V)
+    out = tracker(torch.tensor([[1], [2]]), logits)
+    probs = torch.softmax(out / 0.5, dim=1)
+    tracker.sample_tap(TaggedTensor.probs(probs))
+    recorded = tracker.get_probabilities(sequence=1)["sampled"]
+    np.testing.assert_allclose(recorded[0], probs[1].numpy(), rtol=1e-5, atol=1e-9)
+    with pytest.raises(ValueError, match="stage 'other' is not recorded"):
+        tracker.record_stage("other", probs)

@@ -349,8 +349,18 @@ class LogitTrackingProcessor(LogitsProcessor):
             values = torch.log(values.float())
         self.recorder.write(gen.last_rows, stage, values)
 
-    def sample_tap(self, values: torch.Tensor, *args: Any, kind: StageKind = "probs", **kwargs: Any) -> None:
-        """Observer for a sampling pipeline's taps: the distribution sampled from, as the ``"sampled"`` stage."""
+    def sample_tap(self, values: Any, *args: Any, **kwargs: Any) -> None:
+        """Observer for sampling taps: records the distribution sampled from as the ``"sampled"`` stage.
+
+        Takes what logitscope's sampling hands its taps: float32 probabilities
+        ``[B, V]`` (``Generator.sample_taps``), or a tagged tensor from a
+        ``LogitsPipe`` tap (probabilities or logits, as its tag says).
+        """
+        kind: StageKind = "probs"
+        if not isinstance(values, torch.Tensor) and hasattr(values, "data"):
+            tag = getattr(getattr(values, "type", None), "value", "probs")
+            kind = "logits" if tag == "logits" else "probs"
+            values = values.data
         self.record_stage("sampled", values, kind)
 
     # ---------------------------------------------------------------- chosen tokens for transformers-style hosts
