@@ -1,0 +1,253 @@
+"""Plotly figure builders: pure functions from the tables of :mod:`dashboard.views` to figures.
+
+Nothing here reads files or calls Streamlit, so every figure is unit-tested
+on small hand-made runs. Colours are fixed per stage across all figures: the
+model's own distribution ("natural"), what the constraint left
+("constrained"), and what the sampler drew from ("sampled").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Sequence
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+__all__ = [
+    "STAGE_COLORS",
+    "STAGE_NAMES",
+    "compare_timelines",
+    "step_bars",
+    "timelines",
+    "token_heatmap",
+]
+
+STAGE_COLORS: dict[str, str] = {"natural": "#4C78A8", "constrained": "#F58518", "sampled": "#54A24B"}
+STAGE_NAMES: dict[str, str] = {
+    "natural": "model (natural)",
+    "constrained": "after the constraint",
+    "sampled": "sampled from",
+}
+_EXTRA_COLORS = ("#B279A2", "#72B7B2", "#9D755D")
+MASK_COLOR = "#E45756"
+_FONT = dict(family="Inter, Segoe UI, sans-serif", size=12)
+
+
+def _color(stage: str, i: int = 0) -> str:
+    return STAGE_COLORS.get(stage, _EXTRA_COLORS[i % len(_EXTRA_COLORS)])
+
+
+def _name(stage: str) -> str:
+    return STAGE_NAMES.get(stage, stage)
+
+
+def _layout(fig: go.Figure, title: str, height: int) -> go.Figure:
+    fig.update_layout(
+        title=dict(text=title, x=0, xanchor="left"),
+        height=height,
+        margin=dict(l=50, r=20, t=60, b=40),
+        font=_FONT,
+        legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1),
+        plot_bgcolor="white",
+    )
+    fig.update_xaxes(showgrid=False, linecolor="#ccc")
+    fig.update_yaxes(gridcolor="#eee", zerolinecolor="#ccc")
+    return fig
+
+
+def step_bars(
+    table: pd.DataFrame,
+    stages: Sequence[str],
+    *,
+    value: Literal["prob", "logit"] = "prob",
+    log_y: bool = False,
+    title: str = "",
+) -> go.Figure:
+    """Grouped bars of one step's tokens (from :func:`dashboard.views.step_table`), one colour per stage.
+
+    A token a stage masked has no bar at that stage; a red ✕ sits on its
+    natural bar, labelled with the stage that removed it. The chosen token is
+    marked with an arrow and a bold label. ``log_y`` applies to probabilities
+    (logits are already a log scale).
+    """
+    if value not in ("prob", "logit"):
+        raise ValueError(f"value must be 'prob' or 'logit', got {value!r}")
+    labels = table["label"].tolist()
+    ticks = [f"<b>▶ {label}</b>" if chosen else label for label, chosen in zip(labels, table["chosen"].tolist())]
+    fig = go.Figure()
+    for i, stage in enumerate(stages):
+        states = table[f"{stage}_state"].tolist()
+        y = table[f"{stage}_{value}"].astype(float).replace(-np.inf, np.nan)
+        y = y.where(table[f"{stage}_state"] != "masked")
+        if value == "prob" and log_y:
+            y = y.where(y > 0)
+        custom = np.stack(
+            [table[f"{stage}_prob"].astype(float), table[f"{stage}_logit"].astype(float), np.array(states, dtype=object)],
+            axis=1,
+        )
+        fig.add_bar(
+            x=ticks,
+            y=y,
+            name=_name(stage),
+            marker_color=_color(stage, i),
+            customdata=custom,
+            hovertemplate="%{x}<br>" + _name(stage) + ": p=%{customdata[0]:.4f}, logit=%{customdata[1]:.3f}<br>%{customdata[2]}<extra></extra>",
+        )
+    base = f"natural_{value}"
+    for stage in stages[1:]:
+        hit = table["removed_by"] == stage
+        if not hit.any():
+            continue
+        y = table.loc[hit, base].astype(float).replace(-np.inf, np.nan)
+        fig.add_scatter(
+            x=[t for t, h in zip(ticks, hit.tolist()) if h],
+            y=y.fillna(0.0),
+            mode="markers+text",
+            marker=dict(symbol="x-thin", size=14, line=dict(width=3, color=MASK_COLOR), color=MASK_COLOR),
+            text=["masked"] * int(hit.sum()),
+            textposition="top center",
+            textfont=dict(color=MASK_COLOR),
+            name=f"masked by {_name(stage)}",
+            hovertemplate="%{x}: masked (logit -inf)<extra>" + _name(stage) + "</extra>",
+        )
+    chosen = table.index[table["chosen"]].tolist()
+    if chosen:
+        i = chosen[0]
+        values = [table.at[i, f"{s}_{value}"] for s in stages]
+        finite = [float(v) for v in values if v is not None and np.isfinite(v)]
+        top = max(finite) if finite else 0.0
+        fig.add_annotation(
+            x=ticks[i], y=math.log10(top) if (log_y and value == "prob" and top > 0) else top,
+            text="chosen", showarrow=True, arrowhead=2, ay=-30, font=dict(color="#222"),
+        )
+    axis = "probability" if value == "prob" else "logit"
+    fig.update_layout(barmode="group", bargap=0.25, xaxis_title="token", yaxis_title=axis)
+    if value == "prob" and log_y:
+        fig.update_yaxes(type="log")
+    return _layout(fig, title, 420)
+
+
+def _present(stats: pd.DataFrame, column: str) -> bool:
+    return column in stats.columns and bool(stats[column].notna().any())
+
+
+def timelines(
+    stats: pd.DataFrame,
+    stages: Sequence[str],
+    *,
+    current: int | None = None,
+    title: str = "",
+) -> go.Figure:
+    """Per-step panels from ``Run.stats``: entropy per stage, chosen-token probability per stage,
+    mass the constraint removed, margin (best token vs best allowed, nats) and end-of-sequence probability.
+
+    ``current`` draws a dotted line at that step. Panels whose values the
+    storage cannot tell (top-k: entropy, removed mass, margin) say so.
+    """
+    panels = [
+        ("entropy (nats)", [f"entropy_{s}" for s in stages]),
+        ("chosen token's probability", [f"p_chosen_{s}" for s in stages]),
+        ("mass removed by the constraint", ["removed_mass"]),
+        ("margin: best token − best allowed (nats)", ["margin"]),
+        ("end-of-sequence probability", [f"p_eos_{s}" for s in stages]),
+    ]
+    fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.045, subplot_titles=[p[0] for p in panels])
+    x = stats["position"]
+    tokens = stats["chosen_token"].fillna("").map(repr) if "chosen_token" in stats.columns else None
+    shown: set[str] = set()
+    for row, (label, columns) in enumerate(panels, start=1):
+        drawn = False
+        for column in columns:
+            if not _present(stats, column):
+                continue
+            stage = column.rsplit("_", 1)[-1] if column.rsplit("_", 1)[-1] in stages else None
+            color = _color(stage, stages.index(stage)) if stage else "#555"
+            name = _name(stage) if stage else label
+            fig.add_scatter(
+                x=x, y=stats[column], mode="lines+markers", marker=dict(size=4), line=dict(color=color, width=1.6),
+                name=name, legendgroup=name, showlegend=name not in shown and stage is not None,
+                customdata=tokens, hovertemplate="step %{x} %{customdata}<br>" + name + ": %{y:.4g}<extra></extra>",
+                row=row, col=1,
+            )
+            shown.add(name)
+            drawn = True
+        if not drawn:
+            fig.add_annotation(
+                text="not known in this run's storage" if any(c in stats.columns for c in columns) else "not recorded",
+                xref="x domain", yref="y domain", x=0.5, y=0.5, showarrow=False, font=dict(color="#999"), row=row, col=1,
+            )
+    if current is not None:
+        fig.add_vline(x=current, line_dash="dot", line_color="#333", row="all", col=1)
+    fig.update_xaxes(title_text="step", row=len(panels), col=1)
+    return _layout(fig, title, 170 * len(panels))
+
+
+def token_heatmap(
+    heat: pd.DataFrame,
+    chosen: Sequence[str | None],
+    *,
+    stage: str = "natural",
+    title: str = "",
+) -> go.Figure:
+    """Tokens (rows) by steps (columns), coloured by ``stage``'s probability; ○ marks the chosen token.
+
+    ``heat`` is a :attr:`dashboard.views.WindowView.heat` frame (index: token
+    labels, columns: steps); ``chosen`` gives, per column, the chosen token's
+    label (None when it is not among the rows).
+    """
+    steps = [int(c) for c in heat.columns]
+    if len(chosen) != len(steps):
+        raise ValueError(f"chosen must give one label per step ({len(steps)}), got {len(chosen)}")
+    z = heat.to_numpy(dtype=float)
+    fig = go.Figure(
+        go.Heatmap(
+            z=z, x=steps, y=list(heat.index), zmin=0.0, zmax=1.0, colorscale="Blues",
+            colorbar=dict(title=dict(text="p"), thickness=12),
+            hovertemplate="step %{x}<br>token %{y}<br>p=%{z:.4f}<extra>" + _name(stage) + "</extra>",
+        )
+    )
+    xs = [s for s, c in zip(steps, chosen) if c is not None]
+    ys = [c for c in chosen if c is not None]
+    fig.add_scatter(
+        x=xs, y=ys, mode="markers", name="chosen",
+        marker=dict(symbol="circle-open", size=11, line=dict(width=2, color=MASK_COLOR)),
+        hovertemplate="step %{x}: chose %{y}<extra></extra>",
+    )
+    fig.update_yaxes(autorange="reversed", type="category")
+    fig.update_xaxes(title_text="step")
+    return _layout(fig, title, max(260, 22 * len(heat.index) + 120))
+
+
+def compare_timelines(
+    a: pd.DataFrame,
+    b: pd.DataFrame,
+    *,
+    labels: tuple[str, str] = ("A", "B"),
+    stage: str = "natural",
+    divergence: int | None = None,
+    title: str = "",
+) -> go.Figure:
+    """Two runs' chosen-token probability and entropy at ``stage``, step by step, with the divergence marked."""
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1,
+                        subplot_titles=[f"chosen token's probability ({_name(stage)})", f"entropy ({_name(stage)}, nats)"])
+    styles = (dict(color="#4C78A8", dash="solid"), dict(color="#E45756", dash="dash"))
+    for frame, label, style in zip((a, b), labels, styles):
+        tokens = frame["chosen_token"].fillna("").map(repr)
+        for row, column in ((1, f"p_chosen_{stage}"), (2, f"entropy_{stage}")):
+            if column not in frame.columns:
+                continue
+            fig.add_scatter(
+                x=frame["position"], y=frame[column], mode="lines+markers", marker=dict(size=4),
+                line=dict(width=1.6, **style), name=label, legendgroup=label, showlegend=row == 1,
+                customdata=tokens, hovertemplate="step %{x} %{customdata}<br>" + label + ": %{y:.4g}<extra></extra>",
+                row=row, col=1,
+            )
+    if divergence is not None:
+        fig.add_vline(x=divergence, line_dash="dot", line_color=MASK_COLOR, row="all", col=1)
+        fig.add_annotation(text=f"diverge at step {divergence}", x=divergence, y=1.0, xref="x", yref="y domain",
+                           showarrow=False, xanchor="left", font=dict(color=MASK_COLOR))
+    fig.update_xaxes(title_text="step", row=2, col=1)
+    return _layout(fig, title, 460)

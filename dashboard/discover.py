@@ -1,0 +1,133 @@
+"""Finding the runs under a path and describing each one for the run browser.
+
+A path may be one run (a ``.parquet`` or Arrow IPC file, a ``run_id=...``
+folder, a spill folder) or a folder holding runs, at any depth up to
+:data:`MAX_DEPTH`. Hidden entries and half-written temporary files are
+skipped. A file that looks like a run but cannot be read still appears, with
+its error, so the browser can say what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from dashboard.reader import IPC_SUFFIXES, PARQUET_SUFFIXES, BadRunError, RunReader
+from tracker.spill import RUN_JSON
+
+__all__ = ["MAX_DEPTH", "RunSummary", "find_runs", "is_run_folder", "summarize", "summary_of"]
+
+MAX_DEPTH = 4
+RUN_SUFFIXES = PARQUET_SUFFIXES + IPC_SUFFIXES
+
+
+def is_run_folder(path: Path) -> bool:
+    """A folder that is one run: a dataset partition (``run_id=...``) or a spill folder."""
+    return path.is_dir() and (path.name.startswith("run_id=") or (path / RUN_JSON).is_file())
+
+
+def _visible(path: Path) -> bool:
+    return not path.name.startswith((".", "_")) and not path.name.endswith(".tmp")
+
+
+def find_runs(root: str | Path) -> list[Path]:
+    """The runs at or under ``root``, sorted by path; FileNotFoundError naming ``root`` if it is missing."""
+    base = Path(root)
+    if not base.exists():
+        raise FileNotFoundError(f"path: nothing at '{base}' (give a run file or a folder of runs)")
+    if base.is_file() or is_run_folder(base):
+        return [base]
+    found: list[Path] = []
+
+    def walk(folder: Path, depth: int) -> None:
+        for entry in sorted(folder.iterdir()):
+            if not _visible(entry):
+                continue
+            if entry.is_file() and entry.suffix in RUN_SUFFIXES:
+                found.append(entry)
+            elif is_run_folder(entry):
+                found.append(entry)
+            elif entry.is_dir() and depth < MAX_DEPTH:
+                walk(entry, depth + 1)
+
+    walk(base, 1)
+    return found
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """One line of the run browser.
+
+    ``error`` is set (and most other fields empty) when the path is not a
+    readable run; ``label`` is what pickers show.
+    """
+
+    path: str
+    label: str
+    title: str = ""
+    run_id: str = ""
+    prompt: str = ""
+    model: str = ""
+    processors: str = ""
+    sampling: str = ""
+    steps: int = 0
+    sequences: int = 0
+    generations: int = 0
+    created_at: str = ""
+    storage: str = ""
+    stages: str = ""
+    vocab_size: int = 0
+    size_bytes: int = 0
+    error: str | None = None
+
+
+def _sampling_text(sampling: object) -> str:
+    if sampling is None:
+        return ""
+    if isinstance(sampling, dict):
+        shown = {k: v for k, v in sampling.items() if v not in (None, (), [], False)}
+        return ", ".join(f"{k}={v}" for k, v in shown.items())
+    return json.dumps(sampling) if not isinstance(sampling, str) else sampling
+
+
+def summary_of(reader: RunReader, label: str) -> RunSummary:
+    """Describe an open run (the latest generation's first prompt, the longest sequence)."""
+    m = reader.metadata
+    generations = reader.generations()
+    steps = 0
+    sequences = 0
+    for g in generations:
+        seqs = reader.sequences(g)
+        sequences = max(sequences, len(seqs))
+        steps = max([steps] + [reader.track(g, s).length for s in seqs])
+    prompt = reader.prompt(generations[-1]) if generations else ""
+    title = str(m.extra.get("title", "")) if isinstance(m.extra, dict) else ""
+    return RunSummary(
+        path=str(reader.path),
+        label=label,
+        title=title,
+        run_id=m.run_id,
+        prompt=prompt,
+        model=m.model or "",
+        processors=m.processors or "none",
+        sampling=_sampling_text(m.sampling),
+        steps=steps,
+        sequences=sequences,
+        generations=len(generations),
+        created_at=m.created_at,
+        storage=m.storage if m.storage != "topk" else f"top-{m.top_k}",
+        stages=", ".join(m.stages),
+        vocab_size=m.vocab_size,
+        size_bytes=reader.size_bytes,
+    )
+
+
+def summarize(path: str | Path, root: str | Path | None = None) -> RunSummary:
+    """Open ``path`` and describe it; a bad run gives a summary with ``error`` set instead of raising."""
+    target = Path(path)
+    label = str(target.relative_to(root)) if root is not None and target != Path(root) and target.is_relative_to(root) else target.name
+    try:
+        return summary_of(RunReader(target), label)
+    except BadRunError as exc:
+        return RunSummary(path=str(target), label=label, error=exc.reason)

@@ -1,0 +1,22 @@
+"""Where things are: the app script, the shipped sample runs, and the variable naming the runs to show.
+
+Kept free of Streamlit so that the command line can use it cheaply.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["APP", "ENV_PATH", "REPO_ROOT", "default_runs_path"]
+
+#: The Streamlit entry script.
+APP = Path(__file__).resolve().parent / "app.py"
+#: The folder holding the ``dashboard`` package (the repository root in a checkout or editable install).
+REPO_ROOT = APP.parent.parent
+#: Environment variable naming the runs to show (set by ``logitscope dashboard``).
+ENV_PATH = "LOGITSCOPE_RUNS"
+
+
+def default_runs_path() -> Path:
+    """The shipped ``sample_runs/`` folder, beside the ``dashboard`` package in the repository."""
+    return REPO_ROOT / "sample_runs"

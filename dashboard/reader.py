@@ -1,0 +1,550 @@
+"""A run on disk, read step by step: what the dashboard needs without loading the whole file.
+
+``tracker.Run.load`` reads every row of a run into memory, which is right for
+analysis in Python but not for a page that shows one step at a time of a run
+that may hold 10,000 steps of a 128k vocabulary (5 GB per stage in float32).
+:class:`RunReader` opens a run by its metadata and its id columns only, then
+reads the value columns of a step from the one block that holds it: a
+Parquet row group (the tracker writes row groups of about 8 MiB) or a record
+batch of a memory-mapped Arrow IPC file. Blocks read are kept in a small
+least-recently-used cache, so moving back and forth between nearby steps
+reads nothing twice. ``blocks_read`` and ``bytes_read`` count what was read,
+for tests and benchmarks.
+
+Readable layouts (as written by :mod:`tracker.run` and :mod:`tracker.spill`):
+a ``.parquet`` file, an Arrow IPC file (``.arrow``, ``.feather``, ``.ipc``), a
+folder of Parquet parts (a ``run_id=...`` dataset partition), and a spill
+folder (``_run.json``, ``_vocab.arrow``, ``chunk-*.arrow``). Anything else,
+a truncated file, or a run written with a newer schema raises
+:class:`BadRunError` with a message meant for the person looking at the page.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+import tracker
+from tracker.schema import FIELD_DTYPE, ID_SCHEMA, META_RUN, META_VOCAB, SCHEMA_VERSION, RunMetadata, run_schema
+from tracker.spill import CHUNK_GLOB, RUN_JSON, VOCAB_FILE
+from tracker.vocab import Vocabulary
+
+__all__ = [
+    "BadRunError",
+    "RunReader",
+    "StageRow",
+    "StepRow",
+    "Track",
+    "IPC_SUFFIXES",
+    "PARQUET_SUFFIXES",
+]
+
+IPC_SUFFIXES = (".arrow", ".feather", ".ipc")
+PARQUET_SUFFIXES = (".parquet", ".pq")
+ID_COLUMNS: tuple[str, ...] = tuple(ID_SCHEMA.names)
+_CACHE_BYTES = 256 << 20
+
+
+class BadRunError(Exception):
+    """A path that cannot be shown as a run; ``str()`` says which path and why, in plain words."""
+
+    def __init__(self, path: str | Path, reason: str) -> None:
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"'{path}' cannot be opened as a logitscope run: {reason}")
+
+
+@dataclass(frozen=True)
+class Track:
+    """The rows of one sequence of one generation, in step order, cut after its first end-of-sequence token.
+
+    Attributes:
+        generation, sequence: what was selected.
+        steps: ``[T]`` step numbers (0 is the first generated token).
+        chosen: ``[T]`` chosen token ids, -1 where unknown.
+        rows: ``[T]`` row numbers in the reader's index.
+    """
+
+    generation: int
+    sequence: int
+    steps: np.ndarray
+    chosen: np.ndarray
+    rows: np.ndarray
+
+    @property
+    def length(self) -> int:
+        return int(self.steps.shape[0])
+
+    def position(self, step: int) -> int:
+        """Index into this track of ``step``; ValueError naming the recorded range otherwise."""
+        hits = np.nonzero(self.steps == step)[0]
+        if hits.size == 0:
+            raise ValueError(
+                f"step={step} is not recorded for generation {self.generation}, sequence {self.sequence}; "
+                f"recorded steps are {int(self.steps.min()) if self.length else 0}..{int(self.steps.max()) if self.length else -1}"
+            )
+        return int(hits[0])
+
+
+@dataclass(frozen=True)
+class StageRow:
+    """One stage's values at one step.
+
+    Full storage sets ``logits`` (``[V]`` float32); top-k storage sets
+    ``ids``/``values`` (the stored best tokens and their logits) and, for
+    stages after ``natural``, ``natural_at_ids``. ``lse`` is the row's
+    log-sum-exp and ``allowed`` how many tokens had a logit above ``-inf``
+    (both known in every storage). ``recorded`` is False when the stage was
+    not recorded at this step (the wrapped processor raised, or the stage was
+    added later).
+    """
+
+    stage: str
+    recorded: bool
+    logits: np.ndarray | None = None
+    ids: np.ndarray | None = None
+    values: np.ndarray | None = None
+    natural_at_ids: np.ndarray | None = None
+    lse: float = float("nan")
+    allowed: int = 0
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """Every stage of one (generation, sequence, step) row, and the token chosen there (-1: unknown)."""
+
+    generation: int
+    sequence: int
+    step: int
+    chosen: int
+    processor_error: bool
+    stages: dict[str, StageRow]
+
+
+class _Part(Protocol):
+    """One file of a run, read in blocks (row groups or record batches)."""
+
+    path: Path
+
+    def block_sizes(self) -> list[int]: ...
+
+    def read_ids(self) -> pa.Table: ...
+
+    def read_block(self, block: int, columns: tuple[str, ...]) -> tuple[pa.Table, int]: ...
+
+
+class _ParquetPart:
+    """A Parquet file: blocks are row groups; only the requested column chunks are read."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.file = pq.ParquetFile(path, memory_map=True)
+        self._names = self.file.schema_arrow.names
+
+    @property
+    def schema(self) -> pa.Schema:
+        return self.file.schema_arrow
+
+    def block_sizes(self) -> list[int]:
+        meta = self.file.metadata
+        return [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+
+    def read_ids(self) -> pa.Table:
+        return self.file.read(columns=list(ID_COLUMNS), use_threads=True)
+
+    def read_block(self, block: int, columns: tuple[str, ...]) -> tuple[pa.Table, int]:
+        table = self.file.read_row_group(block, columns=list(columns), use_threads=True)
+        group = self.file.metadata.row_group(block)
+        wanted = set(columns)
+        nbytes = sum(
+            group.column(j).total_compressed_size
+            for j in range(group.num_columns)
+            if group.column(j).path_in_schema.split(".")[0] in wanted
+        )
+        return table, int(nbytes)
+
+
+class _IpcPart:
+    """An Arrow IPC file through a memory map: blocks are record batches, read without a copy."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
+
+    @property
+    def schema(self) -> pa.Schema:
+        return self.reader.schema
+
+    def block_sizes(self) -> list[int]:
+        return [self.reader.get_batch(i).num_rows for i in range(self.reader.num_record_batches)]
+
+    def read_ids(self) -> pa.Table:
+        batches = [self.reader.get_batch(i).select(list(ID_COLUMNS)) for i in range(self.reader.num_record_batches)]
+        schema = pa.schema([self.reader.schema.field(n) for n in ID_COLUMNS])
+        return pa.Table.from_batches(batches, schema=schema)
+
+    def read_block(self, block: int, columns: tuple[str, ...]) -> tuple[pa.Table, int]:
+        batch = self.reader.get_batch(block).select(list(columns))
+        return pa.Table.from_batches([batch]), int(batch.nbytes)
+
+
+def _describe_arrow_error(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "magic" in text.lower() or "footer" in text.lower() or "not an arrow file" in text.lower():
+        return f"the file is truncated or is not a Parquet/Arrow file ({text})"
+    return f"the file could not be read ({type(exc).__name__}: {text})"
+
+
+def _open_part(path: Path) -> _ParquetPart | _IpcPart:
+    try:
+        if path.suffix in IPC_SUFFIXES:
+            return _IpcPart(path)
+        return _ParquetPart(path)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise BadRunError(path, _describe_arrow_error(exc)) from exc
+
+
+def _parse_metadata(path: Path, raw: bytes | None) -> RunMetadata:
+    if raw is None:
+        raise BadRunError(
+            path,
+            "it holds no logitscope run metadata (schema key 'logitscope.run'); it is a table, "
+            "but not one written by tracker's Run.to_parquet / to_dataset",
+        )
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise BadRunError(path, f"its run metadata is not valid JSON ({exc})") from exc
+    version = str(data.get("schema_version", "")) if isinstance(data, dict) else ""
+    if version.split(".")[0] != SCHEMA_VERSION.split(".")[0]:
+        raise BadRunError(
+            path,
+            f"it was written with run schema version {version!r}, and this logitscope reads schema "
+            f"{SCHEMA_VERSION.split('.')[0]}.x; open it with the logitscope version that wrote it",
+        )
+    try:
+        return RunMetadata.from_json(raw)
+    except (TypeError, ValueError) as exc:
+        raise BadRunError(path, f"its run metadata is incomplete ({exc})") from exc
+
+
+class RunReader:
+    """Read a run on disk by step; see the module docstring.
+
+    Opening reads the metadata and the id columns (generation, sequence,
+    step, chosen, processor_error) of every row, nothing else. The reader is
+    safe to share between threads (Streamlit sessions).
+
+    Args:
+        path: a run file or run folder (see the module docstring).
+        cache_bytes: bytes of blocks kept after reading them.
+    """
+
+    def __init__(self, path: str | Path, *, cache_bytes: int = _CACHE_BYTES) -> None:
+        self.path = Path(path)
+        if cache_bytes < 0:
+            raise ValueError(f"cache_bytes must be >= 0, got {cache_bytes}")
+        self._cache_bytes = int(cache_bytes)
+        self._cache: OrderedDict[tuple[int, int, tuple[str, ...]], pa.Table] = OrderedDict()
+        self._cached_bytes = 0
+        self._lock = threading.RLock()
+        self.blocks_read = 0
+        self.bytes_read = 0
+        self._parts, self.metadata, self._vocab_source = self._open(self.path)
+        self._check_columns()
+        self._index = self._read_index()
+
+    # ---------------------------------------------------------------- opening
+
+    def _open(self, path: Path) -> tuple[list[_ParquetPart | _IpcPart], RunMetadata, object]:
+        if not path.exists():
+            raise BadRunError(path, "there is no file or folder at this path")
+        if path.is_file():
+            part = _open_part(path)
+            meta = part.schema.metadata or {}
+            return [part], _parse_metadata(path, meta.get(META_RUN)), meta.get(META_VOCAB)
+        if (path / RUN_JSON).is_file():
+            metadata = _parse_metadata(path, (path / RUN_JSON).read_bytes())
+            vocab_raw = None
+            if (path / VOCAB_FILE).is_file():
+                vocab_raw = (_open_part(path / VOCAB_FILE).schema.metadata or {}).get(META_VOCAB)
+            parts = [_open_part(p) for p in sorted(path.glob(CHUNK_GLOB))]
+            if not parts:
+                raise BadRunError(path, "the spill folder holds no chunk-*.arrow files yet")
+            return parts, metadata, vocab_raw
+        files = sorted(p for p in path.iterdir() if p.suffix in PARQUET_SUFFIXES and not p.name.startswith("."))
+        if not files:
+            raise BadRunError(path, "the folder holds no .parquet parts and no spill files (_run.json)")
+        parts = [_open_part(p) for p in files]
+        meta = parts[0].schema.metadata or {}
+        return parts, _parse_metadata(files[0], meta.get(META_RUN)), meta.get(META_VOCAB)
+
+    def _check_columns(self) -> None:
+        """Every part has the id columns; every value column the metadata declares is in some part.
+
+        The ``_nonfinite`` flags are optional (spill chunks do not carry them),
+        and a stage added during a run is missing from the chunks before it.
+        """
+        m = self.metadata
+        expected = [n for n in run_schema(m.storage, m.stages, m.vocab_size, m.top_k).names if not n.endswith("_nonfinite")]
+        present: set[str] = set()
+        for part in self._parts:
+            names = set(part.schema.names)
+            lacking = [n for n in ID_COLUMNS if n not in names]
+            if lacking:
+                raise BadRunError(part.path, f"it lacks the id columns {lacking} every run has")
+            present |= names
+        missing = [name for name in expected if name not in present]
+        if missing:
+            raise BadRunError(
+                self._parts[0].path,
+                f"its metadata declares storage {m.storage!r} with stages {m.stages}, but columns {missing} are missing",
+            )
+
+    def _read_index(self) -> dict[str, np.ndarray]:
+        parts: dict[str, list[np.ndarray]] = {k: [] for k in ("generation", "sequence", "step", "chosen", "error", "part", "block", "local")}
+        for p, part in enumerate(self._parts):
+            try:
+                ids = part.read_ids()
+                sizes = part.block_sizes()
+            except (pa.ArrowException, OSError) as exc:
+                raise BadRunError(part.path, _describe_arrow_error(exc)) from exc
+            if sum(sizes) != ids.num_rows:
+                raise BadRunError(part.path, f"its blocks hold {sum(sizes)} rows but its id columns {ids.num_rows}")
+            parts["generation"].append(ids.column("generation").to_numpy())
+            parts["sequence"].append(ids.column("sequence").to_numpy())
+            parts["step"].append(ids.column("step").to_numpy())
+            parts["chosen"].append(ids.column("chosen").fill_null(-1).to_numpy())
+            parts["error"].append(ids.column("processor_error").to_numpy())
+            parts["part"].append(np.full(ids.num_rows, p, dtype=np.int64))
+            parts["block"].append(np.repeat(np.arange(len(sizes), dtype=np.int64), sizes))
+            parts["local"].append(np.concatenate([np.arange(n, dtype=np.int64) for n in sizes]) if sizes else np.zeros(0, np.int64))
+        return {k: np.concatenate(v) if v else np.zeros(0, np.int64) for k, v in parts.items()}
+
+    # ---------------------------------------------------------------- what the run holds
+
+    @cached_property
+    def vocab(self) -> Vocabulary:
+        """The run's vocabulary (``<id>`` placeholders when the run carries none)."""
+        raw = self._vocab_source
+        if isinstance(raw, bytes):
+            try:
+                return Vocabulary.deserialize(raw)
+            except (pa.ArrowException, ValueError) as exc:
+                raise BadRunError(self.path, f"its vocabulary metadata is damaged ({exc})") from exc
+        return Vocabulary.placeholder(self.metadata.vocab_size)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self._index["step"].shape[0])
+
+    @property
+    def num_blocks(self) -> int:
+        return int(sum(len(part.block_sizes()) for part in self._parts))
+
+    @property
+    def stages(self) -> list[str]:
+        return list(self.metadata.stages)
+
+    @property
+    def size_bytes(self) -> int:
+        return int(sum(part.path.stat().st_size for part in self._parts))
+
+    def generations(self) -> list[int]:
+        return sorted(set(self._index["generation"].tolist()))
+
+    def sequences(self, generation: int) -> list[int]:
+        index = self._index
+        return sorted(set(index["sequence"][index["generation"] == generation].tolist()))
+
+    def prompt(self, generation: int, sequence: int = 0) -> str:
+        """The prompt text of a row of a generation ("" when the run did not keep it)."""
+        for entry in self.metadata.generations:
+            if int(entry.get("generation", -1)) == generation:
+                rows = entry.get("prompt_ids") or []
+                if 0 <= sequence < len(rows):
+                    return self.vocab.decode(rows[sequence])
+        return ""
+
+    def track(self, generation: int, sequence: int, *, include_finished: bool = False) -> Track:
+        """The rows of a sequence in step order (cut after its first end-of-sequence token by default)."""
+        key = ("track", generation, sequence, include_finished)
+        cached = self._memo.get(key)
+        if cached is not None:
+            return cached
+        index = self._index
+        in_generation = index["generation"] == generation
+        if not in_generation.any():
+            raise ValueError(f"generation={generation} is not in this run; its generations are {self.generations()}")
+        rows = np.nonzero(in_generation & (index["sequence"] == sequence))[0]
+        if rows.size == 0:
+            raise ValueError(
+                f"sequence={sequence} is not in generation {generation}; its sequences are {self.sequences(generation)}"
+            )
+        rows = rows[np.argsort(index["step"][rows], kind="stable")]
+        chosen = index["chosen"][rows]
+        eos = self.metadata.eos_token_ids
+        if not include_finished and eos:
+            ends = np.nonzero(np.isin(chosen, eos))[0]
+            if ends.size:
+                rows, chosen = rows[: ends[0] + 1], chosen[: ends[0] + 1]
+        result = Track(generation, sequence, index["step"][rows].astype(np.int64), chosen.astype(np.int64), rows)
+        self._memo[key] = result
+        return result
+
+    @cached_property
+    def _memo(self) -> dict[object, Track]:
+        return {}
+
+    # ---------------------------------------------------------------- reading values
+
+    def _block(self, part: int, block: int, columns: tuple[str, ...]) -> pa.Table:
+        key = (part, block, columns)
+        with self._lock:
+            table = self._cache.get(key)
+            if table is not None:
+                self._cache.move_to_end(key)
+                return table
+            source = self._parts[part]
+            try:
+                table, nbytes = source.read_block(block, columns)
+            except (pa.ArrowException, OSError) as exc:
+                raise BadRunError(source.path, f"block {block} could not be read: {_describe_arrow_error(exc)}") from exc
+            self.blocks_read += 1
+            self.bytes_read += nbytes
+            size = int(table.nbytes)
+            if size <= self._cache_bytes:
+                self._cache[key] = table
+                self._cached_bytes += size
+                while self._cached_bytes > self._cache_bytes:
+                    _, old = self._cache.popitem(last=False)
+                    self._cached_bytes -= int(old.nbytes)
+            return table
+
+    def _value_columns(self, part: int) -> tuple[str, ...]:
+        """The value columns (and flags) the metadata declares that this part holds."""
+        m = self.metadata
+        names = set(self._parts[part].schema.names)
+        declared = run_schema(m.storage, m.stages, m.vocab_size, m.top_k).names
+        return tuple(n for n in declared if n not in ID_COLUMNS and n in names)
+
+    def rows(self, track: Track, start: int, stop: int) -> pa.Table:
+        """The full rows (id and value columns) of ``track`` positions ``[start, stop)``, in step order."""
+        if not 0 <= start <= stop <= track.length:
+            raise ValueError(f"start, stop must satisfy 0 <= start <= stop <= {track.length}, got {start}, {stop}")
+        index = self._index
+        wanted = track.rows[start:stop]
+        pieces: list[pa.Table] = []
+        keys = np.stack([index["part"][wanted], index["block"][wanted]], axis=1) if wanted.size else np.zeros((0, 2), np.int64)
+        i = 0
+        while i < wanted.size:
+            part, block = int(keys[i, 0]), int(keys[i, 1])
+            j = i
+            while j < wanted.size and keys[j, 0] == part and keys[j, 1] == block:
+                j += 1
+            table = self._block(part, block, ID_COLUMNS + self._value_columns(part))
+            pieces.append(table.take(pa.array(index["local"][wanted[i:j]])))
+            i = j
+        metadata = {META_RUN: self.metadata.to_json()}
+        if not pieces:
+            source = self._parts[0].schema
+            names = ID_COLUMNS + self._value_columns(0)
+            return pa.schema([source.field(n) for n in names], metadata=metadata).empty_table()
+        tables = [p.replace_schema_metadata(None) for p in pieces]
+        return pa.concat_tables(tables, promote_options="default").replace_schema_metadata(metadata)
+
+    def window(self, track: Track, start: int, stop: int) -> tracker.Run:
+        """Positions ``[start, stop)`` of ``track`` as a :class:`tracker.Run`, for its analysis API."""
+        table = self.rows(track, start, stop).combine_chunks()  # one block: the analysis works per block
+        return tracker.Run(table.to_batches(max_chunksize=max(1, table.num_rows)), self.metadata, lambda: self.vocab)
+
+    def step(self, track: Track, position: int) -> StepRow:
+        """Every stage of the row at ``position`` of ``track``, reading only the block that holds it."""
+        if not 0 <= position < track.length:
+            raise ValueError(f"position must be in [0, {track.length}), got {position}")
+        index = self._index
+        row = int(track.rows[position])
+        part = int(index["part"][row])
+        table = self._block(part, int(index["block"][row]), self._value_columns(part))
+        local = int(index["local"][row])
+        stages = {stage: self._stage_row(table, stage, local) for stage in self.metadata.stages}
+        return StepRow(
+            track.generation,
+            track.sequence,
+            int(track.steps[position]),
+            int(track.chosen[position]),
+            bool(index["error"][row]),
+            stages,
+        )
+
+    def _stage_row(self, table: pa.Table, stage: str, local: int) -> StageRow:
+        m = self.metadata
+        if f"{stage}_topk_ids" not in table.column_names and f"{stage}_logits" not in table.column_names:
+            return StageRow(stage, recorded=False)
+        if m.storage != "topk":
+            column = _single(table.column(f"{stage}_logits"))
+            if column.is_null()[local].as_py():
+                return StageRow(stage, recorded=False)
+            width = m.vocab_size
+            child = column.values.slice((column.offset + local) * width, width)
+            kind = (table.schema.field(f"{stage}_logits").metadata or {}).get(FIELD_DTYPE, b"float32")
+            logits = _as_float32(child.to_numpy(zero_copy_only=False), kind)
+            finite = logits[logits > -np.inf]
+            top = float(finite.max()) if finite.size else -np.inf
+            lse = float(top + np.log(np.exp(finite - top).sum())) if finite.size else -np.inf
+            return StageRow(stage, True, logits=logits, lse=lse, allowed=int(finite.size))
+        ids_column = _single(table.column(f"{stage}_topk_ids"))
+        if ids_column.is_null()[local].as_py():
+            return StageRow(stage, recorded=False)
+        k = ids_column.type.list_size
+        ids = ids_column.values.slice((ids_column.offset + local) * k, k).to_numpy(zero_copy_only=False).astype(np.int64)
+        values_column = _single(table.column(f"{stage}_topk_logits"))
+        values = values_column.values.slice((values_column.offset + local) * k, k).to_numpy(zero_copy_only=False)
+        natural = None
+        if f"{stage}_topk_natural" in table.column_names:
+            nat_column = _single(table.column(f"{stage}_topk_natural"))
+            natural = nat_column.values.slice((nat_column.offset + local) * k, k).to_numpy(zero_copy_only=False)
+        lse = table.column(f"{stage}_lse")[local].as_py()
+        allowed = table.column(f"{stage}_allowed")[local].as_py()
+        return StageRow(
+            stage,
+            True,
+            ids=ids,
+            values=values.astype(np.float32),
+            natural_at_ids=None if natural is None else natural.astype(np.float32),
+            lse=float("nan") if lse is None else float(lse),
+            allowed=0 if allowed is None else int(allowed),
+        )
+
+    def clear_cache(self) -> None:
+        """Forget the blocks read (the next reads go to the file again)."""
+        with self._lock:
+            self._cache.clear()
+            self._cached_bytes = 0
+
+    def __repr__(self) -> str:
+        m = self.metadata
+        return (
+            f"RunReader('{self.path}', run_id={m.run_id!r}, rows={self.num_rows}, blocks={self.num_blocks}, "
+            f"storage={m.storage!r}, stages={m.stages}, vocab_size={m.vocab_size})"
+        )
+
+
+def _single(column: pa.ChunkedArray) -> pa.Array:
+    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+
+
+def _as_float32(values: np.ndarray, kind: bytes) -> np.ndarray:
+    """A stored row as float32: float16 widened, bfloat16 (kept as uint16) shifted into the high half."""
+    if kind == b"bfloat16":
+        return (values.astype(np.uint32) << 16).view(np.float32)
+    return values.astype(np.float32, copy=False)

@@ -1,0 +1,190 @@
+"""Runs made without a model: small hand-made ones for tests, large streamed ones for benchmarks.
+
+:func:`hand_made_run` feeds given logits through the real
+:class:`tracker.LogitTrackingProcessor` (so the run is exactly what the
+tracker records) and names the tokens; :func:`write_large_run` streams a run
+of any length and vocabulary straight to Parquet or Arrow IPC in the
+tracker's schema, block by block, so that a 10,000-step run at a 128k
+vocabulary never has to fit in memory.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from pathlib import Path
+from typing import Iterator, Literal, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+import tracker
+from processors import BatchContext
+from tracker.schema import META_RUN, META_VOCAB, RunMetadata, run_schema
+from tracker.spill import atomic_path
+from tracker.vocab import Vocabulary
+
+__all__ = ["hand_made_run", "write_large_run", "large_run_metadata"]
+
+
+class _Rows:
+    """A transformers-style processor returning given rows: ``constrained[sequence, step]``."""
+
+    def __init__(self, constrained: np.ndarray) -> None:
+        self.constrained = constrained
+        self.step = 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = torch.as_tensor(self.constrained[:, self.step], dtype=scores.dtype)
+        self.step += 1
+        return out
+
+
+def hand_made_run(
+    natural: np.ndarray,
+    chosen: np.ndarray | Sequence[Sequence[int]],
+    tokens: Sequence[str],
+    *,
+    constrained: np.ndarray | None = None,
+    eos_token_id: int | None = None,
+    storage: Literal["float32", "float16", "bfloat16", "topk"] = "float32",
+    top_k: int = 4,
+    prompt: Sequence[int] = (0,),
+    generations: int = 1,
+    title: str = "hand-made run",
+) -> tracker.Run:
+    """A run recorded by the tracker from given logits.
+
+    Args:
+        natural: ``[B, T, V]`` (or ``[T, V]``) logits the "model" produced.
+        chosen: ``[B, T]`` (or ``[T]``) the tokens chosen at each step.
+        tokens: the ``V`` token texts.
+        constrained: the wrapped processor's output, same shape as
+            ``natural`` (``-inf`` masks a token); None records no processor.
+        eos_token_id: the end-of-sequence id, if any.
+        storage, top_k: the tracker's storage mode.
+        prompt: prompt token ids (every row gets the same).
+        generations: how many times the same steps are recorded (each a generation).
+        title: stored in the run's metadata (``extra["title"]``).
+    """
+    nat = np.asarray(natural, dtype=np.float32)
+    picks = np.asarray(chosen, dtype=np.int64)
+    if nat.ndim == 2:
+        nat, picks = nat[None], picks[None]
+    con = None if constrained is None else np.asarray(constrained, dtype=np.float32).reshape(nat.shape)
+    batch, steps, vocab = nat.shape
+    if picks.shape != (batch, steps):
+        raise ValueError(f"chosen must have shape {(batch, steps)} to match natural {nat.shape}, got {picks.shape}")
+    if len(tokens) != vocab:
+        raise ValueError(f"tokens must name every one of the {vocab} ids, got {len(tokens)}")
+    processor = None if con is None else _Rows(con)
+    track = tracker.LogitTrackingProcessor(
+        processor, storage=storage, top_k=top_k, eos_token_id=eos_token_id, memory_limit=None, model="hand-made"
+    )
+    track.annotate(sampling={"temperature": 0.0}, title=title)
+    for _ in range(generations):
+        if processor is not None:
+            processor.step = 0
+        ids = torch.tensor([list(prompt)] * batch, dtype=torch.long)
+        for step in range(steps):
+            ctx = BatchContext(input_ids=ids, prompt_length=len(prompt))
+            track.process(torch.from_numpy(nat[:, step].copy()), ctx)
+            picked = torch.from_numpy(picks[:, step].copy())
+            track.on_sampled(picked, ctx)
+            ids = torch.cat([ids, picked[:, None]], dim=1)
+        track.reset()
+    recorded = track.run
+    vocabulary = Vocabulary.from_parts([t.encode("utf-8") for t in tokens])
+    return tracker.Run(recorded.to_arrow().to_batches(), recorded.metadata, vocabulary)
+
+
+def large_run_metadata(steps: int, vocab_size: int, *, storage: str = "float32", top_k: int = 0) -> RunMetadata:
+    """Metadata of a :func:`write_large_run` run (one generation, one sequence, natural and constrained)."""
+    now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return RunMetadata(
+        run_id=f"synthetic-{steps}x{vocab_size}",
+        storage=storage,
+        top_k=top_k,
+        stages=["natural", "constrained"],
+        vocab_size=vocab_size,
+        eos_token_ids=[],
+        model="synthetic",
+        processors="AllowedWindow(1024 tokens)",
+        sampling={"temperature": 0.0},
+        generations=[{"generation": 0, "batch_size": 1, "prompt_ids": [[1, 2, 3]], "started_at": now}],
+        library_version="synthetic",
+        created_at=now,
+        extra={"title": f"synthetic {steps:,} steps x {vocab_size:,} tokens"},
+    )
+
+
+def _blocks(steps: int, vocab_size: int, rows: int, allowed: int, seed: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Blocks of (step numbers, natural [n, V], constrained [n, V]) with a moving window of allowed tokens."""
+    rng = np.random.default_rng(seed)
+    pool = rng.standard_normal((rows, vocab_size), dtype=np.float32) * 2.0
+    for start in range(0, steps, rows):
+        n = min(rows, steps - start)
+        step_ids = np.arange(start, start + n, dtype=np.int32)
+        natural = pool[:n].copy()
+        natural[np.arange(n), (step_ids * 7919) % vocab_size] += 8.0  # the model's favourite
+        constrained = np.full_like(natural, -np.inf)
+        for i, step in enumerate(step_ids.tolist()):
+            lo = (step * 131) % max(1, vocab_size - allowed)
+            constrained[i, lo : lo + allowed] = natural[i, lo : lo + allowed]
+        yield step_ids, natural, constrained
+
+
+def _record_batch(schema: pa.Schema, step_ids: np.ndarray, natural: np.ndarray, constrained: np.ndarray) -> pa.RecordBatch:
+    n, vocab = natural.shape
+    chosen = constrained.argmax(axis=1).astype(np.int64)
+    columns = {
+        "generation": pa.array(np.zeros(n, np.int32)),
+        "sequence": pa.array(np.zeros(n, np.int32)),
+        "step": pa.array(step_ids),
+        "chosen": pa.array(chosen),
+        "processor_error": pa.array(np.zeros(n, bool)),
+    }
+    for stage, values in (("natural", natural), ("constrained", constrained)):
+        columns[f"{stage}_logits"] = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), vocab)
+        columns[f"{stage}_nonfinite"] = pa.array(np.zeros(n, bool))
+    return pa.RecordBatch.from_arrays([columns[name] for name in schema.names], schema=schema)
+
+
+def write_large_run(
+    path: str | Path,
+    steps: int,
+    vocab_size: int,
+    *,
+    rows_per_block: int | None = None,
+    allowed: int = 1024,
+    seed: int = 0,
+    compression: str | None = "zstd",
+) -> Path:
+    """Stream a synthetic float32 run to ``path`` (``.parquet``, or ``.arrow`` for Arrow IPC), atomically.
+
+    ``rows_per_block`` is the Parquet row-group size or the IPC batch size; by
+    default the tracker's rule (about 8 MiB of values per row group).
+    Returns the path.
+    """
+    if steps < 1 or vocab_size < 2:
+        raise ValueError(f"steps must be >= 1 and vocab_size >= 2, got steps={steps}, vocab_size={vocab_size}")
+    target = Path(path)
+    metadata = large_run_metadata(steps, vocab_size)
+    vocab = Vocabulary.placeholder(vocab_size)
+    schema = run_schema("float32", metadata.stages, vocab_size, 0, {META_RUN: metadata.to_json(), META_VOCAB: vocab.serialize()})
+    rows = rows_per_block or max(1, (8 << 20) // (vocab_size * 4 * len(metadata.stages)))
+    blocks = _blocks(steps, vocab_size, rows, min(allowed, vocab_size), seed)
+    with atomic_path(target) as tmp:
+        if target.suffix in (".arrow", ".feather", ".ipc"):
+            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+                for block in blocks:
+                    writer.write_batch(_record_batch(schema, *block))
+        else:
+            with pq.ParquetWriter(
+                tmp, schema, compression=compression, use_dictionary=["generation", "sequence"],
+                write_statistics=["generation", "sequence", "step", "chosen"],
+            ) as writer:
+                for block in blocks:
+                    writer.write_batch(_record_batch(schema, *block), row_group_size=rows)
+    return target

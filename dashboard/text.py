@@ -1,0 +1,143 @@
+"""The generated text as HTML: each token coloured by a per-step value, alternatives on hover.
+
+Pure functions from the tables of :mod:`dashboard.views` to HTML strings
+(shown with ``st.html``). Token text is escaped; hover text uses the
+``title`` attribute, which every browser shows without scripts.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from dashboard.views import COLOR_METRICS, WindowView, token_label
+
+__all__ = ["intensity", "legend_html", "token_hovers", "token_text_html", "text_so_far_html", "divergent_text_html"]
+
+_WARM = (228, 87, 86)  # low probability / far down the list: red
+_COOL = (76, 120, 168)  # mass removed by the constraint: blue
+_STYLE = (
+    "font-family: ui-monospace, SFMono-Regular, Menlo, monospace; font-size: 14px; line-height: 1.9; "
+    "white-space: pre-wrap; word-break: break-word;"
+)
+
+
+def intensity(column: str, value: float) -> float:
+    """How strongly to colour a token, in [0, 1]: 0 is unremarkable, 1 is the most remarkable.
+
+    Probabilities: ``1 - p`` (unlikely tokens stand out); ranks: ``log2(1+r)
+    / log2(101)`` capped at 1; removed mass: the mass itself. NaN gives 0.
+    """
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return 0.0
+    if column.startswith("p_chosen"):
+        return float(min(1.0, max(0.0, 1.0 - value)))
+    if column.startswith("rank_chosen"):
+        return float(min(1.0, math.log2(1.0 + max(0.0, value)) / math.log2(101.0)))
+    return float(min(1.0, max(0.0, value)))
+
+
+def _background(column: str, t: float) -> str:
+    r, g, b = _COOL if column == "removed_mass" else _WARM
+    return f"rgba({r},{g},{b},{0.85 * t:.3f})"
+
+
+def token_hovers(window: WindowView, stages: Sequence[str]) -> list[str]:
+    """Per step: the chosen token with each stage's probability, then the model's top alternatives."""
+    stats = window.stats
+    groups = {int(p): g for p, g in window.alternatives.groupby("position")} if len(window.alternatives) else {}
+    out = []
+    for i, position in enumerate(stats["position"].tolist()):
+        token = stats["chosen_token"].iloc[i]
+        parts = [f"step {position}: chose {token!r}" if token is not None else f"step {position}: chosen token unknown"]
+        probs = [f"{s} {stats[f'p_chosen_{s}'].iloc[i]:.3f}" for s in stages if f"p_chosen_{s}" in stats.columns and not pd.isna(stats[f"p_chosen_{s}"].iloc[i])]
+        if probs:
+            parts.append("p: " + ", ".join(probs))
+        if "removed_mass" in stats.columns and not pd.isna(stats["removed_mass"].iloc[i]):
+            parts.append(f"constraint removed {stats['removed_mass'].iloc[i]:.1%} of the mass")
+        alt = groups.get(int(position))
+        if alt is not None:
+            parts.append("model's top tokens:")
+            for _, entry in alt.iterrows():
+                masked = "constrained_prob" in alt.columns and entry["constrained_prob"] == 0
+                note = "  (masked)" if masked else ""
+                parts.append(f"  {token_label(entry['token'])}  {entry['natural_prob']:.3f}{note}")
+        out.append("\n".join(parts))
+    return out
+
+
+def token_text_html(
+    pieces: Sequence[str],
+    values: Sequence[float] | np.ndarray,
+    column: str,
+    *,
+    hovers: Sequence[str] | None = None,
+    prompt: str = "",
+    current: int | None = None,
+) -> str:
+    """The prompt (grey) then each token on a background whose strength is :func:`intensity`.
+
+    ``column`` is the stats column the values come from (see
+    :data:`dashboard.views.COLOR_METRICS`); ``current`` outlines one token.
+    """
+    if len(values) != len(pieces) or (hovers is not None and len(hovers) != len(pieces)):
+        raise ValueError(
+            f"pieces, values and hovers must have the same length, got {len(pieces)}, {len(values)}, "
+            f"{None if hovers is None else len(hovers)}"
+        )
+    spans = [f'<span style="color:#888">{html.escape(prompt)}</span>'] if prompt else []
+    for i, (piece, value) in enumerate(zip(pieces, values)):
+        t = intensity(column, float(value))
+        style = f"background:{_background(column, t)}; border-radius:3px; padding:1px 0;"
+        if current == i:
+            style += " outline:2px solid #222;"
+        title = f' title="{html.escape(hovers[i])}"' if hovers is not None else ""
+        text = html.escape(piece) if piece else "·"
+        spans.append(f'<span class="tok" data-step="{i}" style="{style}"{title}>{text}</span>')
+    return f'<div class="logitscope-text" style="{_STYLE}">{"".join(spans)}</div>'
+
+
+def legend_html(label: str) -> str:
+    """A small colour legend for a :data:`~dashboard.views.COLOR_METRICS` entry."""
+    column, high = COLOR_METRICS[label]
+    stops = "".join(
+        f'<span style="display:inline-block;width:22px;height:12px;background:{_background(column, t)}"></span>'
+        for t in np.linspace(0, 1, 6)
+    )
+    low = "likely" if column.startswith("p_chosen") else ("top choice" if column.startswith("rank") else "nothing removed")
+    high_text = "unlikely" if column.startswith("p_chosen") else high
+    return f'<div style="font-size:12px;color:#555">{html.escape(low)} {stops} {html.escape(high_text)}</div>'
+
+
+def text_so_far_html(prompt: str, before: Sequence[str], current: str | None, *, tail_chars: int = 4000) -> str:
+    """The prompt (grey), the tokens before the step, and the step's chosen token boxed.
+
+    Long texts keep their last ``tail_chars`` characters (a 10,000-step run
+    would not fit a page).
+    """
+    text = "".join(before)
+    cut = ""
+    if len(prompt) + len(text) > tail_chars:
+        keep = max(0, tail_chars - len(prompt))
+        cut, text = "… ", text[-keep:] if keep else ""
+    parts = [f'<span style="color:#888">{html.escape(prompt)}</span>', html.escape(cut), html.escape(text)]
+    if current is not None:
+        parts.append(
+            '<span style="background:#FFE9A8; outline:2px solid #F58518; border-radius:3px">'
+            f"{html.escape(current) if current else '·'}</span>"
+        )
+    return f'<div class="logitscope-text" style="{_STYLE}">{"".join(parts)}</div>'
+
+
+def divergent_text_html(prompt: str, pieces: Sequence[str], divergence: int | None) -> str:
+    """A text whose tokens from ``divergence`` on are highlighted (where two runs part ways)."""
+    agree = pieces if divergence is None else pieces[:divergence]
+    rest = [] if divergence is None else pieces[divergence:]
+    parts = [f'<span style="color:#888">{html.escape(prompt)}</span>', html.escape("".join(agree))]
+    if rest:
+        parts.append(f'<span style="background:rgba(228,87,86,0.25); border-radius:3px">{html.escape("".join(rest))}</span>')
+    return f'<div class="logitscope-text" style="{_STYLE}">{"".join(parts)}</div>'
