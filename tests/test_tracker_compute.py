@@ -9,26 +9,26 @@ from tracker import compute
 NEG_INF = float("-inf")
 
 
-def test_lse_pair_matches_logsumexp_for_masks_biases_and_edge_rows():
+def test_logsumexp_rows_matches_torch_for_masks_biases_and_edge_rows():
     gen = torch.Generator().manual_seed(0)
-    natural = torch.randn(7, 50, generator=gen) * 4
-    constrained = natural.clone()
-    constrained[0, ::2] = NEG_INF  # a pure mask: shares the exponential pass
-    constrained[1, :] += 0.5  # a bias everywhere: computed directly
-    constrained[2, :] = NEG_INF  # nothing allowed
-    natural[3, 7] += 200.0  # the only high token is masked: allowed terms underflow
-    constrained[3] = natural[3]
-    constrained[3, 7] = NEG_INF
-    natural[4, 3] = float("nan")  # NaN natural, replaced by the processor
-    constrained[4] = torch.nan_to_num(natural[4], nan=0.0)
-    constrained[5, 10:] = NEG_INF
-    lse_n, lse_c = compute.lse_pair(natural, constrained, torch.empty(8, 50))
-    ref_n = torch.logsumexp(natural.double(), 1)
-    ref_c = torch.logsumexp(constrained.double(), 1)
-    torch.testing.assert_close(lse_n[[0, 1, 2, 3, 5, 6]].double(), ref_n[[0, 1, 2, 3, 5, 6]], rtol=1e-6, atol=1e-5)
-    assert torch.isnan(lse_n[4])
-    torch.testing.assert_close(lse_c.double(), ref_c, rtol=1e-6, atol=1e-5)
-    assert lse_c[2] == NEG_INF
+    x = torch.randn(6, 50, generator=gen) * 4
+    x[0, ::2] = NEG_INF
+    x[1, :] = NEG_INF  # nothing allowed
+    x[2, 7] += 200.0  # one dominant token
+    x[3, 3] = float("nan")
+    x[4, 9] = float("inf")
+    got = compute.logsumexp_rows(x, torch.empty(8, 50))
+    ref = torch.logsumexp(x.double(), 1)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-5, equal_nan=True)
+    assert got[1] == NEG_INF and torch.isnan(got[3]) and got[4] == float("inf")
+
+
+def test_masked_keeps_allowed_natural_logits_and_masks_the_rest():
+    gen = torch.Generator().manual_seed(3)
+    natural = torch.randn(4, 30, generator=gen)
+    constrained = (natural + 1.0).masked_fill(torch.rand(4, 30, generator=gen) < 0.5, NEG_INF)
+    expected = torch.where(constrained > NEG_INF, natural, NEG_INF)
+    assert torch.equal(compute.masked(natural, constrained), expected)
 
 
 def test_top_allowed_ranks_by_the_larger_probability_and_skips_masked():
@@ -58,3 +58,14 @@ def test_step_stats_without_a_constraint_remove_nothing():
     assert stats["allowed"].tolist() == [30] * 4
     assert torch.isnan(stats["p_chosen_natural"][2]) and torch.isnan(stats["rank_chosen_natural"][2])
     torch.testing.assert_close(stats["p_eos_natural"], natural.softmax(1)[:, :2].sum(1))
+
+
+def test_nonfinite_rows_flags_nan_and_plus_inf_but_not_masked_rows():
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = torch.zeros(5, 10, dtype=dtype)
+        x[1, 4] = float("nan")
+        x[2, 0] = float("inf")
+        x[3, :] = NEG_INF  # nothing allowed: not a storage problem
+        x[4, :5] = NEG_INF
+        x[4, 9] = float("inf")  # +inf beside -inf: the sum is NaN, the exact check decides
+        assert compute.nonfinite_rows(x).tolist() == [False, True, True, False, True]

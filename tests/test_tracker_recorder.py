@@ -69,21 +69,6 @@ def test_topk_storage_keeps_ids_values_lse_and_allowed_count():
     assert table.column("natural_allowed").to_pylist() == [30] * 10
 
 
-def test_nonfinite_rows_are_flagged_and_masked_rows_are_not():
-    recorder = Recorder(Storage.parse("float32"), ["natural", "constrained"])
-    rows = recorder.begin_step(0, 0, 3, 10, CPU)
-    x = torch.zeros(3, 10)
-    x[1, 4] = float("nan")
-    x[2, 0] = float("inf")
-    y = torch.full((3, 10), float("-inf"))
-    y[:, 0] = 1.0
-    recorder.write(rows, "natural", x)
-    recorder.write(rows, "constrained", y)
-    table = pa.Table.from_batches(recorder.batches())
-    assert table.column("natural_nonfinite").to_pylist() == [False, True, True]
-    assert table.column("constrained_nonfinite").to_pylist() == [False, False, False]
-
-
 def test_past_the_memory_bound_finished_chunks_spill_to_ipc_and_read_back(tmp_path):
     recorder = Recorder(
         Storage.parse("float32"), ["natural", "constrained"], chunk_bytes=6 * 1024, memory_limit=16 * 1024,

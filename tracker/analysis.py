@@ -27,13 +27,13 @@ import pyarrow as pa
 import torch
 
 from tracker import compute
-from tracker.schema import FIELD_DTYPE, RunMetadata, value_column
+from tracker.schema import FIELD_DTYPE, RunMetadata, flag_column, value_column
 from tracker.vocab import Vocabulary
 
-__all__ = ["Analysis", "Continuation", "Selection"]
+__all__ = ["Analysis", "Continuation", "Selection", "stage_matrix"]
 
 _KEYS = {"natural": "unstructured", "constrained": "structured"}
-_BLOCK_BYTES = 4 << 20
+_BLOCK_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,21 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(array)
+
+
+def stage_matrix(batch: pa.RecordBatch, stage: str, vocab_size: int) -> torch.Tensor:
+    """A full-storage stage of a record batch as a ``[rows, V]`` tensor in its stored type, without a copy.
+
+    Rows that are null hold unspecified values; check the column's validity.
+    """
+    name = value_column(stage, "full")
+    column = batch.column(name)
+    child = column.values.slice(column.offset * vocab_size, len(column) * vocab_size)
+    matrix = _tensor(child.to_numpy(zero_copy_only=True).reshape(len(column), vocab_size))
+    stored = batch.schema.field(name).metadata or {}
+    if stored.get(FIELD_DTYPE) == b"bfloat16":
+        matrix = matrix.view(torch.int16).view(torch.bfloat16)
+    return matrix
 
 
 def _contiguous(rows: np.ndarray) -> bool:
@@ -213,17 +228,10 @@ class Analysis:
     def _dense_blocks(self, stage: str, sel: Selection) -> list[torch.Tensor]:
         """The stage's logits for the selection as float32 blocks (views where possible)."""
         batches = self._record_batches()
-        vocab = self.metadata.vocab_size
-        name = value_column(stage, "full")
         out = []
         for b, rows in sel.blocks:
-            column = batches[b].column(name)
-            child = column.values.slice(column.offset * vocab, len(column) * vocab)
-            stored = batches[b].schema.field(name).metadata or {}
-            flat = child.to_numpy(zero_copy_only=True)
-            matrix = _tensor(flat.reshape(len(column), vocab))
-            if stored.get(FIELD_DTYPE) == b"bfloat16":
-                matrix = matrix.view(torch.int16).view(torch.bfloat16)
+            column = batches[b].column(value_column(stage, "full"))
+            matrix = stage_matrix(batches[b], stage, self.metadata.vocab_size)
             block = matrix[int(rows[0]) : int(rows[-1]) + 1] if _contiguous(rows) else matrix[_tensor(rows)]
             block = block.float()
             if column.null_count:
@@ -289,7 +297,7 @@ class Analysis:
             start += t
 
     def _lses(self, sel: Selection) -> dict[str, torch.Tensor]:
-        """Each stage's per-row log-sum-exp (natural and constrained share one exponential pass)."""
+        """Each stage's per-row log-sum-exp, computed once per selection."""
         key = ("lse", sel.generation, sel.sequence, sel.length)
 
         def build() -> dict[str, torch.Tensor]:
@@ -298,14 +306,8 @@ class Analysis:
             parts: dict[str, list[torch.Tensor]] = {stage: [] for stage in self.stages}
             scratch = torch.empty(self._block_rows(), self.metadata.vocab_size)
             for _, rows in self._sub_blocks(sel, self.stages):
-                natural = rows["natural"]
-                lse_n, lse_c = compute.lse_pair(natural, rows.get("constrained", natural), scratch)
-                parts["natural"].append(lse_n)
-                if "constrained" in parts:
-                    parts["constrained"].append(lse_c)
                 for stage in self.stages:
-                    if stage not in ("natural", "constrained"):
-                        parts[stage].append(compute.logsumexp_rows(rows[stage]))
+                    parts[stage].append(compute.logsumexp_rows(rows[stage], scratch))
             empty = torch.zeros(0)
             return {stage: torch.cat(v) if v else empty for stage, v in parts.items()}
 
@@ -647,15 +649,21 @@ class Analysis:
         return frame
 
     def _nonfinite(self, sel: Selection) -> np.ndarray:
+        """Rows holding NaN or +inf in any stage: from the stored flags, else from the log-sum-exps."""
         batches = self._record_batches()
-        out = np.zeros(sel.length, dtype=bool)
-        start = 0
-        for b, rows in sel.blocks:
-            for stage in self.stages:
-                flags = batches[b].column(f"{stage}_nonfinite").to_numpy(zero_copy_only=False)
-                out[start : start + rows.size] |= flags[rows]
-            start += rows.size
-        return out
+        if all(flag_column(stage) in batches[b].schema.names for b, _ in sel.blocks for stage in self.stages):
+            out = np.zeros(sel.length, dtype=bool)
+            start = 0
+            for b, rows in sel.blocks:
+                for stage in self.stages:
+                    flags = batches[b].column(flag_column(stage)).to_numpy(zero_copy_only=False)
+                    out[start : start + rows.size] |= flags[rows]
+                start += rows.size
+            return out
+        flags = torch.zeros(sel.length, dtype=torch.bool)
+        for lse in self._lses(sel).values():
+            flags |= torch.isnan(lse) | (lse == math.inf)
+        return flags.numpy()
 
     def _stats(self, sel: Selection) -> dict[str, np.ndarray]:
         eos = list(self.metadata.eos_token_ids)

@@ -5,6 +5,11 @@ over rows. "natural" rows are the logits before the wrapped processor,
 "constrained" rows what it returned; a token is *allowed* when its
 constrained logit is above ``-inf``. Probabilities are ``exp(logit - lse)``
 with the row's log-sum-exp ``lse``, so nothing needs a full softmax.
+
+The functions keep to the cheap kernels (add, min/max, exp, sum, top-k):
+on CPU, selecting with a boolean mask (``where``, ``masked_fill``) and
+``torch.logsumexp`` cost several times an ``exp`` pass, so masks are applied
+arithmetically (see :func:`masked`).
 """
 
 from __future__ import annotations
@@ -15,9 +20,19 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["TopTokens", "logsumexp_rows", "lse_pair", "top_allowed", "entries_above", "step_stats", "probs_at"]
+__all__ = [
+    "TopTokens",
+    "logsumexp_rows",
+    "masked",
+    "top_allowed",
+    "entries_above",
+    "step_stats",
+    "probs_at",
+    "nonfinite_rows",
+]
 
 NEG_INF = float("-inf")
+_FLOAT_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -33,39 +48,27 @@ class TopTokens:
     count: torch.Tensor
 
 
-def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
-    """``[t]`` log-sum-exp of each row (``-inf`` for a row with nothing allowed, NaN for NaN rows)."""
-    return torch.logsumexp(x, dim=1)
+def logsumexp_rows(x: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """``[t]`` log-sum-exp of each row: ``-inf`` when nothing is allowed, NaN for a row holding NaN.
 
-
-def lse_pair(
-    natural: torch.Tensor, constrained: torch.Tensor, scratch: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-sum-exp of natural and constrained rows with one exponential pass where the constraint only masks.
-
-    A constraint that only masks (constrained equals natural wherever it is
-    above ``-inf``, the usual grammar case) keeps a subset of the natural
-    terms: their sum comes from the same ``exp(natural - max)`` values. Rows
-    where that does not hold, or where the allowed terms are too small to sum
-    accurately in float32, are computed directly. ``scratch`` (at least the
-    block's shape, float32) avoids a fresh temporary per call.
+    ``scratch`` (float32, at least ``x``'s shape) holds the exponentials, so
+    repeated calls touch no fresh memory.
     """
-    t = natural.shape[0]
-    shift = natural.amax(dim=1, keepdim=True)
+    shift = x.amax(dim=1, keepdim=True)
     shift = torch.where(torch.isfinite(shift), shift, 0.0)
-    terms = scratch[:t] if scratch is not None else torch.empty_like(natural)
-    torch.sub(natural, shift, out=terms).exp_()
-    lse_natural = terms.sum(dim=1).log_().add_(shift[:, 0])
-    if constrained is natural:
-        return lse_natural, lse_natural
-    masked = constrained == NEG_INF
-    pure = ((constrained == natural) | masked).all(dim=1)
-    lse_constrained = terms.masked_fill_(masked, 0.0).sum(dim=1).log_().add_(shift[:, 0])
-    redo = ~pure | (lse_constrained - shift[:, 0] < -60.0)
-    if bool(redo.any()):
-        rows = redo.nonzero()[:, 0]
-        lse_constrained[rows] = torch.logsumexp(constrained[rows], dim=1)
-    return lse_natural, lse_constrained
+    terms = scratch[: x.shape[0]] if scratch is not None else torch.empty_like(x)
+    torch.sub(x, shift, out=terms).exp_()
+    return terms.sum(dim=1).log_().add_(shift[:, 0])
+
+
+def masked(natural: torch.Tensor, constrained: torch.Tensor) -> torch.Tensor:
+    """``natural`` where the token is allowed, ``-inf`` where ``constrained`` masked it.
+
+    ``constrained - clamp(constrained, min=-FLT_MAX)`` is 0 for an allowed
+    token and ``-inf`` for a masked one: two cheap passes instead of a
+    boolean select.
+    """
+    return natural + (constrained - constrained.clamp(min=-_FLOAT_MAX))
 
 
 def probs_at(x: torch.Tensor, lse: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -88,13 +91,15 @@ def top_allowed(
     allowed tokens, so only those ``2k`` candidates are scored.
     """
     k = min(int(k), natural.shape[1])
-    allowed = constrained > NEG_INF
     _, con_ids = torch.topk(constrained, k, dim=1)
-    _, nat_ids = torch.topk(torch.where(allowed, natural, NEG_INF), k, dim=1)
+    if constrained is natural:
+        nat_ids = con_ids
+    else:
+        _, nat_ids = torch.topk(masked(natural, constrained), k, dim=1)
     candidates = torch.cat([con_ids, nat_ids], dim=1)
     score = torch.maximum(probs_at(natural, lse_natural, candidates), probs_at(constrained, lse_constrained, candidates))
     repeated = (nat_ids[:, :, None] == con_ids[:, None, :]).any(dim=2)
-    usable = allowed.gather(1, candidates) & torch.cat([torch.ones_like(repeated), ~repeated], dim=1)
+    usable = (constrained.gather(1, candidates) > NEG_INF) & torch.cat([torch.ones_like(repeated), ~repeated], dim=1)
     score = torch.where(usable & ~torch.isnan(score), score, -1.0)
     best, order = torch.topk(score, k, dim=1)
     return TopTokens(candidates.gather(1, order), (best >= 0).sum(dim=1))
@@ -107,21 +112,19 @@ def entries_above(
     threshold_constrained: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rows, ids)`` of every entry at or above its row's threshold in either stage, row-major."""
-    mask = (natural >= threshold_natural[:, None]) | (constrained >= threshold_constrained[:, None])
-    rows, ids = mask.nonzero(as_tuple=True)
+    margin = torch.maximum(natural - threshold_natural[:, None], constrained - threshold_constrained[:, None])
+    rows, ids = (margin >= 0).nonzero(as_tuple=True)
     return rows, ids
 
 
 def _entropy(x: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    logp = x - lse[:, None]
-    p = torch.exp(logp)
-    return -torch.where(p > 0, p * logp, 0.0).sum(dim=1)
+    logp = (x - lse[:, None]).clamp_(min=-_FLOAT_MAX)  # -inf -> a finite number whose weight is 0
+    return -(torch.exp(logp) * logp).sum(dim=1)
 
 
 def _chosen_prob_rank(x: torch.Tensor, lse: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     known = chosen >= 0
-    index = chosen.clamp(min=0)[:, None]
-    value = x.gather(1, index)
+    value = x.gather(1, chosen.clamp(min=0)[:, None])
     prob = torch.where(known, torch.exp(value[:, 0] - lse), math.nan)
     rank = torch.where(known, (x > value).sum(dim=1).double(), math.nan)
     return prob, rank
@@ -147,20 +150,35 @@ def step_stats(
     natural = stages["natural"]
     constrained = stages.get("constrained", natural)
     out: dict[str, torch.Tensor] = {}
-    allowed = constrained > NEG_INF
-    out["allowed"] = allowed.sum(dim=1)
-    masked_natural = torch.where(allowed, natural, NEG_INF)
-    kept = torch.logsumexp(masked_natural, dim=1)
-    out["removed_mass"] = (1.0 - torch.exp(kept - lses["natural"])).clamp(0.0, 1.0)
-    out["margin"] = natural.max(dim=1).values - masked_natural.max(dim=1).values
+    out["allowed"] = (constrained > NEG_INF).sum(dim=1)
+    kept = masked(natural, constrained)
+    out["removed_mass"] = (1.0 - torch.exp(logsumexp_rows(kept) - lses["natural"])).clamp(0.0, 1.0)
+    out["margin"] = natural.amax(dim=1) - kept.amax(dim=1)
     eos = torch.as_tensor(list(eos_ids), dtype=torch.long)
     for name, x in stages.items():
         lse = lses[name]
         out[f"entropy_{name}"] = _entropy(x, lse)
         out[f"p_chosen_{name}"], out[f"rank_chosen_{name}"] = _chosen_prob_rank(x, lse, chosen)
         if eos.numel():
-            ids = eos[None, :].expand(x.shape[0], -1)
-            out[f"p_eos_{name}"] = probs_at(x, lse, ids).sum(dim=1)
+            out[f"p_eos_{name}"] = probs_at(x, lse, eos[None, :].expand(x.shape[0], -1)).sum(dim=1)
         else:
             out[f"p_eos_{name}"] = torch.full((x.shape[0],), math.nan)
+    return out
+
+
+def nonfinite_rows(values: torch.Tensor) -> torch.Tensor:
+    """``[t]`` bool: rows holding NaN or +inf, from one summing pass plus exact checks where needed.
+
+    A row's float32 sum is NaN or +inf exactly when the row holds NaN or +inf
+    (or +inf beside -inf, or it overflows): only those rows are checked value
+    by value. ``-inf`` alone (masked tokens) is normal.
+    """
+    out = torch.zeros(values.shape[0], dtype=torch.bool)
+    if values.shape[0] == 0:
+        return out
+    sums = values.sum(dim=1, dtype=torch.float32)
+    rows = (torch.isnan(sums) | (sums == float("inf"))).nonzero()[:, 0]
+    if rows.numel():
+        sub = values[rows]
+        out[rows] = (torch.isnan(sub) | torch.isposinf(sub)).any(dim=1)
     return out

@@ -265,9 +265,10 @@ class Recorder:
             self.version += 1
 
     def schema(self) -> pa.Schema:
-        """The Arrow schema of the rows (without run metadata)."""
+        """The Arrow schema of the recorded rows (no run metadata, no ``_nonfinite`` flags)."""
         vocab = self.vocab_size or 0
-        return run_schema(self.storage.kind, self.stages, vocab, self.storage.k_for(vocab) if vocab else 0)
+        k = self.storage.k_for(vocab) if vocab else 0
+        return run_schema(self.storage.kind, self.stages, vocab, k, flags=False)
 
     # ---------------------------------------------------------------- writing
 
@@ -555,8 +556,6 @@ def _conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
     for field in schema:
         if field.name in batch.schema.names:
             columns.append(batch.column(field.name))
-        elif field.type == pa.bool_():
-            columns.append(pa.array(np.zeros(batch.num_rows, dtype=bool)))
         else:
             columns.append(pa.nulls(batch.num_rows, field.type))
     return pa.RecordBatch.from_arrays(columns, schema=schema)
@@ -569,28 +568,8 @@ def _numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.numpy()
 
 
-def _nonfinite_rows(values: torch.Tensor, written: np.ndarray) -> np.ndarray:
-    """Rows holding NaN or +inf, found with one summing pass and exact checks only where needed.
-
-    A row's float32 sum is NaN or +inf exactly when the row holds NaN or +inf
-    (or +inf beside -inf, or overflows): only those rows are checked value by
-    value. -inf alone (masked tokens) is normal.
-    """
-    n = values.shape[0]
-    out = np.zeros(n, dtype=bool)
-    if n == 0:
-        return out
-    sums = values.sum(dim=1, dtype=torch.float32)
-    candidates = (torch.isnan(sums) | (sums == float("inf"))).numpy() & written
-    rows = np.nonzero(candidates)[0]
-    if rows.size:
-        sub = values[torch.from_numpy(rows)]
-        out[rows] = (torch.isnan(sub) | torch.isposinf(sub)).any(dim=1).numpy()
-    return out
-
-
 def _to_batch(chunk: _Chunk, schema: pa.Schema, stages: Sequence[str], storage: Storage, vocab: int) -> pa.RecordBatch:
-    """The chunk's rows as a record batch: values zero-copy, id columns copied."""
+    """The chunk's rows as a record batch: values zero-copy, id columns copied (no ``_nonfinite`` flags)."""
     n = chunk.n
     chosen = chunk.buffers["chosen"][:n].numpy().copy()
     unknown = ~chunk.chosen_set[:n] | (chosen < 0)
@@ -606,9 +585,7 @@ def _to_batch(chunk: _Chunk, schema: pa.Schema, stages: Sequence[str], storage: 
         if written is None:  # stage added after this chunk began
             for field in schema:
                 if field.name.startswith(f"{stage}_"):
-                    arrays.append(
-                        pa.array(np.zeros(n, dtype=bool)) if field.type == pa.bool_() else pa.nulls(n, field.type)
-                    )
+                    arrays.append(pa.nulls(n, field.type))
             continue
         written = written[:n]
         mask = None if written.all() else pa.array(~written)
@@ -616,7 +593,6 @@ def _to_batch(chunk: _Chunk, schema: pa.Schema, stages: Sequence[str], storage: 
             values = chunk.buffers[f"{stage}:logits"][:n]
             flat = pa.array(_numpy(values).reshape(-1))
             arrays.append(pa.FixedSizeListArray.from_arrays(flat, vocab, mask=mask))
-            arrays.append(pa.array(_nonfinite_rows(values, written)))
         else:
             k = storage.k_for(vocab)
             for name in ("ids", "logits") + (() if stage == "natural" else ("natural",)):
@@ -625,5 +601,4 @@ def _to_batch(chunk: _Chunk, schema: pa.Schema, stages: Sequence[str], storage: 
             lse = _numpy(chunk.buffers[f"{stage}:lse"][:n]).copy()
             arrays.append(pa.array(lse, mask=~written))
             arrays.append(pa.array(_numpy(chunk.buffers[f"{stage}:allowed"][:n]).copy(), mask=~written))
-            arrays.append(pa.array(written & (np.isnan(lse) | (lse == np.inf))))
     return pa.RecordBatch.from_arrays(arrays, schema=schema)

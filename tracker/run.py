@@ -18,11 +18,13 @@ import os
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tracker.analysis import Analysis
-from tracker.schema import META_RUN, META_VOCAB, RunMetadata, run_schema
+from tracker.analysis import Analysis, stage_matrix
+from tracker.compute import nonfinite_rows
+from tracker.schema import META_RUN, META_VOCAB, RunMetadata, flag_column, run_schema
 from tracker.spill import CHUNK_GLOB, RUN_JSON, VOCAB_FILE, atomic_path, read_ipc
 from tracker.vocab import Vocabulary
 
@@ -49,6 +51,7 @@ class Run(Analysis):
         self._batches = list(batches)
         self.metadata = metadata
         self._vocab_source = vocab
+        self._exported: list[pa.RecordBatch] | None = None
 
     # ---------------------------------------------------------------- data
 
@@ -79,11 +82,39 @@ class Run(Analysis):
         return base.with_metadata({META_RUN: m.to_json(), META_VOCAB: self.vocab.serialize()})
 
     def to_arrow(self) -> pa.Table:
-        """The run as one Arrow table with metadata. Zero-copy: it shares the recorded buffers."""
+        """The run as one Arrow table with metadata and ``_nonfinite`` flags.
+
+        The recorded values are not copied (the table shares the recorder's
+        buffers); the flags are computed on the first export, in one summing
+        pass per stage, and kept.
+        """
         schema = self.schema()
         if not self._batches:
             return schema.empty_table()
-        return pa.Table.from_batches(self._batches).replace_schema_metadata(schema.metadata)
+        if self._exported is None:
+            self._exported = [self._with_flags(b, schema) for b in self._batches]
+        return pa.Table.from_batches(self._exported).replace_schema_metadata(schema.metadata)
+
+    def _with_flags(self, batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
+        """``batch`` in the export schema, computing the ``_nonfinite`` flags it lacks."""
+        names = batch.schema.names
+        if all(flag_column(stage) in names for stage in self.metadata.stages):
+            return batch
+        columns = []
+        for field in schema:
+            if field.name in names:
+                columns.append(batch.column(field.name))
+                continue
+            stage = field.name[: -len("_nonfinite")]
+            if self.metadata.storage == "topk":
+                lse = batch.column(f"{stage}_lse").fill_null(0.0).to_numpy(zero_copy_only=False)
+                flags = np.isnan(lse) | (lse == np.inf)
+            else:
+                valid = batch.column(f"{stage}_logits").is_valid().to_numpy(zero_copy_only=False)
+                matrix = stage_matrix(batch, stage, self.metadata.vocab_size)
+                flags = nonfinite_rows(matrix).numpy() & valid
+            columns.append(pa.array(flags))
+        return pa.RecordBatch.from_arrays(columns, schema=schema.remove_metadata())
 
     def __repr__(self) -> str:
         m = self.metadata

@@ -21,8 +21,12 @@ column                           type                                  storage
                                  (stages other than natural)
 ``{stage}_lse``                  float32: the row's log-sum-exp        top-k
 ``{stage}_allowed``              int32: tokens with logit > -inf       top-k
-``{stage}_nonfinite``            bool: the stored row holds NaN/+inf   all
+``{stage}_nonfinite``            bool: the stored row holds NaN/+inf   all (exports)
 ================================ ===================================== ===========
+
+The ``_nonfinite`` flags are computed when a run is exported
+(:meth:`tracker.Run.to_arrow`), not while recording, so recording stays a copy;
+the recorder's own batches use the schema without them (``flags=False``).
 
 A stage's value columns are null in rows where that stage was not recorded
 (the wrapped processor raised, or the sampling tap was not there). Run-level
@@ -50,6 +54,7 @@ __all__ = [
     "value_column",
     "stage_fields",
     "run_schema",
+    "flag_column",
 ]
 
 #: Bumped when a column changes meaning or type; readers check the major part.
@@ -83,7 +88,12 @@ def value_column(stage: str, storage: str) -> str:
     return f"{stage}_topk_logits" if storage == "topk" else f"{stage}_logits"
 
 
-def stage_fields(stage: str, storage: str, vocab_size: int, top_k: int) -> list[pa.Field]:
+def flag_column(stage: str) -> str:
+    """The column flagging rows of ``stage`` that hold NaN or +inf."""
+    return f"{stage}_nonfinite"
+
+
+def stage_fields(stage: str, storage: str, vocab_size: int, top_k: int, flags: bool = True) -> list[pa.Field]:
     """The columns of one stage for a storage kind (see the module table)."""
     if storage == "topk":
         k = int(top_k)
@@ -107,7 +117,8 @@ def stage_fields(stage: str, storage: str, vocab_size: int, top_k: int) -> list[
         ]
     else:
         raise ValueError(f"storage must be one of {STORAGE_KINDS}, got {storage!r}")
-    fields.append(pa.field(f"{stage}_nonfinite", pa.bool_(), nullable=False))
+    if flags:
+        fields.append(pa.field(f"{stage}_nonfinite", pa.bool_(), nullable=False))
     return fields
 
 
@@ -117,11 +128,12 @@ def run_schema(
     vocab_size: int,
     top_k: int,
     metadata: dict[bytes, bytes] | None = None,
+    flags: bool = True,
 ) -> pa.Schema:
-    """The schema of a run: :data:`ID_SCHEMA` then each stage's columns."""
+    """The schema of a run: :data:`ID_SCHEMA` then each stage's columns (``flags``: with ``_nonfinite``)."""
     fields = list(ID_SCHEMA)
     for stage in stages:
-        fields += stage_fields(stage, storage, vocab_size, top_k)
+        fields += stage_fields(stage, storage, vocab_size, top_k, flags)
     return pa.schema(fields, metadata=metadata)
 
 
