@@ -22,8 +22,9 @@ token at which the running mass crosses a target. :func:`mass_crossing` finds
 it by a radix select on the float bits of the probabilities: three
 histograms of probability mass (11, 10 and 10 bits), the first over the whole
 row, the next two over the few tokens of the chosen bucket; no sort and no
-loop over data. Top-k uses a
-partial selection (``torch.topk``) of the ``k`` largest only.
+loop over data. (Vocabularies under :data:`SORT_BELOW` tokens sort instead:
+there a sort is cheaper than a histogram, and the result is the same.) Top-k
+uses a partial selection (``torch.topk``) of the ``k`` largest only.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ __all__ = [
     "top_k_column",
     "top_k_mask",
     "radix_keys",
+    "SORT_BELOW",
     "mass_crossing",
     "top_p_cut",
     "nth_equal",
@@ -62,6 +64,8 @@ Param = Union[float, int, torch.Tensor]
 
 _LEVELS = ((20, 11), (10, 10), (0, 10))  # (shift, width) of the three radix levels over 31 bits
 _BLOCK = 256  # block length for locating the n-th equal token without a full cumsum
+SORT_BELOW = 2048
+"""Vocabularies smaller than this find mass crossings by sorting (histograms of 2048 buckets would cost more)."""
 
 
 class Crossing(NamedTuple):
@@ -158,13 +162,35 @@ def top_k_mask(x: torch.Tensor, k: Param, floor: float) -> torch.Tensor:
 # --------------------------------------------------------------------------- radix select on mass
 
 
-def radix_keys(w: torch.Tensor) -> torch.Tensor:
+def radix_keys(w: torch.Tensor) -> torch.Tensor | None:
     """``int64 [B, V]``: the top 11 bits of each non-negative float32 weight, ordered like the weights.
 
     Computed once per weights tensor and shared by every crossing over it
-    (int64 because ``scatter_add_`` converts any other index type on each call).
+    (int64 because ``scatter_add_`` converts any other index type on each
+    call). ``None`` below :data:`SORT_BELOW` tokens, where crossings sort.
     """
+    if w.shape[-1] < SORT_BELOW:
+        return None
     return ((w.contiguous().view(torch.int32) >> _LEVELS[0][0]) & ((1 << _LEVELS[0][1]) - 1)).long()
+
+
+def _crossing_by_sort(
+    w: torch.Tensor, fraction: torch.Tensor | float, of_mass: torch.Tensor | None, inclusive: bool
+) -> Crossing:
+    """:func:`mass_crossing` for small vocabularies: one sort of the row (cheaper than histograms there)."""
+    ordered = torch.sort(w, dim=-1, descending=True).values
+    running = ordered.double().cumsum(-1)
+    total = running[:, -1]
+    mass = total if of_mass is None else torch.where(torch.isnan(of_mass), total, of_mass)
+    target = (fraction.double() if isinstance(fraction, torch.Tensor) else fraction) * mass
+    at = torch.searchsorted(running, target[:, None], right=not inclusive).squeeze(1)
+    last = ((ordered > 0).sum(-1) - 1).clamp_(min=0)  # no crossing (rounding): the last token with mass
+    at = torch.minimum(at, last)
+    value = ordered.gather(1, at[:, None]).squeeze(1)
+    first = (ordered > value[:, None]).sum(-1)
+    above = torch.where(first > 0, running.gather(1, (first - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
+    ties = (ordered == value[:, None]).sum(-1).clamp_(min=1)
+    return Crossing(value, above, ties, target, total)
 
 
 def _suffix(hist: torch.Tensor) -> torch.Tensor:
@@ -210,9 +236,14 @@ def mass_crossing(
     The first level histograms every token by its top 11 bits; the next two
     see only the tokens of the chosen bucket (gathered with one ``nonzero``,
     which synchronises a GPU once), so their cost does not grow with ``V``.
+    Below :data:`SORT_BELOW` tokens a row costs less to sort than to
+    histogram, and the crossing sorts (same result).
     """
+    if w.shape[-1] < SORT_BELOW:
+        return _crossing_by_sort(w, fraction, of_mass, inclusive)
     batch = w.shape[0]
     keys = radix_keys(w) if keys is None else keys
+    assert keys is not None
     (_, width), *inner_levels = _LEVELS
     hist = w.new_zeros(batch, 1 << width).scatter_add_(1, keys, w).double()
     suffix = _suffix(hist)
@@ -279,18 +310,19 @@ def nth_equal(w: torch.Tensor, value: torch.Tensor, n: torch.Tensor) -> torch.Te
     the whole vocabulary, no sync.
     """
     batch, vocab = w.shape
+    size = min(_BLOCK, vocab)
     equal = w == value[:, None]
-    blocks = -(-vocab // _BLOCK)
-    if blocks * _BLOCK != vocab:
-        equal = torch.nn.functional.pad(equal, (0, blocks * _BLOCK - vocab))
-    equal = equal.view(batch, blocks, _BLOCK)
+    blocks = -(-vocab // size)
+    if blocks * size != vocab:
+        equal = torch.nn.functional.pad(equal, (0, blocks * size - vocab))
+    equal = equal.view(batch, blocks, size)
     counts = equal.sum(-1, dtype=torch.int32).long()
     running = counts.cumsum(-1)
     block = torch.searchsorted(running, n[:, None], right=True).clamp_(max=blocks - 1)
     before = running.gather(1, block) - counts.gather(1, block)
-    inner = equal.gather(1, block[:, :, None].expand(batch, 1, _BLOCK)).squeeze(1).cumsum(-1)
-    offset = torch.searchsorted(inner, n[:, None] - before, right=True).clamp_(max=_BLOCK - 1)
-    return (block * _BLOCK + offset).squeeze(1)
+    inner = equal.gather(1, block[:, :, None].expand(batch, 1, size)).squeeze(1).cumsum(-1)
+    offset = torch.searchsorted(inner, n[:, None] - before, right=True).clamp_(max=size - 1)
+    return (block * size + offset).squeeze(1)
 
 
 def cut_mask(w: torch.Tensor, cut: Cut) -> torch.Tensor:

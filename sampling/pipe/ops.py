@@ -52,7 +52,7 @@ LOGITS, PROBS, INDICES = TensorType.LOGITS, TensorType.PROBS, TensorType.INDICES
 
 
 def _report(rt: Runtime, tokens: torch.Tensor, logprobs: torch.Tensor, valid: torch.Tensor) -> TaggedTensor:
-    rt.report(logprobs.float(), valid)
+    rt.report(torch.where(valid, logprobs, float("nan")).float(), valid)
     return TaggedTensor.indices(torch.where(valid, tokens, -1))
 
 
