@@ -147,6 +147,52 @@ def test_storage_validation_names_the_value():
         Storage.parse("topk", 0)
 
 
+class SimulatedStaging:
+    """The CUDA staging bookkeeping on host memory: counts events recorded and waits."""
+
+    def __init__(self):
+        self.marks = 0
+        self.waits = 0
+        self.slots = 0
+
+    def empty(self, shape, dtype):
+        self.slots += dtype == torch.int64  # one chosen-token buffer per slot
+        return torch.full(shape, -7, dtype=dtype)  # garbage, as a reused slot would hold
+
+    def mark(self, chunk):
+        self.marks += 1
+        chunk.events[0] = "recorded"
+
+    def wait(self, chunk):
+        self.waits += 1
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "topk"])
+def test_the_staging_ring_drains_only_when_full_or_read_and_records_the_same_rows(kind):
+    staging = SimulatedStaging()
+    ring = Recorder(Storage.parse(kind, 5), ["natural", "constrained"], chunk_bytes=4 * 1024, ring_slots=2)
+    ring.staging_for = lambda device: staging  # the CUDA path's bookkeeping, on the CPU
+    direct = Recorder(Storage.parse(kind, 5), ["natural", "constrained"], chunk_bytes=4 * 1024)
+    gen = torch.Generator().manual_seed(0)
+    previous = {}
+    for t in range(60):
+        x = torch.randn(2, 50, generator=gen)
+        y = x.masked_fill(x < 0, float("-inf"))
+        for rec in (ring, direct):
+            if t:
+                rec.set_chosen(previous[rec], y.argmax(1))  # learnt at the next step, as from input_ids
+            rows = previous[rec] = rec.begin_step(0, t, 2, 50, CPU)
+            rec.write(rows, "natural", x)
+            rec.write(rows, "constrained", y, natural=x)
+        if t == 30:
+            assert pa.Table.from_batches(ring.batches()).equals(pa.Table.from_batches(direct.batches()))
+    chunks = len(ring._chunks)
+    assert staging.slots == 2  # the ring's slots, reused
+    assert staging.waits <= chunks + 1 < 60  # once per chunk drained, never per step
+    assert staging.marks >= 60 * 2
+    assert pa.Table.from_batches(ring.batches()).equals(pa.Table.from_batches(direct.batches()))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", ["float32", "float16", "bfloat16", "topk"])
 def test_cuda_path_records_what_a_synchronous_copy_records(kind):

@@ -130,6 +130,31 @@ def summarise_topk(x: torch.Tensor, k: int, natural: torch.Tensor | None) -> dic
     return out
 
 
+class CudaStaging:
+    """How rows leave a CUDA device: pinned slots, ``non_blocking`` copies, one event per stream.
+
+    The recorder only calls :meth:`empty`, :meth:`mark` (after enqueuing
+    copies) and :meth:`wait` (before reading a slot); tests put a
+    host-memory stand-in in its place to exercise the same bookkeeping on CPU.
+    """
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def mark(self, chunk: "_Chunk") -> None:
+        """Record an event after the copies just enqueued on the current stream (no synchronisation)."""
+        stream = torch.cuda.current_stream(chunk.device)
+        event = chunk.events.get(stream.cuda_stream)
+        if event is None:
+            event = chunk.events[stream.cuda_stream] = torch.cuda.Event()
+        event.record(stream)
+
+    def wait(self, chunk: "_Chunk") -> None:
+        """Block until the chunk's copies have landed (only when its slot is needed or read)."""
+        for event in chunk.events.values():
+            event.synchronize()
+
+
 class _Chunk:
     """Rows of one block: id columns in numpy, recorded values in (pinned or host) tensors."""
 
@@ -141,8 +166,10 @@ class _Chunk:
         buffers: dict[str, torch.Tensor],
         host: list[HostBuffer] | None,
         device: torch.device,
+        transfer: CudaStaging | None = None,
     ) -> None:
         self.index = index
+        self.transfer = transfer
         self.capacity = capacity
         self.n = 0
         self.device = device
@@ -174,16 +201,12 @@ class _Chunk:
         return not pending.any() or bool(np.isin(self.generation[rows][pending], list(ended)).all())
 
     def note_stream(self) -> None:
-        """Record an event after the copies just enqueued on the current CUDA stream."""
-        stream = torch.cuda.current_stream(self.device)
-        event = self.events.get(stream.cuda_stream)
-        if event is None:
-            event = self.events[stream.cuda_stream] = torch.cuda.Event()
-        event.record(stream)
+        if self.transfer is not None:
+            self.transfer.mark(self)
 
     def wait(self) -> None:
-        for event in self.events.values():
-            event.synchronize()
+        if self.transfer is not None:
+            self.transfer.wait(self)
 
 
 class Recorder:
@@ -240,6 +263,11 @@ class Recorder:
         self._next_index = 0
 
     # ---------------------------------------------------------------- state
+
+    @staticmethod
+    def staging_for(device: torch.device) -> CudaStaging | None:
+        """The staging used for rows on ``device``: pinned and asynchronous on CUDA, none (direct copies) on CPU."""
+        return CudaStaging() if device.type == "cuda" else None
 
     @property
     def host_bytes(self) -> int:
@@ -362,7 +390,7 @@ class Recorder:
         if src.numel() != rows.count:
             raise ValueError(f"chosen tokens must be one per row ({rows.count}), got {src.numel()}")
         dst = chunk.buffers["chosen"][rows.start : rows.end]
-        staging = chunk.staging and src.is_cuda
+        staging = chunk.staging and src.device == chunk.device
         dst.copy_(src.to(torch.int64), non_blocking=staging)
         if staging:
             chunk.note_stream()
@@ -434,7 +462,8 @@ class Recorder:
     def _new_chunk(self, batch: int, device: torch.device) -> _Chunk:
         index = self._next_index
         self._next_index += 1
-        if device.type == "cuda":
+        transfer = self.staging_for(device)
+        if transfer is not None:
             ring = self._rings.get(device)
             capacity = self._capacity(batch)
             if ring is None or (ring.layout is not None and ring.layout[0] < capacity):
@@ -444,13 +473,14 @@ class Recorder:
             key = (capacity, tuple((k, v[0], str(v[1])) for k, v in layout.items()))
 
             def make() -> dict[str, torch.Tensor]:
-                return {name: torch.empty(shape, dtype=dtype, pin_memory=True) for name, (shape, dtype) in layout.items()}
+                return {name: transfer.empty(shape, dtype) for name, (shape, dtype) in layout.items()}
 
             slot = ring.take(key, make)
-            while slot is None:
-                self._drain_staging(everything=False)
-                slot = ring.take(key, make)
-            chunk = _Chunk(index, capacity, self.stages, slot, None, device)
+            if slot is None:  # every slot is in flight: drain the oldest (its copies are long done)
+                drained = self._drain_staging(everything=False)
+                slot = ring.take(key, make) if drained else None
+                slot = slot if slot is not None else make()
+            chunk = _Chunk(index, capacity, self.stages, slot, None, device, transfer)
             chunk._ring_key = key  # type: ignore[attr-defined]
         else:
             capacity = self._capacity(batch)
@@ -464,8 +494,9 @@ class Recorder:
         self._active = None
         self._enforce_bound()
 
-    def _drain_staging(self, everything: bool) -> None:
-        """Move staging chunks into host memory: the oldest one, or all of them."""
+    def _drain_staging(self, everything: bool) -> bool:
+        """Move staging chunks into host memory: the oldest one, or all of them. True if any moved."""
+        drained = False
         for chunk in self._chunks:
             if not chunk.staging:
                 continue
@@ -483,9 +514,11 @@ class Recorder:
             chunk.buffers, chunk.host = tensors, host
             chunk.events.clear()
             chunk.version += 1
+            drained = True
             if not everything:
                 break
         self._enforce_bound()
+        return drained
 
     def _enforce_bound(self) -> None:
         if self.memory_limit is None:
