@@ -41,7 +41,8 @@ __all__ = [
     "top_k_candidates",
     "top_k_column",
     "top_k_mask",
-    "radix_keys",
+    "Radix",
+    "radix",
     "SORT_BELOW",
     "mass_crossing",
     "top_p_cut",
@@ -141,9 +142,9 @@ def top_k_candidates(x: torch.Tensor, width: int, floor: float) -> tuple[torch.T
 
 
 def top_k_column(k: Param, batch: int, vocab: int, device: torch.device) -> tuple[int, torch.Tensor | None]:
-    """``(width, k)``: how many candidates to select, and per-row ``k`` as ``[B]`` (0 means all) if ``k`` is a tensor."""
+    """``(width, k)``: how many candidates to select, and per-row ``k`` as ``[B, 1]`` (0 means all) if a tensor."""
     if isinstance(k, torch.Tensor):
-        column = k.to(device=device, dtype=torch.long).reshape(-1).expand(batch)
+        column = k.to(device=device, dtype=torch.long).reshape(-1, 1).expand(batch, 1)
         column = torch.where(column > 0, column, vocab).clamp(max=vocab)
         return int(column.max()), column
     return (min(int(k), vocab) if k > 0 else vocab), None
@@ -155,23 +156,31 @@ def top_k_mask(x: torch.Tensor, k: Param, floor: float) -> torch.Tensor:
     width, column = top_k_column(k, batch, vocab, x.device)
     _, ids = top_k_candidates(x, width, floor)
     rank = torch.arange(width, device=x.device).expand(batch, width)
-    keep = rank < (width if column is None else column[:, None])
+    keep = rank < (width if column is None else column)
     return torch.zeros_like(x, dtype=torch.bool).scatter_(1, ids, keep)
 
 
 # --------------------------------------------------------------------------- radix select on mass
 
 
-def radix_keys(w: torch.Tensor) -> torch.Tensor | None:
-    """``int64 [B, V]``: the top 11 bits of each non-negative float32 weight, ordered like the weights.
+class Radix(NamedTuple):
+    """What every mass crossing over one weights tensor shares: bucket keys and float64 masses."""
 
-    Computed once per weights tensor and shared by every crossing over it
-    (int64 because ``scatter_add_`` converts any other index type on each
-    call). ``None`` below :data:`SORT_BELOW` tokens, where crossings sort.
+    keys: torch.Tensor  # int64 [B, V]: the top 11 bits of each weight (ordered like the weights)
+    masses: torch.Tensor  # float64 [B, V]: the weights, summed in float64 (float32 sums drift by 1e-4)
+
+
+def radix(w: torch.Tensor) -> Radix | None:
+    """The shared part of the crossings over ``w`` (non-negative float32 ``[B, V]``), computed once.
+
+    Keys are int64 because ``scatter_add_`` converts any other index type on
+    every call. ``None`` below :data:`SORT_BELOW` tokens, where crossings sort.
     """
     if w.shape[-1] < SORT_BELOW:
         return None
-    return ((w.contiguous().view(torch.int32) >> _LEVELS[0][0]) & ((1 << _LEVELS[0][1]) - 1)).long()
+    bits = w.contiguous().view(torch.int32)
+    keys = ((bits >> _LEVELS[0][0]) & ((1 << _LEVELS[0][1]) - 1)).long()
+    return Radix(keys, w.double())
 
 
 def _crossing_by_sort(
@@ -208,8 +217,10 @@ def _select(
     """
     reached = above[:, None] + suffix
     crossed = reached >= target[:, None] if inclusive else reached > target[:, None]
-    bucket = crossed.sum(-1) - 1
-    lowest = (hist > 0).to(torch.uint8).argmax(-1)
+    filled = hist > 0
+    index = torch.arange(hist.shape[-1], device=hist.device)
+    bucket = torch.where(crossed & filled, index, -1).amax(-1)  # a target of 0 crosses empty buckets too
+    lowest = filled.to(torch.uint8).argmax(-1)
     bucket = torch.where(bucket >= 0, bucket, lowest)
     suffix = torch.nn.functional.pad(suffix, (0, 1))
     new_above = above + suffix.gather(1, (bucket + 1)[:, None]).squeeze(1)
@@ -222,7 +233,7 @@ def mass_crossing(
     of_mass: torch.Tensor | None = None,
     *,
     inclusive: bool,
-    keys: torch.Tensor | None = None,
+    shared: Radix | None = None,
 ) -> Crossing:
     """Find the token at which the running mass of ``w`` crosses ``fraction * of_mass``.
 
@@ -230,8 +241,8 @@ def mass_crossing(
     ``of_mass``: ``[B]`` float64; NaN or ``None`` means the row's total.
     ``inclusive=True`` finds the last token of the smallest prefix with mass
     ``>= target`` (top-p); ``inclusive=False`` the token ``t`` with
-    ``before(t) <= target < before(t) + w(t)`` (sampling). ``keys`` may pass
-    :func:`radix_keys` of ``w`` when it is reused.
+    ``before(t) <= target < before(t) + w(t)`` (sampling). ``shared`` may
+    pass :func:`radix` of ``w`` when it is reused.
 
     The first level histograms every token by its top 11 bits; the next two
     see only the tokens of the chosen bucket (gathered with one ``nonzero``,
@@ -242,10 +253,11 @@ def mass_crossing(
     if w.shape[-1] < SORT_BELOW:
         return _crossing_by_sort(w, fraction, of_mass, inclusive)
     batch = w.shape[0]
-    keys = radix_keys(w) if keys is None else keys
-    assert keys is not None
+    shared = radix(w) if shared is None else shared
+    assert shared is not None
+    keys, masses = shared
     (_, width), *inner_levels = _LEVELS
-    hist = w.new_zeros(batch, 1 << width).scatter_add_(1, keys, w).double()
+    hist = masses.new_zeros(batch, 1 << width).scatter_add_(1, keys, masses)
     suffix = _suffix(hist)
     total = suffix[:, 0]  # summed as the crossing sums it, so fraction 1 keeps every token
     mass = total if of_mass is None else torch.where(torch.isnan(of_mass), total, of_mass)
@@ -253,14 +265,14 @@ def mass_crossing(
     above = torch.zeros_like(total)
     prefix, above, in_bucket = _select(hist, suffix, above, target, inclusive)
     rows, cols = (keys == prefix.to(keys.dtype)[:, None]).nonzero(as_tuple=True)
-    sub_w = w[rows, cols]
-    sub_bits = (sub_w.view(torch.int32) & 0x7FFFFFFF).long()
+    sub_w = masses[rows, cols]
+    sub_bits = (w[rows, cols].view(torch.int32) & 0x7FFFFFFF).long()
     for shift, width in inner_levels:
         size = 1 << width
         inside = (sub_bits >> (shift + width)) == prefix[rows]
         slot = rows * size + ((sub_bits >> shift) & (size - 1))
-        hist = w.new_zeros(batch * size).index_add_(0, slot, torch.where(inside, sub_w, 0.0))
-        hist = hist.view(batch, size).double()
+        hist = masses.new_zeros(batch * size).index_add_(0, slot, torch.where(inside, sub_w, 0.0))
+        hist = hist.view(batch, size)
         bucket, above, in_bucket = _select(hist, _suffix(hist), above, target, inclusive)
         prefix = (prefix << width) | bucket
     value = prefix.to(torch.int32).view(torch.float32)
@@ -270,12 +282,12 @@ def mass_crossing(
 
 
 def top_p_cut(
-    w: torch.Tensor, top_p: Param, of_mass: torch.Tensor | None = None, keys: torch.Tensor | None = None
+    w: torch.Tensor, top_p: Param, of_mass: torch.Tensor | None = None, shared: Radix | None = None
 ) -> Cut:
     """The top-p prefix of ``w`` (renormalised to ``of_mass``): keep ``t`` iff mass before ``t`` < top_p * mass."""
     batch = w.shape[0]
     fraction = _per_row(top_p, batch, w.device, torch.float64)
-    c = mass_crossing(w, fraction, of_mass, inclusive=True, keys=keys)
+    c = mass_crossing(w, fraction, of_mass, inclusive=True, shared=shared)
     safe = torch.where(c.value > 0, c.value, torch.ones_like(c.value)).double()
     count = torch.ceil((c.target - c.above) / safe).clamp_(min=1)
     count = torch.minimum(count, c.ties.double()).long()
@@ -334,7 +346,7 @@ def cut_mask(w: torch.Tensor, cut: Cut) -> torch.Tensor:
 
 
 def sample_weights(
-    w: torch.Tensor, u: torch.Tensor, cut: Cut | None = None, keys: torch.Tensor | None = None
+    w: torch.Tensor, u: torch.Tensor, cut: Cut | None = None, shared: Radix | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw one token per row from weights ``w`` restricted to ``cut``, by the CDF in the order.
 
@@ -342,7 +354,7 @@ def sample_weights(
     mass sampled from)``. The mass is NaN or 0 for a dead row (its token is
     then meaningless; the caller flags it).
     """
-    c = mass_crossing(w, u, None if cut is None else cut.mass, inclusive=False, keys=keys)
+    c = mass_crossing(w, u, None if cut is None else cut.mass, inclusive=False, shared=shared)
     safe = torch.where(c.value > 0, c.value, torch.ones_like(c.value)).double()
     n = torch.floor((c.target - c.above) / safe).clamp_(min=0)
     n = torch.minimum(n, (c.ties - 1).double()).long()
@@ -371,35 +383,37 @@ def candidate_masses(values: torch.Tensor, temperature: Param | None, from_logit
 
 
 Length = Union[int, torch.Tensor]
-"""How many sorted candidates a row keeps: one int for all rows, or ``int64 [B]``."""
+"""How many sorted candidates a row keeps: one int for all rows, or ``int64 [B, 1]``."""
 
 
 def prefix_mass(running: torch.Tensor, length: Length) -> torch.Tensor:
-    """``[B]``: the mass of the first ``length`` candidates, from their cumulative sum."""
+    """``[B, 1]``: the mass of the first ``length`` candidates, from their cumulative sum."""
     if isinstance(length, int):
-        return running[:, length - 1]
-    return running.gather(1, (length - 1)[:, None]).squeeze(1)
+        return running[:, length - 1 : length]
+    return running.gather(1, length - 1)
 
 
 def shorten(length: Length, kept: torch.Tensor | int) -> Length:
-    """The shorter of two prefix lengths."""
+    """The shorter of two prefix lengths, and never below 1 (a NaN row counts 0 kept)."""
     if isinstance(kept, int):
         return min(length, kept) if isinstance(length, int) else length.clamp(max=kept)
-    return kept.clamp(max=length) if isinstance(length, int) else torch.minimum(length, kept)
+    if isinstance(length, int):
+        return kept.clamp_(1, length)
+    return torch.minimum(length, kept).clamp_(min=1)
 
 
 def min_p_length(masses: torch.Tensor, min_p: Param) -> torch.Tensor:
-    """How many sorted candidates have ``mass >= min_p * max``."""
-    return (masses >= as_column(min_p, masses) * masses[:, :1]).sum(-1)
+    """``[B, 1]``: how many sorted candidates have ``mass >= min_p * max``."""
+    return (masses >= as_column(min_p, masses) * masses[:, :1]).sum(-1, keepdim=True)
 
 
 def top_p_length(masses: torch.Tensor, running: torch.Tensor, top_p: Param, total: torch.Tensor) -> torch.Tensor:
-    """How many sorted candidates have a mass strictly before them ``< top_p * total``.
+    """``[B, 1]``: how many sorted candidates have a mass strictly before them ``< top_p * total``.
 
-    At least 1 for a live row (the first has nothing before it); 0 only for
-    a row of NaN, which the sampler then flags as dead.
+    ``total`` is ``[B, 1]``. At least 1 for a live row (the first has nothing
+    before it); 0 only for a row of NaN (see :func:`shorten`).
     """
-    return ((running - masses) < as_column(top_p, masses) * total[:, None]).sum(-1).clamp_(min=1)
+    return ((running - masses) < as_column(top_p, masses) * total).sum(-1, keepdim=True)
 
 
 def sample_prefix(
@@ -407,10 +421,10 @@ def sample_prefix(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw a position in the first ``length`` sorted candidates by the CDF in their order.
 
-    Returns ``(positions, log-probabilities, mass sampled from)``; the mass is
-    NaN or 0 for a dead row.
+    ``u`` is ``[B, 1]``. Returns ``(positions, log-probabilities, mass sampled
+    from)``, each ``[B, 1]``; the mass is NaN or 0 for a dead row.
     """
     mass = prefix_mass(running, length)
-    pos = torch.searchsorted(running, (u * mass)[:, None], right=True).squeeze(1)
-    pos = shorten(pos, length - 1) if isinstance(length, int) else torch.minimum(pos, length - 1)
-    return pos, torch.log(masses.gather(1, pos[:, None]).squeeze(1) / mass), mass
+    pos = torch.searchsorted(running, u * mass, right=True)
+    pos = pos.clamp_(max=length - 1) if isinstance(length, int) else torch.minimum(pos, length - 1)
+    return pos, torch.log(masses.gather(1, pos) / mass), mass

@@ -52,8 +52,15 @@ LOGITS, PROBS, INDICES = TensorType.LOGITS, TensorType.PROBS, TensorType.INDICES
 
 
 def _report(rt: Runtime, tokens: torch.Tensor, logprobs: torch.Tensor, valid: torch.Tensor) -> TaggedTensor:
-    rt.report(torch.where(valid, logprobs, float("nan")).float(), valid)
-    return TaggedTensor.indices(torch.where(valid, tokens, -1))
+    """Hand the sampler's per-row results to the runtime; mark dead rows only when they are flagged.
+
+    (When dead rows raise, the pipe raises before anyone sees their token.)
+    """
+    if rt.flag_dead:
+        tokens = torch.where(valid, tokens, -1)
+        logprobs = torch.where(valid, logprobs, float("nan"))
+    rt.report(logprobs.float().reshape(-1), valid.reshape(-1))
+    return TaggedTensor.indices(tokens.reshape(-1))
 
 
 def _valid(logprobs: torch.Tensor) -> torch.Tensor:
@@ -342,11 +349,11 @@ class FusedSampleOp(_FusedOp):
             w = x.float()
         cut: K.Cut | None = None
         norm = _ones(w)  # the mass that counts as 1 for the next top-p
-        keys = None
+        shared = None
         for f in self.filters:
             if f.kind == "min_p":
                 threshold = K.as_column(rt.param(f.op, "min_p"), w) * w.amax(-1, keepdim=True)
-                w, keys = torch.where(w >= threshold, w, 0.0), None
+                w, shared = torch.where(w >= threshold, w, 0.0), None
                 if cut is None:
                     norm = torch.full_like(norm, float("nan"))  # the masked total
                 else:
@@ -358,11 +365,11 @@ class FusedSampleOp(_FusedOp):
                     )
                     norm = cut.mass
             else:
-                keys = K.radix_keys(w) if keys is None else keys
-                new = K.top_p_cut(w, rt.param(f.op, "top_p"), norm, keys)
+                shared = K.radix(w) if shared is None else shared
+                new = K.top_p_cut(w, rt.param(f.op, "top_p"), norm, shared)
                 cut = new if cut is None else K.shorter(new, cut)
                 norm = cut.mass
-        tokens, logprobs, mass = K.sample_weights(w, rt.uniforms(), cut, keys)
+        tokens, logprobs, mass = K.sample_weights(w, rt.uniforms(), cut, shared)
         valid = _valid(logprobs)
         if rt.wants(SAMPLED):
             keep = (w > 0) if cut is None else K.cut_mask(w, cut)
@@ -393,25 +400,27 @@ class FusedSampleOp(_FusedOp):
             if f.kind == "min_p":
                 length, norm = K.shorten(length, K.min_p_length(m, rt.param(f.op, "min_p"))), None
             elif f.kind == "top_k":
+                if not f.renormalize and norm is None:
+                    norm = K.prefix_mass(running, length)  # a later top-p counts against the mass before this cut
                 length = K.shorten(length, limits[i])
                 norm = None if f.renormalize else norm
             else:
                 total = K.prefix_mass(running, length) if norm is None else norm
                 kept = K.top_p_length(m, running, rt.param(f.op, "top_p"), total)
                 length, norm = K.shorten(length, kept), None
-        pos, logprobs, mass = K.sample_prefix(m, running, length, rt.uniforms())
-        tokens = ids.gather(1, pos[:, None]).squeeze(1)
+        pos, logprobs, mass = K.sample_prefix(m, running, length, rt.uniforms()[:, None])
+        tokens = ids.gather(1, pos)
         if rt.wants(SAMPLED):
-            kept_masses = m.masked_fill(torch.arange(width, device=x.device) >= torch.as_tensor(length)[..., None], 0.0)
+            kept_masses = m.masked_fill(torch.arange(width, device=x.device) >= torch.as_tensor(length), 0.0)
             dist = torch.zeros((batch, vocab), dtype=torch.float32, device=x.device)
-            rt.emit(SAMPLED, TaggedTensor.probs(dist.scatter_(1, ids, (kept_masses / mass[:, None]).float())))
+            rt.emit(SAMPLED, TaggedTensor.probs(dist.scatter_(1, ids, (kept_masses / mass).float())))
         return _report(rt, tokens, logprobs, _valid(logprobs))
 
     def _joint_norm(self, x: torch.Tensor, values: torch.Tensor, m: torch.Tensor, t: K.Param | None) -> torch.Tensor:
         """For the joint filter: the whole row's mass in the units of the candidate masses ``m``."""
         if not self.from_logits:
-            return _ones(x)  # PROBS count as summing to 1
+            return _ones(x)[:, None]  # PROBS count as summing to 1
         scale = 1.0 if t is None else K.as_column(t, x, torch.float64)
-        whole = torch.logsumexp(x.double() / scale, dim=-1)
-        candidates = torch.logsumexp(values.double() / scale, dim=-1)
+        whole = torch.logsumexp(x.double() / scale, dim=-1, keepdim=True)
+        candidates = torch.logsumexp(values.double() / scale, dim=-1, keepdim=True)
         return torch.exp(whole - candidates)

@@ -209,6 +209,7 @@ class LogitsPipe:
         if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or top_logprobs < 0:
             raise PipeError(f"top_logprobs must be an int >= 0, got {top_logprobs!r}")
         tagged, rt = self._prepare(x, u, generator, taps, params)
+        rt.flag_dead = on_dead == "flag"
         tokens = self._run(tagged, rt).data
         assert rt.logprobs is not None and rt.valid is not None
         if on_dead == "raise" and not bool(rt.valid.all()):

@@ -34,6 +34,7 @@ class Runtime:
     u: torch.Tensor | None = None
     generator: torch.Generator | None = None
     taps: Mapping[str, tuple[TapFn, ...]] = field(default_factory=dict)
+    flag_dead: bool = False
     logprobs: torch.Tensor | None = None
     valid: torch.Tensor | None = None
 

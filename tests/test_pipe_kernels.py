@@ -1,0 +1,68 @@
+"""The kernels against straightforward versions: the radix crossing against a sort, top-k candidates, nth_equal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sampling.pipe import kernels as K
+
+
+def _weights(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.softmax(torch.randn(rows, vocab, generator=g) * 3, -1)
+    w[:, 100:140] = w[:, 7:8]  # ties
+    w[:, 200:300] = 0.0  # removed tokens
+    w[1] = 1.0 / vocab  # a uniform row: everything tied
+    return w
+
+
+@pytest.mark.parametrize("inclusive", [True, False])
+def test_radix_crossing_equals_the_sorting_crossing(inclusive):
+    w = _weights(6, 5000, seed=0)
+    fraction = torch.tensor([0.0, 0.3, 0.5, 0.9, 0.999, 1.0], dtype=torch.float64)
+    assert w.shape[-1] >= K.SORT_BELOW
+    radix = K.mass_crossing(w, fraction, inclusive=inclusive)
+    sort = K._crossing_by_sort(w, fraction, None, inclusive)
+    assert torch.equal(radix.value, sort.value)
+    assert torch.equal(radix.ties, sort.ties)
+    torch.testing.assert_close(radix.above, sort.above, atol=1e-6, rtol=0)
+    torch.testing.assert_close(radix.total, sort.total, atol=1e-6, rtol=0)
+
+
+def test_top_p_cut_and_sampling_match_a_sort_on_a_large_vocabulary():
+    w = _weights(5, 4096, seed=1)
+    u = torch.rand(5, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    order = torch.sort(w.double(), dim=-1, descending=True, stable=True)
+    before = order.values.cumsum(-1) - order.values
+    for top_p in (0.2, 0.75, 0.95):
+        keep_sorted = before < top_p
+        expected = torch.zeros_like(w, dtype=torch.bool).scatter_(1, order.indices, keep_sorted)
+        cut = K.top_p_cut(w, top_p, torch.ones(5, dtype=torch.float64))
+        assert torch.equal(K.cut_mask(w, cut) | (w == 0) & expected, expected)
+        tokens, _, mass = K.sample_weights(w, u, cut)
+        kept = torch.where(expected, w.double(), 0.0)
+        sorted_kept = kept.gather(1, order.indices).cumsum(-1)
+        position = torch.searchsorted(sorted_kept, (u * sorted_kept[:, -1])[:, None], right=True)
+        assert torch.equal(tokens, order.indices.gather(1, position).squeeze(1))
+
+
+def test_top_k_candidates_follow_the_order_with_lower_ids_first():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 6, (20, 300), generator=g).float()  # many ties
+    for width in (1, 5, 37, 300):
+        values, ids = K.top_k_candidates(x, width, float("-inf"))
+        expected = torch.sort(x, dim=-1, descending=True, stable=True)
+        assert torch.equal(values, expected.values[:, :width])
+        assert torch.equal(ids, expected.indices[:, :width])
+
+
+def test_nth_equal_finds_the_nth_tied_token_by_id():
+    w = torch.zeros(3, 1000)
+    w[0, [5, 300, 301, 999]] = 0.25
+    w[1, 700] = 0.5
+    w[2] = 0.001
+    value = torch.tensor([0.25, 0.5, 0.001])
+    assert K.nth_equal(w, value, torch.tensor([0, 0, 0])).tolist() == [5, 700, 0]
+    assert K.nth_equal(w, value, torch.tensor([2, 0, 999])).tolist() == [301, 700, 999]
+    assert K.nth_equal(w, value, torch.tensor([3, 0, 256])).tolist() == [999, 700, 256]
