@@ -8,7 +8,8 @@ wrapped in ``torch.compile`` and pays seconds on its first call on a CPU;
 - **by table** (small batches, GPUs, masks of scattered bits): each mask byte
   indexes a ``[256, 8]`` table of additive biases (0 or -inf), gathered into a
   reused buffer and added to the logits;
-- **by words** (large CPU batches whose width is a multiple of 32): grammar
+- **by words** (large contiguous CPU batches whose width is a multiple of
+  32; a mask narrower than the logits is padded with banned words): grammar
   masks are mostly whole words of 0 (32 banned tokens) or -1 (32 allowed
   tokens). When most words ban, the allowed words are saved, the logits
   filled with -inf and the saved words put back; when most allow, only the
@@ -153,19 +154,31 @@ def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, n_tokens: int | 
     rows, width = logits.shape
     covered = 32 * bitmask.shape[1] if n_tokens is None else min(n_tokens, 32 * bitmask.shape[1])
     covered = min(covered, width)
-    if covered < width:
-        logits[:, covered:] = float("-inf")
-    target = logits if covered == width else logits[:, :covered]
     by_words = (
         logits.device.type == "cpu"
         and bitmask.device.type == "cpu"
-        and rows * covered >= WORDS_MIN_SIZE
-        and covered == 32 * bitmask.shape[1]
-        and target.is_contiguous()
+        and rows * width >= WORDS_MIN_SIZE
+        and width % 32 == 0
+        and logits.is_contiguous()
     )
-    if not (by_words and _apply_by_words_(target, bitmask)):
-        _apply_by_table_(target, bitmask)
+    if by_words and _apply_by_words_(logits, _words_covering(bitmask, covered, width // 32)):
+        return logits
+    if covered < width:
+        logits[:, covered:] = float("-inf")
+    _apply_by_table_(logits if covered == width else logits[:, :covered], bitmask)
     return logits
+
+
+def _words_covering(bitmask: torch.Tensor, covered: int, n_words: int) -> torch.Tensor:
+    """``bitmask`` as ``n_words`` words per row, with every bit at or beyond ``covered`` cleared."""
+    whole, rest = divmod(covered, 32)
+    if whole == n_words == bitmask.shape[1]:
+        return bitmask
+    words = torch.zeros(bitmask.shape[0], n_words, dtype=torch.int32)
+    words[:, :whole] = bitmask[:, :whole]
+    if rest:
+        words[:, whole] = bitmask[:, whole] & ((1 << rest) - 1)
+    return words
 
 
 def pack_bool(allowed: torch.Tensor) -> torch.Tensor:

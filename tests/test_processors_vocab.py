@@ -106,3 +106,52 @@ def test_apply_bans_tokens_beyond_the_mask():
     apply_bitmask_(logits, torch.full((1, 1), -1, dtype=torch.int32), n_tokens=30)
     assert torch.isfinite(logits[0, :30]).all() and torch.isinf(logits[0, 30:]).all()
     assert np.isneginf(logits[0, 30:].numpy()).all()
+
+
+def _structured_mask(rows: int, words: int, seed: int) -> torch.Tensor:
+    """Masks like a grammar's: rows of mostly 0 words or mostly -1 words, with a few mixed words."""
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(rows, words, dtype=torch.int32)
+    mask[1::2] = -1
+    mixed = torch.randint(0, words, (rows, words // 50), generator=gen)
+    values = torch.randint(-(2**31), 2**31 - 1, mixed.shape, dtype=torch.int32, generator=gen)
+    mask.scatter_(1, mixed, values)
+    return mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "rows, width, n_tokens, random_bits, path",
+    [
+        (4, 32 * 1024, None, False, "words"),
+        (1, 32 * 4096, None, False, "words"),
+        (3, 32 * 1024, None, True, "table"),  # too many mixed words
+        (2, 32 * 1024 + 7, 32 * 1024 + 7, False, "table"),  # width not a multiple of 32
+        (2, 32 * 1024 + 64, 32 * 1024, False, "words"),  # model wider than the mask
+        (2, 32 * 1024 + 64, 32 * 1024 - 5, False, "words"),  # a mask ending inside a word
+        (2, 32 * 1024 + 40, 32 * 1024, False, "table"),  # wider, but not by whole words
+    ],
+)
+def test_apply_large_masks_matches_the_reference(monkeypatch, dtype, rows, width, n_tokens, random_bits, path):
+    from llguidance.numpy import apply_token_bitmask_inplace
+
+    import processors.bitmask as bitmask_module
+
+    used: list[str] = []
+    by_table = bitmask_module._apply_by_table_
+    monkeypatch.setattr(bitmask_module, "_apply_by_table_", lambda *a: used.append("table") or by_table(*a))
+
+    words = (min(width, n_tokens or width) + 31) // 32
+    if random_bits:
+        mask = torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int32, generator=torch.Generator().manual_seed(2))
+    else:
+        mask = _structured_mask(rows, words, seed=rows)
+    logits = torch.randn(rows, width, generator=torch.Generator().manual_seed(3)).to(dtype)
+    expected = logits.float().numpy().copy()
+    apply_token_bitmask_inplace(expected, mask.numpy())
+    if n_tokens is not None:
+        expected[:, n_tokens:] = -np.inf
+    out = apply_bitmask_(logits, mask, n_tokens)
+    assert out is logits and out.dtype == dtype
+    assert torch.equal(out.float(), torch.from_numpy(expected).to(dtype).float())
+    assert (used == ["table"]) is (path == "table")
