@@ -48,7 +48,6 @@ __all__ = [
     "top_p_cut",
     "nth_equal",
     "cut_mask",
-    "full_cut",
     "shorter",
     "sample_weights",
     "candidate_masses",
@@ -65,6 +64,7 @@ Param = Union[float, int, torch.Tensor]
 
 _LEVELS = ((20, 11), (10, 10), (0, 10))  # (shift, width) of the three radix levels over 31 bits
 _BLOCK = 256  # block length for locating the n-th equal token without a full cumsum
+_TINY = 1e-300  # below any float32 mass: "at least one bucket with mass"
 SORT_BELOW = 2048
 """Vocabularies smaller than this find mass crossings by sorting (histograms of 2048 buckets would cost more)."""
 
@@ -202,29 +202,27 @@ def _crossing_by_sort(
     return Crossing(value, above, ties, target, total)
 
 
-def _suffix(hist: torch.Tensor) -> torch.Tensor:
-    """Mass in buckets ``>= j``, for every bucket ``j``."""
-    return hist.flip(-1).cumsum(-1).flip(-1)
+def _top_down(hist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Buckets from the highest value down, and their running mass (index ``i`` is bucket ``size - 1 - i``)."""
+    top_down = hist.flip(-1)
+    return top_down, top_down.cumsum(-1)
 
 
 def _select(
-    hist: torch.Tensor, suffix: torch.Tensor, above: torch.Tensor, target: torch.Tensor, inclusive: bool
+    top_down: torch.Tensor, running: torch.Tensor, above: torch.Tensor, target: torch.Tensor, inclusive: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The bucket where the mass, summed from the top bucket down, crosses ``target``.
 
     Returns ``(bucket, mass above it, mass in it)``. The chosen bucket always
-    holds mass: if rounding leaves no crossing, the lowest bucket with mass.
+    holds mass: a target of 0 takes the highest bucket with mass, and when
+    rounding leaves no crossing, the lowest bucket with mass.
     """
-    reached = above[:, None] + suffix
-    crossed = reached >= target[:, None] if inclusive else reached > target[:, None]
-    filled = hist > 0
-    index = torch.arange(hist.shape[-1], device=hist.device)
-    bucket = torch.where(crossed & filled, index, -1).amax(-1)  # a target of 0 crosses empty buckets too
-    lowest = filled.to(torch.uint8).argmax(-1)
-    bucket = torch.where(bucket >= 0, bucket, lowest)
-    suffix = torch.nn.functional.pad(suffix, (0, 1))
-    new_above = above + suffix.gather(1, (bucket + 1)[:, None]).squeeze(1)
-    return bucket, new_above, hist.gather(1, bucket[:, None]).squeeze(1)
+    need = (target - above)[:, None].clamp(min=_TINY if inclusive else 0.0)
+    i = torch.searchsorted(running, need, right=not inclusive)
+    i = torch.minimum(i, running.argmax(-1, keepdim=True))  # argmax: where the running mass stops growing
+    in_bucket = top_down.gather(1, i)
+    new_above = above + (running.gather(1, i) - in_bucket).squeeze(1)
+    return (top_down.shape[-1] - 1 - i).squeeze(1), new_above, in_bucket.squeeze(1)
 
 
 def mass_crossing(
@@ -258,12 +256,12 @@ def mass_crossing(
     keys, masses = shared
     (_, width), *inner_levels = _LEVELS
     hist = masses.new_zeros(batch, 1 << width).scatter_add_(1, keys, masses)
-    suffix = _suffix(hist)
-    total = suffix[:, 0]  # summed as the crossing sums it, so fraction 1 keeps every token
+    top_down, running = _top_down(hist)
+    total = running[:, -1]  # summed as the crossing sums it, so fraction 1 keeps every token
     mass = total if of_mass is None else torch.where(torch.isnan(of_mass), total, of_mass)
     target = (fraction.double() if isinstance(fraction, torch.Tensor) else fraction) * mass
     above = torch.zeros_like(total)
-    prefix, above, in_bucket = _select(hist, suffix, above, target, inclusive)
+    prefix, above, in_bucket = _select(top_down, running, above, target, inclusive)
     rows, cols = (keys == prefix.to(keys.dtype)[:, None]).nonzero(as_tuple=True)
     sub_w = masses[rows, cols]
     sub_bits = (w[rows, cols].view(torch.int32) & 0x7FFFFFFF).long()
@@ -272,8 +270,7 @@ def mass_crossing(
         inside = (sub_bits >> (shift + width)) == prefix[rows]
         slot = rows * size + ((sub_bits >> shift) & (size - 1))
         hist = masses.new_zeros(batch * size).index_add_(0, slot, torch.where(inside, sub_w, 0.0))
-        hist = hist.view(batch, size)
-        bucket, above, in_bucket = _select(hist, _suffix(hist), above, target, inclusive)
+        bucket, above, in_bucket = _select(*_top_down(hist.view(batch, size)), above, target, inclusive)
         prefix = (prefix << width) | bucket
     value = prefix.to(torch.int32).view(torch.float32)
     safe = torch.where(value > 0, value, torch.ones_like(value)).double()
@@ -292,16 +289,6 @@ def top_p_cut(
     count = torch.ceil((c.target - c.above) / safe).clamp_(min=1)
     count = torch.minimum(count, c.ties.double()).long()
     return Cut(c.value, count, c.above + count.double() * c.value.double())
-
-
-def full_cut(w: torch.Tensor) -> Cut:
-    """The prefix that keeps every token of ``w`` (mass read off later histograms)."""
-    batch = w.shape[0]
-    return Cut(
-        torch.full((batch,), -1.0, device=w.device),
-        torch.zeros(batch, dtype=torch.long, device=w.device),
-        torch.full((batch,), float("nan"), dtype=torch.float64, device=w.device),
-    )
 
 
 def shorter(a: Cut, b: Cut) -> Cut:

@@ -12,9 +12,9 @@ same in fewer passes:
   mass crossing of the kernels. Either way it samples the distribution the
   plain ops define and maps the same uniform number to the same token.
 
-Every sampler fills ``Runtime.logprobs`` and ``Runtime.valid``, gives token
--1 to a dead row, and builds the ``"sampled"`` tap tensor only when a tap
-asks for it.
+Every sampler fills ``Runtime.logprobs`` and ``Runtime.valid`` (and, when
+dead rows are flagged rather than raised, gives them token -1), and builds
+the ``"sampled"`` tap tensor only when a tap asks for it.
 """
 
 from __future__ import annotations
@@ -326,10 +326,7 @@ class FusedSampleOp(_FusedOp):
 
     @property
     def name(self) -> str:
-        words = []
-        for part in self.parts:
-            word = part.name.removesuffix("Op").removeprefix("Probs").removeprefix("Logits")
-            words.append(word)
+        words = (p.name.removesuffix("Op").removeprefix("Probs").removeprefix("Logits") for p in self.parts)
         return "Fused" + "".join(words) + "Op"
 
     def __call__(self, x: TaggedTensor, rt: Runtime) -> TaggedTensor:
