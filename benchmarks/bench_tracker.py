@@ -1,6 +1,6 @@
 """Measure the tracker against a straightforward one and against the floor, in one process.
 
-    python benchmarks/bench_tracker.py [--steps 512] [--vocab 32768 131072] [--repeats 5]
+    python benchmarks/bench_tracker.py [--steps 512] [--vocab 32768 131072] [--repeats 3]
 
 Per vocabulary size, over ``--steps`` steps of batch 1 with a processor that
 masks half the vocabulary (called transformers-style, ``tracker(ids, logits)``):
@@ -11,21 +11,24 @@ masks half the vocabulary (called transformers-style, ``tracker(ids, logits)``):
   Python lists), and the floor (copying the same two rows into a preallocated
   ``[steps * 2, V]`` buffer: untouched, and pre-touched);
 - the tracker's read at the end (``finish()``: building the Arrow run), per step;
-- bytes per step for each storage mode (Arrow bytes of the recorded run);
+- bytes per step for each storage mode (Arrow bytes of the recorded run), and
+  how fast a run is written: spill files (Arrow IPC) and Parquet;
 - ``get_top_tokens(k=10)`` over all positions and ``to_dataframe(min_value=0.01)``
   against a straightforward per-position implementation (softmax per row,
   sort, decode), first call on a fresh run and repeated calls.
 
-Each variant runs ``--repeats`` times, interleaved with the others, and its
-fastest run counts (the least disturbed by other work on a shared machine);
-the overhead is that minus the bare processor's fastest run. Read the ratios:
-absolute times move with the machine's load.
+The variants take turns in segments of 32 steps, and each one's fastest
+segment counts (the least disturbed by other work on a shared machine); the
+overhead is that minus the bare processor's fastest segment. Read the
+ratios: absolute times move with the machine's load.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -38,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from processors import LogitsProcessor  # noqa: E402
 from tracker import LogitTrackingProcessor, Run, Vocabulary  # noqa: E402
+from tracker.spill import write_ipc  # noqa: E402
 
 POOL = 8  # distinct logits rows cycled through (as a model would produce new ones)
 
@@ -67,79 +71,99 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+SEGMENT = 32  # steps per timed segment
+
+
 def per_step_overheads(vocab: int, steps: int, repeats: int) -> dict[str, float]:
+    """Per-step cost over the bare processor of each variant, each running ``steps`` steps.
+
+    The steps run in segments of :data:`SEGMENT`, the variants taking turns
+    segment by segment, so that all of them see the same moments of a busy
+    machine; a variant's cost is its fastest segment (per step) minus the bare
+    processor's fastest, the fastest of ``repeats`` whole runs.
+    """
     proc = HalfMask(vocab)
     logits = model_like_logits(vocab, seed=vocab)
     ids_all = torch.arange(steps + 8).view(1, -1) % vocab
     views = [ids_all[:, : 4 + t] for t in range(steps)]
+    warm_tracker = LogitTrackingProcessor(HalfMask(vocab), memory_limit=None)
 
-    def bare() -> None:
-        for t in range(steps):
-            proc(views[t], logits[t % POOL])
+    def bare(t: int) -> None:
+        proc(views[t], logits[t % POOL])
 
-    def straightforward() -> None:
-        natural, constrained = [], []
-        for t in range(steps):
+    def straightforward(natural: list, constrained: list) -> Callable[[int], None]:
+        def step(t: int) -> None:
             x = logits[t % POOL]
             natural.append(x[0].cpu().numpy().copy())
             out = proc(views[t], x)
             constrained.append(out[0].cpu().numpy().copy())
 
-    def floor(buffer: torch.Tensor) -> Callable[[], None]:
-        def run() -> None:
-            for t in range(steps):
-                x = logits[t % POOL]
-                buffer[2 * t].copy_(x[0])
-                out = proc(views[t], x)
-                buffer[2 * t + 1].copy_(out[0])
+        return step
 
-        return run
+    def floor(buffer: torch.Tensor) -> Callable[[int], None]:
+        def step(t: int) -> None:
+            x = logits[t % POOL]
+            buffer[2 * t].copy_(x[0])
+            out = proc(views[t], x)
+            buffer[2 * t + 1].copy_(out[0])
 
-    warm_tracker = LogitTrackingProcessor(HalfMask(vocab), memory_limit=None)
+        return step
 
-    def tracked(tracker: LogitTrackingProcessor) -> Callable[[], None]:
-        def run() -> None:
-            for t in range(steps):
-                tracker(views[t], logits[t % POOL])
+    def tracked(tracker: LogitTrackingProcessor) -> Callable[[int], None]:
+        def step(t: int) -> None:
+            tracker(views[t], logits[t % POOL])
 
-        return run
+        return step
 
-    results: dict[str, list[float]] = {}
+    best: dict[str, float] = {}
     finish: list[float] = []
-    bases: list[float] = []
     for _ in range(repeats):
-        bases.append(timed(bare))
-        fresh_floor = torch.empty(2 * steps, vocab)
-        warm_floor = torch.zeros(2 * steps, vocab)
         fresh_tracker = LogitTrackingProcessor(HalfMask(vocab), memory_limit=None)
         warm_tracker.clear()
-        candidates = {
-            "straightforward": straightforward,
-            "floor (fresh buffer)": floor(fresh_floor),
-            "floor (warm buffer)": floor(warm_floor),
+        variants = {
+            "bare processor": bare,
+            "straightforward": straightforward([], []),
+            "floor (fresh buffer)": floor(torch.empty(2 * steps, vocab)),
+            "floor (warm buffer)": floor(torch.zeros(2 * steps, vocab)),
             "tracker (fresh)": tracked(fresh_tracker),
             "tracker (after clear)": tracked(warm_tracker),
         }
-        for name, fn in candidates.items():
-            results.setdefault(name, []).append(timed(fn))
+        for first in range(0, steps, SEGMENT):
+            segment = range(first, min(first + SEGMENT, steps))
+            for name, step in variants.items():
+                start = time.perf_counter()
+                for t in segment:
+                    step(t)
+                per_step = (time.perf_counter() - start) / len(segment)
+                best[name] = min(best.get(name, float("inf")), per_step)
         finish.append(timed(lambda: fresh_tracker.finish(ids_all[:, : 4 + steps])) / steps)
-        del fresh_floor, warm_floor, fresh_tracker
-    base = min(bases)
-    out = {name: (min(v) - base) / steps for name, v in results.items()}
+        del variants, fresh_tracker
+    base = best.pop("bare processor")
+    out = {name: value - base for name, value in best.items()}
     out["tracker read: finish() -> Arrow run"] = min(finish)
     return out
 
 
-def bytes_per_step(vocab: int, steps: int) -> dict[str, float]:
+def storage_costs(vocab: int, steps: int, folder: Path) -> tuple[dict[str, float], dict[str, float]]:
+    """Bytes per step of each storage mode, and write speeds (MB/s) of spill files and Parquet."""
     logits = model_like_logits(vocab, seed=vocab + 1)
     ids_all = torch.arange(steps + 8).view(1, -1) % vocab
-    out = {}
+    sizes, speeds = {}, {}
     for storage in ("float32", "float16", "bfloat16", "topk"):
         tracker = LogitTrackingProcessor(HalfMask(vocab), storage=storage, top_k=20, memory_limit=None)
         for t in range(steps):
             tracker(ids_all[:, : 4 + t], logits[t % POOL])
-        out[storage if storage != "topk" else "topk (k=20)"] = tracker.to_arrow().nbytes / steps
-    return out
+        table = tracker.to_arrow()
+        sizes[storage if storage != "topk" else "topk (k=20)"] = table.nbytes / steps
+        if storage in ("float32", "float16"):
+            batches = tracker.recorder.batches()
+            nbytes = sum(b.nbytes for b in batches)
+            elapsed = timed(lambda: write_ipc(folder / "spill.arrow", batches, batches[0].schema))
+            speeds[f"spill (Arrow IPC), {storage}"] = nbytes / elapsed / 1e6
+            for compression in (None, "zstd"):
+                elapsed = timed(lambda: tracker.to_parquet(folder / "run.parquet", compression=compression))
+                speeds[f"to_parquet {compression or 'uncompressed'}, {storage}"] = table.nbytes / elapsed / 1e6
+    return sizes, speeds
 
 
 # ---------------------------------------------------------------- analysis baselines
@@ -179,7 +203,7 @@ def straightforward_dataframe(natural, constrained, chosen, vocab_text, min_valu
     return pd.DataFrame(rows)
 
 
-def analysis_times(vocab: int, steps: int) -> dict[str, float]:
+def analysis_times(vocab: int, steps: int, repeats: int = 3) -> dict[str, float]:
     proc = HalfMask(vocab)
     logits = model_like_logits(vocab, seed=vocab + 2)
     pieces = [f"t{i}".encode() for i in range(vocab)]
@@ -204,14 +228,22 @@ def analysis_times(vocab: int, steps: int) -> dict[str, float]:
     def fresh_run() -> Run:
         return Run(batches, metadata, vocab_obj)
 
+    def first_call(method: str, **kwargs: object) -> float:
+        return min(timed(lambda: getattr(fresh_run(), method)(**kwargs)) for _ in range(repeats))
+
     out = {}
-    out["get_top_tokens: straightforward"] = timed(lambda: straightforward_top_tokens(natural, constrained, chosen, vocab_text))
+    out["get_top_tokens: straightforward"] = min(
+        timed(lambda: straightforward_top_tokens(natural, constrained, chosen, vocab_text)) for _ in range(2)
+    )
+    out["get_top_tokens: first call"] = first_call("get_top_tokens", k=10)
     run = fresh_run()
-    out["get_top_tokens: first call"] = timed(lambda: run.get_top_tokens(k=10))
+    run.get_top_tokens(k=10)
     out["get_top_tokens: repeated call"] = min(timed(lambda: run.get_top_tokens(k=10)) for _ in range(3))
-    out["to_dataframe: straightforward"] = timed(lambda: straightforward_dataframe(natural, constrained, chosen, vocab_text))
-    run = fresh_run()
-    out["to_dataframe: first call"] = timed(lambda: run.to_dataframe(min_value=0.01))
+    out["to_dataframe: straightforward"] = min(
+        timed(lambda: straightforward_dataframe(natural, constrained, chosen, vocab_text)) for _ in range(2)
+    )
+    out["to_dataframe: first call"] = first_call("to_dataframe", min_value=0.01)
+    run.to_dataframe(min_value=0.01)
     out["to_dataframe: repeated call"] = min(timed(lambda: run.to_dataframe(min_value=0.01)) for _ in range(3))
     ours = run.to_dataframe(min_value=0.01)
     reference = straightforward_dataframe(natural[:8], constrained[:8], chosen, vocab_text)
@@ -223,10 +255,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=512)
     parser.add_argument("--vocab", type=int, nargs="+", default=[32768, 131072])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(2)
-    print(f"{args.steps} steps, batch 1, torch threads {torch.get_num_threads()}, best of {args.repeats}")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(
+        f"{args.steps} steps, batch 1, torch threads {torch.get_num_threads()}, best of {args.repeats}, "
+        f"{os.cpu_count()} CPUs, load average {load:.1f}"
+    )
     for vocab in args.vocab:
         print(f"\n=== vocabulary {vocab} ===")
         overheads = per_step_overheads(vocab, args.steps, args.repeats)
@@ -234,10 +270,15 @@ def main() -> None:
         print(f"{'per-step overhead':<38}{'us':>10}{'/ straightforward':>19}{'/ floor (fresh)':>17}")
         for name, value in overheads.items():
             print(f"{name:<38}{value * 1e6:>10.1f}{value / ref:>19.2f}{value / floor:>17.2f}")
+        with tempfile.TemporaryDirectory() as folder:
+            sizes, speeds = storage_costs(vocab, min(args.steps, 64), Path(folder))
         print(f"{'storage':<38}{'bytes per step':>16}")
-        for name, value in bytes_per_step(vocab, min(args.steps, 64)).items():
+        for name, value in sizes.items():
             print(f"{name:<38}{value:>16,.0f}")
-        times = analysis_times(vocab, args.steps)
+        print(f"{'writing to disk':<38}{'MB/s':>16}")
+        for name, value in speeds.items():
+            print(f"{name:<38}{value:>16,.0f}")
+        times = analysis_times(vocab, args.steps, args.repeats)
         print(f"{'analysis over all positions':<38}{'ms':>10}{'speed-up':>10}")
         for name, value in times.items():
             base = times[name.split(":")[0] + ": straightforward"]

@@ -9,7 +9,7 @@ from test_tracker_support import byte_tokenizer
 
 import tracker.analysis as analysis_module
 import tracker.compute as compute_module
-from processors import BatchContext, LogitsProcessor
+from processors import LogitsProcessor
 from tracker import LogitTrackingProcessor, Vocabulary
 
 V = 64

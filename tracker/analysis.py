@@ -386,10 +386,9 @@ class Analysis:
         lse_c = con["lse"].float()
         score = torch.maximum(torch.exp(ln - nat_lse[:, None]), torch.exp(lc - lse_c[:, None]))
         score = torch.where((lc > compute.NEG_INF) & ~torch.isnan(score), score, -1.0)
-        kk = min(k, ids.shape[1])
-        best, order = torch.topk(score, kk, dim=1)
-        pick = lambda x: x.gather(1, order)  # noqa: E731
-        return pick(ids), (best >= 0).sum(dim=1), pick(ln), pick(lc), nat_lse, lse_c
+        best, order = torch.topk(score, min(k, ids.shape[1]), dim=1)
+        ids, ln, lc = (x.gather(1, order) for x in (ids, ln, lc))
+        return ids, (best >= 0).sum(dim=1), ln, lc, nat_lse, lse_c
 
     def get_top_tokens(
         self,
@@ -559,8 +558,7 @@ class Analysis:
         if min_value is not None:
             keep &= (vn >= min_value) | (vc >= min_value)
         order = torch.argsort(rows[keep] * (ids.max() + 1 if ids.numel() else 1) + ids[keep], stable=True)
-        pick = lambda x: x[keep][order].numpy()  # noqa: E731
-        return pick(rows), pick(ids), pick(vn), pick(vc)
+        return tuple(x[keep][order].numpy() for x in (rows, ids, vn, vc))
 
     def get_logits(
         self, *, sequence: int = 0, generation: int = -1, include_finished: bool = False
