@@ -215,3 +215,20 @@ def test_cuda_path_records_what_a_synchronous_copy_records(kind):
             np.testing.assert_allclose(got.column(name).to_numpy(), want.column(name).to_numpy(), rtol=1e-5)
         else:
             assert got.column(name).equals(want.column(name)), name
+
+
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["float32", "float16", "bfloat16", "topk"])
+def test_any_logits_dtype_into_any_storage(logits_dtype, kind):
+    from tracker import LogitTrackingProcessor
+
+    tracker = LogitTrackingProcessor(None, storage=kind, top_k=4)
+    gen = torch.Generator().manual_seed(9)
+    x = (torch.randn(2, 40, generator=gen) * 3).to(logits_dtype)
+    tracker(torch.tensor([[1], [2]]), x)
+    got = tracker.get_logits(sequence=1)["unstructured"][0]
+    if kind == "topk":
+        values, ids = torch.topk(x[1].float(), 4)
+        assert np.array_equal(got[ids.numpy()], values.numpy()) and np.isnan(got).sum() == 36
+    else:
+        assert np.array_equal(got, x[1].to(getattr(torch, kind)).float().numpy())
