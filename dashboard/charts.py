@@ -17,6 +17,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 __all__ = [
+    "MASKED_NAMES",
     "STAGE_COLORS",
     "STAGE_NAMES",
     "compare_timelines",
@@ -30,6 +31,14 @@ STAGE_NAMES: dict[str, str] = {
     "natural": "model (natural)",
     "constrained": "after the constraint",
     "sampled": "sampled from",
+}
+#: What a marker on a masked token says, per stage that removed it.
+MASKED_NAMES: dict[str, str] = {"constrained": "masked by the constraint", "sampled": "cut by the sampler"}
+#: Line styles per stage, so that a later stage drawn over an equal earlier one leaves it visible.
+_LINES: dict[str, dict[str, object]] = {
+    "natural": dict(width=4, dash="solid"),
+    "constrained": dict(width=2, dash="solid"),
+    "sampled": dict(width=1.5, dash="dot"),
 }
 _EXTRA_COLORS = ("#B279A2", "#72B7B2", "#9D755D")
 MASK_COLOR = "#E45756"
@@ -110,7 +119,7 @@ def step_bars(
             text=["masked"] * int(hit.sum()),
             textposition="top center",
             textfont=dict(color=MASK_COLOR),
-            name=f"masked by {_name(stage)}",
+            name=MASKED_NAMES.get(stage, f"masked at {stage}"),
             hovertemplate="%{x}: masked (logit -inf)<extra>" + _name(stage) + "</extra>",
         )
     chosen = table.index[table["chosen"]].tolist()
@@ -125,6 +134,7 @@ def step_bars(
         )
     axis = "probability" if value == "prob" else "logit"
     fig.update_layout(barmode="group", bargap=0.25, xaxis_title="token", yaxis_title=axis)
+    fig.update_xaxes(type="category")  # tokens such as "1" must not become numbers
     if value == "prob" and log_y:
         fig.update_yaxes(type="log")
     return _layout(fig, title, 420)
@@ -167,7 +177,8 @@ def timelines(
             color = _color(stage, stages.index(stage)) if stage else "#555"
             name = _name(stage) if stage else label
             fig.add_scatter(
-                x=x, y=stats[column], mode="lines+markers", marker=dict(size=4), line=dict(color=color, width=1.6),
+                x=x, y=stats[column], mode="lines+markers", marker=dict(size=4),
+                line=dict(color=color, **_LINES.get(stage or "", dict(width=1.6))),
                 name=name, legendgroup=name, showlegend=name not in shown and stage is not None,
                 customdata=tokens, hovertemplate="step %{x} %{customdata}<br>" + name + ": %{y:.4g}<extra></extra>",
                 row=row, col=1,

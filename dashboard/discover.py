@@ -86,8 +86,8 @@ def _sampling_text(sampling: object) -> str:
     if sampling is None:
         return ""
     if isinstance(sampling, dict):
-        shown = {k: v for k, v in sampling.items() if v not in (None, (), [], False)}
-        return ", ".join(f"{k}={v}" for k, v in shown.items())
+        shown = {k: v for k, v in sampling.items() if not (v is None or v is False or v == [] or v == ())}
+        return ", ".join(f"{k}={_sampling_text(v) if isinstance(v, dict) else v}" for k, v in shown.items())
     return json.dumps(sampling) if not isinstance(sampling, str) else sampling
 
 

@@ -254,7 +254,7 @@ class RunReader:
         if cache_bytes < 0:
             raise ValueError(f"cache_bytes must be >= 0, got {cache_bytes}")
         self._cache_bytes = int(cache_bytes)
-        self._cache: OrderedDict[tuple[int, int, tuple[str, ...]], pa.Table] = OrderedDict()
+        self._cache: OrderedDict[tuple[int, int], pa.Table] = OrderedDict()
         self._cached_bytes = 0
         self._lock = threading.RLock()
         self.blocks_read = 0
@@ -407,8 +407,9 @@ class RunReader:
 
     # ---------------------------------------------------------------- reading values
 
-    def _block(self, part: int, block: int, columns: tuple[str, ...]) -> pa.Table:
-        key = (part, block, columns)
+    def _block(self, part: int, block: int) -> pa.Table:
+        """Every column of one block (ids, values, flags), from the cache or the file."""
+        key = (part, block)
         with self._lock:
             table = self._cache.get(key)
             if table is not None:
@@ -416,7 +417,7 @@ class RunReader:
                 return table
             source = self._parts[part]
             try:
-                table, nbytes = source.read_block(block, columns)
+                table, nbytes = source.read_block(block, ID_COLUMNS + self._value_columns(part))
             except (pa.ArrowException, OSError) as exc:
                 raise BadRunError(source.path, f"block {block} could not be read: {_describe_arrow_error(exc)}") from exc
             self.blocks_read += 1
@@ -451,8 +452,12 @@ class RunReader:
             j = i
             while j < wanted.size and keys[j, 0] == part and keys[j, 1] == block:
                 j += 1
-            table = self._block(part, block, ID_COLUMNS + self._value_columns(part))
-            pieces.append(table.take(pa.array(index["local"][wanted[i:j]])))
+            table = self._block(part, block)
+            local = index["local"][wanted[i:j]]
+            if int(local[-1]) - int(local[0]) + 1 == local.size and bool(np.all(np.diff(local) == 1)):
+                pieces.append(table.slice(int(local[0]), local.size))  # consecutive rows: no copy
+            else:
+                pieces.append(table.take(pa.array(local)))
             i = j
         metadata = {META_RUN: self.metadata.to_json()}
         if not pieces:
@@ -474,7 +479,7 @@ class RunReader:
         index = self._index
         row = int(track.rows[position])
         part = int(index["part"][row])
-        table = self._block(part, int(index["block"][row]), self._value_columns(part))
+        table = self._block(part, int(index["block"][row]))
         local = int(index["local"][row])
         stages = {stage: self._stage_row(table, stage, local) for stage in self.metadata.stages}
         return StepRow(

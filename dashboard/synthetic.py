@@ -29,11 +29,14 @@ __all__ = ["hand_made_run", "write_large_run", "large_run_metadata"]
 
 
 class _Rows:
-    """A transformers-style processor returning given rows: ``constrained[sequence, step]``."""
+    """A transformers-style processor returning given rows, ``constrained[sequence, step]``, step by step."""
 
-    def __init__(self, constrained: np.ndarray) -> None:
-        self.constrained = constrained
+    def __init__(self) -> None:
+        self.constrained = np.zeros((0, 0, 0), dtype=np.float32)
         self.step = 0
+
+    def start(self, constrained: np.ndarray) -> None:
+        self.constrained, self.step = constrained, 0
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         out = torch.as_tensor(self.constrained[:, self.step], dtype=scores.dtype)
@@ -57,40 +60,47 @@ def hand_made_run(
     """A run recorded by the tracker from given logits.
 
     Args:
-        natural: ``[B, T, V]`` (or ``[T, V]``) logits the "model" produced.
-        chosen: ``[B, T]`` (or ``[T]``) the tokens chosen at each step.
+        natural: the logits the "model" produced: ``[T, V]``, ``[B, T, V]``
+            (a batch of ``B`` sequences) or ``[G, B, T, V]`` (``G`` generations).
+        chosen: the tokens chosen at each step: ``natural``'s shape without ``V``.
         tokens: the ``V`` token texts.
-        constrained: the wrapped processor's output, same shape as
-            ``natural`` (``-inf`` masks a token); None records no processor.
+        constrained: the wrapped processor's output, shaped like ``natural``
+            (``-inf`` masks a token); None records no processor.
         eos_token_id: the end-of-sequence id, if any.
         storage, top_k: the tracker's storage mode.
         prompt: prompt token ids (every row gets the same).
-        generations: how many times the same steps are recorded (each a generation).
+        generations: with a 2-D or 3-D ``natural``, how many generations repeat it.
         title: stored in the run's metadata (``extra["title"]``).
     """
     nat = np.asarray(natural, dtype=np.float32)
     picks = np.asarray(chosen, dtype=np.int64)
-    if nat.ndim == 2:
+    if nat.ndim not in (2, 3, 4) or picks.shape != nat.shape[:-1]:
+        raise ValueError(
+            f"natural must be [T, V], [B, T, V] or [G, B, T, V] and chosen its shape without V; "
+            f"got natural {nat.shape}, chosen {picks.shape}"
+        )
+    while nat.ndim < 4:
         nat, picks = nat[None], picks[None]
     con = None if constrained is None else np.asarray(constrained, dtype=np.float32).reshape(nat.shape)
-    batch, steps, vocab = nat.shape
-    if picks.shape != (batch, steps):
-        raise ValueError(f"chosen must have shape {(batch, steps)} to match natural {nat.shape}, got {picks.shape}")
+    if nat.shape[0] == 1 and generations > 1:
+        nat, picks = np.repeat(nat, generations, 0), np.repeat(picks, generations, 0)
+        con = None if con is None else np.repeat(con, generations, 0)
+    vocab = nat.shape[-1]
     if len(tokens) != vocab:
         raise ValueError(f"tokens must name every one of the {vocab} ids, got {len(tokens)}")
-    processor = None if con is None else _Rows(con)
+    processor = None if con is None else _Rows()
     track = tracker.LogitTrackingProcessor(
         processor, storage=storage, top_k=top_k, eos_token_id=eos_token_id, memory_limit=None, model="hand-made"
     )
     track.annotate(sampling={"temperature": 0.0}, title=title)
-    for _ in range(generations):
+    for g in range(nat.shape[0]):
         if processor is not None:
-            processor.step = 0
-        ids = torch.tensor([list(prompt)] * batch, dtype=torch.long)
-        for step in range(steps):
+            processor.start(con[g])  # type: ignore[index]
+        ids = torch.tensor([list(prompt)] * nat.shape[1], dtype=torch.long)
+        for step in range(nat.shape[2]):
             ctx = BatchContext(input_ids=ids, prompt_length=len(prompt))
-            track.process(torch.from_numpy(nat[:, step].copy()), ctx)
-            picked = torch.from_numpy(picks[:, step].copy())
+            track.process(torch.from_numpy(nat[g, :, step].copy()), ctx)
+            picked = torch.from_numpy(picks[g, :, step].copy())
             track.on_sampled(picked, ctx)
             ids = torch.cat([ids, picked[:, None]], dim=1)
         track.reset()

@@ -111,6 +111,7 @@ def test_step_bars_draw_each_stage_mark_the_masked_token_and_the_chosen_one(tabl
     assert math.isnan(bars[1].y[0])  # no bar where the constraint masked "a" ...
     masked = [t for t in fig.data if t.type == "scatter"]
     assert len(masked) == 1 and list(masked[0].x) == ["a"] and list(masked[0].text) == ["masked"]  # ... but a marker
+    assert masked[0].name == "masked by the constraint" and fig.layout.xaxis.type == "category"
     assert masked[0].y[0] == pytest.approx(0.5, rel=1e-5)
     assert [a.text for a in fig.layout.annotations] == ["chosen"] and fig.layout.annotations[0].x == "<b>▶ ␣b</b>"
     assert fig.layout.yaxis.type is None and fig.layout.yaxis.title.text == "probability"

@@ -1,0 +1,26 @@
+"""The dashboard's entry point: ``streamlit run dashboard/app.py [-- PATH]`` (or ``logitscope dashboard PATH``).
+
+Four pages under ``st.navigation``: the run browser, a run's overview, the
+step replay, and the comparison of two runs. The sidebar (run, second run,
+generation, sequence) is drawn here so that it is the same on every page.
+"""
+
+from pathlib import Path
+
+import streamlit as st
+
+from dashboard import widgets
+
+HERE = Path(__file__).resolve().parent
+
+st.set_page_config(page_title="logitscope", page_icon=":material/query_stats:", layout="wide")
+navigation = st.navigation(
+    [
+        st.Page(HERE / "app_pages" / "runs.py", title="Runs", icon=":material/folder_open:", default=True),
+        st.Page(HERE / "app_pages" / "overview.py", title="Overview", icon=":material/insights:"),
+        st.Page(HERE / "app_pages" / "replay.py", title="Step replay", icon=":material/play_circle:"),
+        st.Page(HERE / "app_pages" / "compare.py", title="Compare", icon=":material/compare_arrows:"),
+    ]
+)
+widgets.sidebar()
+navigation.run()

@@ -1,0 +1,49 @@
+"""Overview of one sequence: the text coloured step by step, timelines of the statistics, a heatmap of candidates."""
+
+import streamlit as st
+
+from dashboard import charts, data, text, widgets
+from dashboard.reader import BadRunError
+from dashboard.views import COLOR_METRICS
+
+picked = widgets.selected()
+if picked is None:
+    st.stop()
+title = picked.summary.title or picked.summary.label
+st.title(f"Overview · {title}")
+try:
+    track = data.track(picked.path, picked.generation, picked.sequence)
+    size = data.window_steps(picked.path)
+    start = 0
+    if track.length > size:
+        start = st.slider("First step shown", 0, track.length - 1, step=size, key="overview_start",
+                          help="Long runs are read a window at a time, so that nothing reads the whole file.")
+        st.caption(f"Steps {start}–{min(track.length, start + size) - 1} of {track.length:,}.")
+    stop = min(track.length, start + size)
+    view = data.window(picked.path, picked.generation, picked.sequence, start, stop)
+    prompt = data.prompt(picked.path, picked.generation, picked.sequence)
+except BadRunError as exc:
+    widgets.show_bad_run(picked.summary.label, exc.reason)
+    st.stop()
+
+stages = picked.summary.stages.split(", ")
+options = [label for label, (column, _) in COLOR_METRICS.items() if column in view.stats.columns]
+metric = st.radio("Colour tokens by", options, horizontal=True, key="overview_metric")
+column = COLOR_METRICS[metric][0]
+st.html(text.token_text_html(view.tokens, view.stats[column].to_numpy(), column,
+                             hovers=text.token_hovers(view, stages), prompt=prompt if start == 0 else ""))
+st.html(text.legend_html(metric))
+st.caption("Hover a token to see the model's alternatives at that step.")
+
+left, right = st.columns(2)
+removed = view.stats["removed_mass"].mean() if "removed_mass" in view.stats else float("nan")
+left.metric("Steps", f"{track.length:,}")
+right.metric("Mean mass removed by the constraint", "—" if removed != removed else f"{removed:.1%}")
+st.plotly_chart(charts.timelines(view.stats, stages, title="Step by step"), key="timelines", width="stretch")
+heat_stage = st.radio("Heatmap of", stages, horizontal=True, key="heat_stage", format_func=lambda s: charts.STAGE_NAMES.get(s, s))
+st.plotly_chart(
+    charts.token_heatmap(view.heat[heat_stage], view.heat_chosen, stage=heat_stage,
+                         title="Top candidates by step (○ chosen)"),
+    key="heatmap",
+    width="stretch",
+)

@@ -1,0 +1,103 @@
+"""Step replay: scrub or play the steps; at each, the top tokens natural against constrained against sampled."""
+
+import streamlit as st
+
+from dashboard import charts, data, text, widgets
+from dashboard.reader import BadRunError
+
+PLAY_SECONDS = 0.8
+
+picked = widgets.selected()
+if picked is None:
+    st.stop()
+st.title(f"Step replay · {picked.summary.title or picked.summary.label}")
+try:
+    track = data.track(picked.path, picked.generation, picked.sequence)
+    pieces = data.pieces(picked.path, picked.generation, picked.sequence)
+    prompt = data.prompt(picked.path, picked.generation, picked.sequence)
+except BadRunError as exc:
+    widgets.show_bad_run(picked.summary.label, exc.reason)
+    st.stop()
+last = track.length - 1
+if last < 0:
+    st.info("This sequence has no recorded steps.")
+    st.stop()
+
+# A new run or sequence starts at step 0, paused.
+where = (picked.path, picked.generation, picked.sequence)
+if st.session_state.get("replay_for") != where:
+    st.session_state.update(replay_for=where, step=0, playing=False)
+st.session_state["step"] = min(int(st.session_state.get("step", 0)), last)
+st.session_state["step_slider"] = st.session_state["step"]
+
+
+def _toggle_play() -> None:
+    playing = not st.session_state.get("playing", False)
+    if playing and st.session_state["step"] >= last:
+        st.session_state["step"] = 0  # playing from the end starts over
+    st.session_state["playing"] = playing
+
+
+def _move(delta: int) -> None:
+    st.session_state["step"] = max(0, min(last, st.session_state["step"] + delta))
+    st.session_state["playing"] = False
+
+
+def _slid() -> None:
+    st.session_state["step"] = st.session_state["step_slider"]
+
+
+stages = picked.summary.stages.split(", ")
+controls = st.columns([1, 1, 1, 2, 2, 2])
+playing = bool(st.session_state.get("playing", False))
+controls[0].button("⏸ Pause" if playing else "▶ Play", key="play", on_click=_toggle_play, width="stretch")
+controls[1].button("◀ Back", key="back", on_click=_move, args=(-1,), width="stretch")
+controls[2].button("Next ▶", key="next", on_click=_move, args=(1,), width="stretch")
+value = controls[3].radio("Show", ["prob", "logit"], horizontal=True, key="replay_value",
+                          format_func={"prob": "probability", "logit": "logit"}.get)
+scale = controls[4].radio("Scale", ["linear", "log"], horizontal=True, key="replay_scale", disabled=value == "logit",
+                          help="A log scale shows the small probabilities; logits are already on one.")
+k = controls[5].slider("Tokens shown", 3, 30, 10, key="replay_k")
+
+
+@st.fragment(run_every=PLAY_SECONDS if playing else None)
+def _stepper() -> None:
+    """The step's view; while playing, each run of this fragment moves one step on."""
+    if st.session_state.get("playing"):
+        if st.session_state["step"] < last:
+            st.session_state["step"] += 1
+            st.session_state["step_slider"] = st.session_state["step"]
+        if st.session_state["step"] >= last:
+            st.session_state["playing"] = False
+            st.rerun()
+    st.slider("Step", 0, last, key="step_slider", on_change=_slid,
+              help="Drag, or use Play / Back / Next above.")
+    position = int(st.session_state["step"])
+    try:
+        table, summary = data.step(picked.path, picked.generation, picked.sequence, position, int(k))
+    except BadRunError as exc:
+        widgets.show_bad_run(picked.summary.label, exc.reason)
+        return
+    st.html(text.text_so_far_html(prompt, pieces[:position], pieces[position]))
+    shown = [s for s in stages if s in summary.p_chosen]
+    cells = st.columns(3 + len(shown))
+    cells[0].metric("Chosen token", repr(summary.chosen_token))
+    for cell, stage in zip(cells[1:], shown):
+        p = summary.p_chosen[stage]
+        cell.metric(f"p, {charts.STAGE_NAMES.get(stage, stage)}", "—" if p != p else f"{p:.3f}")
+    cells[-2].metric("Allowed tokens", f"{summary.allowed:,} / {summary.vocab_size:,}")
+    removed = summary.removed_mass
+    cells[-1].metric("Mass removed by the constraint", "—" if removed != removed else f"{removed:.1%}")
+    if summary.processor_error:
+        st.warning("The wrapped processor raised at this step: only the model's distribution was recorded.")
+    st.plotly_chart(
+        charts.step_bars(table, stages, value=value, log_y=scale == "log",
+                         title=f"Step {summary.step}: top {k} tokens by stage"),
+        key="step_bars",
+        width="stretch",
+    )
+    with st.expander("The numbers"):
+        st.dataframe(table.drop(columns=["label"]), hide_index=True, width="stretch")
+
+
+_stepper()

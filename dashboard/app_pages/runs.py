@@ -1,0 +1,55 @@
+"""Run browser: every run under the path with its prompt, model, processors, sampling, length and date."""
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import widgets
+
+st.title("Runs")
+st.caption(
+    "Every run found under the path. Pick one in the sidebar to see its overview and replay it step by step; "
+    "pick a second under *Compare with* to line the two up."
+)
+
+
+def _use_path() -> None:
+    st.session_state["root"] = st.session_state["root_input"].strip()
+
+
+st.text_input("Runs folder or file", value=widgets.root_path(), key="root_input", on_change=_use_path)
+summaries = list(st.session_state.get("summaries", {}).values())
+if not summaries:
+    st.info(f"No runs found under `{widgets.root_path()}`.")
+    st.stop()
+
+good = [s for s in summaries if s.error is None]
+table = pd.DataFrame(
+    {
+        "run": [s.title or s.label for s in good],
+        "file": [s.label for s in good],
+        "prompt": [s.prompt for s in good],
+        "model": [s.model for s in good],
+        "processors": [s.processors for s in good],
+        "sampling": [s.sampling for s in good],
+        "steps": [s.steps for s in good],
+        "sequences": [s.sequences for s in good],
+        "generations": [s.generations for s in good],
+        "date": [s.created_at.replace("T", " ")[:16] for s in good],
+        "storage": [s.storage for s in good],
+        "MB": [round(s.size_bytes / 2**20, 2) for s in good],
+    }
+)
+st.dataframe(table, hide_index=True, width="stretch")
+for bad in (s for s in summaries if s.error is not None):
+    widgets.show_bad_run(bad.label, bad.error)
+
+picked = st.session_state.get("summaries", {}).get(st.session_state.get("run"))
+if picked is not None and picked.error is None:
+    st.subheader(picked.title or picked.label)
+    left, right = st.columns(2)
+    left.markdown(f"**Prompt**\n\n```\n{picked.prompt}\n```")
+    left.markdown(f"**Model** `{picked.model or 'unknown'}`  \n**Stages** {picked.stages}  \n"
+                  f"**Storage** {picked.storage}, vocabulary {picked.vocab_size:,}")
+    right.markdown(f"**Processors**\n\n```\n{picked.processors}\n```")
+    right.markdown(f"**Sampling** {picked.sampling or 'not recorded'}  \n**Recorded** {picked.created_at}  \n"
+                   f"**Run id** `{picked.run_id}`")

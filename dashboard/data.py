@@ -1,0 +1,141 @@
+"""The data layer behind Streamlit's caches: open runs once, read steps and windows once.
+
+- :func:`reader`: one :class:`~dashboard.reader.RunReader` per run file and
+  version of it (``st.cache_resource``: a shared object holding a memory map
+  and the blocks it read);
+- :func:`runs`, :func:`step`, :func:`window`: small results computed from it
+  (``st.cache_data``), keyed by the path and its modification stamp, so a
+  file rewritten on disk is read again.
+
+Every function raises :class:`~dashboard.reader.BadRunError` for a path that
+is not a readable run; the pages turn it into a message.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pandas as pd
+import streamlit as st
+
+from dashboard.discover import RunSummary, find_runs, summary_of
+from dashboard.reader import BadRunError, RunReader, Track
+from dashboard.views import StepSummary, WindowView, step_summary, step_table, token_pieces, window_view
+
+__all__ = [
+    "WINDOW_BYTES",
+    "reader",
+    "runs",
+    "stamp",
+    "step",
+    "pieces",
+    "prompt",
+    "track",
+    "window",
+    "window_steps",
+]
+
+#: Bytes of values the overview reads at once; a longer run is shown a window at a time
+#: (32 steps at a 128k vocabulary with two stages, the whole of most runs at smaller ones).
+WINDOW_BYTES = 32 << 20
+_MIN_WINDOW, _MAX_WINDOW = 16, 512
+
+Stamp = tuple[int, int, int]
+
+
+def stamp(path: str | Path) -> Stamp:
+    """``(entries, newest mtime in ns, total bytes)`` of a file or a folder's files: changes when they do."""
+    target = Path(path)
+    try:
+        if target.is_file():
+            info = target.stat()
+            return (1, info.st_mtime_ns, info.st_size)
+        entries, newest, total = 0, target.stat().st_mtime_ns, 0
+        for folder, _, files in os.walk(target):
+            for name in files:
+                info = os.stat(os.path.join(folder, name))
+                entries, newest, total = entries + 1, max(newest, info.st_mtime_ns), total + info.st_size
+        return (entries, newest, total)
+    except FileNotFoundError:
+        return (0, 0, 0)
+
+
+@st.cache_resource(max_entries=16, show_spinner=False)
+def _open(path: str, version: Stamp) -> RunReader:
+    return RunReader(path)
+
+
+def reader(path: str) -> RunReader:
+    """The shared reader of the run at ``path`` (BadRunError when it is not one)."""
+    return _open(path, stamp(path))
+
+
+@st.cache_data(max_entries=8, show_spinner=False)
+def _runs(root: str, version: Stamp) -> list[RunSummary]:
+    summaries = []
+    for path in find_runs(root):
+        label = str(path.relative_to(root)) if path != Path(root) else path.name
+        try:
+            summaries.append(summary_of(reader(str(path)), label))
+        except BadRunError as exc:
+            summaries.append(RunSummary(path=str(path), label=label, error=exc.reason))
+    return summaries
+
+
+def runs(root: str) -> list[RunSummary]:
+    """Summaries of the runs at or under ``root`` (FileNotFoundError when nothing is there)."""
+    return _runs(root, stamp(root))
+
+
+def track(path: str, generation: int, sequence: int) -> Track:
+    """The steps of one sequence (memoised by the reader)."""
+    return reader(path).track(generation, sequence)
+
+
+@st.cache_data(max_entries=64, show_spinner=False)
+def _pieces(path: str, version: Stamp, generation: int, sequence: int) -> list[str]:
+    run = reader(path)
+    return token_pieces(run.vocab, run.track(generation, sequence).chosen)
+
+
+def pieces(path: str, generation: int, sequence: int) -> list[str]:
+    """The text each chosen token adds, step by step."""
+    return _pieces(path, stamp(path), generation, sequence)
+
+
+def prompt(path: str, generation: int, sequence: int) -> str:
+    """The prompt of one sequence ("" when the run did not keep it)."""
+    return reader(path).prompt(generation, sequence)
+
+
+def window_steps(path: str) -> int:
+    """How many steps the overview reads at once for this run: about :data:`WINDOW_BYTES` of values."""
+    m = reader(path).metadata
+    width = (m.top_k * 3 + 2) if m.storage == "topk" else m.vocab_size
+    per_row = max(1, width * 4 * len(m.stages))
+    return int(min(_MAX_WINDOW, max(_MIN_WINDOW, WINDOW_BYTES // per_row)))
+
+
+@st.cache_data(max_entries=512, show_spinner=False)
+def _step(path: str, version: Stamp, generation: int, sequence: int, position: int, k: int):
+    run = reader(path)
+    row = run.step(run.track(generation, sequence), position)
+    return step_table(row, run.vocab, k), step_summary(row, run.vocab)
+
+
+def step(path: str, generation: int, sequence: int, position: int, k: int) -> tuple[pd.DataFrame, StepSummary]:
+    """The table and headline numbers of one step (reads only the block holding it)."""
+    return _step(path, stamp(path), generation, sequence, position, k)
+
+
+@st.cache_data(max_entries=32, show_spinner=False)
+def _window(path: str, version: Stamp, generation: int, sequence: int, start: int, stop: int) -> WindowView:
+    run = reader(path)
+    part = run.window(run.track(generation, sequence), start, stop)
+    return window_view(part, generation, sequence)
+
+
+def window(path: str, generation: int, sequence: int, start: int, stop: int) -> WindowView:
+    """Statistics, alternatives and heat matrices of track positions ``[start, stop)``."""
+    return _window(path, stamp(path), generation, sequence, start, stop)

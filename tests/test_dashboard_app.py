@@ -1,0 +1,249 @@
+"""The Streamlit app through streamlit.testing: every flow, asserting what the pages show."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import streamlit as st
+from streamlit.testing.v1 import AppTest
+
+from dashboard import data
+from dashboard.paths import APP, default_runs_path
+from dashboard.synthetic import hand_made_run, write_large_run
+from tracker.schema import META_RUN
+
+TOKENS = ["a", " b", "c", "d", "e", "<eos>"]
+EOS = 5
+#: alpha: generation 0 / sequence 0 writes " b c d", sequence 1 " b c e"; generation 1 / sequence 0 writes "c c c".
+ALPHA_CHOSEN = np.array([[[1, 2, 3, 5], [1, 2, 4, 5]], [[2, 2, 2, 5], [3, 3, 3, 5]]])
+#: beta (no constraint): " b c e" then EOS, so it parts from alpha (0, 0) at step 2.
+BETA_CHOSEN = np.array([1, 2, 4, 5])
+
+
+def _logits(chosen: np.ndarray) -> np.ndarray:
+    """Logits where the chosen token has probability ~0.6 and token "a" ~0.3 (the constraint masks "a")."""
+    out = np.full(chosen.shape + (len(TOKENS),), -3.0, dtype=np.float32)
+    np.put_along_axis(out, chosen[..., None], 1.0, axis=-1)
+    out[..., 0] = 0.3
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("runs")
+    natural = _logits(ALPHA_CHOSEN)
+    constrained = natural.copy()
+    constrained[..., 0] = -np.inf
+    alpha = hand_made_run(natural, ALPHA_CHOSEN, TOKENS, constrained=constrained, eos_token_id=EOS, title="Alpha")
+    alpha.to_parquet(folder / "alpha.parquet")
+    hand_made_run(_logits(BETA_CHOSEN), BETA_CHOSEN, TOKENS, eos_token_id=EOS, title="Beta").to_parquet(folder / "beta.parquet")
+    write_large_run(folder / "long.parquet", 240, 2048, rows_per_block=16)
+    table = alpha.to_arrow()
+    meta = dict(table.schema.metadata)
+    newer = json.loads(meta[META_RUN])
+    newer["schema_version"] = "2.0"
+    meta[META_RUN] = json.dumps(newer).encode()
+    pq.write_table(table.replace_schema_metadata(meta), folder / "future.parquet")
+    whole = (folder / "alpha.parquet").read_bytes()
+    (folder / "truncated.parquet").write_bytes(whole[: len(whole) // 2])
+    (folder / "notes.parquet").write_text("these are notes, not a run")
+    return folder
+
+
+def _app(root, page: str | None = None) -> AppTest:
+    st.cache_data.clear()
+    st.cache_resource.clear()
+    at = AppTest.from_file(str(APP), default_timeout=60)
+    at.session_state["root"] = str(root)
+    if page is not None:
+        at.switch_page(f"app_pages/{page}.py")
+    return at.run()
+
+
+def _pick(at: AppTest, name: str, root) -> AppTest:
+    return at.sidebar.selectbox(key="run").set_value(str(root / name)).run()
+
+
+def _decoded(value):
+    """Plotly's JSON with its typed arrays (``{"dtype", "bdata", "shape"}``) turned into lists."""
+    if isinstance(value, dict) and "bdata" in value and "dtype" in value:
+        array = np.frombuffer(base64.b64decode(value["bdata"]), dtype=np.dtype(value["dtype"]))
+        if "shape" in value:
+            array = array.reshape([int(n) for n in str(value["shape"]).split(",")])
+        return array.tolist()
+    if isinstance(value, dict):
+        return {k: _decoded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decoded(v) for v in value]
+    return value
+
+
+def _charts(at: AppTest) -> list[dict]:
+    """The figures on the page, as plain data."""
+    return [_decoded(json.loads(chart.proto.spec)) for chart in at.get("plotly_chart")]
+
+
+def _ok(at: AppTest) -> None:
+    assert not at.exception, at.exception[0].message if at.exception else ""
+
+
+def test_the_run_browser_lists_runs_with_their_details_and_names_bad_files(runs):
+    at = _app(runs)
+    _ok(at)
+    table = at.dataframe[0].value
+    assert table["run"].tolist() == ["Alpha", "Beta", "synthetic 240 steps x 2,048 tokens"]
+    assert table["steps"].tolist() == [4, 4, 240] and table["sequences"].tolist() == [2, 1, 1]
+    assert table["generations"].tolist() == [2, 1, 1] and table["prompt"].tolist()[0] == "a"
+    assert table["processors"].tolist()[1] == "none" and "temperature=0.0" in table["sampling"].tolist()[0]
+    errors = " ".join(e.value for e in at.error)
+    assert "**future.parquet** cannot be shown" in errors and "schema version '2.0'" in errors
+    assert "**truncated.parquet** cannot be shown: the file is truncated" in errors
+    assert "**notes.parquet** cannot be shown" in errors
+    assert at.sidebar.selectbox(key="run").value == str(runs / "alpha.parquet")
+    assert at.subheader[0].value == "Alpha"
+
+
+@pytest.mark.parametrize("name, message", [("truncated.parquet", "the file is truncated"),
+                                           ("future.parquet", "run schema version '2.0'"),
+                                           ("notes.parquet", "not a Parquet/Arrow file")])
+@pytest.mark.parametrize("page", ["overview", "replay", "compare"])
+def test_opening_a_bad_file_shows_a_message_never_a_traceback(runs, page, name, message):
+    at = _pick(_app(runs, page), name, runs)
+    _ok(at)
+    assert len(at.error) == 1 and message in at.error[0].value and f"**{name}** cannot be shown" in at.error[0].value
+    assert not at.get("plotly_chart")
+
+
+def test_a_path_with_no_runs_says_so(tmp_path):
+    at = _app(tmp_path / "nothing-here", "replay")
+    _ok(at)
+    assert "nothing at" in at.sidebar.error[0].value and "No runs found" in at.info[0].value
+
+
+def test_the_overview_colours_the_text_and_draws_timelines_and_the_heatmap(runs):
+    at = _app(runs, "overview")
+    _ok(at)
+    assert at.title[0].value == "Overview · Alpha"
+    text = at.html[0].value
+    pieces = [part.split(">", 1)[1].split("</span>", 1)[0] for part in text.split('class="tok"')[1:]]
+    assert pieces == [" b", "c", "d", "&lt;eos&gt;"]
+    assert "step 0: chose ' b'" in html.unescape(text) and "(masked)" in text
+    timelines, heatmap = _charts(at)
+    removed = next(t for t in timelines["data"] if t.get("yaxis") == "y3")
+    p_masked = np.exp(0.3) / (np.exp(1.0) + np.exp(0.3) + 4 * np.exp(-3.0))  # "a", which the constraint masks
+    np.testing.assert_allclose(removed["y"], [p_masked] * 4, rtol=1e-5)
+    assert heatmap["data"][0]["type"] == "heatmap" and "␣b" in heatmap["data"][0]["y"]
+    at.radio(key="overview_metric").set_value("probability mass the constraint removed").run()
+    assert "rgba(76,120,168" in at.html[0].value  # the blue scale of removed mass
+
+
+def test_step_replay_moves_steps_with_the_slider_and_the_buttons(runs):
+    at = _app(runs, "replay")
+    _ok(at)
+    assert at.slider(key="step_slider").value == 0 and at.metric[0].value == "' b'"
+    bars = _charts(at)[0]["data"]
+    assert bars[0]["name"] == "model (natural)" and bars[1]["name"] == "after the constraint"
+    assert "<b>▶ ␣b</b>" in bars[0]["x"] and bars[2]["name"] == "masked by the constraint" and bars[2]["x"] == ["a"]
+    at.slider(key="step_slider").set_value(2).run()
+    assert at.metric[0].value == "'d'" and '<span style="color:#888">a</span> bc<span' in at.html[0].value
+    at.button(key="next").click().run()
+    assert at.session_state["step"] == 3 and at.metric[0].value == "'<eos>'"
+    at.button(key="back").click().run()
+    assert at.session_state["step"] == 2 and at.slider(key="step_slider").value == 2
+    at.radio(key="replay_value").set_value("logit").run()
+    logits = _charts(at)[0]["data"][0]
+    assert max(v for v in logits["y"] if v is not None) == pytest.approx(1.0)
+    assert _charts(at)[0]["layout"]["yaxis"]["title"]["text"] == "logit"
+
+
+def test_play_moves_one_step_per_tick_and_stops_at_the_end(runs):
+    at = _app(runs, "replay")
+    at.button(key="play").click().run()
+    _ok(at)
+    assert at.session_state["playing"] and at.session_state["step"] == 1 and at.button(key="play").label == "⏸ Pause"
+    at.run()  # a tick of the timer
+    assert at.session_state["step"] == 2
+    at.button(key="play").click().run()  # pause
+    assert not at.session_state["playing"] and at.session_state["step"] == 2
+    at.button(key="play").click().run()
+    at.run()
+    assert at.session_state["step"] == 3 and not at.session_state["playing"]  # the last step stops the play
+    assert at.button(key="play").label == "▶ Play"
+
+
+def test_switching_generation_and_sequence_changes_what_is_shown(runs):
+    at = _app(runs, "replay")
+    at.slider(key="step_slider").set_value(2).run()
+    assert at.metric[0].value == "'d'"
+    at.sidebar.selectbox(key="sequence").set_value(1).run()
+    _ok(at)
+    assert at.session_state["step"] == 0  # another sequence starts at its first step
+    at.slider(key="step_slider").set_value(2).run()
+    assert at.metric[0].value == "'e'"
+    at.sidebar.selectbox(key="generation").set_value(1).run()
+    assert at.sidebar.selectbox(key="sequence").options == ["0", "1"]
+    at.slider(key="step_slider").set_value(1).run()
+    assert at.metric[0].value == "'d'"  # generation 1, sequence 1 writes "d d d"
+    at.switch_page("app_pages/overview.py").run()
+    assert at.html[0].value.count('class="tok"') == 4 and "step 0: chose 'd'" in html.unescape(at.html[0].value)
+
+
+def test_compare_lines_two_runs_up_by_step_and_says_where_they_diverge(runs):
+    at = _app(runs, "compare")
+    _ok(at)
+    assert "Pick a second run" in at.caption[0].value
+    at.selectbox(key="b_sequence").set_value(1).run()
+    assert "diverge at step 2: A chose 'd', B chose 'e'" in at.warning[0].value
+    at.sidebar.selectbox(key="run_b").set_value(str(runs / "beta.parquet")).run()
+    _ok(at)
+    assert "agree on their first 2 tokens and diverge at step 2" in at.warning[0].value
+    chart = _charts(at)[0]
+    assert [t["name"] for t in chart["data"]] == ["A", "A", "B", "B"]
+    assert any(s.get("x0") == 2 for s in chart["layout"]["shapes"])
+    table = at.dataframe[0].value
+    assert table["same"].tolist() == [True, True, False, True]
+    assert table["chosen_token_b"].tolist() == [" b", "c", "e", "<eos>"]
+    right = at.html[1].value
+    assert "rgba(228,87,86,0.25)" in right and "e&lt;eos&gt;" in right
+
+
+def test_a_long_run_is_read_by_step_and_by_window(runs, monkeypatch):
+    at = _app(runs)
+    at = _pick(at, "long.parquet", runs)
+    at.switch_page("app_pages/replay.py").run()
+    _ok(at)
+    reader = data.reader(str(runs / "long.parquet"))
+    assert reader.blocks_read == 1  # opening reads ids and the first step's row group only
+    at.slider(key="step_slider").set_value(200).run()
+    assert reader.blocks_read == 2 and at.metric[-2].value == "1,024 / 2,048"
+    at.slider(key="step_slider").set_value(201).run()
+    assert reader.blocks_read == 2  # same row group: from the cache
+    monkeypatch.setattr(data, "WINDOW_BYTES", 2048 * 4 * 2 * 32)  # a 32-step overview window
+    at.switch_page("app_pages/overview.py").run()
+    _ok(at)
+    assert "Steps 0–31 of 240." in at.caption[0].value
+    assert reader.blocks_read == 3  # rows 0-31: row groups 0 and 1, the first already read
+    at.slider(key="overview_start").set_value(64).run()
+    assert "Steps 64–95 of 240." in at.caption[0].value and reader.blocks_read == 5
+    timelines = _charts(at)[0]
+    assert timelines["data"][0]["x"][0] == 64 and len(timelines["data"][0]["x"]) == 32
+
+
+def test_the_shipped_sample_runs_all_open(tmp_path):
+    root = default_runs_path()
+    if not root.is_dir():
+        pytest.skip(f"no sample runs at {root}")
+    at = _app(root)
+    _ok(at)
+    assert not at.error, [e.value for e in at.error]
+    titles = at.dataframe[0].value["run"].tolist()
+    assert {"JSON record (schema)", "Phone number (regex)", "Arithmetic line (CFG)", "Bad words", "Greedy",
+            "High temperature (1.6)", "Batch of four", "Two seeds"} <= set(titles)
+    at.switch_page("app_pages/overview.py").run()
+    _ok(at)
+    assert len(at.get("plotly_chart")) == 2
