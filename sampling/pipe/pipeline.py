@@ -1,9 +1,9 @@
 """``LogitsPipe``: a declarative list of processors, legalized into ops, checked, fused, and run.
 
->>> pipe = LogitsPipe([Temperature(), Softmax(), TopK(), TopP(), Sample()])
+>>> pipe = LogitsPipe([TopK(), Sample()])
 >>> pipe
-LogitsPipe([Temperature -> Softmax -> TopK -> TopP -> Sample], ops=[TemperatureOp -> SoftmaxOp -> \
-ProbsTopKOp -> ProbsTopPOp -> ProbsSampleOp], compiled=[FusedTemperatureSoftmaxTopKTopPSampleOp])
+LogitsPipe([TopK -> Sample], ops=[LogitsTopKOp -> LogitsSampleOp], compiled=[FusedTopKSampleOp])
+>>> pipe = LogitsPipe([Temperature(), Softmax(), TopK(), TopP(), Sample()])
 >>> tokens = pipe(logits, temperature=0.7, top_k=50, top_p=0.9)
 >>> result = pipe.sample(logits, temperature=0.7, top_k=50, top_p=0.9, top_logprobs=5)
 
