@@ -11,9 +11,9 @@ wrapped in ``torch.compile`` and pays seconds on its first call on a CPU;
 - **by words** (large contiguous CPU batches whose width is a multiple of
   32; a mask narrower than the logits is padded with banned words): grammar
   masks are mostly whole words of 0 (32 banned tokens) or -1 (32 allowed
-  tokens). When most words ban, the allowed words are saved, the logits
-  filled with -inf and the saved words put back; when most allow, only the
-  banned words are filled. The few mixed words go through the table.
+  tokens). A row where most words ban is filled with -inf and its other
+  words are put back; in any other row only the words that ban something
+  are touched. The words touched get their exact bits from the table.
 
 Unpacking bits with shifts, ``masked_fill_`` or ``torch.where`` with a bool
 mask, numpy's ``unpackbits`` and per-row word strategies all measured slower
@@ -112,25 +112,39 @@ def _apply_by_words_(logits: torch.Tensor, bitmask: torch.Tensor) -> bool:
 
     Returns False, touching nothing, when too many words are mixed.
     """
-    words = bitmask.contiguous().numpy().reshape(-1)
+    words = bitmask.contiguous().numpy()
     zero, full = words == 0, words == -1
-    n_zero, n_full = int(np.count_nonzero(zero)), int(np.count_nonzero(full))
-    if words.size - n_zero - n_full > WORDS_MAX_MIXED * words.size:
+    total_zero, total_full = int(np.count_nonzero(zero)), int(np.count_nonzero(full))
+    if words.size - total_zero - total_full > WORDS_MAX_MIXED * words.size:
         return False
+    if words.shape[0] == 1:
+        fill_rows = np.array([total_zero > total_full])
+    else:  # mixed words are few: a row that allows fewer than half its words bans most
+        fill_rows = full.view(np.int8).sum(axis=1, dtype=np.int32) * 2 < words.shape[1]
+    filled = int(np.count_nonzero(fill_rows))
+    every_row, no_row = filled == len(fill_rows), filled == 0
+    # A row that bans more words than it keeps is filled with -inf and gets its
+    # other words back; any other row is touched only where its words ban.
+    # Either way the selected words get their exact bits from the table.
+    if every_row:
+        selected = ~zero
+    elif no_row:
+        selected = ~full
+    else:
+        selected = np.where(fill_rows[:, None], ~zero, ~full)
+    index = np.flatnonzero(selected)
     blocks = logits.view(-1, 32)
-    if n_zero > n_full:
-        # Mostly banned: keep the words that allow something, fill everything, put them back.
-        keep = torch.from_numpy(np.flatnonzero(~zero))
-        kept = blocks.index_select(0, keep)
+    index_t = torch.from_numpy(index)
+    chosen = blocks.index_select(0, index_t)
+    if index.size:
+        chosen_bytes = torch.from_numpy(np.ascontiguousarray(words.reshape(-1)[index]).view(np.uint8)).long()
+        chosen += _bias_table(logits.dtype, logits.device).index_select(0, chosen_bytes).view(-1, 32)
+    if every_row:
         logits.fill_(float("-inf"))
-        blocks.index_copy_(0, keep, kept)
-    elif n_zero:
-        blocks.index_fill_(0, torch.from_numpy(np.flatnonzero(zero)), float("-inf"))
-    mixed = np.flatnonzero(~(zero | full))
-    if mixed.size:
-        mixed_bytes = torch.from_numpy(np.ascontiguousarray(words[mixed]).view(np.uint8)).long()
-        bias = _bias_table(logits.dtype, logits.device).index_select(0, mixed_bytes).view(-1, 32)
-        blocks.index_add_(0, torch.from_numpy(mixed), bias)
+    else:
+        for row in np.flatnonzero(fill_rows).tolist():
+            logits[row].fill_(float("-inf"))
+    blocks.index_copy_(0, index_t, chosen)
     return True
 
 

@@ -155,3 +155,17 @@ def test_apply_large_masks_matches_the_reference(monkeypatch, dtype, rows, width
     assert out is logits and out.dtype == dtype
     assert torch.equal(out.float(), torch.from_numpy(expected).to(dtype).float())
     assert (used == ["table"]) is (path == "table")
+
+
+@pytest.mark.parametrize("allowed_share", [0.0, 0.3, 0.7, 1.0])
+def test_apply_one_large_row_mostly_banned_or_mostly_allowed(allowed_share):
+    from llguidance.numpy import apply_token_bitmask_inplace
+
+    gen = torch.Generator().manual_seed(4)
+    words = 4096
+    mask = torch.where(torch.rand(1, words, generator=gen) < allowed_share, -1, 0).to(torch.int32)
+    mask[0, ::97] = torch.randint(-(2**31), 2**31 - 1, mask[0, ::97].shape, dtype=torch.int32, generator=gen)
+    logits = torch.randn(1, 32 * words, generator=gen)
+    expected = logits.numpy().copy()
+    apply_token_bitmask_inplace(expected, mask.numpy())
+    assert torch.equal(apply_bitmask_(logits, mask), torch.from_numpy(expected))
