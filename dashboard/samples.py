@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 
 from processors import BadWordsLogitsProcessor, CFGLogitsProcessor, JSONLogitsProcessor, RegexLogitsProcessor
 from sampling import Generator, SamplingParams
+from dashboard.threads import one_torch_thread
 from tracker import add_tracking
 
 __all__ = ["Recipe", "RECIPES", "Recorded", "record"]
@@ -167,8 +168,9 @@ def record(
         )
         tracker = generator.logits_processor
         texts = []
-        for params in recipe.params:
-            outputs = generator.generate(list(recipe.prompts), params)
-            texts.append([o.prompt + c.text for o in outputs for c in o.outputs])
+        with one_torch_thread():
+            for params in recipe.params:
+                outputs = generator.generate(list(recipe.prompts), params)
+                texts.append([o.prompt + c.text for o in outputs for c in o.outputs])
         tracker.annotate(sampling=_sampling(recipe.params), title=recipe.title, description=recipe.description)
         yield Recorded(recipe, tracker.to_parquet(folder / f"{recipe.name}.parquet"), texts)

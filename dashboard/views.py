@@ -17,9 +17,8 @@ top-k storage gives exact values for the tokens it kept.
 from __future__ import annotations
 
 import codecs
-import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator, Literal, Sequence
+from typing import Literal, Sequence
 
 import numpy as np
 import pandas as pd
@@ -27,6 +26,7 @@ import torch
 
 import tracker
 from dashboard.reader import StageRow, StepRow
+from dashboard.threads import one_torch_thread
 from tracker.vocab import Vocabulary
 
 __all__ = [
@@ -35,7 +35,6 @@ __all__ = [
     "WindowView",
     "aligned",
     "first_divergence",
-    "one_torch_thread",
     "step_summary",
     "step_table",
     "token_label",
@@ -256,22 +255,6 @@ def _top_ids(matrix: np.ndarray, n: int) -> np.ndarray:
     if torch.isnan(values).any():
         values = torch.nan_to_num(values, nan=-1.0)
     return torch.topk(values, min(n, values.shape[1]), dim=1).indices.numpy()
-
-
-@contextlib.contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """Run torch on one intra-op thread inside the block, then restore the previous count.
-
-    A dashboard shares a small machine with whatever else runs there; on the
-    2-core machine this was built on, with other work running, the window
-    statistics took 0.5-0.7 s on torch's two threads and 0.13-0.23 s on one.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def window_view(

@@ -1,7 +1,8 @@
-"""The ``logitscope`` command line: a thin layer over sampling and the demo model.
+"""The ``logitscope`` command line: a thin layer over sampling, the demo model and the dashboard.
 
+    logitscope demo                      # record sample runs with the demo model, open the dashboard
+    logitscope dashboard [PATH]          # the dashboard on a run or a folder of runs
     logitscope run --prompt "Call " --temperature 0.8 --seed 1
-    logitscope demo
 """
 
 from __future__ import annotations
@@ -13,13 +14,6 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
-
-DEMO_PROMPTS = (
-    '{"name": "',
-    "Call ",
-    "12 + 7 = ",
-    "The weather in Lyon",
-)
 
 
 def _prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
@@ -63,7 +57,8 @@ def _generator(model: str | None, device: str):
     return Generator.from_pretrained(model, device=device)
 
 
-def _print_outputs(outputs, as_json: bool, out=sys.stdout) -> None:
+def _print_outputs(outputs, as_json: bool, out=None) -> None:
+    out = sys.stdout if out is None else out
     for request in outputs:
         for c in request.outputs:
             if as_json:
@@ -108,18 +103,38 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from sampling import SamplingParams
+    import tempfile
 
-    gen = _generator(None, args.device)
-    print("logitscope demo: the shipped demo model (a small GPT-2) continues a few prompts.\n")
-    for title, params in (
-        ("greedy", SamplingParams(max_new_tokens=40)),
-        ("temperature 0.8, top-p 0.95, seed 0", SamplingParams(temperature=0.8, top_p=0.95, seed=0, max_new_tokens=40)),
-    ):
-        print(f"--- {title}")
-        _print_outputs(gen.generate(list(DEMO_PROMPTS), params), as_json=False)
-        print()
-    return 0
+    from dashboard.samples import record
+    from logitscope.demo_model import load_demo_model
+
+    out = Path(args.out) if args.out is not None else Path(tempfile.mkdtemp(prefix="logitscope-demo-"))
+    model, tokenizer = load_demo_model(device=args.device)
+    print("logitscope demo: the shipped demo model (a small GPT-2) generates a few runs, each recorded")
+    print(f"by the tracker (what the model wanted, what the constraint did, what was sampled) into {out}\n")
+    for done in record(out, model, tokenizer):
+        print(f"--- {done.recipe.title}: {done.recipe.description}")
+        for generation in done.texts:
+            for text in generation:
+                print(f"    {text!r}")
+    print()
+    if args.no_serve:
+        print(f"Open them with: logitscope dashboard {out}")
+        return 0
+    from dashboard.serve import serve
+
+    return serve(out, args.port, open_browser=not args.no_browser)
+
+
+def cmd_dashboard(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from dashboard.paths import default_runs_path
+    from dashboard.serve import serve
+
+    path = Path(args.path) if args.path is not None else default_runs_path()
+    if not path.exists():
+        where = "argument PATH" if args.path is not None else "the default sample_runs/"
+        parser.error(f"{where}: no run or folder at '{path}' (record runs with `logitscope demo`)")
+    return serve(path, args.port, open_browser=not args.no_browser)
 
 
 def _positive_int(text: str) -> int:
@@ -127,6 +142,18 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [1, 65535], got {value}")
+    return value
+
+
+def _serving_options(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--port", type=_port, default=8501, help="local port (default: 8501); the server listens on 127.0.0.1 only")
+    command.add_argument("--no-browser", action="store_true", help="start the server without opening a browser")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,8 +179,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", default="cpu", help="cpu or cuda")
     run.add_argument("--json", action="store_true", help="print one JSON record per generation")
 
-    demo = sub.add_parser("demo", help="generate a few prompts with the demo model")
+    demo = sub.add_parser("demo", help="record sample runs with the demo model and open the dashboard on them")
     demo.add_argument("--device", default="cpu", help="cpu or cuda")
+    demo.add_argument("--out", default=None, help="folder for the runs (default: a new temporary folder)")
+    demo.add_argument("--no-serve", action="store_true", help="record the runs and exit, without starting the dashboard")
+    _serving_options(demo)
+
+    dashboard = sub.add_parser("dashboard", help="open the dashboard on a run or a folder of runs")
+    dashboard.add_argument("path", nargs="?", default=None, help="a run file or a folder of runs (default: the shipped sample_runs/)")
+    _serving_options(dashboard)
     return parser
 
 
@@ -163,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     parser = build_parser()
     args = parser.parse_args(argv)
-    commands = {"run": cmd_run, "demo": cmd_demo}
+    commands = {"run": cmd_run, "demo": cmd_demo, "dashboard": cmd_dashboard}
     return commands[args.command](args, parser)
 
 

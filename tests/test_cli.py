@@ -51,10 +51,12 @@ def test_bad_arguments_exit_with_a_clear_message(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_demo_prints_sensible_text(capsys):
-    assert main(["demo"]) == 0
+def test_demo_prints_sensible_text(tmp_path, capsys):
+    assert main(["demo", "--no-serve", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "--- greedy" in out and '"age"' in out
+    assert "--- JSON record (schema)" in out and '"age"' in out
+    assert f"logitscope dashboard {tmp_path}" in out
+    assert len(list(tmp_path.glob("*.parquet"))) == 8
 
 
 def test_console_script_runs_offline():

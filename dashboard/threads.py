@@ -1,0 +1,29 @@
+"""One torch thread for the dashboard's own computations.
+
+The dashboard and its sample recordings run small computations (a window of
+statistics, a 1.35 M-parameter model) on machines it shares with other work.
+On the 2-core machine this was built on, with other jobs running, torch's
+default two intra-op threads made them 4x (window statistics: 0.5-0.7 s
+against 0.13-0.23 s) to 100x (the demo model's decode loop) slower than one
+thread; on an idle machine one thread costs little at these sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+__all__ = ["one_torch_thread"]
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Run torch on one intra-op thread inside the block, then restore the previous count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
