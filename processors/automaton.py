@@ -23,6 +23,9 @@ from processors.vocab import Vocab
 
 __all__ = ["ByteAutomaton", "TokenAutomaton", "build_byte_automaton", "build_token_automaton"]
 
+#: States x tokens handled at once while building the token table (bounds memory).
+_BLOCK_ELEMENTS = 1 << 22
+
 
 @dataclass(frozen=True, eq=False)
 class ByteAutomaton:
@@ -109,29 +112,35 @@ class TokenAutomaton:
 def build_token_automaton(patterns: Sequence[bytes], vocab: Vocab) -> TokenAutomaton:
     """Precompute, for every automaton state and every token, whether the token completes a pattern.
 
-    Runs all tokens through the automaton at once, from every state, one byte
-    position at a time; tokens are sorted by length so that each position
-    only touches the tokens long enough to have it.
+    Runs all tokens through the automaton at once, from a block of states at
+    a time, one byte position at a time; tokens are sorted by length so that
+    each position only touches the tokens long enough to have it. Work grows
+    with (states x bytes of the vocabulary), memory with a block of states.
     """
     automaton = build_byte_automaton(patterns)
     n_states, n_tokens = automaton.n_states, vocab.size
     order = torch.argsort(vocab.lengths, descending=True, stable=True)
     lengths = vocab.lengths[order]
-    matrix = vocab.byte_matrix[order].long()
-    state = torch.arange(n_states, dtype=torch.int64)[:, None].expand(n_states, n_tokens).contiguous()
-    completes = torch.zeros(n_states, n_tokens, dtype=torch.bool)
-    for position in range(vocab.max_len):
-        active = int((lengths > position).sum())
-        if active == 0:
-            break
-        nxt = automaton.delta[state[:, :active], matrix[:active, position][None, :]]
-        state[:, :active] = nxt
-        completes[:, :active] |= automaton.matched[nxt]
-    unsorted = torch.empty_like(completes)
-    unsorted[:, order] = completes
+    active = [int((lengths > position).sum()) for position in range(vocab.max_len)]
+    matrix = vocab.byte_matrix[order].long().t().contiguous()  # [position, token]
+    block = max(1, _BLOCK_ELEMENTS // max(1, n_tokens))
+    packed = []
+    for first in range(0, n_states, block):
+        states = torch.arange(first, min(first + block, n_states), dtype=torch.int64)
+        state = states[:, None].expand(len(states), n_tokens).contiguous()
+        completes = torch.zeros(len(states), n_tokens, dtype=torch.bool)
+        for position, count in enumerate(active):
+            if count == 0:
+                break
+            nxt = automaton.delta[state[:, :count], matrix[position, :count][None, :]]
+            state[:, :count] = nxt
+            completes[:, :count] |= automaton.matched[nxt]
+        unsorted = torch.empty_like(completes)
+        unsorted[:, order] = completes
+        packed.append(pack_bool(~unsorted))
     return TokenAutomaton(
         bytes_=automaton,
-        allowed=pack_bool(~unsorted),
+        allowed=torch.cat(packed),
         n_tokens=n_tokens,
         token_bytes=vocab.token_bytes,
         transitions=tuple(tuple(row) for row in automaton.delta.tolist()),

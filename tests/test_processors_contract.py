@@ -138,6 +138,25 @@ def test_penalties_called_like_transformers_count_padding_as_prompt(tok):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_half_precision_keeps_its_dtype_and_bans_the_same_tokens(tok, name, dtype):
+    full, half = MAKERS[name](tok), MAKERS[name](tok)
+    gen = torch.Generator().manual_seed(0)
+    outputs: list[list[int]] = [[] for _ in PROMPTS]
+    for _ in range(6):
+        ids, mask, width = _batch(PROMPTS, outputs, tok.pad_token_id)
+        ctx = BatchContext(input_ids=ids, prompt_length=width, attention_mask=mask)
+        logits = (torch.randn(len(PROMPTS), len(tok) + EXTRA, generator=gen) * 3).to(dtype)
+        want = full.process(logits.float(), ctx)
+        got = half.process(logits.clone(), ctx)
+        assert got.dtype == dtype
+        assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+        for row, token in enumerate(want.argmax(-1).tolist()):
+            outputs[row].append(token)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("name", list(MAKERS))
