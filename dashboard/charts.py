@@ -53,6 +53,13 @@ def _name(stage: str) -> str:
     return STAGE_NAMES.get(stage, stage)
 
 
+def _integer_steps(fig: go.Figure, steps: pd.Series | Sequence[int]) -> None:
+    """Whole-number ticks on a step axis (no "0.5") when the steps are few."""
+    values = list(steps)
+    if values and max(values) - min(values) <= 20:
+        fig.update_xaxes(dtick=1)
+
+
 def _layout(fig: go.Figure, title: str, height: int) -> go.Figure:
     fig.update_layout(
         title=dict(text=title, x=0, xanchor="left"),
@@ -193,6 +200,7 @@ def timelines(
     if current is not None:
         fig.add_vline(x=current, line_dash="dot", line_color="#333", row="all", col=1)
     fig.update_xaxes(title_text="step", row=len(panels), col=1)
+    _integer_steps(fig, x)
     return _layout(fig, title, 170 * len(panels))
 
 
@@ -229,6 +237,7 @@ def token_heatmap(
     )
     fig.update_yaxes(autorange="reversed", type="category")
     fig.update_xaxes(title_text="step")
+    _integer_steps(fig, steps)
     return _layout(fig, title, max(260, 22 * len(heat.index) + 120))
 
 
@@ -261,4 +270,5 @@ def compare_timelines(
         fig.add_annotation(text=f"diverge at step {divergence}", x=divergence, y=1.0, xref="x", yref="y domain",
                            showarrow=False, xanchor="left", font=dict(color=MASK_COLOR))
     fig.update_xaxes(title_text="step", row=2, col=1)
+    _integer_steps(fig, list(a["position"]) + list(b["position"]))
     return _layout(fig, title, 460)

@@ -1,0 +1,135 @@
+"""The real app (``streamlit run``) in headless Chromium: every page renders its charts, with no error.
+
+Needs Debian's ``chromium`` and ``chromium-driver`` (``.ci/run`` installs them
+when missing) and the ``selenium`` client; skipped with the reason otherwise.
+No tool here downloads a browser: the binaries are given by path.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dashboard.serve import streamlit_command, streamlit_env
+from dashboard.synthetic import hand_made_run
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+webdriver = pytest.importorskip("selenium.webdriver", reason="the selenium client is not installed (pip install -e '.[dev]')")
+if CHROMIUM is None or CHROMEDRIVER is None:
+    pytest.skip(
+        "headless Chromium is not installed: apt-get install chromium chromium-driver (.ci/run does it)",
+        allow_module_level=True,
+    )
+
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+TOKENS = ["a", " b", "c", "d", "e", "<eos>"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("runs")
+    chosen = np.array([[1, 2, 3, 5], [1, 2, 4, 5]])
+    natural = np.full((2, 4, 6), -3.0, dtype=np.float32)
+    np.put_along_axis(natural, chosen[..., None], 1.0, axis=-1)
+    natural[..., 0] = 0.3
+    constrained = natural.copy()
+    constrained[..., 0] = -np.inf
+    hand_made_run(natural, chosen, TOKENS, constrained=constrained, eos_token_id=5, title="Alpha").to_parquet(folder / "alpha.parquet")
+    (folder / "broken.parquet").write_bytes(b"PAR1 and then nothing")
+    port = _free_port()
+    log = open(folder / "server.log", "wb")
+    process = subprocess.Popen(streamlit_command(port), env=streamlit_env(folder), stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/_stcore/health", timeout=1)
+                break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"streamlit did not start: {(folder / 'server.log').read_text()[-2000:]}")
+                time.sleep(0.2)
+        yield base
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    profile = tmp_path_factory.mktemp("chromium-profile")
+    for argument in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                     "--disable-component-update", "--no-first-run", f"--user-data-dir={profile}",
+                     "--window-size=1400,1300", "--hide-scrollbars"):
+        options.add_argument(argument)
+    os.environ.setdefault("SE_OFFLINE", "true")  # selenium's manager must not fetch anything
+    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+def _load(browser, url: str, charts: int) -> None:
+    """Open ``url`` and wait until ``charts`` plotly figures have drawn and the script has finished."""
+    browser.get(url)
+
+    def ready(driver) -> bool:
+        drawn = driver.find_elements(By.CSS_SELECTOR, ".js-plotly-plot .main-svg")
+        running = driver.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]')
+        return len(drawn) >= 2 * charts and not running  # each figure has two svg layers
+
+    WebDriverWait(browser, 60, poll_frequency=0.25).until(ready)
+
+
+def _errors(browser) -> list[str]:
+    shown = browser.find_elements(By.CSS_SELECTOR, '[data-testid="stException"]')
+    return [e.text for e in shown] + [t for t in [browser.find_element(By.TAG_NAME, "body").text] if "Traceback" in t]
+
+
+@pytest.mark.parametrize(
+    "page, charts, marks",
+    [
+        ("overview", 2, ".scatterlayer .trace"),
+        ("replay", 1, ".barlayer .point"),
+        ("compare", 1, ".scatterlayer .trace"),
+    ],
+)
+def test_each_page_renders_its_charts_in_chromium(server, browser, tmp_path, page, charts, marks):
+    _load(browser, f"{server}/{page}?run=alpha.parquet", charts)
+    assert not _errors(browser)
+    assert len(browser.find_elements(By.CSS_SELECTOR, marks)) >= 2, f"the {page} figures drew no marks"
+    shot = tmp_path / f"{page}.png"
+    assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
+    assert "Alpha" in browser.find_element(By.TAG_NAME, "main").text
+
+
+def test_a_bad_file_shows_its_message_in_the_browser(server, browser, tmp_path):
+    browser.get(f"{server}/replay?run=broken.parquet")
+    WebDriverWait(browser, 60, poll_frequency=0.25).until(
+        lambda d: d.find_elements(By.CSS_SELECTOR, '[data-testid="stAlertContentError"]')
+    )
+    message = browser.find_element(By.CSS_SELECTOR, '[data-testid="stAlertContentError"]').text
+    assert "broken.parquet cannot be shown" in message and "truncated" in message
+    assert not _errors(browser)
+    browser.save_screenshot(str(tmp_path / "bad-file.png"))
