@@ -41,6 +41,7 @@ _LINES: dict[str, dict[str, object]] = {
     "sampled": dict(width=1.5, dash="dot"),
 }
 _EXTRA_COLORS = ("#B279A2", "#72B7B2", "#9D755D")
+_BAR_GAP = 0.25
 MASK_COLOR = "#E45756"
 _FONT = dict(family="Inter, Segoe UI, sans-serif", size=12)
 
@@ -84,64 +85,64 @@ def step_bars(
 ) -> go.Figure:
     """Grouped bars of one step's tokens (from :func:`dashboard.views.step_table`), one colour per stage.
 
-    A token a stage masked has no bar at that stage; a red ✕ sits on its
-    natural bar, labelled with the stage that removed it. The chosen token is
-    marked with an arrow and a bold label. ``log_y`` applies to probabilities
+    Tokens sit at x = 0, 1, 2, ... (labelled with their text), each with one
+    bar slot per stage. A token a stage removed has no bar there; an ✕ fills
+    the slot, at the height the model gave the token, labelled "masked" (by
+    the constraint) or "cut" (by the sampler). The chosen token is marked
+    with an arrow and a bold label. ``log_y`` applies to probabilities
     (logits are already a log scale).
     """
     if value not in ("prob", "logit"):
         raise ValueError(f"value must be 'prob' or 'logit', got {value!r}")
     labels = table["label"].tolist()
     ticks = [f"<b>▶ {label}</b>" if chosen else label for label, chosen in zip(labels, table["chosen"].tolist())]
+    positions = np.arange(len(table), dtype=float)
+    width = (1.0 - _BAR_GAP) / max(1, len(stages))
+    centres = [-(1.0 - _BAR_GAP) / 2 + (j + 0.5) * width for j in range(len(stages))]
     fig = go.Figure()
-    for i, stage in enumerate(stages):
+    for j, stage in enumerate(stages):
         states = table[f"{stage}_state"].tolist()
         y = table[f"{stage}_{value}"].astype(float).replace(-np.inf, np.nan)
         y = y.where(table[f"{stage}_state"] != "masked")
         if value == "prob" and log_y:
             y = y.where(y > 0)
         custom = np.stack(
-            [table[f"{stage}_prob"].astype(float), table[f"{stage}_logit"].astype(float), np.array(states, dtype=object)],
+            [np.array(labels, dtype=object), table[f"{stage}_prob"].astype(float), table[f"{stage}_logit"].astype(float),
+             np.array(states, dtype=object)],
             axis=1,
         )
         fig.add_bar(
-            x=ticks,
-            y=y,
-            name=_name(stage),
-            marker_color=_color(stage, i),
-            customdata=custom,
-            hovertemplate="%{x}<br>" + _name(stage) + ": p=%{customdata[0]:.4f}, logit=%{customdata[1]:.3f}<br>%{customdata[2]}<extra></extra>",
+            x=positions, y=y, width=width, offset=centres[j] - width / 2,
+            name=_name(stage), marker_color=_color(stage, j), customdata=custom,
+            hovertemplate="%{customdata[0]}<br>" + _name(stage)
+            + ": p=%{customdata[1]:.4f}, logit=%{customdata[2]:.3f}<br>%{customdata[3]}<extra></extra>",
         )
-    base = f"natural_{value}"
-    for stage in stages[1:]:
-        hit = table["removed_by"] == stage
-        if not hit.any():
+    natural = table[f"natural_{value}"].astype(float).replace(-np.inf, np.nan).fillna(0.0)
+    for j, stage in enumerate(stages):
+        hit = (table["removed_by"] == stage).to_numpy()
+        if j == 0 or not hit.any():
             continue
-        y = table.loc[hit, base].astype(float).replace(-np.inf, np.nan)
+        word = "cut" if stage == "sampled" else "masked"
+        color = MASK_COLOR if stage != "sampled" else "#666"
         fig.add_scatter(
-            x=[t for t, h in zip(ticks, hit.tolist()) if h],
-            y=y.fillna(0.0),
-            mode="markers+text",
-            marker=dict(symbol="x-thin", size=14, line=dict(width=3, color=MASK_COLOR), color=MASK_COLOR),
-            text=["masked"] * int(hit.sum()),
-            textposition="top center",
-            textfont=dict(color=MASK_COLOR),
-            name=MASKED_NAMES.get(stage, f"masked at {stage}"),
-            hovertemplate="%{x}: masked (logit -inf)<extra>" + _name(stage) + "</extra>",
+            x=positions[hit] + centres[j], y=natural[hit], mode="markers+text",
+            marker=dict(symbol="x-thin", size=12, line=dict(width=3, color=color), color=color),
+            text=[word] * int(hit.sum()), textposition="top center", textfont=dict(color=color, size=11),
+            name=MASKED_NAMES.get(stage, f"masked at {stage}"), customdata=np.array(labels, dtype=object)[hit],
+            hovertemplate="%{customdata}: " + word + " (logit -inf)<extra>" + _name(stage) + "</extra>",
         )
-    chosen = table.index[table["chosen"]].tolist()
-    if chosen:
-        i = chosen[0]
-        values = [table.at[i, f"{s}_{value}"] for s in stages]
-        finite = [float(v) for v in values if v is not None and np.isfinite(v)]
+    chosen = np.nonzero(table["chosen"].to_numpy())[0]
+    if chosen.size:
+        i = int(chosen[0])
+        finite = [float(v) for v in (table[f"{s}_{value}"].iloc[i] for s in stages) if v is not None and np.isfinite(v)]
         top = max(finite) if finite else 0.0
         fig.add_annotation(
-            x=ticks[i], y=math.log10(top) if (log_y and value == "prob" and top > 0) else top,
+            x=float(i), y=math.log10(top) if (log_y and value == "prob" and top > 0) else top,
             text="chosen", showarrow=True, arrowhead=2, ay=-30, font=dict(color="#222"),
         )
     axis = "probability" if value == "prob" else "logit"
-    fig.update_layout(barmode="group", bargap=0.25, xaxis_title="token", yaxis_title=axis)
-    fig.update_xaxes(type="category")  # tokens such as "1" must not become numbers
+    fig.update_layout(barmode="overlay", xaxis_title="token", yaxis_title=axis)
+    fig.update_xaxes(tickmode="array", tickvals=positions, ticktext=ticks, range=[-0.5, len(table) - 0.5])
     if value == "prob" and log_y:
         fig.update_yaxes(type="log")
     return _layout(fig, title, 420)
@@ -201,7 +202,9 @@ def timelines(
         fig.add_vline(x=current, line_dash="dot", line_color="#333", row="all", col=1)
     fig.update_xaxes(title_text="step", row=len(panels), col=1)
     _integer_steps(fig, x)
-    return _layout(fig, title, 170 * len(panels))
+    _layout(fig, title, 170 * len(panels))
+    fig.update_layout(legend=dict(y=1.03), margin=dict(t=90))  # above the first panel's title
+    return fig
 
 
 def token_heatmap(

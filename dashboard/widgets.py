@@ -88,6 +88,9 @@ def sidebar() -> None:
             st.session_state["run"] = linked[0]  # a link may name the run: ?run=json_record.parquet
         _keep_choice("run", paths, paths.index(readable[0]) if readable else 0)
         st.selectbox("Run", paths, key="run", format_func=lambda p: _label(by_path[p]))
+        compared = [p for p in paths if by_path[p].label == st.query_params.get("compare")]
+        if compared and "run_b" not in st.session_state:
+            st.session_state["run_b"] = compared[0]  # and the second: ?compare=hot.parquet
         _keep_choice("run_b", [""] + paths)
         st.selectbox("Compare with", [""] + paths, key="run_b", format_func=lambda p: "—" if not p else _label(by_path[p]))
         summary = by_path[st.session_state["run"]]

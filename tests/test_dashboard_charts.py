@@ -106,15 +106,28 @@ def test_step_bars_draw_each_stage_mark_the_masked_token_and_the_chosen_one(tabl
     fig = charts.step_bars(table, ["natural", "constrained"], title="step 0")
     bars = [t for t in fig.data if t.type == "bar"]
     assert [t.name for t in bars] == ["model (natural)", "after the constraint"]
-    assert list(bars[0].x) == ["a", "<b>▶ ␣b</b>", "c"]
+    assert list(fig.layout.xaxis.ticktext) == ["a", "<b>▶ ␣b</b>", "c"] and list(bars[0].x) == [0, 1, 2]
     np.testing.assert_allclose(bars[0].y, [0.5, 0.2, 0.12], rtol=1e-5)
     assert math.isnan(bars[1].y[0])  # no bar where the constraint masked "a" ...
     masked = [t for t in fig.data if t.type == "scatter"]
-    assert len(masked) == 1 and list(masked[0].x) == ["a"] and list(masked[0].text) == ["masked"]  # ... but a marker
-    assert masked[0].name == "masked by the constraint" and fig.layout.xaxis.type == "category"
-    assert masked[0].y[0] == pytest.approx(0.5, rel=1e-5)
-    assert [a.text for a in fig.layout.annotations] == ["chosen"] and fig.layout.annotations[0].x == "<b>▶ ␣b</b>"
+    assert len(masked) == 1 and list(masked[0].text) == ["masked"]  # ... but a marker in its slot
+    assert masked[0].name == "masked by the constraint"
+    assert masked[0].x[0] == pytest.approx(bars[1].offset + bars[1].width / 2)  # token 0, the constraint's slot
+    assert masked[0].y[0] == pytest.approx(0.5, rel=1e-5)  # at the height the model gave it
+    assert [a.text for a in fig.layout.annotations] == ["chosen"] and fig.layout.annotations[0].x == 1
     assert fig.layout.yaxis.type is None and fig.layout.yaxis.title.text == "probability"
+
+
+def test_tokens_the_sampler_cut_are_marked_apart_from_those_the_constraint_masked():
+    table = pd.DataFrame({
+        "token_id": [0, 1], "token": ["x", "y"], "label": ["x", "y"], "chosen": [True, False],
+        "natural_logit": [0.0, -1.0], "natural_prob": [0.7, 0.3], "natural_state": ["kept", "kept"],
+        "sampled_logit": [0.0, -np.inf], "sampled_prob": [1.0, 0.0], "sampled_state": ["kept", "masked"],
+        "removed_by": ["", "sampled"],
+    })
+    fig = charts.step_bars(table, ["natural", "sampled"])
+    cut = fig.data[-1]
+    assert cut.name == "cut by the sampler" and list(cut.text) == ["cut"] and cut.x[0] > 1.0
 
 
 def test_step_bars_on_a_log_scale_and_as_logits(table):

@@ -15,15 +15,16 @@ summary_b = by_path[other]
 if summary_b.error is not None:
     widgets.show_bad_run(summary_b.label, summary_b.error)
     st.stop()
-if not st.session_state.get("run_b"):
-    st.caption("Pick a second run in the sidebar (*Compare with*), or another generation or sequence of this run below.")
 
-label_a = f"A: {picked.summary.title or picked.summary.label} (g{picked.generation}, s{picked.sequence})"
-st.markdown(f"**{label_a}**")
-st.markdown(f"**B: {summary_b.title or summary_b.label}**")
+left, right = st.columns(2)
+name_a = picked.summary.title or picked.summary.label
+left.markdown(f"**A · {name_a}**  \ngeneration {picked.generation}, sequence {picked.sequence}")
+left.caption("A is the run, generation and sequence picked in the sidebar.")
+right.markdown(f"**B · {summary_b.title or summary_b.label}**")
+if not st.session_state.get("run_b"):
+    right.caption("Pick a second run in the sidebar (*Compare with*), or another generation or sequence of this run:")
 try:
-    generation_b, sequence_b = widgets.pick_generation_sequence(other, prefix="b_")
-    label_b = f"B: {summary_b.title or summary_b.label} (g{generation_b}, s{sequence_b})"
+    generation_b, sequence_b = widgets.pick_generation_sequence(other, prefix="b_", container=right)
     track_a = data.track(picked.path, picked.generation, picked.sequence)
     track_b = data.track(other, generation_b, sequence_b)
     longest = max(track_a.length, track_b.length)
@@ -35,32 +36,32 @@ try:
     view_b = data.window(other, generation_b, sequence_b, min(start, track_b.length), min(track_b.length, start + size))
     prompt_a = data.prompt(picked.path, picked.generation, picked.sequence)
     prompt_b = data.prompt(other, generation_b, sequence_b)
+    pieces_a = data.pieces(picked.path, picked.generation, picked.sequence)
+    pieces_b = data.pieces(other, generation_b, sequence_b)
 except BadRunError as exc:
     widgets.show_bad_run(exc.path, exc.reason)
     st.stop()
 
 split = views.first_divergence(track_a.chosen, track_b.chosen)
-pieces_a = data.pieces(picked.path, picked.generation, picked.sequence)
-pieces_b = data.pieces(other, generation_b, sequence_b)
 if split is None:
     st.success(f"The two sequences are the same: {track_a.length} identical tokens.")
 elif split >= min(track_a.length, track_b.length):
     st.info(f"The two sequences agree on their first {split} tokens; then one of them ends.")
 else:
-    token_a, token_b = pieces_a[split], pieces_b[split]
     st.warning(f"The two sequences agree on their first {split} tokens and diverge at step {split}: "
-               f"A chose {token_a!r}, B chose {token_b!r}.")
+               f"A chose {pieces_a[split]!r}, B chose {pieces_b[split]!r}.")
 left, right = st.columns(2)
-left.markdown(f"**{label_a}**")
 left.html(text.divergent_text_html(prompt_a, pieces_a, split))
-right.markdown(f"**{label_b}**")
 right.html(text.divergent_text_html(prompt_b, pieces_b, split))
-stage = "natural"
+
+common = [s for s in picked.summary.stages.split(", ") if s in summary_b.stages.split(", ")]
+stage = st.radio("Distribution", common, horizontal=True, key="compare_stage",
+                 format_func=lambda s: charts.STAGE_NAMES.get(s, s))
 st.plotly_chart(
     charts.compare_timelines(view_a.stats, view_b.stats, labels=("A", "B"), stage=stage, divergence=split,
                              title="Step by step, aligned"),
     key="compare_chart",
     width="stretch",
 )
-table = views.aligned(view_a.stats, view_b.stats)
-st.dataframe(table, hide_index=True, width="stretch")
+columns = ("chosen_id", "chosen_token", f"p_chosen_{stage}", f"entropy_{stage}")
+st.dataframe(views.aligned(view_a.stats, view_b.stats, columns), hide_index=True, width="stretch")

@@ -23,10 +23,11 @@ if last < 0:
     st.info("This sequence has no recorded steps.")
     st.stop()
 
-# A new run or sequence starts at step 0, paused.
+# A new run or sequence starts at step 0 (or a link's ?step=N on the first visit), paused.
 where = (picked.path, picked.generation, picked.sequence)
 if st.session_state.get("replay_for") != where:
-    st.session_state.update(replay_for=where, step=0, playing=False)
+    linked = st.query_params.get("step", "0") if "replay_for" not in st.session_state else "0"
+    st.session_state.update(replay_for=where, step=int(linked) if linked.isdigit() else 0, playing=False)
 st.session_state["step"] = min(int(st.session_state.get("step", 0)), last)
 st.session_state["step_slider"] = st.session_state["step"]
 
@@ -87,7 +88,8 @@ def _stepper() -> None:
         cell.metric(f"p, {charts.STAGE_NAMES.get(stage, stage)}", "—" if p != p else f"{p:.3f}")
     cells[-2].metric("Allowed tokens", f"{summary.allowed:,} / {summary.vocab_size:,}")
     removed = summary.removed_mass
-    cells[-1].metric("Mass removed by the constraint", "—" if removed != removed else f"{removed:.1%}")
+    cells[-1].metric("Removed mass", "—" if removed != removed else f"{removed:.1%}",
+                     help="The model's probability mass on tokens the constraint masked")
     if summary.processor_error:
         st.warning("The wrapped processor raised at this step: only the model's distribution was recorded.")
     st.plotly_chart(
