@@ -291,29 +291,30 @@ class LogitTrackingProcessor(LogitsProcessor):
         if not logits.is_floating_point():
             raise TypeError(f"logits must be floating point, got {logits.dtype}")
         batch = int(logits.shape[0])
-        if ctx.batch_size != batch:
+        if ctx.input_ids.shape[0] != batch:
             raise ValueError(f"logits has {batch} rows but input_ids has {ctx.batch_size}")
-        recorder = self.recorder
-        with self._shared.lock:
-            gen = self._generation_for(ctx, batch)
-            step = ctx.num_generated
+        shared = self._shared
+        recorder = shared.recorder
+        step = ctx.num_generated
+        with shared.lock:
+            gen = self._generation_for(ctx, batch, step)
             if gen.last_rows is not None and not gen.chosen_known and step == gen.last_step + 1:
                 recorder.set_chosen(gen.last_rows, ctx.input_ids[:, -1])
             rows = recorder.begin_step(gen.id, step, batch, int(logits.shape[1]), logits.device)
             gen.last_rows, gen.last_step, gen.chosen_known = rows, step, False
             recorder.write(rows, "natural", logits)
-        if self.processor is None:
+        processor = self.processor
+        if processor is None:
             return logits
-        keep_natural = not self.storage.full and self.processor.inplace
-        natural = logits.clone() if keep_natural else logits
+        natural = logits.clone() if processor.inplace and not shared.storage.full else logits
         try:
-            out = check_logits(self.processor.name, self.processor.process(logits, ctx), logits)
+            out = check_logits(processor.name, processor.process(logits, ctx), logits)
         except Exception as exc:
             recorder.mark_error(rows)
             where = f"(the tracker recorded generation {gen.id}, step {step} with processor_error=True)"
             if isinstance(exc, ProcessorError):
                 raise ProcessorError(f"{exc} {where}") from exc
-            raise ProcessorError(f"processor {self.processor.name} raised {type(exc).__name__}: {exc} {where}") from exc
+            raise ProcessorError(f"processor {processor.name} raised {type(exc).__name__}: {exc} {where}") from exc
         recorder.write(rows, "constrained", out, natural=natural)
         return out
 
@@ -440,9 +441,8 @@ class LogitTrackingProcessor(LogitsProcessor):
             self._gen = gen = None  # clear() was called (maybe on a copy sharing this recording)
         return gen
 
-    def _generation_for(self, ctx: BatchContext, batch: int) -> _Generation:
+    def _generation_for(self, ctx: BatchContext, batch: int, step: int) -> _Generation:
         gen = self._current()
-        step = ctx.num_generated
         if gen is not None and step > gen.last_step:
             if batch != gen.batch:
                 raise ValueError(

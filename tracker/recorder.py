@@ -39,6 +39,7 @@ __all__ = ["Storage", "StepRows", "Recorder"]
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _MAX_CHUNK_ROWS = 4096
+_MEMCPY = (torch.float32, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,7 @@ class _Chunk:
         self.chosen_set = np.zeros(capacity, dtype=bool)
         self.written = {stage: np.zeros(capacity, dtype=bool) for stage in stages}
         self.buffers = buffers
+        self.arrays = {name: _numpy(t) for name, t in buffers.items()}  # numpy views, for plain copies
         self.host = host  # None while the buffers are a pinned staging slot
         self.events: dict[int, Any] = {}
         self.spilled: pa.RecordBatch | None = None
@@ -261,6 +263,7 @@ class Recorder:
         self._spill_dir: Path | None = None
         self._spill_cleanup: Any = None
         self._next_index = 0
+        self._arange = np.arange(64, dtype=np.int32)
 
     # ---------------------------------------------------------------- state
 
@@ -320,16 +323,22 @@ class Recorder:
             end = start + batch
             chunk.n = end
             chunk.generation[start:end] = generation
-            chunk.sequence[start:end] = np.arange(batch, dtype=np.int32)
+            chunk.sequence[start:end] = self._row_ids(batch)
             chunk.step[start:end] = step
             chunk.processor_error[start:end] = False
             chunk.chosen_set[start:end] = False
             for written in chunk.written.values():
                 written[start:end] = False
-            chunk.buffers["chosen"][start:end].fill_(-1)
+            chunk.arrays["chosen"][start:end] = -1
             chunk.version += 1
             self.version += 1
             return StepRows(chunk, start, batch, generation, step)
+
+    def _row_ids(self, batch: int) -> np.ndarray:
+        ids = self._arange
+        if ids.shape[0] < batch:
+            ids = self._arange = np.arange(max(batch, 2 * ids.shape[0]), dtype=np.int32)
+        return ids[:batch]
 
     def write(self, rows: StepRows, stage: str, values: torch.Tensor, natural: torch.Tensor | None = None) -> None:
         """Record ``values [count, V]`` as ``stage`` for the reserved rows.
@@ -342,29 +351,34 @@ class Recorder:
 
     def _write(self, rows: StepRows, stage: str, values: torch.Tensor, natural: torch.Tensor | None) -> None:
         chunk = rows.chunk
-        if stage not in chunk.written:
+        written = chunk.written.get(stage)
+        if written is None:
             return  # the stage was added after this chunk began; later chunks carry it
         self._check_writable(chunk, "write")
-        expected = (rows.count, self.vocab_size)
-        if tuple(values.shape) != expected:
-            raise ValueError(f"{stage} values must have shape {expected}, got {tuple(values.shape)}")
-        staging = chunk.staging
-        sl = slice(rows.start, rows.end)
-        with torch.no_grad():
-            if self.storage.full:
-                dst = chunk.buffers[f"{stage}:logits"][sl]
-                src = values.detach()
+        shape = values.shape
+        if len(shape) != 2 or shape[0] != rows.count or shape[1] != self.vocab_size:
+            raise ValueError(f"{stage} values must have shape {(rows.count, self.vocab_size)}, got {tuple(shape)}")
+        staging = chunk.host is None
+        start, end = rows.start, rows.end
+        src = values.detach()
+        if self.storage.full:
+            name = f"{stage}:logits"
+            dst = chunk.buffers[name]
+            if not staging and src.dtype == dst.dtype and src.dtype in _MEMCPY and src.device.type == "cpu":
+                # a plain memcpy: torch would split a long row across threads for no gain
+                np.copyto(chunk.arrays[name][start:end], src.numpy())
+            else:
                 if staging and src.dtype != dst.dtype:
                     src = src.to(dst.dtype)  # convert on the device, copy the smaller row
-                dst.copy_(src, non_blocking=staging)
-            else:
-                k = self.storage.k_for(self.vocab_size or 0)
-                summary = summarise_topk(values.detach(), k, None if stage == "natural" else natural)
-                for name, tensor in summary.items():
-                    chunk.buffers[f"{stage}:{name}"][sl].copy_(tensor, non_blocking=staging)
+                dst[start:end].copy_(src, non_blocking=staging)
+        else:
+            k = self.storage.k_for(self.vocab_size or 0)
+            summary = summarise_topk(src, k, None if stage == "natural" else natural)
+            for name, tensor in summary.items():
+                chunk.buffers[f"{stage}:{name}"][start:end].copy_(tensor, non_blocking=staging)
         if staging:
             chunk.note_stream()
-        chunk.written[stage][sl] = True
+        written[start:end] = True
         chunk.version += 1
         self.version += 1
 
@@ -389,12 +403,15 @@ class Recorder:
             src = torch.as_tensor(list(tokens), dtype=torch.int64)
         if src.numel() != rows.count:
             raise ValueError(f"chosen tokens must be one per row ({rows.count}), got {src.numel()}")
-        dst = chunk.buffers["chosen"][rows.start : rows.end]
-        staging = chunk.staging and src.device == chunk.device
-        dst.copy_(src.to(torch.int64), non_blocking=staging)
+        start, end = rows.start, rows.end
+        staging = chunk.host is None and src.device == chunk.device
+        if src.device.type == "cpu" and not staging:
+            np.copyto(chunk.arrays["chosen"][start:end], src.numpy(), casting="unsafe")
+        else:
+            chunk.buffers["chosen"][start:end].copy_(src.to(torch.int64), non_blocking=staging)
         if staging:
             chunk.note_stream()
-        chunk.chosen_set[rows.start : rows.end] = True
+        chunk.chosen_set[start:end] = True
         chunk.version += 1
         self.version += 1
 
@@ -512,6 +529,7 @@ class Recorder:
             ring = self._rings[chunk.device]
             ring.give(chunk._ring_key, chunk.buffers)  # type: ignore[attr-defined]
             chunk.buffers, chunk.host = tensors, host
+            chunk.arrays = {name: _numpy(t) for name, t in tensors.items()}
             chunk.events.clear()
             chunk.version += 1
             drained = True
@@ -566,6 +584,7 @@ class Recorder:
         for buf in chunk.host or ():
             self._pool.give(buf)
         chunk.buffers = {}
+        chunk.arrays = {}
         chunk.host = []
         chunk.cached = None
         chunk.events.clear()
