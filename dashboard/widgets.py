@@ -11,6 +11,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import streamlit as st
 
@@ -42,7 +43,7 @@ def root_path() -> str:
     return str(st.session_state["root"])
 
 
-def _keep_choice(key: str, options: list, default_index: int = 0) -> None:
+def _keep_choice(key: str, options: list[Any], default_index: int = 0) -> None:
     """Reset a selectbox's remembered value when it is no longer among its options."""
     if options and st.session_state.get(key) not in options:
         st.session_state[key] = options[default_index]
@@ -53,7 +54,7 @@ def _label(summary: RunSummary) -> str:
     return f"⚠ {summary.label} (cannot be read)" if summary.error else f"{name}  ·  {summary.label}"
 
 
-def pick_generation_sequence(path: str, prefix: str = "", container=st) -> tuple[int, int]:
+def pick_generation_sequence(path: str, prefix: str = "", container: Any = st) -> tuple[int, int]:
     """Generation and sequence selectboxes for the run at ``path`` (keys ``{prefix}generation/sequence``)."""
     run = data.reader(path)
     generations = run.generations()

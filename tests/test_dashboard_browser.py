@@ -13,7 +13,6 @@ import socket
 import subprocess
 import time
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -52,7 +51,8 @@ def server(tmp_path_factory):
     natural[..., 0] = 0.3
     constrained = natural.copy()
     constrained[..., 0] = -np.inf
-    hand_made_run(natural, chosen, TOKENS, constrained=constrained, eos_token_id=5, title="Alpha").to_parquet(folder / "alpha.parquet")
+    run = hand_made_run(natural, chosen, TOKENS, constrained=constrained, eos_token_id=5, title="Alpha")
+    run.to_parquet(folder / "alpha.parquet")
     (folder / "broken.parquet").write_bytes(b"PAR1 and then nothing")
     port = _free_port()
     log = open(folder / "server.log", "wb")
