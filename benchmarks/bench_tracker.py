@@ -6,10 +6,13 @@ Per vocabulary size, over ``--steps`` steps of batch 1 with a processor that
 masks half the vocabulary (called transformers-style, ``tracker(ids, logits)``):
 
 - per-step overhead over the bare processor of: the logitscope tracker (float32
-  storage; fresh, and after ``clear()`` when its buffers are warm), a
-  straightforward tracker (blocking ``.cpu().numpy().copy()`` of both rows into
-  Python lists), and the floor (copying the same two rows into a preallocated
-  ``[steps * 2, V]`` buffer: untouched, and pre-touched);
+  storage; a new tracker, and one reused after ``clear()``), a straightforward
+  tracker (blocking ``.cpu().numpy().copy()`` of both rows into Python lists),
+  and the floor (copying the same two rows into a preallocated ``[steps * 2,
+  V]`` buffer: untouched, and pre-touched). Fresh memory costs more than the
+  copies: the first run of a new tracker, or of the straightforward one, pays
+  for it; later runs reuse what earlier ones freed (the tracker through its
+  buffer pool, the straightforward one through malloc), so both are shown;
 - the tracker's read at the end (``finish()``: building the Arrow run), per step;
 - bytes per step for each storage mode (Arrow bytes of the recorded run), and
   how fast a run is written: spill files (Arrow IPC) and Parquet;
@@ -41,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from processors import LogitsProcessor  # noqa: E402
 from tracker import LogitTrackingProcessor, Run, Vocabulary  # noqa: E402
+from tracker.buffers import SHARED_POOL  # noqa: E402
 from tracker.spill import write_ipc  # noqa: E402
 
 POOL = 8  # distinct logits rows cycled through (as a model would produce new ones)
@@ -82,6 +86,7 @@ def per_step_overheads(vocab: int, steps: int, repeats: int) -> dict[str, float]
     machine; a variant's cost is its fastest segment (per step) minus the bare
     processor's fastest, the fastest of ``repeats`` whole runs.
     """
+    SHARED_POOL.clear()  # the first run of this vocabulary size starts from fresh memory
     proc = HalfMask(vocab)
     logits = model_like_logits(vocab, seed=vocab)
     ids_all = torch.arange(steps + 8).view(1, -1) % vocab
@@ -127,7 +132,7 @@ def per_step_overheads(vocab: int, steps: int, repeats: int) -> dict[str, float]
             "straightforward (first run)" if repeat == 0 else "straightforward (later runs)": straightforward([], []),
             "floor (fresh buffer)": floor(torch.empty(2 * steps, vocab)),
             "floor (warm buffer)": floor(torch.zeros(2 * steps, vocab)),
-            "tracker (fresh)": tracked(fresh_tracker),
+            "tracker, new (first run)" if repeat == 0 else "tracker, new (later runs)": tracked(fresh_tracker),
             "tracker (after clear)": tracked(warm_tracker),
         }
         for first in range(0, steps, SEGMENT):

@@ -107,7 +107,7 @@ def test_a_crashed_run_leaves_its_spilled_chunks_readable(tmp_path):
 
 
 def test_buffers_are_reused_after_clear_but_never_under_a_table_someone_holds():
-    recorder = Recorder(Storage.parse("float32"), ["natural", "constrained"], chunk_bytes=1 << 20)
+    recorder = Recorder(Storage.parse("float32"), ["natural", "constrained"], chunk_bytes=1 << 20, pool=BufferPool())
     fill(recorder, steps=4, batch=1, vocab=1 << 14, seed=1)
     held = pa.Table.from_batches(recorder.batches())
     snapshot = column_matrix(held, "natural_logits", 1 << 14).copy()
@@ -121,6 +121,22 @@ def test_buffers_are_reused_after_clear_but_never_under_a_table_someone_holds():
     allocated = recorder._pool.allocated_bytes
     fill(recorder, steps=4, batch=1, vocab=1 << 14, seed=3)
     assert recorder._pool.allocated_bytes == allocated  # nothing held: warm buffers reused
+
+
+def fill_natural(recorder: Recorder) -> None:
+    for t in range(40):
+        recorder.write(recorder.begin_step(0, t, 1, 4096, CPU), "natural", torch.randn(1, 4096))
+
+
+def test_a_new_recorder_reuses_the_memory_of_one_that_was_collected():
+    pool = BufferPool()
+    first = Recorder(Storage.parse("float32"), ["natural"], chunk_bytes=1 << 20, pool=pool)
+    fill_natural(first)
+    allocated = pool.allocated_bytes
+    del first
+    second = Recorder(Storage.parse("float32"), ["natural"], chunk_bytes=1 << 20, pool=pool)
+    fill_natural(second)
+    assert pool.allocated_bytes == allocated
 
 
 def test_buffer_pool_hands_back_only_unreferenced_buffers():

@@ -133,3 +133,28 @@ def test_vocabulary_serialises_bytes_that_are_not_utf8():
     assert back.display == vocab.display and back.display[0] == "\\xe2\\x98"
     assert back.decode([0, 1, 2]) == "☃ok"
     assert back.special.tolist() == [False, False, False, True]
+
+
+def test_a_run_outlives_its_tracker_and_a_dropped_tracker_frees_its_buffers_at_once():
+    import gc
+
+    from tracker.buffers import SHARED_POOL
+
+    tok = byte_tokenizer()
+    tracker = LogitTrackingProcessor(MaskOdd(), tokenizer=tok)
+    ids = torch.tensor([[1, 2]])
+    for _ in range(3):
+        ids = torch.cat([ids, tracker(ids, torch.randn(1, len(tok))).argmax(1, keepdim=True)], 1)
+    run = tracker.finish(ids)
+    del tracker
+    assert [t["token"] for t in run.get_top_tokens(k=1)[0]["tokens"]] == [run.vocab.display[int(np.argmax(run.get_probabilities()["structured"][0]))]]
+    gc.disable()
+    try:
+        other = LogitTrackingProcessor(MaskOdd(), tokenizer=tok)
+        other(ids[:, :2], torch.randn(1, len(tok)))
+        other.run.get_top_tokens(k=2)
+        before = SHARED_POOL.free_bytes
+        del other
+        assert SHARED_POOL.free_bytes > before  # returned by reference counting alone: no cycle holds the tracker
+    finally:
+        gc.enable()

@@ -6,7 +6,8 @@ recorder takes its chunk buffers from a :class:`BufferPool`:
 
 - new buffers come from numpy, which advises transparent huge pages for large
   allocations on Linux (one fault per 2 MiB instead of per 4 KiB);
-- buffers given back (after a spill or ``clear()``) are reused, but only when
+- buffers given back (after a spill, ``clear()``, or when a recorder is
+  garbage-collected) are reused, by any recorder of the process, but only when
   nothing outside the pool still views them: a table a user kept from an
   earlier read keeps its buffer out of circulation, so it never changes under
   them;
@@ -17,13 +18,14 @@ recorder takes its chunk buffers from a :class:`BufferPool`:
 from __future__ import annotations
 
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["HostBuffer", "BufferPool", "PinnedRing", "numpy_dtype_for"]
+__all__ = ["HostBuffer", "BufferPool", "SHARED_POOL", "PinnedRing", "numpy_dtype_for"]
 
 _NUMPY_VIEW = {
     torch.float32: np.float32,
@@ -85,31 +87,56 @@ class HostBuffer:
 class BufferPool:
     """Host buffers by size, reused once no view of them is alive.
 
+    Recorders share :data:`SHARED_POOL` by default, so a new tracker reuses
+    the memory of trackers that were cleared or garbage-collected (first
+    touch of fresh memory is the expensive part of recording) instead of
+    faulting in fresh pages.
+
     Attributes:
         free: buffers given back, oldest first.
         allocated_bytes: bytes ever allocated (a measure of fresh memory touched).
+        max_free_bytes: at most this many bytes are kept for reuse; older ones are let go.
     """
 
     free: list[HostBuffer] = field(default_factory=list)
     allocated_bytes: int = 0
-    max_free: int = 64
+    max_free_bytes: int = 1 << 30
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(b.nbytes for b in self.free)
 
     def take(self, nbytes: int) -> HostBuffer:
         """A buffer of exactly ``nbytes``: a reusable one from the pool, else a new one."""
-        for i, buf in enumerate(self.free):
-            if buf.nbytes == nbytes and buf.unreferenced():
-                return self.free.pop(i)
-        self.allocated_bytes += nbytes
+        with self.lock:
+            for i, buf in enumerate(self.free):
+                if buf.nbytes == nbytes and buf.unreferenced():
+                    return self.free.pop(i)
+            self.allocated_bytes += nbytes
         return HostBuffer(_allocate(nbytes), nbytes)
 
     def give(self, buf: HostBuffer) -> None:
         """Return a buffer; it is handed out again only once nothing views it."""
-        self.free.append(buf)
-        if len(self.free) > self.max_free:
-            self.free.pop(0)
+        with self.lock:
+            self.free.append(buf)
+            total = self.free_bytes
+            while self.free and total > self.max_free_bytes:
+                total -= self.free.pop(0).nbytes
+
+    def give_all(self, bufs: list[HostBuffer]) -> None:
+        for buf in list(bufs):
+            self.give(buf)
+        bufs.clear()
 
     def clear(self) -> None:
-        self.free.clear()
+        """Let go of every free buffer (their memory returns to the system once unviewed)."""
+        with self.lock:
+            self.free.clear()
+
+
+#: The pool recorders use unless given their own.
+SHARED_POOL = BufferPool()
 
 
 @dataclass

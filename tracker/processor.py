@@ -37,6 +37,7 @@ import datetime as _dt
 import functools
 import threading
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from importlib import metadata as _importlib_metadata
 from pathlib import Path
@@ -153,6 +154,43 @@ class _Recording:
         )
 
 
+def _weak_call(shared: _Recording, method: Any) -> Any:
+    """``method(shared)`` later, holding the recording weakly.
+
+    The recorder and the runs a tracker hands out call back into the
+    recording; holding it weakly keeps them from forming reference cycles, so
+    a dropped tracker's buffers return to the pool at once.
+    """
+    ref = weakref.ref(shared)
+
+    def call() -> Any:
+        recording = ref()
+        if recording is None:
+            raise RuntimeError("the tracker that recorded this run is gone; keep it or save the run first")
+        return method(recording)
+
+    return call
+
+
+def _vocabulary_source(shared: _Recording) -> Any:
+    """Builds a run's vocabulary on first use: the recording's cached one while it lives, else from the tokenizer."""
+    ref = weakref.ref(shared)
+    tokenizer, size = shared.tokenizer, shared.recorder.vocab_size or 0
+
+    def load() -> Vocabulary:
+        recording = ref()
+        if recording is not None and recording.recorder.vocab_size == size:
+            return recording.vocabulary()
+        return Vocabulary.placeholder(size) if tokenizer is None else Vocabulary.from_tokenizer(tokenizer, size)
+
+    return load
+
+
+def _describer(shared: _Recording) -> Any:
+    """What the recorder writes beside spilled chunks: run metadata and vocabulary."""
+    return _weak_call(shared, lambda r: (r.metadata().to_json(), r.vocabulary().serialize()))
+
+
 def _new_run_id() -> str:
     return f"{_dt.datetime.now(_dt.timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
 
@@ -227,7 +265,7 @@ class LogitTrackingProcessor(LogitsProcessor):
             run_id=run_id,
             created_at=_now(),
         )
-        recorder.describe = self._describe
+        recorder.describe = _describer(self._shared)
         self._gen: _Generation | None = None
 
     # ---------------------------------------------------------------- properties
@@ -500,10 +538,6 @@ class LogitTrackingProcessor(LogitsProcessor):
 
     # ---------------------------------------------------------------- the run
 
-    def _describe(self) -> tuple[bytes, bytes]:
-        shared = self._shared
-        return shared.metadata().to_json(), shared.vocabulary().serialize()
-
     @property
     def run(self) -> Run:
         """The recorded run so far (rebuilt only when something new was recorded)."""
@@ -514,7 +548,7 @@ class LogitTrackingProcessor(LogitsProcessor):
             if shared.run_cache is not None and shared.run_cache[0] == key:
                 return shared.run_cache[1]
             batches = shared.recorder.batches()
-            run = Run(batches, shared.metadata(), shared.vocabulary)
+            run = Run(batches, shared.metadata(), _vocabulary_source(shared))
             shared.run_cache = (key, run)
             return run
 

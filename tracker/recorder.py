@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from tracker.buffers import BufferPool, HostBuffer, PinnedRing
+from tracker.buffers import SHARED_POOL, BufferPool, HostBuffer, PinnedRing
 from tracker.schema import META_VOCAB, STORAGE_KINDS, run_schema
 from tracker.spill import RUN_JSON, VOCAB_FILE, atomic_path, chunk_name, read_ipc, write_ipc
 
@@ -224,6 +224,8 @@ class Recorder:
         spill_dir: folder for spilled chunks (a subfolder per run is made);
             by default a temporary folder removed with the recorder.
         ring_slots: pinned staging chunks per CUDA device.
+        pool: where host buffers come from and go back to (default: the
+            process-wide :data:`~tracker.buffers.SHARED_POOL`).
     """
 
     def __init__(
@@ -236,6 +238,7 @@ class Recorder:
         spill_dir: str | Path | None = None,
         ring_slots: int = 3,
         run_id: str = "run",
+        pool: BufferPool | None = None,
     ) -> None:
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
@@ -255,7 +258,9 @@ class Recorder:
         self.spilled_bytes = 0
         self._ring_slots = int(ring_slots)
         self._rings: dict[torch.device, PinnedRing] = {}
-        self._pool = BufferPool()
+        self._pool = SHARED_POOL if pool is None else pool
+        self._owned: list[HostBuffer] = []  # host buffers held by this recorder's chunks
+        weakref.finalize(self, self._pool.give_all, self._owned)
         self._chunks: list[_Chunk] = []
         self._active: _Chunk | None = None
         self._ended: set[int] = set()
@@ -473,6 +478,7 @@ class Recorder:
             nbytes = int(np.prod(shape, dtype=np.int64)) * torch.tensor([], dtype=dtype).element_size()
             buf = self._pool.take(max(nbytes, 1))
             host.append(buf)
+            self._owned.append(buf)
             tensors[name] = buf.tensor(shape, dtype)
         return tensors, host
 
@@ -582,6 +588,7 @@ class Recorder:
             chunk.wait()
             self._rings[chunk.device].give(chunk._ring_key, chunk.buffers)  # type: ignore[attr-defined]
         for buf in chunk.host or ():
+            self._owned.remove(buf)
             self._pool.give(buf)
         chunk.buffers = {}
         chunk.arrays = {}
