@@ -29,6 +29,7 @@ if CHROMIUM is None or CHROMEDRIVER is None:
         allow_module_level=True,
     )
 
+from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
@@ -133,3 +134,18 @@ def test_a_bad_file_shows_its_message_in_the_browser(server, browser, tmp_path):
     assert "broken.parquet cannot be shown" in message and "truncated" in message
     assert not _errors(browser)
     browser.save_screenshot(str(tmp_path / "bad-file.png"))
+
+
+def test_play_moves_the_step_slider_by_itself(server, browser):
+    _load(browser, f"{server}/replay?run=alpha.parquet", 1)
+
+    def step() -> int:
+        values = [e.text for e in browser.find_elements(By.CSS_SELECTOR, '[data-testid="stSliderThumbValue"]')]
+        return int(values[-1])  # the step slider comes after "Tokens shown"
+
+    assert step() == 0
+    next(b for b in browser.find_elements(By.TAG_NAME, "button") if "Play" in b.text).click()
+    WebDriverWait(browser, 20, poll_frequency=0.2, ignored_exceptions=(ValueError, IndexError, StaleElementReferenceException)).until(
+        lambda d: step() >= 2
+    )
+    assert not _errors(browser)
