@@ -14,8 +14,8 @@ Three layers, as in Streamlit's own guidance:
   script turns on Streamlit's older multipage mode.)
 
 Around them: :mod:`dashboard.serve` starts the server (``logitscope
-dashboard [PATH]``), :mod:`dashboard.samples` records the sample runs
-(``python -m dashboard.make_sample_runs`` rebuilds ``sample_runs/``;
+dashboard [PATH]``), :mod:`logitscope.samples` records the sample runs
+(``python -m logitscope.make_sample_runs`` rebuilds ``sample_runs/``;
 ``logitscope demo`` records them afresh), :mod:`dashboard.synthetic` makes
 runs without a model for tests and benchmarks, :mod:`dashboard.paths` says
 where things are, and :mod:`dashboard.threads` keeps torch on one thread for

@@ -105,7 +105,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import tempfile
 
-    from dashboard.samples import record
+    from logitscope.samples import record
     from logitscope.demo_model import load_demo_model
 
     out = Path(args.out) if args.out is not None else Path(tempfile.mkdtemp(prefix="logitscope-demo-"))

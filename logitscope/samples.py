@@ -4,7 +4,7 @@ Each :class:`Recipe` is one run: a prompt or a batch of prompts, a processor
 (or none) and sampling parameters for one or more generations, recorded by
 the tracker with every stage (natural, constrained, sampled) in float16 so
 that the whole set stays a few MB. :func:`record` writes them as Parquet
-files; ``python -m dashboard.make_sample_runs`` rebuilds the shipped
+files; ``python -m logitscope.make_sample_runs`` rebuilds the shipped
 ``sample_runs/`` with it, and ``logitscope demo`` records them afresh.
 """
 

@@ -1,6 +1,6 @@
-"""Rebuild the shipped ``sample_runs/`` from the demo model: ``python -m dashboard.make_sample_runs [--out DIR]``.
+"""Rebuild the shipped ``sample_runs/`` from the demo model: ``python -m logitscope.make_sample_runs [--out DIR]``.
 
-Every recipe of :mod:`dashboard.samples` is recorded again (the runs are
+Every recipe of :mod:`logitscope.samples` is recorded again (the runs are
 deterministic: fixed prompts and seeds) and written over the old files.
 """
 
@@ -11,11 +11,11 @@ import sys
 from typing import Sequence
 
 from dashboard.paths import default_runs_path
-from dashboard.samples import record
+from logitscope.samples import record
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dashboard.make_sample_runs", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m logitscope.make_sample_runs", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(default_runs_path()), help="folder to write (default: sample_runs/)")
     args = parser.parse_args(argv)
 
