@@ -117,7 +117,7 @@ def main() -> None:
             mark = "ok" if ratio >= goal else "MISSED"
             print(
                 f"{name:<11} {batch:>5} {vocab:>7} {t_base * 1e3:>10.3f} ms {t_pipe * 1e3:>7.3f} ms "
-                f"{ratio:>6.1f}x  >={goal:<2}x {mark:<6} {min(ta) / min(tb):>7.1f}x"
+                f"{ratio:>6.1f}x  {f'>={goal}x':<5} {mark:<6} {min(ta) / min(tb):>7.1f}x"
             )
 
 
