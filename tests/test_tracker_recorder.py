@@ -139,14 +139,17 @@ def test_a_new_recorder_reuses_the_memory_of_one_that_was_collected():
     assert pool.allocated_bytes == allocated
 
 
-def test_buffer_pool_hands_back_only_unreferenced_buffers():
+@pytest.mark.parametrize("nbytes", [1 << 16, 4 << 20])  # heap and mapped buffers
+def test_buffer_pool_hands_back_only_unreferenced_buffers(nbytes):
     pool = BufferPool()
-    buf = pool.take(1 << 16)
-    view = buf.tensor((16, 1024), torch.float32)
+    buf = pool.take(nbytes)
+    view = buf.tensor((16, nbytes // 64), torch.float32)
+    arrow = pa.array(view[:2].numpy().reshape(-1))
     pool.give(buf)
-    assert pool.take(1 << 16) is not buf
     del view
-    assert pool.take(1 << 16) is buf
+    assert pool.take(nbytes) is not buf  # the Arrow array still views it
+    del arrow
+    assert pool.take(nbytes) is buf
 
 
 def test_vocabulary_size_change_is_an_error_naming_both_sizes():
