@@ -33,7 +33,7 @@ from tracker.vocab import Vocabulary
 __all__ = ["Analysis", "Continuation", "Selection", "stage_matrix"]
 
 _KEYS = {"natural": "unstructured", "constrained": "structured"}
-_BLOCK_BYTES = 16 << 20
+_BLOCK_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
