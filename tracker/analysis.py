@@ -33,7 +33,7 @@ from tracker.vocab import Vocabulary
 __all__ = ["Analysis", "Continuation", "Selection", "stage_matrix"]
 
 _KEYS = {"natural": "unstructured", "constrained": "structured"}
-_BLOCK_BYTES = 4 << 20
+_BLOCK_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -281,7 +281,7 @@ class Analysis:
         return self.metadata.storage != "topk"
 
     def _block_rows(self) -> int:
-        """Rows per block of maths: about 4 MiB of float32 per stage, so a block stays in cache."""
+        """Rows per block of maths: about 16 MiB of float32 per stage (a chunk's worth: few large kernels)."""
         return max(1, _BLOCK_BYTES // (4 * max(1, self.metadata.vocab_size)))
 
     def _sub_blocks(self, sel: Selection, stages: Sequence[str]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
