@@ -351,10 +351,11 @@ class Analysis:
             if self._full:
                 lse_n, lse_c = self._lse("natural", sel), self._lse(con_stage, sel)
                 parts: dict[str, list[torch.Tensor]] = {k_: [] for k_ in ("ids", "count", "ln", "lc")}
+                scratch = torch.empty(self._block_rows(), self.metadata.vocab_size)
                 for start, rows in self._sub_blocks(sel, ["natural", con_stage]):
                     nat, con = rows["natural"], rows[con_stage]
                     t = nat.shape[0]
-                    top = compute.top_allowed(nat, con, lse_n[start : start + t], lse_c[start : start + t], k)
+                    top = compute.top_allowed(nat, con, lse_n[start : start + t], lse_c[start : start + t], k, scratch)
                     parts["ids"].append(top.ids)
                     parts["count"].append(top.count)
                     parts["ln"].append(nat.gather(1, top.ids))
@@ -510,6 +511,7 @@ class Analysis:
         probs = show == "probs"
         lse_n, lse_c = (self._lse("natural", sel), self._lse(con_stage, sel)) if probs else (None, None)
         out: dict[str, list[np.ndarray]] = {k: [] for k in ("rows", "ids", "nat", "con")}
+        scratch = torch.empty(self._block_rows(), self.metadata.vocab_size)
         for start, block in self._sub_blocks(sel, ["natural", con_stage]):
             nat, con = block["natural"], block[con_stage]
             t = nat.shape[0]
@@ -519,10 +521,12 @@ class Analysis:
             elif probs:
                 # Relaxed logit thresholds find the candidates; the exact test is on the probabilities.
                 slack = math.log(min_value) - 1e-4 if min_value > 0 else -math.inf
-                rows, ids = compute.entries_above(nat, con, lse_n[start : start + t] + slack, lse_c[start : start + t] + slack)
+                rows, ids = compute.entries_above(
+                    nat, con, lse_n[start : start + t] + slack, lse_c[start : start + t] + slack, scratch
+                )
             else:
                 bound = torch.full((t,), float(min_value))
-                rows, ids = compute.entries_above(nat, con, bound, bound)
+                rows, ids = compute.entries_above(nat, con, bound, bound, scratch)
             vn, vc = nat[rows, ids], con[rows, ids]
             if probs:
                 vn = torch.exp(vn - lse_n[start + rows])
