@@ -1,6 +1,6 @@
 """Time logitscope's Generator against ``model.generate`` on the same prompts and settings.
 
-    python benchmarks/bench_generator.py [--repeats 5] [--new-tokens 64]
+    python benchmarks/bench_generator.py [--repeats 5] [--new-tokens 64] [--threads 2]
 
 Both decode the same number of tokens (end-of-sequence ignored) from the demo
 model, greedy and sampled (temperature 0.7, top-k 50, top-p 0.9), at batch 1
@@ -36,8 +36,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (1 is steadier on a busy machine)")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     model, tokenizer = load_demo_model()
     tokenizer.padding_side = "left"
     gen = Generator(model, tokenizer)

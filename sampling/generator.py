@@ -224,6 +224,9 @@ class Generator:
         position_ids = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
 
         row_params = RowParams.build([r.params for r in rows], device)
+        # greedy rows ignore their uniform numbers: an all-greedy batch skips the hash
+        all_greedy = all(r.params.is_greedy for r in rows)
+        no_draws = torch.zeros(batch, dtype=torch.float64, device=device)
         seeds = [
             p.seed if p.seed is not None else int(torch.randint(0, 2**62, ()).item()) for p in per_request
         ]
@@ -239,6 +242,7 @@ class Generator:
 
         self.logits_processor.reset()
         cache = None
+        finished: torch.Tensor | None = None  # rows that ended, fed padding from then on
         step_input, step_positions = input_ids, position_ids
         for step in range(max(limits)):
             # 1. the model's next-token logits, and the processors' view of them
@@ -248,8 +252,9 @@ class Generator:
             given = raw.clone() if self.logits_processor.inplace else raw
             logits = check_logits("logits_processor", self.logits_processor.process(given, ctx), raw)
             # 2. one token per row, each with its request's parameters and random stream
-            drawn = sample(logits, row_params, uniforms(keys, step), taps=self.sample_taps)
-            tokens = drawn.tokens.masked_fill(_finished_mask(rows, device), self.pad_token_id)
+            u = no_draws if all_greedy else uniforms(keys, step)
+            drawn = sample(logits, row_params, u, taps=self.sample_taps)
+            tokens = drawn.tokens if finished is None else drawn.tokens.masked_fill(finished, self.pad_token_id)
             self.logits_processor.on_sampled(tokens, ctx)
             raw_lp = (raw.gather(1, tokens[:, None]).squeeze(1) - raw_lse).tolist()
             # 3. book-keeping: append, then stop rows on EOS, stop strings or length
@@ -265,7 +270,10 @@ class Generator:
                     row.finish_reason, row.stop_reason = "stop", hit
                 elif len(row.tokens) >= limits[b]:
                     row.finish_reason = "length"
-            live = [b for b in live if rows[b].finish_reason is None]
+            still = [b for b in live if rows[b].finish_reason is None]
+            if len(still) < len(live):
+                finished = _finished_mask(rows, device)
+            live = still
             if not live:
                 break
             # 4. feed the tokens back: one new column of ids, mask and positions
