@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import numpy as np
 import pyarrow as pa
@@ -82,6 +84,16 @@ def test_writes_are_atomic_a_failed_write_leaves_the_old_file(tmp_path, monkeypa
         tracked(seed=1).to_parquet(path)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["run.parquet"]  # no temporary file left
+
+
+def test_written_runs_get_ordinary_file_permissions(tmp_path):
+    """Atomic writes go through a private temporary file; the run itself must not stay private."""
+    umask = os.umask(0o022)
+    try:
+        path = tracked().to_parquet(tmp_path / "run.parquet")
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    finally:
+        os.umask(umask)
 
 
 def test_many_runs_form_one_dataset_for_pyarrow_and_duckdb(tmp_path):

@@ -28,6 +28,13 @@ RUN_JSON = "_run.json"
 VOCAB_FILE = "_vocab.arrow"
 
 
+def _file_mode() -> int:
+    """The mode ``open()`` gives a new file under this process's umask (mkstemp gives 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def chunk_name(index: int) -> str:
     return f"chunk-{index:06d}.arrow"
 
@@ -37,6 +44,8 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; rename it onto ``path`` if the block succeeds.
 
     On failure the temporary file is removed and ``path`` is left as it was.
+    The file ends with the permissions an ordinary new file would have, so a
+    run can be read by whoever may read its folder (a shared dashboard).
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -44,6 +53,7 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     os.close(fd)
     try:
         yield Path(tmp)
+        os.chmod(tmp, _file_mode())
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
