@@ -1,6 +1,6 @@
 """Time logitscope's compiled LogitsPipe against transformers' sampling warpers, on CPU, in one run.
 
-    /work/venv/bin/python benchmarks/bench_sampling.py [--repeats N] [--threads 2]
+    python benchmarks/bench_sampling.py [--repeats N] [--threads 2]
 
 Baseline: ``TemperatureLogitsWarper`` + ``TopKLogitsWarper`` + ``TopPLogitsWarper``
 (from ``transformers.generation.logits_process``), ``softmax`` and
