@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 import functools
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable, Sequence
+from typing import Any, ClassVar, Iterable, Mapping, Sequence
 
 import torch
 
@@ -218,6 +218,14 @@ class LogitsProcessor(abc.ABC):
         """Forget per-generation state. Hosts call it before each generation."""
         self._forget_host()
 
+    def on_generation_start(self, sampling: Sequence[Mapping[str, Any]]) -> None:
+        """Hear, before the first step, how each row will be sampled (one JSON-ready dict per row).
+
+        logitscope's ``Generator`` calls it right after :meth:`reset` with each
+        row's sampling parameters, its request and sample index and the seed
+        in use; hosts that do not know them never call it. Default: nothing.
+        """
+
     def on_sampled(self, tokens: torch.Tensor, ctx: BatchContext) -> None:
         """Hear the tokens chosen at this step (``[B]``), from hosts that know them.
 
@@ -301,6 +309,10 @@ class ProcessorList(LogitsProcessor):
     def reset(self) -> None:
         for processor in self.processors:
             processor.reset()
+
+    def on_generation_start(self, sampling: Sequence[Mapping[str, Any]]) -> None:
+        for processor in self.processors:
+            processor.on_generation_start(sampling)
 
     def on_sampled(self, tokens: torch.Tensor, ctx: BatchContext) -> None:
         for processor in self.processors:

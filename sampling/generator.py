@@ -241,6 +241,9 @@ class Generator:
         live = list(range(batch))
 
         self.logits_processor.reset()
+        self.logits_processor.on_generation_start(
+            [{**r.params.to_dict(), "seed": seeds[r.request], "request": r.request, "sample": r.sample} for r in rows]
+        )
         cache = None
         finished: torch.Tensor | None = None  # rows that ended, fed padding from then on
         step_input, step_positions = input_ids, position_ids

@@ -240,3 +240,27 @@ def test_a_logits_pipe_tap_records_the_sampled_stage():
     np.testing.assert_allclose(recorded[0], probs[1].numpy(), rtol=1e-5, atol=1e-9)
     with pytest.raises(ValueError, match="stage 'other' is not recorded"):
         tracker.record_stage("other", probs)
+
+
+def test_the_generator_tells_the_tracker_how_each_row_was_sampled():
+    """Run metadata carries the sampling parameters with no annotate() call, seeds included."""
+    tokenizer = byte_tokenizer()
+    model = random_gpt2(len(tokenizer), seed=7)
+    gen = add_tracking(Generator(model, tokenizer))
+    hot = SamplingParams(temperature=0.9, top_k=5, max_new_tokens=4)
+    gen.generate(["ab", "abc"], hot)
+    meta = gen.logits_processor.run.metadata
+    rows = meta.generations[0]["sampling"]
+    assert [(r["request"], r["temperature"], r["top_k"]) for r in rows] == [(0, 0.9, 5), (1, 0.9, 5)]
+    assert meta.sampling["temperature"] == 0.9 and len(meta.sampling["seed"]) == 2  # alike but for the seeds
+    # a drawn seed replays the same tokens
+    first = gen.generate(["ab"], hot)[0].outputs[0].token_ids
+    seed = gen.logits_processor.run.metadata.generations[-1]["sampling"][0]["seed"]
+    replay = Generator(model, tokenizer).generate(["ab"], SamplingParams(temperature=0.9, top_k=5, max_new_tokens=4, seed=seed))
+    assert replay[0].outputs[0].token_ids == first
+    # mixed requests: one entry per request; an explicit annotate() wins
+    gen.generate(["ab", "b"], [hot, SamplingParams(max_new_tokens=3)])
+    assert [p["greedy"] for p in gen.logits_processor.run.metadata.sampling] == [False, True]
+    gen.logits_processor.annotate(sampling={"note": "by hand"})
+    gen.generate(["ab"], hot)
+    assert gen.logits_processor.run.metadata.sampling == {"note": "by hand"}

@@ -41,7 +41,7 @@ import weakref
 from dataclasses import dataclass, field
 from importlib import metadata as _importlib_metadata
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -118,6 +118,8 @@ class _Recording:
     run_id: str
     created_at: str
     sampling: Any = None
+    sampling_from_user: bool = False
+    pending_sampling: list[dict[str, Any]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     generations: list[dict[str, Any]] = field(default_factory=list)
     next_generation: int = 0
@@ -152,6 +154,21 @@ class _Recording:
             created_at=self.created_at,
             extra=dict(self.extra),
         )
+
+
+def _summarise_sampling(rows: list[dict[str, Any]]) -> Any:
+    """One dict when every request was sampled alike (``seed`` then lists each request's
+    seed if they differ), else one dict per request, in request order."""
+    per_request: dict[Any, dict[str, Any]] = {}
+    for row in rows:
+        params = {k: v for k, v in row.items() if k not in ("request", "sample")}
+        per_request.setdefault(row.get("request", len(per_request)), params)
+    unique = list(per_request.values())
+    bare = [{k: v for k, v in p.items() if k != "seed"} for p in unique]
+    if any(b != bare[0] for b in bare):
+        return unique
+    seeds = [p.get("seed") for p in unique]
+    return {**bare[0], "seed": seeds[0] if len(set(seeds)) == 1 else seeds}
 
 
 def _weak_call(shared: _Recording, method: Any) -> Any:
@@ -310,6 +327,7 @@ class LogitTrackingProcessor(LogitsProcessor):
             )
         if sampling is not None:
             self._shared.sampling = sampling.to_dict() if hasattr(sampling, "to_dict") else sampling
+            self._shared.sampling_from_user = True
         self._shared.extra.update(extra)
 
     def add_stage(self, stage: str) -> None:
@@ -355,6 +373,22 @@ class LogitTrackingProcessor(LogitsProcessor):
             raise ProcessorError(f"processor {processor.name} raised {type(exc).__name__}: {exc} {where}") from exc
         recorder.write(rows, "constrained", out, natural=natural)
         return out
+
+    def on_generation_start(self, sampling: Sequence[Mapping[str, Any]]) -> None:
+        """Keep how each row of the coming generation is sampled (logitscope's Generator tells).
+
+        Each generation's metadata gets the per-row parameters (seeds
+        included, so a run can be replayed); the run's ``sampling`` becomes a
+        summary (one dict, or one per request) unless :meth:`annotate` set it.
+        """
+        rows = [dict(r) for r in sampling]
+        shared = self._shared
+        with shared.lock:
+            shared.pending_sampling = rows
+            if not shared.sampling_from_user:
+                shared.sampling = _summarise_sampling(rows)
+        if self.processor is not None:
+            self.processor.on_generation_start(sampling)
 
     def on_sampled(self, tokens: torch.Tensor, ctx: BatchContext) -> None:
         """Record the tokens chosen at this step (hosts such as logitscope's Generator call it)."""
@@ -498,9 +532,11 @@ class LogitTrackingProcessor(LogitsProcessor):
             prompt_ids = [row[mask].tolist() for row, mask in zip(prompts.cpu(), keep)]
         else:
             prompt_ids = prompts.cpu().tolist()
-        shared.generations.append(
-            {"generation": gid, "batch_size": batch, "prompt_ids": prompt_ids, "started_at": _now()}
-        )
+        record: dict[str, Any] = {"generation": gid, "batch_size": batch, "prompt_ids": prompt_ids, "started_at": _now()}
+        if shared.pending_sampling is not None and len(shared.pending_sampling) == batch:
+            record["sampling"] = shared.pending_sampling
+        shared.pending_sampling = None
+        shared.generations.append(record)
         self._gen = _Generation(gid, batch, ctx.prompt_length, shared.epoch)
         return self._gen
 

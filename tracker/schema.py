@@ -150,9 +150,13 @@ class RunMetadata:
         eos_token_ids: end-of-sequence ids (steps after one are "finished").
         model: the model's name, when known.
         processors: a description of the wrapped processor.
-        sampling: sampling parameters, when the host told them.
+        sampling: sampling parameters, when the host told them (logitscope's
+            Generator does; :meth:`~tracker.LogitTrackingProcessor.annotate`
+            sets them by hand): one dict, or one per request.
         generations: per generation: ``{"generation", "batch_size",
-            "prompt_ids" (one list per row), "started_at"}``.
+            "prompt_ids" (one list per row), "started_at"}``, and
+            ``"sampling"`` (one dict per row, seed included) when the host
+            told them.
         library_version, created_at, schema_version: provenance.
         extra: anything the user added (JSON-ready).
     """
