@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from test_tracker_support import random_gpt2
+from transformers import GPT2LMHeadModel
 
 EOS = 0
 
@@ -36,25 +37,10 @@ class CharTokenizer:
         )
 
 
-def make_tiny_model(vocab_size: int = 128, seed: int = 0) -> GPT2LMHeadModel:
-    """A random GPT-2 whose distributions are far from flat (large init)."""
-    torch.manual_seed(seed)
-    config = GPT2Config(
-        vocab_size=vocab_size,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        n_positions=256,
-        bos_token_id=EOS,
-        eos_token_id=EOS,
-        initializer_range=0.3,
-    )
-    return GPT2LMHeadModel(config).eval()
-
-
 @pytest.fixture(scope="session")
 def tiny_model() -> GPT2LMHeadModel:
-    return make_tiny_model()
+    """A random GPT-2 over the 128 ids of :class:`CharTokenizer`."""
+    return random_gpt2(128, seed=0, init=0.3)
 
 
 @pytest.fixture(scope="session")
