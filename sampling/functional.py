@@ -183,6 +183,7 @@ class RowParams:
 class SampleOutput:
     tokens: torch.Tensor  # int64 [B]
     logprobs: torch.Tensor  # float32 [B]: log-probability in the distribution sampled from
+    valid: torch.Tensor  # bool [B]: False where the row was NaN or had nothing allowed (its token is meaningless)
 
 
 def sample(
@@ -191,14 +192,18 @@ def sample(
     u: torch.Tensor,
     *,
     taps: Sequence[SampleTap] | None = None,
+    on_dead: str = "raise",
 ) -> SampleOutput:
     """Draw one token per row of ``logits [B, V]`` (float32) with the row's parameters.
 
     Greedy rows take the arg-max (lowest id among equals) and report the
     log-probability under the softmax of ``logits``. Sampling rows report the
     log-probability in the final (temperature, min-p, top-k, top-p)
-    distribution. Raises :class:`DeadRowError` naming rows that are NaN or have
-    nothing allowed.
+    distribution. Rows that are NaN or have nothing allowed are dead: with
+    ``on_dead="raise"`` (synchronises once to look) a :class:`DeadRowError`
+    names them; with ``on_dead="flag"`` nothing is read from the device and
+    ``SampleOutput.valid`` marks them, for the caller to check once the step's
+    values reach the host.
 
     ``taps``: observers of the distribution actually sampled from, each called
     once with float32 probabilities ``[B, V]`` (rows sum to 1, exactly 0 for
@@ -214,6 +219,8 @@ def sample(
     for i, fn in enumerate(taps or ()):
         if not callable(fn):
             raise TypeError(f"taps[{i}] must be callable with the sampled probabilities, got {type(fn).__name__}")
+    if on_dead not in ("raise", "flag"):
+        raise ValueError(f"on_dead must be 'raise' or 'flag', got {on_dead!r}")
     logits = logits.float()
     sampled: torch.Tensor | None = None
     captured: list[torch.Tensor] = []
@@ -240,9 +247,9 @@ def sample(
             valid.index_copy_(0, rows, out.valid)
             if sampled is not None:
                 sampled.index_copy_(0, rows, captured.pop())
-    if not bool(valid.all()):
+    if on_dead == "raise" and not bool(valid.all()):
         raise dead_row_error(TaggedTensor.logits(logits), ~valid)
     if sampled is not None:
         for fn in taps or ():
             fn(sampled)
-    return SampleOutput(tokens, logprobs)
+    return SampleOutput(tokens, logprobs, valid)
