@@ -27,7 +27,7 @@ import torch
 import tracker
 from dashboard.reader import StageRow, StepRow
 from dashboard.threads import one_torch_thread
-from tracker.vocab import Vocabulary
+from tracker import Vocabulary
 
 __all__ = [
     "COLOR_METRICS",

@@ -48,17 +48,19 @@ def test_byte_level_tokens_spell_the_decoded_text(byte_level):
     ids = byte_level(text, add_special_tokens=False)["input_ids"]
     assert vocab.decode_bytes(ids) == byte_level.decode(ids).encode()
     assert vocab.size == len(byte_level)
-    assert vocab.token_bytes[byte_level.eos_token_id] == b"" and bool(vocab.special[byte_level.eos_token_id])
+    assert vocab.token_bytes(byte_level.eos_token_id) == b"" and bool(vocab.special[byte_level.eos_token_id])
+    assert vocab.display[byte_level.eos_token_id] == EOT
     custom = byte_level.convert_tokens_to_ids("<custom>")
-    assert vocab.token_bytes[custom] == b"<custom>" and not vocab.special[custom]
+    assert vocab.token_bytes(custom) == b"<custom>" and not vocab.special[custom]
 
 
 def test_byte_matrix_matches_token_bytes(byte_level):
     vocab = vocab_for(byte_level)
+    matrix, lengths = vocab.byte_matrix
     for token in range(vocab.size):
-        length = int(vocab.lengths[token])
-        assert bytes(vocab.byte_matrix[token, :length].tolist()) == vocab.token_bytes[token]
-        assert not vocab.byte_matrix[token, length:].any()
+        length = int(lengths[token])
+        assert bytes(matrix[token, :length].tolist()) == vocab.token_bytes(token)
+        assert not matrix[token, length:].any()
 
 
 def test_sentencepiece_pieces_and_byte_fallback(sentencepiece_like):

@@ -28,7 +28,7 @@ import torch
 
 from tracker import compute
 from tracker.schema import FIELD_DTYPE, RunMetadata, flag_column, value_column
-from tracker.vocab import Vocabulary
+from processors.vocab import Vocabulary
 
 __all__ = ["Analysis", "Continuation", "Selection", "stage_matrix"]
 
