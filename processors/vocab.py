@@ -424,20 +424,17 @@ class Vocabulary:
         return decode_text(self.decode_bytes(ids))
 
     def prefixes(self, ids: Sequence[int]) -> list[str]:
-        """``[decode(ids[:0]), ..., decode(ids)]``, decoding each byte once.
+        """``[decode(ids[:0]), decode(ids[:1]), ..., decode(ids)]``, decoding each byte once.
 
         A character split across tokens appears once its last byte has come;
-        bytes still unfinished at the end show as one ``�``, as in :meth:`decode`.
+        until then its bytes show as one ``�`` at the end, as in :meth:`decode`.
         """
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         out = [""]
         text = ""
         for i in ids:
             text += decoder.decode(self.token_bytes(int(i)))
-            out.append(text)
-        pending = decoder.getstate()[0]
-        if pending:
-            out[-1] = text + decode_text(pending)
+            out.append(text + "\ufffd" if decoder.getstate()[0] else text)
         return out
 
     def encode_fragment(self, text: str) -> Fragment:
