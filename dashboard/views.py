@@ -314,9 +314,16 @@ def _window_view(run: tracker.Run, generation: int, sequence: int, alternatives:
 
 
 def token_pieces(vocab: Vocabulary, ids: Sequence[int] | np.ndarray) -> list[str]:
-    """The text each token adds, in order (a character split across tokens shows with its last byte)."""
+    """The text each token adds, in order; joined, they are the run's ``sequence()``.
+
+    A character split across tokens shows with its last byte; bytes still
+    unfinished at the end show as one ``�`` on the last token.
+    """
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    return [decoder.decode(vocab.token_bytes(int(i))) if int(i) >= 0 else "" for i in ids]
+    pieces = [decoder.decode(vocab.token_bytes(int(i))) if int(i) >= 0 else "" for i in ids]
+    if pieces and decoder.getstate()[0]:
+        pieces[-1] += decoder.decode(b"", final=True)
+    return pieces
 
 
 def first_divergence(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int | None:
