@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
 from processors import JSONLogitsProcessor
 from sampling import Generator, SamplingParams
+from test_processors_demo import one_thread  # noqa: F401  (autouse: the demo model runs best on one thread)
 
 SEEDS = range(20)
 BUDGET = 60
@@ -25,14 +25,6 @@ SCHEMA = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _valid(text: str) -> bool:
