@@ -8,28 +8,18 @@ Qwen3 and gpt-oss (see ``tests/test_tokfam_real.py`` for how to fetch them;
 absent ones are skipped). The baseline, in the same process, is one batched
 ``tokenizer.batch_decode`` of every id alone: what a vocabulary built by
 decoding would pay at least (and it would still get byte tokens and
-in-context spaces wrong). Figures are medians in seconds.
+in-context spaces wrong). Figures are medians in seconds, after a warm-up.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
+from bench_generator import _median_time
 from processors.vocab import Vocabulary
 
 NAMES = ("llama2", "llama3", "qwen3", "gptoss")
-
-
-def _median(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -48,8 +38,8 @@ def main() -> None:
             print(f"{name:<10} (absent under {args.root})")
             continue
         tok = PreTrainedTokenizerFast.from_pretrained(str(folder), clean_up_tokenization_spaces=False)
-        ours = _median(lambda: Vocabulary.from_tokenizer(tok), args.repeat)
-        base = _median(lambda: tok.batch_decode([[i] for i in range(len(tok))]), args.repeat)
+        ours = _median_time(lambda: Vocabulary.from_tokenizer(tok), args.repeat)
+        base = _median_time(lambda: tok.batch_decode([[i] for i in range(len(tok))]), args.repeat)
         print(f"{name:<10} {len(tok):>8,} {ours:>10.3f}s {base:>12.3f}s {ours / base:>6.2f}")
 
 
