@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["APP", "ENV_PATH", "REPO_ROOT", "default_runs_path"]
+__all__ = ["APP", "ENV_PATH", "PACKAGED_RUNS", "REPO_ROOT", "default_runs_path"]
 
 #: The Streamlit entry script.
 APP = Path(__file__).resolve().parent / "app.py"
@@ -17,6 +17,14 @@ REPO_ROOT = APP.parent.parent
 ENV_PATH = "LOGITSCOPE_RUNS"
 
 
+#: Where an installed wheel holds the sample runs: the build copies the repository's
+#: ``sample_runs/`` into the ``logitscope`` package (see ``setup.py``).
+PACKAGED_RUNS = REPO_ROOT / "logitscope" / "sample_runs"
+
+
 def default_runs_path() -> Path:
-    """The shipped ``sample_runs/`` folder, beside the ``dashboard`` package in the repository."""
-    return REPO_ROOT / "sample_runs"
+    """The shipped sample runs: ``sample_runs/`` in a checkout (or editable install), else the installed copy."""
+    checkout = REPO_ROOT / "sample_runs"
+    if (REPO_ROOT / "pyproject.toml").is_file() and checkout.is_dir():
+        return checkout
+    return PACKAGED_RUNS
