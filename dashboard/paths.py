@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["APP", "ENV_PATH", "PACKAGED_RUNS", "REPO_ROOT", "default_runs_path"]
+__all__ = ["APP", "ENV_PATH", "HEADLINE_RUN", "PACKAGED_RUNS", "REPO_ROOT", "default_runs_path"]
 
 #: The Streamlit entry script.
 APP = Path(__file__).resolve().parent / "app.py"
 #: The folder holding the ``dashboard`` package (the repository root in a checkout or editable install).
 REPO_ROOT = APP.parent.parent
+#: The sample run a folder of sample runs opens on (the JSON schema at the city: the README's picture).
+HEADLINE_RUN = "json_record.parquet"
 #: Environment variable naming the runs to show (set by ``logitscope dashboard``).
 ENV_PATH = "LOGITSCOPE_RUNS"
 
