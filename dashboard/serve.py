@@ -10,7 +10,8 @@ the user's configuration: no e-mail prompt (it blocks a terminal and makes a
 server without one exit), no usage statistics, no welcome text, and so none
 of its advertising in the terminal or the "Help agents write better apps"
 pop-up in the page (``logger.hideWelcomeMessage`` gates both; so does
-headless mode). The server runs headless when no browser can be opened.
+headless mode). The server always runs headless; logitscope opens the
+browser itself, and only where one can be opened.
 """
 
 from __future__ import annotations
@@ -20,13 +21,16 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
 import webbrowser
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from dashboard.paths import APP, ENV_PATH, REPO_ROOT
 
-__all__ = ["can_open_browser", "streamlit_command", "streamlit_env", "serve"]
+__all__ = ["Server", "can_open_browser", "serve", "start", "streamlit_command", "streamlit_env"]
 
 #: Streamlit options set for every server, as environment variables too, so that a
 #: config file or an old credentials file cannot bring the prompts back.
@@ -96,16 +100,46 @@ def _stop(child: subprocess.Popen[Any], timeout: float = 10.0) -> int:
     return int(child.returncode)
 
 
-def serve(path: str | Path, port: int, *, open_browser: bool = True) -> int:
-    """Run the dashboard on ``path`` until it exits or this process gets Ctrl-C or SIGTERM.
+def _wait_until_up(child: subprocess.Popen[Any], port: int, timeout: float = 60.0) -> bool:
+    """Poll the server's health endpoint until it answers (True), it exits or ``timeout`` s pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and child.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=1) as response:
+                if response.status == 200:
+                    return True
+        except OSError:
+            time.sleep(0.2)
+    return False
 
-    The Streamlit server is a child process; it is stopped with this one, so
-    that it never keeps holding the port. Returns the server's exit status (0
-    when stopped by a signal).
+
+class Server:
+    """A running dashboard server (see :func:`start`): ``url``, ``open_browser()``, ``wait()``."""
+
+    def __init__(self, child: subprocess.Popen[Any], port: int) -> None:
+        self.child = child
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+
+    def open_browser(self) -> None:
+        """Open the page in a browser, once the server answers, where a browser can be opened."""
+        if can_open_browser() and _wait_until_up(self.child, self.port):
+            webbrowser.open(self.url)
+
+    def wait(self) -> int:
+        """Block until the server exits; its exit status."""
+        return int(self.child.wait())
+
+
+@contextmanager
+def start(path: str | Path, port: int) -> Iterator[Server]:
+    """Start the (headless) server on ``path`` at ``127.0.0.1:port``; it is stopped when the block ends.
+
+    Within the block, SIGTERM is turned into ``KeyboardInterrupt`` like
+    Ctrl-C, so that stopping this process (a service manager, ``kill``) also
+    stops the server instead of leaving it holding the port.
     """
-    headless = not (open_browser and can_open_browser())
-    command = streamlit_command(port, headless=headless)
-    print(f"logitscope dashboard: http://127.0.0.1:{port}  (runs from {Path(path).resolve()}; Ctrl-C to stop)", flush=True)
+    command = streamlit_command(port, headless=True)
     child = subprocess.Popen(command, env=streamlit_env(path), stdin=subprocess.DEVNULL)
 
     def on_signal(_signum: int, _frame: Any) -> None:
@@ -114,11 +148,29 @@ def serve(path: str | Path, port: int, *, open_browser: bool = True) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
     try:
-        return int(child.wait())
-    except KeyboardInterrupt:
-        _stop(child)
-        return 0
+        yield Server(child, port)
     finally:
-        _stop(child)  # also when anything else goes wrong here: never leave the server behind
+        _stop(child)  # on a signal, an error or the normal end alike: never leave the server behind
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def announce(path: str | Path, port: int) -> None:
+    print(f"logitscope dashboard: http://127.0.0.1:{port}  (runs from {Path(path).resolve()}; Ctrl-C to stop)", flush=True)
+
+
+def serve(path: str | Path, port: int, *, open_browser: bool = True) -> int:
+    """Run the dashboard on ``path`` until it exits or this process gets Ctrl-C or SIGTERM.
+
+    The server always runs headless; the browser, when asked for and when one
+    can be opened here, is opened by this process once the server answers.
+    Returns the server's exit status (0 when stopped by a signal).
+    """
+    announce(path, port)
+    try:
+        with start(path, port) as server:
+            if open_browser:
+                server.open_browser()
+            return server.wait()
+    except KeyboardInterrupt:
+        return 0

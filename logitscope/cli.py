@@ -283,6 +283,26 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _demo(args: argparse.Namespace, out: Path) -> int:
+    if args.no_serve:
+        _record_demo(args, out)
+        print(f"Open them with: logitscope dashboard {out}")
+        return 0
+    from dashboard.serve import announce, start
+
+    try:
+        # the server starts while the runs are recorded (they are written whole, one by one);
+        # the page opens once they are all there
+        with start(out, args.port) as server:
+            _record_demo(args, out)
+            announce(out, args.port)
+            if not args.no_browser:
+                server.open_browser()
+            return server.wait()
+    except KeyboardInterrupt:
+        return 0
+
+
+def _record_demo(args: argparse.Namespace, out: Path) -> None:
     from logitscope.demo_model import load_demo_model
     from logitscope.samples import record
 
@@ -295,12 +315,6 @@ def _demo(args: argparse.Namespace, out: Path) -> int:
             for text in generation:
                 print(f"    {_demo_text(text)!r}")
     print(flush=True)
-    if args.no_serve:
-        print(f"Open them with: logitscope dashboard {out}")
-        return 0
-    from dashboard.serve import serve
-
-    return serve(out, args.port, open_browser=not args.no_browser)
 
 
 def cmd_dashboard(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -384,7 +398,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     args = build_parser().parse_args(argv)
-    return int(args.handler(args, args.command_parser))
+    try:
+        return int(args.handler(args, args.command_parser))
+    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM while serving): stop quietly, no traceback
+        return 130
 
 
 if __name__ == "__main__":
