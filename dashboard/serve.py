@@ -65,7 +65,7 @@ def streamlit_command(port: int, *, headless: bool = True) -> list[str]:
     if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
         raise ValueError(f"port must be an int in [1, 65535], got {port!r}")
     command = [
-        sys.executable, "-m", "streamlit", "run", str(APP),
+        sys.executable, "-m", "dashboard.launch", "run", str(APP),  # streamlit run, imports warmed early
         "--server.address", "127.0.0.1",
         "--server.port", str(port),
         "--server.headless", "true" if headless else "false",

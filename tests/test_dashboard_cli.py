@@ -37,7 +37,7 @@ def started(monkeypatch):
 def test_dashboard_serves_the_path_on_localhost_at_the_port(tmp_path, started, capsys):
     assert main(["dashboard", str(tmp_path), "--port", "8765", "--no-browser"]) == 0
     (command, env), = started
-    assert command[1:4] == ["-m", "streamlit", "run"] and command[4].endswith("dashboard/app.py")
+    assert command[1:4] == ["-m", "dashboard.launch", "run"] and command[4].endswith("dashboard/app.py")
     assert command[command.index("--server.address") + 1] == "127.0.0.1"
     assert command[command.index("--server.port") + 1] == "8765"
     assert command[command.index("--server.headless") + 1] == "true"
