@@ -2,6 +2,7 @@
 
     python benchmarks/bench_dashboard.py                     # 10,000 x 128,000, Parquet and Arrow IPC
     python benchmarks/bench_dashboard.py --steps 2000 --vocab 32000 --keep /tmp/runs
+    python benchmarks/bench_dashboard.py --new-session          # the first page of a new session, sample runs
 
 The run is streamed to disk by :func:`dashboard.synthetic.write_large_run`
 (natural logits and a constraint allowing 1,024 tokens per step, float32, in
@@ -18,6 +19,14 @@ the tracker's schema: about 10 GB of values). Then, in this process:
   and session (script, widgets, figure serialisation included): the run
   browser (which opens the run), the overview, the step replay, a slider move
   to a new block and the Next button.
+
+With ``--new-session``, what a newcomer waits for instead: in a new Python
+process (nothing imported, nothing cached), the first page of a new session
+on the shipped sample runs, each other page's first visit, and the same first
+page in a second session (the process warm); once cold, and once after the
+early imports that ``dashboard.launch`` makes while the server starts. The baseline, in that process,
+is ``AppTest`` running a one-line Streamlit script first (Streamlit's own
+start-up, which any app pays).
 
 The baseline, in the same run, is what any whole-file approach pays at
 least: reading every byte of the file once (warm page cache), and, for IPC,
@@ -117,6 +126,48 @@ def through_streamlit(path: Path, repeats: int) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+NEW_SESSION = """
+import statistics, sys, tempfile, time
+from pathlib import Path
+start = time.perf_counter()
+from streamlit.testing.v1 import AppTest
+script = Path(tempfile.mkdtemp()) / "hello.py"
+script.write_text("import streamlit as st\\nst.write('hello')\\n")
+AppTest.from_file(str(script), default_timeout=120).run()
+print(f"baseline: a one-line Streamlit script, first run (imports included)  {time.perf_counter() - start:6.2f} s")
+app, root, warmed = sys.argv[1], sys.argv[2], sys.argv[3] == "warm"
+if warmed:  # what `logitscope dashboard` does while its server starts, before anyone connects
+    t = time.perf_counter()
+    from dashboard.launch import warm
+    warm()
+    print(f"early imports of dashboard.launch (server start-up, before the first visitor)  {time.perf_counter() - t:6.2f} s")
+def session(label):
+    at = AppTest.from_file(app, default_timeout=120)
+    at.session_state["root"] = root
+    t = time.perf_counter(); at.run(); first = time.perf_counter() - t
+    assert not at.exception, at.exception[0].message
+    print(f"{label}: runs page  {first:6.2f} s")
+    return at
+at = session("new session in a new process")
+for page in ("overview", "replay", "compare"):
+    t = time.perf_counter(); at.switch_page(f"app_pages/{page}.py").run()
+    assert not at.exception, at.exception[0].message
+    print(f"  then the {page} page  {time.perf_counter() - t:6.2f} s")
+session("a second new session (process warm)")
+"""
+
+
+def new_session(root: Path) -> None:
+    """Time the first page of a new session in a fresh interpreter (see the module docstring)."""
+    import subprocess
+
+    app = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    for mode, what in (("cold", "as `streamlit run` alone"), ("warm", "as `logitscope dashboard` serves it")):
+        print(f"\nthe dashboard on {root}, a new process, {what}; load {os.getloadavg()[0]:.1f}", flush=True)
+        subprocess.run([sys.executable, "-c", NEW_SESSION, app, str(root), mode], check=True, env=env)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10_000)
@@ -125,7 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", default=None, help="folder to write the runs to and keep (default: a temporary folder, removed)")
     parser.add_argument("--formats", default="parquet,arrow", help="comma-separated: parquet, arrow")
     parser.add_argument("--no-streamlit", action="store_true", help="skip the AppTest timings")
+    parser.add_argument("--new-session", action="store_true",
+                        help="only time the first page of a new session on the shipped sample runs, in a new process")
     args = parser.parse_args(argv)
+    if args.new_session:
+        from dashboard.paths import default_runs_path
+
+        new_session(default_runs_path())
+        return 0
     folder = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench-dashboard-"))
     folder.mkdir(parents=True, exist_ok=True)
     print(f"run: {args.steps:,} steps x {args.vocab:,} tokens, natural + constrained, float32; load {os.getloadavg()[0]:.1f}")

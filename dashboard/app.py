@@ -2,14 +2,16 @@
 
 Four pages under ``st.navigation``: the run browser, a run's overview, the
 step replay, and the comparison of two runs. The sidebar (run, second run,
-generation, sequence) is drawn here so that it is the same on every page.
+generation, sequence) is drawn here so that it is the same on every page. A
+folder of sample runs opens on the headline example (``paths.HEADLINE_RUN``).
 """
 
 from pathlib import Path
 
 import streamlit as st
 
-from dashboard import widgets
+from dashboard import data, widgets
+from dashboard.paths import HEADLINE_RUN
 
 HERE = Path(__file__).resolve().parent
 
@@ -22,5 +24,13 @@ navigation = st.navigation(
         st.Page(HERE / "app_pages" / "compare.py", title="Compare", icon=":material/compare_arrows:"),
     ]
 )
+if "run" not in st.session_state and not st.query_params.get("run"):
+    # a folder of sample runs opens on the headline example rather than the alphabetically first run
+    try:
+        headline = [s.path for s in data.runs(widgets.root_path()) if s.label == HEADLINE_RUN and s.error is None]
+    except FileNotFoundError:
+        headline = []  # the sidebar says what is missing
+    if headline:
+        st.session_state["run"] = headline[0]
 widgets.sidebar()
 navigation.run()

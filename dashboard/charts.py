@@ -46,6 +46,8 @@ _EXTRA_COLORS = ("#B279A2", "#72B7B2", "#9D755D")
 _BAR_GAP = 0.25
 MASK_COLOR = "#E45756"
 _FONT = dict(family="Inter, Segoe UI, sans-serif", size=12)
+#: Token labels on axes: a monospace face at a larger size, where the ␣ and ↵ glyphs are full width.
+_TOKEN_FONT = dict(family="DejaVu Sans Mono, Menlo, Consolas, monospace", size=14)
 
 
 def _color(stage: str, i: int = 0) -> str:
@@ -144,7 +146,7 @@ def step_bars(
         )
     axis = "probability" if value == "prob" else "logit"
     fig.update_layout(barmode="overlay", xaxis_title="token", yaxis_title=axis)
-    fig.update_xaxes(tickmode="array", tickvals=positions, ticktext=ticks, range=[-0.5, len(table) - 0.5])
+    fig.update_xaxes(tickmode="array", tickvals=positions, ticktext=ticks, range=[-0.5, len(table) - 0.5], tickfont=_TOKEN_FONT)
     if value == "prob" and log_y:
         fig.update_yaxes(type="log")
     return _layout(fig, title, 420)
@@ -165,7 +167,8 @@ def timelines(
     mass the constraint removed, margin (best token vs best allowed, nats) and end-of-sequence probability.
 
     ``current`` draws a dotted line at that step. Panels whose values the
-    storage cannot tell (top-k: entropy, removed mass, margin) say so.
+    storage cannot tell (top-k: entropy, removed mass, margin) say so; a run
+    without a constraint has no removed-mass and margin panels.
     """
     panels = [
         ("entropy (nats)", [f"entropy_{s}" for s in stages]),
@@ -174,6 +177,8 @@ def timelines(
         ("margin: best token − best allowed (nats)", ["margin"]),
         ("end-of-sequence probability", [f"p_eos_{s}" for s in stages]),
     ]
+    if "constrained" not in stages:  # no constraint: nothing removed, no margin; no panels of flat zeros
+        panels = [p for p in panels if p[1] not in (["removed_mass"], ["margin"])]
     fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.045, subplot_titles=[p[0] for p in panels])
     x = stats["position"]
     tokens = stats["chosen_token"].fillna("").map(token_label) if "chosen_token" in stats.columns else None
@@ -240,7 +245,7 @@ def token_heatmap(
         marker=dict(symbol="circle-open", size=11, line=dict(width=2, color=MASK_COLOR)),
         hovertemplate="step %{x}: chose %{y}<extra></extra>",
     )
-    fig.update_yaxes(autorange="reversed", type="category")
+    fig.update_yaxes(autorange="reversed", type="category", tickfont=_TOKEN_FONT)
     fig.update_xaxes(title_text="step")
     _integer_steps(fig, steps)
     return _layout(fig, title, max(260, 22 * len(heat.index) + 120))

@@ -2,53 +2,175 @@
 
 The server is bound to 127.0.0.1: runs can hold prompts and outputs that are
 nobody else's business. The path to show travels in ``$LOGITSCOPE_RUNS``, and
-the repository root is put on ``PYTHONPATH`` so the app imports this checkout
-whatever the current folder.
+the folder holding the ``dashboard`` package is put on ``PYTHONPATH`` so the
+app imports this copy whatever the current folder.
+
+Streamlit's own first-run behaviour is switched off here rather than left to
+the user's configuration: no e-mail prompt (it blocks a terminal and makes a
+server without one exit), no usage statistics, no welcome text, and so none
+of its advertising in the terminal or the "Help agents write better apps"
+pop-up in the page (``logger.hideWelcomeMessage`` gates both; so does
+headless mode). The server always runs headless; logitscope opens the
+browser itself, and only where one can be opened.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
+import urllib.request
+import webbrowser
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator
 
 from dashboard.paths import APP, ENV_PATH, REPO_ROOT
 
-__all__ = ["streamlit_command", "streamlit_env", "serve"]
+__all__ = ["Server", "can_open_browser", "serve", "start", "streamlit_command", "streamlit_env"]
+
+#: Streamlit options set for every server, as environment variables too, so that a
+#: config file or an old credentials file cannot bring the prompts back.
+QUIET_OPTIONS = {
+    "browser.gatherUsageStats": "false",
+    "server.showEmailPrompt": "false",
+    "logger.hideWelcomeMessage": "true",
+    "client.toolbarMode": "minimal",
+}
+
+
+def _env_name(option: str) -> str:
+    """Streamlit's environment variable for a config option: ``server.showEmailPrompt`` -> ``STREAMLIT_SERVER_SHOW_EMAIL_PROMPT``."""
+    section, name = option.split(".")
+    snake = "".join(f"_{c}" if c.isupper() else c for c in name).upper()
+    return f"STREAMLIT_{section.upper()}_{snake}"
+
+
+def can_open_browser() -> bool:
+    """Whether a web browser can be opened here: a display on Linux, and a browser Python knows of."""
+    if sys.platform.startswith("linux") and not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):
+        return False
+    try:
+        webbrowser.get()
+    except webbrowser.Error:
+        return False
+    return True
 
 
 def streamlit_command(port: int, *, headless: bool = True) -> list[str]:
-    """The ``streamlit run`` command line for the app on ``127.0.0.1:port``."""
-    if not isinstance(port, int) or not 1 <= port <= 65535:
+    """The ``streamlit run`` command line for the app on ``127.0.0.1:port``, with no prompt and no telemetry."""
+    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
         raise ValueError(f"port must be an int in [1, 65535], got {port!r}")
-    return [
-        sys.executable, "-m", "streamlit", "run", str(APP),
+    command = [
+        sys.executable, "-m", "dashboard.launch", "run", str(APP),  # streamlit run, imports warmed early
         "--server.address", "127.0.0.1",
         "--server.port", str(port),
         "--server.headless", "true" if headless else "false",
-        "--browser.gatherUsageStats", "false",
-        "--client.toolbarMode", "minimal",
         "--browser.serverAddress", "127.0.0.1",
     ]
+    for option, value in QUIET_OPTIONS.items():
+        command += [f"--{option}", value]
+    return command
 
 
 def streamlit_env(path: str | Path) -> dict[str, str]:
-    """The environment for the server: the runs' path, and this checkout first on ``PYTHONPATH``."""
+    """The environment for the server: the runs' path, the quiet options, and this copy first on ``PYTHONPATH``."""
     root = str(REPO_ROOT)
     existing = os.environ.get("PYTHONPATH", "")
     return {
         **os.environ,
+        **{_env_name(option): value for option, value in QUIET_OPTIONS.items()},
         ENV_PATH: str(Path(path).resolve()),
         "PYTHONPATH": root + (os.pathsep + existing if existing else ""),
     }
 
 
-def serve(path: str | Path, port: int, *, open_browser: bool = True) -> int:
-    """Run the dashboard on ``path`` until interrupted (Ctrl-C); returns Streamlit's exit status."""
-    command = streamlit_command(port, headless=not open_browser)
-    print(f"logitscope dashboard: http://127.0.0.1:{port}  (runs from {Path(path).resolve()}; Ctrl-C to stop)")
+def _stop(child: subprocess.Popen[Any], timeout: float = 10.0) -> int:
+    """Stop the server (SIGTERM, then SIGKILL after ``timeout`` s) and return its exit status."""
+    if child.poll() is None:
+        child.terminate()
+        try:
+            child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+    return int(child.returncode)
+
+
+def _wait_until_up(child: subprocess.Popen[Any], port: int, timeout: float = 60.0) -> bool:
+    """Poll the server's health endpoint until it answers (True), it exits or ``timeout`` s pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and child.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=1) as response:
+                if response.status == 200:
+                    return True
+        except OSError:
+            time.sleep(0.2)
+    return False
+
+
+class Server:
+    """A running dashboard server (see :func:`start`): ``url``, ``open_browser()``, ``wait()``."""
+
+    def __init__(self, child: subprocess.Popen[Any], port: int) -> None:
+        self.child = child
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+
+    def open_browser(self) -> None:
+        """Open the page in a browser, once the server answers, where a browser can be opened."""
+        if can_open_browser() and _wait_until_up(self.child, self.port):
+            webbrowser.open(self.url)
+
+    def wait(self) -> int:
+        """Block until the server exits; its exit status."""
+        return int(self.child.wait())
+
+
+@contextmanager
+def start(path: str | Path, port: int) -> Iterator[Server]:
+    """Start the (headless) server on ``path`` at ``127.0.0.1:port``; it is stopped when the block ends.
+
+    Within the block, SIGTERM is turned into ``KeyboardInterrupt`` like
+    Ctrl-C, so that stopping this process (a service manager, ``kill``) also
+    stops the server instead of leaving it holding the port.
+    """
+    command = streamlit_command(port, headless=True)
+    child = subprocess.Popen(command, env=streamlit_env(path), stdin=subprocess.DEVNULL)
+
+    def on_signal(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
     try:
-        return subprocess.call(command, env=streamlit_env(path))
+        yield Server(child, port)
+    finally:
+        _stop(child)  # on a signal, an error or the normal end alike: never leave the server behind
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def announce(path: str | Path, port: int) -> None:
+    print(f"logitscope dashboard: http://127.0.0.1:{port}  (runs from {Path(path).resolve()}; Ctrl-C to stop)", flush=True)
+
+
+def serve(path: str | Path, port: int, *, open_browser: bool = True) -> int:
+    """Run the dashboard on ``path`` until it exits or this process gets Ctrl-C or SIGTERM.
+
+    The server always runs headless; the browser, when asked for and when one
+    can be opened here, is opened by this process once the server answers.
+    Returns the server's exit status (0 when stopped by a signal).
+    """
+    announce(path, port)
+    try:
+        with start(path, port) as server:
+            if open_browser:
+                server.open_browser()
+            return server.wait()
     except KeyboardInterrupt:
         return 0

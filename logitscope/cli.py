@@ -1,8 +1,11 @@
-"""The ``logitscope`` command line: a thin layer over sampling, the demo model and the dashboard.
+"""The ``logitscope`` command line: a thin layer over sampling, the tracker, the demo model and the dashboard.
 
     logitscope demo                      # record sample runs with the demo model, open the dashboard
     logitscope dashboard [PATH]          # the dashboard on a run or a folder of runs
-    logitscope run --prompt "Call " --temperature 0.8 --seed 1
+    logitscope run --prompt "Call " --regex "\\(\\d{3}\\) \\d{3}-\\d{4}" --out r.parquet
+
+Every mistake in the arguments ends in one line naming the argument and what
+is allowed, after the usage of the subcommand concerned (exit status 2).
 """
 
 from __future__ import annotations
@@ -10,10 +13,74 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Iterator, NoReturn, Sequence
+
+from logitscope import __version__
+
+STORAGE_MODES = ("float32", "float16", "bfloat16", "topk")
+DEMO_MODEL_NAME = "logitscope demo model"
+
+
+def _fail(parser: argparse.ArgumentParser, argument: str | None, message: Any) -> NoReturn:
+    """Exit with the subcommand's usage and one line: ``argument X: message`` (status 2)."""
+    text = " ".join(str(message).split())  # library messages may span lines (grammar carets): keep one line
+    parser.error(f"argument {argument}: {text}" if argument else text)
+
+
+# ---------------------------------------------------------------- argument types
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port number in [1, 65535], got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [1, 65535], got {value}")
+    return value
+
+
+def _device(text: str) -> str:
+    """``cpu``, ``cuda``, ``cuda:N`` or ``mps``, and only one this torch build can use."""
+    import torch
+
+    allowed = "cpu, cuda, cuda:N or mps"
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use {allowed}") from None
+    if device.type == "cpu":
+        return text
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is a CPU-only build" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise argparse.ArgumentTypeError(f"{text!r} is not available ({why}); use cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text!r}: there are {torch.cuda.device_count()} CUDA devices")
+        return text
+    if device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise argparse.ArgumentTypeError(f"{text!r} is not available on this machine; use cpu")
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not supported; use {allowed}")
+
+
+# ---------------------------------------------------------------- run
 
 
 def _prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
@@ -21,10 +88,10 @@ def _prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[
     if args.prompt_file is not None:
         path = Path(args.prompt_file)
         if not path.is_file():
-            parser.error(f"argument --prompt-file: no file at '{path}'")
+            _fail(parser, "--prompt-file", f"no file at '{path}'")
         prompts += [line.rstrip("\n") for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not prompts:
-        parser.error("give at least one --prompt or a --prompt-file with one prompt per line")
+        _fail(parser, "--prompt", "give at least one --prompt or a --prompt-file with one prompt per line")
     return prompts
 
 
@@ -44,17 +111,74 @@ def _params(args: argparse.Namespace, parser: argparse.ArgumentParser):
         )
     except ValueError as exc:
         name = str(exc).split(" ", 1)[0]
-        parser.error(f"argument --{name.replace('_', '-')}: {exc}")
+        _fail(parser, f"--{name.replace('_', '-')}", exc)
 
 
-def _generator(model: str | None, device: str):
+def _read_text(parser: argparse.ArgumentParser, argument: str, file: str) -> str:
+    path = Path(file)
+    if not path.is_file():
+        _fail(parser, argument, f"no file at '{path}'")
+    return path.read_text(encoding="utf-8")
+
+
+def _constraints(args: argparse.Namespace, parser: argparse.ArgumentParser, tokenizer: Any) -> list[Any]:
+    """The processors the flags ask for, in order: the grammar (regex, JSON schema or Lark), then banned words."""
+    from processors import BadWordsLogitsProcessor, CFGLogitsProcessor, JSONLogitsProcessor, RegexLogitsProcessor
+
+    made: list[Any] = []
+    argument = ""
+    try:
+        if args.regex is not None:
+            argument = "--regex"
+            made.append(RegexLogitsProcessor(args.regex, tokenizer))
+        if args.json_schema is not None:
+            argument = "--json-schema"
+            text = _read_text(parser, argument, args.json_schema)
+            try:
+                schema = json.loads(text)
+            except json.JSONDecodeError as exc:
+                _fail(parser, argument, f"'{args.json_schema}' is not JSON ({exc})")
+            made.append(JSONLogitsProcessor(schema, tokenizer))
+        if args.grammar is not None:
+            argument = "--grammar"
+            made.append(CFGLogitsProcessor(_read_text(parser, argument, args.grammar), tokenizer, syntax=args.grammar_syntax))
+        if args.bad_words:
+            argument = "--bad-words"
+            made.append(BadWordsLogitsProcessor(args.bad_words, tokenizer))
+    except (ValueError, TypeError) as exc:
+        _fail(parser, argument, exc)
+    return made
+
+
+def _generator(args: argparse.Namespace, parser: argparse.ArgumentParser):
     from sampling import Generator
+    from sampling.generator import load_model
 
-    if model is None:
+    path = args.model
+    if path is None:
         from logitscope.demo_model import DEMO_MODEL_PATH
 
-        model = str(DEMO_MODEL_PATH)
-    return Generator.from_pretrained(model, device=device)
+        path = str(DEMO_MODEL_PATH)
+    try:
+        with _no_loading_bar():
+            model, tokenizer = load_model(path, device=args.device)
+    except FileNotFoundError as exc:
+        _fail(parser, "--model", exc)
+    return Generator(model, tokenizer, _constraints(args, parser, tokenizer) or None)
+
+
+@contextmanager
+def _no_loading_bar() -> Iterator[None]:
+    """Hide transformers' "Loading weights" bar (it prints twice when there is no terminal)."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _print_outputs(outputs, as_json: bool, out=None) -> None:
@@ -81,7 +205,9 @@ def _generate(gen, prompts: list[str], params, batch_size: int) -> list:
     from tqdm import tqdm
 
     outputs = []
-    with tqdm(total=len(prompts), desc="generating", unit="prompt", disable=len(prompts) <= 1, file=sys.stderr) as bar:
+    # a bar only where it can redraw itself: without a terminal it would print a line per update
+    quiet = len(prompts) <= batch_size or not sys.stderr.isatty()
+    with tqdm(total=len(prompts), desc="generating", unit="prompt", disable=quiet, file=sys.stderr) as bar:
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start : start + batch_size]
             # request indices count across the whole run, not per batch
@@ -90,25 +216,96 @@ def _generate(gen, prompts: list[str], params, batch_size: int) -> list:
     return outputs
 
 
+def _check_out_file(parser: argparse.ArgumentParser, out: str) -> Path:
+    path = Path(out)
+    if path.is_dir():
+        _fail(parser, "--out", f"'{path}' is a folder; give a file name such as run.parquet")
+    if not path.parent.is_dir():
+        _fail(parser, "--out", f"no folder '{path.parent}' to write '{path.name}' into")
+    return path
+
+
 def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     prompts = _prompts(args, parser)
     params = _params(args, parser)
-    try:
-        gen = _generator(args.model, args.device)
-    except FileNotFoundError as exc:
-        parser.error(f"argument --model: {exc}")
+    out = None
+    if args.out is not None:
+        out = _check_out_file(parser, args.out)
+    elif args.storage is not None or args.title is not None:
+        _fail(parser, "--storage" if args.storage is not None else "--title", "is only used with --out RUN.parquet")
+    gen = _generator(args, parser)
+    if out is not None:
+        from tracker import add_tracking
+
+        model_name = DEMO_MODEL_NAME if args.model is None else Path(args.model).resolve().name
+        add_tracking(gen, storage=args.storage or "float32", top_k=args.storage_top_k, model=model_name)
     outputs = _generate(gen, prompts, params, args.batch_size)
     _print_outputs(outputs, args.json)
+    if out is not None:
+        tracker = gen.logits_processor
+        extra = {"title": args.title} if args.title else {}
+        tracker.annotate(sampling=params.to_dict(), **extra)
+        tracker.to_parquet(out)
+        steps = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        print(f"wrote {out} ({steps} steps); open it with: logitscope dashboard {out}", file=sys.stderr)
     return 0
+
+
+# ---------------------------------------------------------------- demo and dashboard
+
+
+def _demo_text(text: str) -> str:
+    """A sample's text for the terminal: the end-of-text marker that starts some prompts is not shown."""
+    from logitscope.samples import EOT
+
+    return text.replace(EOT, "")
 
 
 def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import tempfile
 
-    from logitscope.samples import record
-    from logitscope.demo_model import load_demo_model
+    if args.out is not None:
+        out = Path(args.out)
+        if out.exists() and not out.is_dir():
+            _fail(parser, "--out", f"'{out}' is a file; give a folder (new, or one to add the runs to)")
+        temporary = False
+    elif args.no_serve:
+        _fail(parser, "--no-serve", "give --out FOLDER to keep the runs (without it they go to a temporary folder "
+              "that is removed when the dashboard stops)")
+    else:
+        out = Path(tempfile.mkdtemp(prefix="logitscope-demo-"))
+        temporary = True
+    try:
+        return _demo(args, out)
+    finally:
+        if temporary:
+            shutil.rmtree(out, ignore_errors=True)
 
-    out = Path(args.out) if args.out is not None else Path(tempfile.mkdtemp(prefix="logitscope-demo-"))
+
+def _demo(args: argparse.Namespace, out: Path) -> int:
+    if args.no_serve:
+        _record_demo(args, out)
+        print(f"Open them with: logitscope dashboard {out}")
+        return 0
+    from dashboard.serve import announce, start
+
+    try:
+        # the server starts while the runs are recorded (they are written whole, one by one);
+        # the page opens once they are all there
+        with start(out, args.port) as server:
+            _record_demo(args, out)
+            announce(out, args.port)
+            if not args.no_browser:
+                server.open_browser()
+            return server.wait()
+    except KeyboardInterrupt:
+        return 0
+
+
+def _record_demo(args: argparse.Namespace, out: Path) -> None:
+    from logitscope.demo_model import load_demo_model
+    from logitscope.samples import record
+
     model, tokenizer = load_demo_model(device=args.device)
     print("logitscope demo: the shipped demo model (a small GPT-2) generates a few runs, each recorded")
     print(f"by the tracker (what the model wanted, what the constraint did, what was sampled) into {out}\n")
@@ -116,14 +313,8 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"--- {done.recipe.title}: {done.recipe.description}")
         for generation in done.texts:
             for text in generation:
-                print(f"    {text!r}")
-    print()
-    if args.no_serve:
-        print(f"Open them with: logitscope dashboard {out}")
-        return 0
-    from dashboard.serve import serve
-
-    return serve(out, args.port, open_browser=not args.no_browser)
+                print(f"    {_demo_text(text)!r}")
+    print(flush=True)
 
 
 def cmd_dashboard(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -132,28 +323,19 @@ def cmd_dashboard(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
     path = Path(args.path) if args.path is not None else default_runs_path()
     if not path.exists():
-        where = "argument PATH" if args.path is not None else "the default sample_runs/"
-        parser.error(f"{where}: no run or folder at '{path}' (record runs with `logitscope demo`)")
+        if args.path is not None:
+            _fail(parser, "PATH", f"no run or folder at '{path}'; give a .parquet run or a folder of runs")
+        _fail(parser, None, f"the shipped sample runs are missing from '{path}'; give a PATH "
+              "(record runs with `logitscope demo --out FOLDER`)")
     return serve(path, args.port, open_browser=not args.no_browser)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port in [1, 65535], got {value}")
-    return value
+# ---------------------------------------------------------------- the parser
 
 
 def _serving_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--port", type=_port, default=8501, help="local port (default: 8501); the server listens on 127.0.0.1 only")
-    command.add_argument("--no-browser", action="store_true", help="start the server without opening a browser")
+    command.add_argument("--no-browser", action="store_true", help="do not open a browser (none is opened where none can be)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,9 +343,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="logitscope",
         description="See what happens to a language model's next-token distribution at every step.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    run = sub.add_parser("run", help="generate from a model and print the generations")
+    run = sub.add_parser("run", help="generate from a model, print the generations, and record them with --out",
+                         description="Generate from a model and print the generations; with --out, record every "
+                         "step into a run that `logitscope dashboard` opens.")
     run.add_argument("--model", default=None, help="a local model folder (default: the shipped demo model)")
     run.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     run.add_argument("--prompt-file", default=None, help="a text file with one prompt per line")
@@ -176,18 +361,35 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--n", type=int, default=1, help="samples per prompt")
     run.add_argument("--stop", action="append", help="a stop string (repeatable)")
     run.add_argument("--batch-size", type=_positive_int, default=8, help="prompts decoded together")
-    run.add_argument("--device", default="cpu", help="cpu or cuda")
+    run.add_argument("--device", type=_device, default="cpu", help="cpu (default), cuda, cuda:N or mps")
     run.add_argument("--json", action="store_true", help="print one JSON record per generation")
+    grammar = run.add_mutually_exclusive_group()
+    grammar.add_argument("--regex", default=None, metavar="PATTERN", help="constrain the output to a regular expression")
+    grammar.add_argument("--json-schema", default=None, metavar="FILE", help="constrain the output to the JSON schema in FILE")
+    grammar.add_argument("--grammar", default=None, metavar="FILE", help="constrain the output to the grammar in FILE")
+    run.add_argument("--grammar-syntax", choices=("lark", "gbnf"), default="lark", help="syntax of --grammar (default: lark)")
+    run.add_argument("--bad-words", action="append", metavar="WORD", help="a word the output must not contain (repeatable)")
+    run.add_argument("--out", default=None, metavar="RUN.parquet", help="record every step into this run file")
+    run.add_argument("--storage", choices=STORAGE_MODES, default=None,
+                     help="how --out keeps the distributions: the whole vocabulary as float32 (default), float16 or "
+                     "bfloat16, or only the best tokens (topk)")
+    run.add_argument("--storage-top-k", type=_positive_int, default=20, metavar="K", help="tokens kept per step with --storage topk (default: 20)")
+    run.add_argument("--title", default=None, help="the run's title in the dashboard (with --out)")
 
     demo = sub.add_parser("demo", help="record sample runs with the demo model and open the dashboard on them")
-    demo.add_argument("--device", default="cpu", help="cpu or cuda")
-    demo.add_argument("--out", default=None, help="folder for the runs (default: a new temporary folder)")
-    demo.add_argument("--no-serve", action="store_true", help="record the runs and exit, without starting the dashboard")
+    demo.add_argument("--device", type=_device, default="cpu", help="cpu (default), cuda, cuda:N or mps")
+    demo.add_argument("--out", default=None, metavar="FOLDER",
+                      help="folder for the runs (default: a temporary folder, removed when the dashboard stops)")
+    demo.add_argument("--no-serve", action="store_true", help="record the runs into --out and exit, without starting the dashboard")
     _serving_options(demo)
 
     dashboard = sub.add_parser("dashboard", help="open the dashboard on a run or a folder of runs")
-    dashboard.add_argument("path", nargs="?", default=None, help="a run file or a folder of runs (default: the shipped sample_runs/)")
+    dashboard.add_argument("path", nargs="?", default=None, metavar="PATH",
+                           help="a run file or a folder of runs (default: the shipped sample runs)")
     _serving_options(dashboard)
+
+    for name, command in (("run", run), ("demo", demo), ("dashboard", dashboard)):
+        command.set_defaults(handler=globals()[f"cmd_{name}"], command_parser=command)
     return parser
 
 
@@ -195,10 +397,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # logitscope never downloads: models come from local folders.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    commands = {"run": cmd_run, "demo": cmd_demo, "dashboard": cmd_dashboard}
-    return commands[args.command](args, parser)
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args, args.command_parser))
+    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM while serving): stop quietly, no traceback
+        return 130
 
 
 if __name__ == "__main__":

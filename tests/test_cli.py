@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
+from logitscope import __version__
 from logitscope.cli import main
+from tracker import Run
 
 
 def test_run_prints_generations(capsys):
@@ -42,19 +46,83 @@ def test_run_reads_a_prompt_file_and_prints_json(tmp_path, capsys):
         (["run"], "give at least one --prompt"),
         (["run", "--prompt-file", "missing.txt"], "argument --prompt-file: no file at 'missing.txt'"),
         (["run", "--prompt", "a", "--batch-size", "0"], "must be >= 1, got 0"),
+        (["run", "--prompt", "a", "--device", "tpu"], "argument --device: 'tpu' is not a device; use cpu, cuda, cuda:N or mps"),
+        (["run", "--prompt", "a", "--regex", "("], "argument --regex: pattern: the regex '(' cannot be compiled"),
+        (["run", "--prompt", "a", "--json-schema", "none.json"], "argument --json-schema: no file at 'none.json'"),
+        (["run", "--prompt", "a", "--grammar", "none.lark"], "argument --grammar: no file at 'none.lark'"),
+        (["run", "--prompt", "a", "--bad-words", ""], "argument --bad-words: words[0] must be a non-empty string"),
+        (["run", "--prompt", "a", "--storage", "topk"], "argument --storage: is only used with --out RUN.parquet"),
+        (["run", "--prompt", "a", "--storage", "int8", "--out", "r.parquet"], "argument --storage: invalid choice: 'int8'"),
+        (["run", "--prompt", "a", "--regex", "a", "--grammar", "g.lark"], "argument --grammar: not allowed with argument --regex"),
+        (["run", "--prompt", "a", "--out", "no/such/folder/r.parquet"], "argument --out: no folder 'no/such/folder'"),
     ],
 )
-def test_bad_arguments_exit_with_a_clear_message(args, message, capsys):
+def test_bad_arguments_exit_with_one_line_after_the_subcommand_usage(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(args)
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.startswith("usage: logitscope run") and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("logitscope run: error: argument ")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a torch build without CUDA")
+def test_cuda_on_a_cpu_build_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--prompt", "a", "--device", "cuda"])
+    assert "argument --device: 'cuda' is not available" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"logitscope {__version__}"
+
+
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
+
+
+def test_run_out_records_a_regex_constrained_run(tmp_path, capsys):
+    out = tmp_path / "r.parquet"
+    assert main(["run", "--prompt", "Call ", "--regex", PHONE, "--out", str(out), "--title", "My phone"]) == 0
+    printed = capsys.readouterr()
+    text = printed.out.splitlines()[0].removeprefix("[0] Call ")
+    assert re.fullmatch(PHONE, text), text
+    run = Run.load(out)
+    assert run.stages == ["natural", "constrained", "sampled"] and run.metadata.extra["title"] == "My phone"
+    assert re.fullmatch(PHONE, run.sequence().removesuffix("<|endoftext|>"))
+    assert run.metadata.model == "logitscope demo model" and run.metadata.storage == "float32"
+    assert f"logitscope dashboard {out}" in printed.err
+
+
+def test_run_out_with_a_json_schema_a_grammar_bad_words_and_top_k_storage(tmp_path, capsys):
+    schema = tmp_path / "city.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"city": {"enum": ["Lyon", "Oslo"]}},
+                                  "required": ["city"], "additionalProperties": False}))
+    out = tmp_path / "json.parquet"
+    assert main(["run", "--prompt", "<|endoftext|>", "--json-schema", str(schema), "--out", str(out),
+                 "--storage", "topk", "--storage-top-k", "5", "--max-new-tokens", "20"]) == 0
+    record = json.loads(capsys.readouterr().out.splitlines()[0].removeprefix("[0] <|endoftext|>"))
+    assert record["city"] in ("Lyon", "Oslo")
+    run = Run.load(out)
+    assert run.metadata.storage == "topk" and run.metadata.top_k == 5
+
+    grammar = tmp_path / "sum.lark"
+    grammar.write_text('start: NUMBER " + " NUMBER\nNUMBER: /[0-9]{1,2}/\n')
+    out = tmp_path / "sum.parquet"
+    assert main(["run", "--prompt", "<|endoftext|>", "--grammar", str(grammar), "--bad-words", "7",
+                 "--out", str(out), "--storage", "float16", "--max-new-tokens", "10"]) == 0
+    line = capsys.readouterr().out.splitlines()[0].removeprefix("[0] <|endoftext|>")
+    assert re.fullmatch(r"[0-9]{1,2} \+ [0-9]{1,2}", line) and "7" not in line, line
+    assert Run.load(out).metadata.storage == "float16"
 
 
 def test_demo_prints_sensible_text(tmp_path, capsys):
     assert main(["demo", "--no-serve", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "--- JSON record (schema)" in out and '"age"' in out
+    assert "<|endoftext|>" not in out  # some prompts start with the marker; the texts shown do not
     assert f"logitscope dashboard {tmp_path}" in out
     assert len(list(tmp_path.glob("*.parquet"))) == 8
 
@@ -70,3 +138,4 @@ def test_console_script_runs_offline():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("[0] Call ")
+    assert "Loading weights" not in result.stderr  # no progress bar printed line by line without a terminal

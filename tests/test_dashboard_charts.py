@@ -161,7 +161,7 @@ def test_timelines_have_one_panel_per_statistic_and_mark_the_current_step(reader
 def test_timelines_say_when_the_storage_cannot_tell(reader):
     stats = pd.DataFrame({"position": [0, 1], "chosen_token": ["a", "b"], "entropy_natural": [np.nan, np.nan],
                           "p_chosen_natural": [0.5, 0.4], "removed_mass": [np.nan, np.nan]})
-    fig = charts.timelines(stats, ["natural"])
+    fig = charts.timelines(stats, ["natural", "constrained"])  # a constrained run: it has the constraint's panels
     notes = [a.text for a in fig.layout.annotations]
     assert notes.count("not known in this run's storage") == 2 and notes.count("not recorded") == 2
 

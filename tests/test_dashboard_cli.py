@@ -1,8 +1,16 @@
-"""logitscope dashboard / demo: the server command (localhost, port, path) and the recorded runs."""
+"""logitscope dashboard / demo: the server command (localhost, port, path), the recorded runs, and the real server."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import signal
+import socket
 import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -14,16 +22,22 @@ from logitscope.cli import main
 
 @pytest.fixture
 def started(monkeypatch):
-    """Calls to the Streamlit server, recorded instead of started."""
+    """Servers asked for: their command and environment are recorded, and a process that exits at once runs instead."""
     calls = []
-    monkeypatch.setattr(subprocess, "call", lambda command, env: calls.append((command, env)) or 0)
+    real_popen = subprocess.Popen
+
+    def popen(command, env, **kwargs):
+        calls.append((command, env))
+        return real_popen([sys.executable, "-c", "pass"], env=env, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
     return calls
 
 
 def test_dashboard_serves_the_path_on_localhost_at_the_port(tmp_path, started, capsys):
     assert main(["dashboard", str(tmp_path), "--port", "8765", "--no-browser"]) == 0
     (command, env), = started
-    assert command[1:4] == ["-m", "streamlit", "run"] and command[4].endswith("dashboard/app.py")
+    assert command[1:4] == ["-m", "dashboard.launch", "run"] and command[4].endswith("dashboard/app.py")
     assert command[command.index("--server.address") + 1] == "127.0.0.1"
     assert command[command.index("--server.port") + 1] == "8765"
     assert command[command.index("--server.headless") + 1] == "true"
@@ -36,7 +50,31 @@ def test_dashboard_defaults_to_the_shipped_sample_runs(started):
     (command, env), = started
     assert env[ENV_PATH] == str(default_runs_path().resolve())
     assert command[command.index("--server.port") + 1] == "8501"
-    assert command[command.index("--server.headless") + 1] == "false"
+    # always headless: logitscope opens the browser itself, where one can be opened
+    assert command[command.index("--server.headless") + 1] == "true"
+
+
+def test_the_server_never_prompts_nor_collects_usage_statistics(tmp_path, started):
+    assert main(["dashboard", str(tmp_path)]) == 0
+    (command, env), = started
+    assert command[command.index("--browser.gatherUsageStats") + 1] == "false"
+    assert command[command.index("--server.showEmailPrompt") + 1] == "false"
+    assert command[command.index("--logger.hideWelcomeMessage") + 1] == "true"  # no advertising, no skills pop-up
+    assert env["STREAMLIT_SERVER_SHOW_EMAIL_PROMPT"] == "false" and env["STREAMLIT_BROWSER_GATHER_USAGE_STATS"] == "false"
+
+
+def test_the_default_path_finds_sample_runs_in_a_checkout_and_in_an_installed_package(tmp_path):
+    runs = sorted(p.name for p in default_runs_path().glob("*.parquet"))
+    assert "regex_phone.parquet" in runs and len(runs) >= 8
+    # an installed wheel: site-packages holds dashboard/ and logitscope/sample_runs/ (setup.py copies them there)
+    site = tmp_path / "site-packages"
+    (site / "dashboard").mkdir(parents=True)
+    (site / "logitscope" / "sample_runs").mkdir(parents=True)
+    (site / "dashboard" / "paths.py").write_bytes(Path(serve.__file__).with_name("paths.py").read_bytes())
+    spec = importlib.util.spec_from_file_location("installed_paths", site / "dashboard" / "paths.py")
+    installed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(installed)
+    assert installed.default_runs_path() == site / "logitscope" / "sample_runs"
 
 
 @pytest.mark.parametrize(
@@ -45,13 +83,29 @@ def test_dashboard_defaults_to_the_shipped_sample_runs(started):
         (["dashboard", "no/such/runs"], "argument PATH: no run or folder at 'no/such/runs'"),
         (["dashboard", "--port", "70000"], "must be a port in [1, 65535], got 70000"),
         (["demo", "--port", "0"], "must be a port in [1, 65535], got 0"),
+        (["dashboard", "--port", "abc"], "argument --port: must be a port number in [1, 65535], got 'abc'"),
+        (["demo", "--device", "tpu"], "argument --device: 'tpu' is not a device; use cpu, cuda, cuda:N or mps"),
+        (["demo", "--no-serve"], "argument --no-serve: give --out FOLDER"),
     ],
 )
 def test_bad_dashboard_arguments_exit_with_a_clear_message(args, message, started, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(args)
-    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err
+    command = args[0]
+    assert err.startswith(f"usage: logitscope {command}") and err.strip().splitlines()[-1].startswith(f"logitscope {command}: error: ")
     assert not started
+
+
+def test_demo_refuses_a_file_as_its_folder(tmp_path, started, capsys):
+    existing = tmp_path / "runs.parquet"
+    existing.write_bytes(b"mine")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--out", str(existing)])
+    assert exit_info.value.code == 2
+    assert f"argument --out: '{existing}' is a file; give a folder" in capsys.readouterr().err
+    assert existing.read_bytes() == b"mine" and not started
 
 
 def test_streamlit_command_checks_the_port():
@@ -68,3 +122,77 @@ def test_demo_records_the_sample_runs_then_opens_the_dashboard_on_them(tmp_path,
     run = tracker.Run.load(tmp_path / "regex_phone.parquet")
     assert run.stages == ["natural", "constrained", "sampled"] and run.metadata.extra["title"] == "Phone number (regex)"
     assert run.sequence().startswith("(") and run.metadata.model == "logitscope demo model"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_healthy(port: int, process: subprocess.Popen, seconds: float) -> float:
+    """Seconds until the server answers its health check (fails if the command exits or time runs out)."""
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        assert process.poll() is None, f"the command exited with {process.returncode}"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=1) as response:
+                if response.status == 200:
+                    return time.monotonic() - start
+        except OSError:
+            time.sleep(0.3)
+    raise AssertionError(f"no dashboard on port {port} after {seconds} s")
+
+
+def _port_is_free(port: int, seconds: float = 5.0) -> bool:
+    """Whether nothing listens on the port any more (within a few seconds of being asked to stop)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except ConnectionRefusedError:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
+def test_demo_without_a_terminal_serves_then_stops_its_server_and_removes_its_folder(tmp_path):
+    """`logitscope demo </dev/null` as a service would run it: no prompt, a server, and nothing left after SIGTERM."""
+    port = _free_port()
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp), "HOME": str(tmp_path), "DISPLAY": ""}  # a fresh user, no display
+    log = tmp_path / "log.txt"
+    with open(log, "wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "logitscope", "demo", "--port", str(port)], env=env,
+                                   stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+        try:
+            _wait_healthy(port, process, 240)  # recording the eight runs comes first
+            assert [p.name for p in temp.iterdir()][0].startswith("logitscope-demo-")
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(30) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+    text = log.read_text(errors="replace")
+    assert "Email" not in text and "gatherUsageStats" not in text and "streamlit skills" not in text, text
+    assert "<|endoftext|>" not in text
+    assert _port_is_free(port), "the Streamlit server still holds the port"
+    assert list(temp.iterdir()) == [], "the demo left its temporary folder behind"
+
+
+def test_sigterm_to_the_dashboard_stops_the_server(tmp_path):
+    port = _free_port()
+    env = {**os.environ, "HOME": str(tmp_path), "DISPLAY": ""}
+    process = subprocess.Popen([sys.executable, "-m", "logitscope", "dashboard", str(default_runs_path()), "--port",
+                                str(port)], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    try:
+        _wait_healthy(port, process, 60)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert _port_is_free(port), "the Streamlit server outlived `logitscope dashboard`"

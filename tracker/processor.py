@@ -218,6 +218,13 @@ def _delegate(method: Any) -> Any:
     return call
 
 
+_BEAMS = (
+    "beam search (num_beams > 1) is not tracked: the tracker records rows by position and beam search reorders "
+    "its beams at every step, so the recorded rows are not sequences. Track greedy or sampled generation "
+    "(num_beams=1); for several candidates per prompt use do_sample=True with num_return_sequences"
+)
+
+
 class LogitTrackingProcessor(LogitsProcessor):
     """Record the logits before and after a wrapped processor, and the chosen tokens.
 
@@ -476,6 +483,8 @@ class LogitTrackingProcessor(LogitsProcessor):
             if len(rows) != gen.batch:
                 raise ValueError(f"output holds {len(rows)} completions, the tracked batch had {gen.batch} rows")
             return [int(r[gen.last_step]) if len(r) > gen.last_step else -1 for r in rows]
+        if getattr(output, "beam_indices", None) is not None:
+            raise ValueError(f"finish(output): {_BEAMS}")
         sequences = getattr(output, "sequences", output)
         if isinstance(sequences, np.ndarray):
             sequences = torch.from_numpy(sequences)
@@ -490,6 +499,7 @@ class LogitTrackingProcessor(LogitsProcessor):
                 f"output sequences have shape {tuple(sequences.shape)}, but the tracked generation has "
                 f"{gen.batch} rows and its last step {gen.last_step} is column {column} (prompt length "
                 f"{gen.prompt_length}); pass the output of the generate() call that was tracked"
+                + (f" (if it ran with num_beams > 1: {_BEAMS})" if sequences.shape[0] < gen.batch else "")
             )
         return sequences[:, column]
 

@@ -27,7 +27,8 @@ except BadRunError as exc:
     st.stop()
 
 stages = picked.summary.stages.split(", ")
-options = [label for label, (column, _) in COLOR_METRICS.items() if column in view.stats.columns]
+options = [label for label, (column, _) in COLOR_METRICS.items()
+           if column in view.stats.columns and (column != "removed_mass" or "constrained" in stages)]
 metric = st.radio("Colour tokens by", options, horizontal=True, key="overview_metric")
 column = COLOR_METRICS[metric][0]
 st.html(text.token_text_html(view.tokens, view.stats[column].to_numpy(), column,
@@ -36,9 +37,12 @@ st.html(text.legend_html(metric))
 st.caption("Hover a token to see the model's alternatives at that step.")
 
 left, right = st.columns(2)
-removed = view.stats["removed_mass"].mean() if "removed_mass" in view.stats else float("nan")
 left.metric("Steps", f"{track.length:,}")
-right.metric("Mean mass removed by the constraint", "—" if removed != removed else f"{removed:.1%}")
+if "constrained" in stages:
+    removed = view.stats["removed_mass"].mean() if "removed_mass" in view.stats else float("nan")
+    right.metric("Mean mass removed by the constraint", "—" if removed != removed else f"{removed:.1%}")
+else:
+    right.metric("Constraint", "none")
 st.plotly_chart(charts.timelines(view.stats, stages, title="Step by step"), key="timelines", width="stretch")
 heat_stage = st.radio("Heatmap of", stages, horizontal=True, key="heat_stage", format_func=lambda s: charts.STAGE_NAMES.get(s, s))
 st.plotly_chart(

@@ -39,7 +39,14 @@ table = pd.DataFrame(
         "MB": [round(s.size_bytes / 2**20, 2) for s in good],
     }
 )
-st.dataframe(table, hide_index=True, width="stretch")
+narrow = st.column_config.Column(width="small")
+st.dataframe(
+    table, hide_index=True, width="stretch",
+    column_config={  # fits the page: long texts are cut (hover shows them whole), numbers stay narrow
+        **{name: narrow for name in ("file", "model", "steps", "sequences", "generations", "date", "storage", "MB")},
+        **{name: st.column_config.TextColumn(width="medium") for name in ("run", "prompt", "processors", "sampling")},
+    },
+)
 for bad in (s for s in summaries if s.error is not None):
     widgets.show_bad_run(bad.label, bad.error)
 
