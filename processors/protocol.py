@@ -235,6 +235,18 @@ class LogitsProcessor(abc.ABC):
         """
 
     @property
+    def wants_prefill_logits(self) -> bool:
+        """True when the processor wants :meth:`on_prefill` (the host then keeps every prompt position's logits)."""
+        return False
+
+    def on_prefill(self, logits: torch.Tensor, ctx: BatchContext) -> None:
+        """Hear the prefill logits ``[B, L, V]`` (every prompt position, left padding included), once per generation.
+
+        Hosts that can (logitscope's ``Generator``) call it before the first
+        step when :attr:`wants_prefill_logits` is True. Default: nothing.
+        """
+
+    @property
     def name(self) -> str:
         return type(self).__name__
 
@@ -317,6 +329,15 @@ class ProcessorList(LogitsProcessor):
     def on_sampled(self, tokens: torch.Tensor, ctx: BatchContext) -> None:
         for processor in self.processors:
             processor.on_sampled(tokens, ctx)
+
+    @property
+    def wants_prefill_logits(self) -> bool:
+        return any(p.wants_prefill_logits for p in self.processors)
+
+    def on_prefill(self, logits: torch.Tensor, ctx: BatchContext) -> None:
+        for processor in self.processors:
+            if processor.wants_prefill_logits:
+                processor.on_prefill(logits, ctx)
 
     def __repr__(self) -> str:
         return f"ProcessorList([{', '.join(repr(p) for p in self.processors)}])"
