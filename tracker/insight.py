@@ -151,3 +151,9 @@ class Insight:
     def why(self, position: int, *, sequence: int = 0, generation: int = -1) -> pd.DataFrame:
         """Which stage changed the chosen token and the model's favourite at ``position`` (see :func:`tracker.stages.why`)."""
         return why(self, position, sequence=sequence, generation=generation)
+
+    def diff(self, other: Any, **options: Any) -> Any:
+        """This run compared with ``other`` step by step (see :func:`tracker.compare.compare`)."""
+        from tracker.compare import compare
+
+        return compare(self, other, **options)
