@@ -157,3 +157,30 @@ class Insight:
         from tracker.compare import compare
 
         return compare(self, other, **options)
+
+    def view(self, generation: int = -1, sequence: int = 0) -> Any:
+        """One sequence, shown in a notebook as coloured text with hover details and a top-k table."""
+        from tracker.display import SequenceView
+
+        self._select(generation, sequence, False)  # type: ignore[attr-defined]
+        return SequenceView(self, generation, sequence)
+
+    def step(self, position: int, *, generation: int = -1, sequence: int = 0, k: int = 10) -> Any:
+        """One step, shown in a notebook as its top-``k`` table and chart; ``.why()`` explains it."""
+        from tracker.display import StepView, step_html
+
+        view = StepView(self, position, generation, sequence, k)
+        step_html(self, position, generation=generation, sequence=sequence, k=k)  # checks the arguments now
+        return view
+
+    def show(self, step: int | None = None, *, generation: int = -1, sequence: int = 0, k: int = 10) -> Any:
+        """Draw a step's replay chart (or, with ``step=None``, the sequence) inline in a notebook; returns the view."""
+        from tracker.display import show
+
+        return show(self.view(generation, sequence) if step is None else
+                    self.step(step, generation=generation, sequence=sequence, k=k))
+
+    def _repr_html_(self) -> str:
+        from tracker.display import run_html
+
+        return run_html(self)
