@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from logitscope.cli import main
+from logitscope.samples import RECIPES
 
 
 def test_run_prints_generations(capsys):
@@ -56,7 +57,7 @@ def test_demo_prints_sensible_text(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "--- JSON record (schema)" in out and '"age"' in out
     assert f"logitscope dashboard {tmp_path}" in out
-    assert len(list(tmp_path.glob("*.parquet"))) == 8
+    assert len(list(tmp_path.glob("*.parquet"))) == len(RECIPES)
 
 
 def test_console_script_runs_offline():

@@ -122,13 +122,14 @@ def why(run: Any, position: int, *, sequence: int = 0, generation: int = -1) -> 
     chosen = int(sel.chosen[i])
     tokens = [("chosen", chosen)] if chosen >= 0 else []
     tokens.append(("favourite", favourite))
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore"):
         logp = np.log(rows)
+        steps = np.diff(logp, axis=0)  # -inf minus -inf (masked twice) is NaN: no change known
     ranks = (rows[:, None, :] > rows[:, [t for _, t in tokens]][:, :, None]).sum(axis=2)  # [S, tokens]
     out = []
     for j, (role, token) in enumerate(tokens):
         values = logp[:, token]
-        change = np.concatenate([[math.nan], np.diff(values)])
+        change = np.concatenate([[math.nan], steps[:, token]])
         finite = np.where(np.isnan(change), -1.0, np.abs(np.nan_to_num(change, nan=0.0, posinf=np.inf, neginf=np.inf)))
         decisive = int(np.argmax(finite)) if finite.max() > 0 else -1
         known = ~np.isnan(values)
