@@ -27,6 +27,7 @@ import torch
 import tracker
 from dashboard.reader import StageRow, StepRow
 from dashboard.threads import one_torch_thread
+from tracker.compare import first_divergence  # one definition, shared with tracker.compare
 from tracker.vocab import Vocabulary
 
 __all__ = [
@@ -317,16 +318,6 @@ def token_pieces(vocab: Vocabulary, ids: Sequence[int] | np.ndarray) -> list[str
     """The text each token adds, in order (a character split across tokens shows with its last byte)."""
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     return [decoder.decode(vocab.token_bytes(int(i))) if int(i) >= 0 else "" for i in ids]
-
-
-def first_divergence(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int | None:
-    """The first index where two chosen-token lists differ (a length difference counts); None if equal."""
-    x, y = np.asarray(a), np.asarray(b)
-    n = min(x.size, y.size)
-    differ = np.nonzero(x[:n] != y[:n])[0]
-    if differ.size:
-        return int(differ[0])
-    return None if x.size == y.size else n
 
 
 def aligned(

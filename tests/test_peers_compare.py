@@ -90,3 +90,22 @@ def test_compare_rejects_bad_arguments(tiny_model, char_tokenizer):
         compare(run, run, top=0)
     with pytest.raises(ValueError, match=r"stages \['constrained'\] are not recorded by both runs"):
         compare(run, run, stages=["constrained"])
+
+
+def test_dashboard_figures_from_comparison_and_processor_stages(tiny_model, char_tokenizer):
+    from dashboard import charts
+    from processors import LogitBiasLogitsProcessor, PenaltiesLogitsProcessor
+
+    a, b = _run(tiny_model, char_tokenizer, 0), _run(tiny_model, char_tokenizer, 1)
+    result = compare(a, b)
+    fig = charts.distance_timeline(result.steps, result.stages, measure="tv", divergence=result.divergence)
+    assert [t.name for t in fig.data] == [charts.STAGE_NAMES["natural"], charts.STAGE_NAMES["sampled"]]
+    np.testing.assert_allclose(np.asarray(fig.data[0].y, dtype=float), result.steps["tv_natural"])
+    assert charts.removed_by_processor(a.stats()) is None
+    procs = [LogitBiasLogitsProcessor({7: float("-inf")}), PenaltiesLogitsProcessor(repetition_penalty=1.2)]
+    gen = add_tracking(Generator(tiny_model, char_tokenizer, procs), processor_stages=True)
+    gen.generate("My dog", SamplingParams(max_new_tokens=5))
+    stats = gen.logits_processor.stats()
+    fig = charts.removed_by_processor(stats)
+    assert [t.name for t in fig.data] == ["after:logit_bias", "after:penalties"]
+    np.testing.assert_allclose(np.asarray(fig.data[0].y, dtype=float), stats["removed_mass_after:logit_bias"])

@@ -40,6 +40,9 @@ removed = view.stats["removed_mass"].mean() if "removed_mass" in view.stats else
 left.metric("Steps", f"{track.length:,}")
 right.metric("Mean mass removed by the constraint", "—" if removed != removed else f"{removed:.1%}")
 st.plotly_chart(charts.timelines(view.stats, stages, title="Step by step"), key="timelines", width="stretch")
+by_processor = charts.removed_by_processor(view.stats, title="Mass removed by each processor")
+if by_processor is not None:
+    st.plotly_chart(by_processor, key="removed_by_processor", width="stretch")
 heat_stage = st.radio("Heatmap of", stages, horizontal=True, key="heat_stage", format_func=lambda s: charts.STAGE_NAMES.get(s, s))
 st.plotly_chart(
     charts.token_heatmap(view.heat[heat_stage], view.heat_chosen, stage=heat_stage,
