@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 import functools
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence
 
 import torch
 
@@ -307,6 +307,12 @@ class ProcessorList(LogitsProcessor):
         return self.processors[index]
 
     def process(self, logits: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+        return self.apply(logits, ctx)
+
+    def apply(
+        self, logits: torch.Tensor, ctx: BatchContext, each: Callable[[int, torch.Tensor], None] | None = None
+    ) -> torch.Tensor:
+        """:meth:`process`, handing each processor's checked output to ``each(position, out)`` (a tracker records it)."""
         for position, processor in enumerate(self.processors):
             label = f"{position} ({processor.name})"
             try:
@@ -316,6 +322,8 @@ class ProcessorList(LogitsProcessor):
             except Exception as exc:
                 raise ProcessorError(f"processor {label} raised {type(exc).__name__}: {exc}") from exc
             logits = check_logits(label, out, logits)
+            if each is not None:
+                each(position, logits)
         return logits
 
     def reset(self) -> None:

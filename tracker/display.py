@@ -19,9 +19,10 @@ from typing import Any
 
 import numpy as np
 
+from tracker.stages import step_probabilities
+
 __all__ = ["SequenceView", "StepView", "run_html", "sequence_html", "step_html", "step_svg"]
 
-_KEYS = {"natural": "unstructured", "constrained": "structured"}
 _STAGE_COLOURS = ("#4c78a8", "#f58518", "#54a24b", "#b279a2", "#e45756", "#72b7b2", "#9d755d")
 _MAX_TABLE_STEPS = 64
 _MAX_RUN_SEQUENCES = 8
@@ -96,18 +97,12 @@ def _compact_table(top: list[dict[str, Any]], probs: np.ndarray) -> str:
 
 def _step_rows(run: Any, position: int, generation: int, sequence: int, k: int):
     """The k tokens with the highest probability in any stage at one step: ids and ``{stage: probs}``."""
-    probs = run.get_probabilities(sequence=sequence, generation=generation, include_finished=True)
-    sel = run._select(generation, sequence, True)
-    where = {int(s): i for i, s in enumerate(sel.steps.tolist())}
-    if position not in where:
-        raise ValueError(f"position={position} was not recorded; recorded positions are 0..{sel.length - 1}")
-    i = where[position]
-    rows = {s: np.asarray(probs[_KEYS.get(s, s)][i], dtype=np.float64) for s in run.metadata.stages}
+    rows, chosen, i = step_probabilities(run, position, sequence=sequence, generation=generation)
     best = np.nanmax(np.stack(list(rows.values())), axis=0)
     best = np.where(np.isnan(best), -1.0, best)
     ids = np.argsort(-best, kind="stable")[: min(k, best.size)]
     ids = ids[best[ids] > 0]
-    return ids, rows, int(sel.chosen[i]), i
+    return ids, rows, chosen, i
 
 
 def step_svg(run: Any, position: int, *, generation: int = -1, sequence: int = 0, k: int = 10) -> str:

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from processors.protocol import BatchContext, LogitsProcessor, ProcessorError, ProcessorList, check_logits
+from processors.protocol import BatchContext, LogitsProcessor, ProcessorList
 
 __all__ = ["stage_names", "apply_recording", "resolve_stage", "why"]
 
@@ -64,18 +64,13 @@ def apply_recording(
     but the last (the caller records the final output as ``constrained``).
     It does not synchronise: recording is the recorder's copy.
     """
-    for position, processor in enumerate(processors):
-        label = f"{position} ({processor.name})"
-        try:
-            out = processor.process(logits, ctx)
-        except ProcessorError:
-            raise
-        except Exception as exc:
-            raise ProcessorError(f"processor {label} raised {type(exc).__name__}: {exc}") from exc
-        logits = check_logits(label, out, logits)
-        if position < len(processors) - 1:
-            record(position, logits)
-    return logits
+    last = len(processors) - 1
+
+    def each(position: int, out: torch.Tensor) -> None:
+        if position < last:
+            record(position, out)
+
+    return processors.apply(logits, ctx, each)
 
 
 def resolve_stage(stages: Sequence[str], aliases: dict[str, str], stage: str) -> str:
@@ -96,6 +91,20 @@ def display_stages(stages: Sequence[str], aliases: dict[str, str]) -> list[str]:
     return [back.get(s, s) for s in stages]
 
 
+def step_probabilities(run: Any, position: int, *, sequence: int = 0, generation: int = -1) -> tuple[dict[str, np.ndarray], int, int]:
+    """Every stage's probabilities at one step (float64 ``[V]``, NaN where top-k storage kept none),
+    the chosen token (-1 when unknown) and the step's index in the sequence."""
+    probs = run.get_probabilities(sequence=sequence, generation=generation, include_finished=True)
+    sel = run._select(generation, sequence, True)
+    where = {int(s): i for i, s in enumerate(sel.steps.tolist())}
+    if position not in where:
+        raise ValueError(f"position={position} was not recorded; recorded positions are 0..{sel.length - 1}")
+    i = where[position]
+    keys = {"natural": "unstructured", "constrained": "structured"}
+    rows = {s: np.asarray(probs[keys.get(s, s)][i], dtype=np.float64) for s in run.metadata.stages}
+    return rows, int(sel.chosen[i]), i
+
+
 def why(run: Any, position: int, *, sequence: int = 0, generation: int = -1) -> pd.DataFrame:
     """What each stage did to the chosen token and to the model's favourite at one step.
 
@@ -107,19 +116,12 @@ def why(run: Any, position: int, *, sequence: int = 0, generation: int = -1) -> 
     ``|change|`` for that token, none when nothing changed). In top-k
     storage a token outside a stage's stored top-k has NaN values there.
     """
-    probs = run.get_probabilities(sequence=sequence, generation=generation, include_finished=True)
-    sel = run._select(generation, sequence, True)
-    where = {int(s): i for i, s in enumerate(sel.steps.tolist())}
-    if position not in where:
-        raise ValueError(f"position={position} was not recorded; recorded positions are 0..{sel.length - 1}")
-    i = where[position]
-    stages = list(run.metadata.stages)
+    by_stage, chosen, _ = step_probabilities(run, position, sequence=sequence, generation=generation)
+    stages = list(by_stage)
     names = display_stages(stages, run.metadata.stage_aliases)
-    keys = {"natural": "unstructured", "constrained": "structured"}
-    rows = np.stack([probs[keys.get(s, s)][i] for s in stages]).astype(np.float64)  # [S, V]
+    rows = np.stack(list(by_stage.values()))  # [S, V]
     natural = rows[0]
     favourite = int(np.nanargmax(natural))
-    chosen = int(sel.chosen[i])
     tokens = [("chosen", chosen)] if chosen >= 0 else []
     tokens.append(("favourite", favourite))
     with np.errstate(divide="ignore", invalid="ignore"):
