@@ -90,3 +90,12 @@ def test_step_html_shows_the_recorded_probabilities(hostile_run):
 def test_step_view_rejects_unrecorded_positions(hostile_run):
     with pytest.raises(ValueError, match="position=99 was not recorded"):
         hostile_run.step(99)
+
+
+def test_the_tracker_answers_like_its_run(tiny_model, char_tokenizer):
+    gen = add_tracking(Generator(tiny_model, char_tokenizer))
+    gen.generate("ab", SamplingParams(max_new_tokens=4))
+    tracker = gen.logits_processor
+    assert tracker._repr_html_() == tracker.run._repr_html_()
+    assert tracker.why(1).equals(tracker.run.why(1))
+    assert tracker.diff(tracker.run).same

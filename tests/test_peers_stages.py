@@ -98,3 +98,26 @@ def test_processor_stages_accepts_transformers_lists_and_rejects_empty():
     assert tracker.run.metadata.stage_aliases == {"after:temperature": "constrained"}
     with pytest.raises(ValueError, match="processor_stages=True needs at least one processor"):
         LogitTrackingProcessor(ProcessorList([]), processor_stages=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_stages_and_prompt_on_cuda(tiny_model, char_tokenizer):
+    import copy
+
+    model = copy.deepcopy(tiny_model).cuda()
+    gen = add_tracking(Generator(model, char_tokenizer, _processors()), processor_stages=True, prompt_logprobs=True)
+    gen.generate(PROMPT, SamplingParams(max_new_tokens=8, temperature=0.9, seed=3))
+    run = gen.logits_processor.run
+    logits = run.get_logits()
+    chosen = run.stats()["chosen_id"].to_numpy()
+    prompt = [ord(c) for c in PROMPT]
+    first, second = _processors()
+    for step in range(len(chosen)):
+        ctx = BatchContext(input_ids=torch.tensor([prompt + [int(c) for c in chosen[:step]]]), prompt_length=len(prompt))
+        after_bias = first.process(torch.from_numpy(logits["unstructured"][step : step + 1]).clone(), ctx)
+        np.testing.assert_allclose(logits["after:logit_bias"][step], after_bias[0].numpy(), rtol=1e-6)
+        np.testing.assert_allclose(logits["structured"][step], second.process(after_bias, ctx)[0].numpy(), rtol=1e-6)
+    with torch.no_grad():
+        direct = torch.log_softmax(model(torch.tensor([prompt], device="cuda")).logits[0].double(), -1)
+    expected = direct[:-1].gather(1, torch.tensor(prompt[1:], device="cuda")[:, None])[:, 0].cpu().numpy()
+    np.testing.assert_allclose(run.prompt_logprobs()["logprob"][1:], expected, rtol=1e-4, atol=1e-5)

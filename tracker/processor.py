@@ -49,6 +49,7 @@ import torch
 from processors import BatchContext, LogitsProcessor, ProcessorError, as_processor
 from processors.protocol import check_logits
 from tracker.analysis import Analysis
+from tracker.insight import Insight
 from tracker.recorder import Recorder, StepRows, Storage
 from tracker.run import Run
 from tracker.prompt import prompt_logprobs, score_prompt
@@ -278,7 +279,7 @@ class LogitTrackingProcessor(LogitsProcessor):
         if processor_stages and processor is not None:
             processor, self._stage_names = per_processor(processor)
         self.processor: LogitsProcessor | None = None if processor is None else as_processor(processor)
-        self.prompt_logprobs = bool(prompt_logprobs)
+        self._records_prompt = bool(prompt_logprobs)
         if tokenizer is None:
             tokenizer = find_tokenizer(processor, getattr(self.processor, "fn", None))
         parsed = Storage.parse(storage, top_k)
@@ -416,11 +417,11 @@ class LogitTrackingProcessor(LogitsProcessor):
 
     @property
     def wants_prefill_logits(self) -> bool:  # type: ignore[override]
-        return self.prompt_logprobs or (self.processor is not None and self.processor.wants_prefill_logits)
+        return self._records_prompt or (self.processor is not None and self.processor.wants_prefill_logits)
 
     def on_prefill(self, logits: torch.Tensor, ctx: BatchContext) -> None:
         """Keep the prompt's log-probabilities for the coming generation (see :mod:`tracker.prompt`)."""
-        if self.prompt_logprobs:
+        if self._records_prompt:
             self._shared.pending_prompt = prompt_logprobs(logits, ctx.input_ids, ctx.attention_mask)
         if self.processor is not None and self.processor.wants_prefill_logits:
             self.processor.on_prefill(logits, ctx)
@@ -651,4 +652,11 @@ class LogitTrackingProcessor(LogitsProcessor):
     continuation_probability = _delegate(Analysis.continuation_probability)
     generations = _delegate(Analysis.generations)
     sequences = _delegate(Analysis.sequences)
+    why = _delegate(Insight.why)
+    diff = _delegate(Insight.diff)
+    perplexity = _delegate(Insight.perplexity)
+    view = _delegate(Insight.view)
+    step = _delegate(Insight.step)
+    show = _delegate(Insight.show)
+    _repr_html_ = _delegate(Insight._repr_html_)
 
