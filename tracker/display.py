@@ -78,18 +78,17 @@ def sequence_html(run: Any, generation: int = -1, sequence: int = 0, *, alternat
             f'<span class="ls-tok" style="background:{_colour(p)}" title="{_e(chr(10).join(lines))}">{_e(_shown(token))}</span>'
         )
     parts.append("</div>")
-    parts.append(_compact_table(top[:_MAX_TABLE_STEPS], probs))
+    parts.append(_compact_table(top[:_MAX_TABLE_STEPS], chosen, probs))
     if len(top) > _MAX_TABLE_STEPS:
         parts.append(f"<p>… {len(top) - _MAX_TABLE_STEPS} more steps (see <code>get_top_tokens</code>)</p>")
     return "".join(parts)
 
 
-def _compact_table(top: list[dict[str, Any]], probs: np.ndarray) -> str:
+def _compact_table(top: list[dict[str, Any]], chosen: list[str | None], probs: np.ndarray) -> str:
     rows = ['<table class="ls-table"><tr><th>step</th><th>chosen</th><th>p</th><th>best alternatives</th></tr>']
     for i, entry in enumerate(top):
-        chosen = next((t for t in entry["tokens"] if t["is_chosen"]), None)
         others = ", ".join(f"{_e(repr(t['token']))} {t['structured_prob']:.2f}" for t in entry["tokens"] if not t["is_chosen"])
-        name = _e(repr(chosen["token"])) if chosen else "—"
+        name = _e(repr(chosen[i])) if i < len(chosen) and chosen[i] is not None else "—"
         rows.append(f"<tr><td>{entry['position']}</td><td>{name}</td><td>{_fmt(probs[i])}</td><td>{others}</td></tr>")
     rows.append("</table>")
     return "".join(rows)
@@ -111,6 +110,8 @@ def step_svg(run: Any, position: int, *, generation: int = -1, sequence: int = 0
     names = _display_names(run)
     stages = list(rows)
     bar, gap, label_w, width = 9, 6, 150, 300
+    peak = max([float(np.nanmax(rows[s][ids])) for s in stages if ids.size and not np.isnan(rows[s][ids]).all()] or [1.0])
+    scale = width / max(peak, 1e-12)  # the longest bar fills the width
     height = len(ids) * (bar * len(stages) + gap) + 24 + 16 * len(stages)
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{label_w + width + 60}" height="{height}" '
            'font-family="monospace" font-size="11">']
@@ -121,7 +122,7 @@ def step_svg(run: Any, position: int, *, generation: int = -1, sequence: int = 0
         out.append(f'<text x="0" y="{y + bar * len(stages) / 2 + 4:.0f}"{weight}>{_e(text)}</text>')
         for s, stage in enumerate(stages):
             p = rows[stage][token]
-            w = 0.0 if p != p else p * width
+            w = 0.0 if p != p else p * scale
             out.append(f'<rect x="{label_w}" y="{y}" width="{w:.1f}" height="{bar - 1}" fill="{_STAGE_COLOURS[s % 7]}">'
                        f"<title>{_e(names[stage])}: {_fmt(p)}</title></rect>")
             out.append(f'<text x="{label_w + w + 3:.1f}" y="{y + bar - 1}" font-size="9">{_fmt(p)}</text>')
