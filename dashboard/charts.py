@@ -16,6 +16,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from dashboard.views import token_label
+
 __all__ = [
     "MASKED_NAMES",
     "STAGE_COLORS",
@@ -176,7 +178,7 @@ def timelines(
     ]
     fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.045, subplot_titles=[p[0] for p in panels])
     x = stats["position"]
-    tokens = stats["chosen_token"].fillna("").map(repr) if "chosen_token" in stats.columns else None
+    tokens = stats["chosen_token"].fillna("").map(token_label) if "chosen_token" in stats.columns else None
     shown: set[str] = set()
     for row, (label, columns) in enumerate(panels, start=1):
         drawn = False
@@ -260,7 +262,7 @@ def compare_timelines(
                         subplot_titles=[f"chosen token's probability ({_name(stage)})", f"entropy ({_name(stage)}, nats)"])
     styles = (dict(color="#4C78A8", dash="solid"), dict(color="#E45756", dash="dash"))
     for frame, label, style in zip((a, b), labels, styles):
-        tokens = frame["chosen_token"].fillna("").map(repr)
+        tokens = frame["chosen_token"].fillna("").map(token_label)
         for row, column in ((1, f"p_chosen_{stage}"), (2, f"entropy_{stage}")):
             if column not in frame.columns:
                 continue
@@ -288,7 +290,7 @@ def removed_by_processor(stats: pd.DataFrame, *, title: str = "") -> go.Figure |
     if not columns:
         return None
     fig = go.Figure()
-    tokens = stats["chosen_token"].fillna("").map(repr) if "chosen_token" in stats.columns else None
+    tokens = stats["chosen_token"].fillna("").map(token_label) if "chosen_token" in stats.columns else None
     for i, column in enumerate(columns):
         name = column[len("removed_mass_"):]
         fig.add_scatter(

@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 import tracker
 from tracker.schema import FIELD_DTYPE, ID_SCHEMA, META_RUN, META_VOCAB, SCHEMA_VERSION, RunMetadata, run_schema
 from tracker.spill import CHUNK_GLOB, RUN_JSON, VOCAB_FILE
-from tracker.vocab import Vocabulary
+from tracker import Vocabulary
 
 __all__ = [
     "BadRunError",

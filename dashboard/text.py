@@ -3,6 +3,12 @@
 Pure functions from the tables of :mod:`dashboard.views` to HTML strings
 (shown with ``st.html``). Token text is escaped; hover text uses the
 ``title`` attribute, which every browser shows without scripts.
+
+Tokens are shown once, one way, on every page: the vocabulary's display
+text (a byte that is no character yet as ``⟨F0⟩``, see
+:func:`processors.vocab.display_bytes`) made visible by
+:func:`~dashboard.views.token_label` (``␣`` for spaces), never a ``repr``
+of it. The raw bytes stay in the run's vocabulary.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ def token_hovers(window: WindowView, stages: Sequence[str]) -> list[str]:
     out = []
     for i, position in enumerate(stats["position"].tolist()):
         token = stats["chosen_token"].iloc[i]
-        parts = [f"step {position}: chose {token!r}" if token is not None else f"step {position}: chosen token unknown"]
+        parts = [f"step {position}: chose {token_label(token)}" if token is not None else f"step {position}: chosen token unknown"]
         probs = [f"{s} {stats[f'p_chosen_{s}'].iloc[i]:.3f}" for s in stages if f"p_chosen_{s}" in stats.columns and not pd.isna(stats[f"p_chosen_{s}"].iloc[i])]
         if probs:
             parts.append("p: " + ", ".join(probs))

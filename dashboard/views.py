@@ -27,8 +27,9 @@ import torch
 import tracker
 from dashboard.reader import StageRow, StepRow
 from dashboard.threads import one_torch_thread
+from tracker import Vocabulary
 from tracker.compare import first_divergence  # one definition, shared with tracker.compare
-from tracker.vocab import Vocabulary
+from tracker.display import token_label  # one definition, shared with the notebook display
 
 __all__ = [
     "COLOR_METRICS",
@@ -52,13 +53,6 @@ COLOR_METRICS: dict[str, tuple[str, str]] = {
     "chosen token's rank (model)": ("rank_chosen_natural", "far down the list"),
     "probability mass the constraint removed": ("removed_mass", "much removed"),
 }
-
-
-def token_label(text: str) -> str:
-    """A token's text made visible: spaces as ``␣``, newlines as ``↵``, tabs as ``⇥``, empty as ``∅``."""
-    if text == "":
-        return "∅"
-    return text.replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥").replace("\r", "␍")
 
 
 def _unique_labels(ids: np.ndarray, vocab: Vocabulary) -> list[str]:
@@ -315,9 +309,16 @@ def _window_view(run: tracker.Run, generation: int, sequence: int, alternatives:
 
 
 def token_pieces(vocab: Vocabulary, ids: Sequence[int] | np.ndarray) -> list[str]:
-    """The text each token adds, in order (a character split across tokens shows with its last byte)."""
+    """The text each token adds, in order; joined, they are the run's ``sequence()``.
+
+    A character split across tokens shows with its last byte; bytes still
+    unfinished at the end show as one ``�`` on the last token.
+    """
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    return [decoder.decode(vocab.token_bytes(int(i))) if int(i) >= 0 else "" for i in ids]
+    pieces = [decoder.decode(vocab.token_bytes(int(i))) if int(i) >= 0 else "" for i in ids]
+    if pieces and decoder.getstate()[0]:
+        pieces[-1] += decoder.decode(b"", final=True)
+    return pieces
 
 
 def aligned(

@@ -37,7 +37,7 @@ from processors.forced import ForcedTextLogitsProcessor
 from processors.grammar import CFGLogitsProcessor, GrammarLogitsProcessor, JSONLogitsProcessor, RegexLogitsProcessor
 from processors.penalties import PenaltiesLogitsProcessor
 from processors.protocol import BatchContext, LogitsProcessor, ProcessorError, ProcessorList, check_logits
-from processors.vocab import Vocab, vocab_for
+from processors.vocab import Vocabulary, eos_token_ids, vocab_for
 
 __all__ = [
     "BatchContext",
@@ -72,6 +72,7 @@ __all__ = [
     "MinNewTokensLogitsProcessor",
     "AllowedTokenIdsLogitsProcessor",
     "PenaltiesLogitsProcessor",
-    "Vocab",
+    "Vocabulary",
+    "eos_token_ids",
     "vocab_for",
 ]

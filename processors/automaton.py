@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from processors.bitmask import pack_bool
-from processors.vocab import Vocab
+from processors.vocab import Vocabulary
 
 __all__ = ["ByteAutomaton", "TokenAutomaton", "build_byte_automaton", "build_token_automaton"]
 
@@ -109,7 +109,7 @@ class TokenAutomaton:
         return state
 
 
-def build_token_automaton(patterns: Sequence[bytes], vocab: Vocab) -> TokenAutomaton:
+def build_token_automaton(patterns: Sequence[bytes], vocab: Vocabulary) -> TokenAutomaton:
     """Precompute, for every automaton state and every token, whether the token completes a pattern.
 
     Runs all tokens through the automaton at once, from a block of states at
@@ -119,10 +119,11 @@ def build_token_automaton(patterns: Sequence[bytes], vocab: Vocab) -> TokenAutom
     """
     automaton = build_byte_automaton(patterns)
     n_states, n_tokens = automaton.n_states, vocab.size
-    order = torch.argsort(vocab.lengths, descending=True, stable=True)
-    lengths = vocab.lengths[order]
-    active = [int((lengths > position).sum()) for position in range(vocab.max_len)]
-    matrix = vocab.byte_matrix[order].long().t().contiguous()  # [position, token]
+    byte_matrix, byte_lengths = vocab.byte_matrix
+    order = torch.argsort(torch.from_numpy(byte_lengths), descending=True, stable=True)
+    lengths = torch.from_numpy(byte_lengths)[order]
+    active = [int((lengths > position).sum()) for position in range(byte_matrix.shape[1])]
+    matrix = torch.from_numpy(byte_matrix)[order].long().t().contiguous()  # [position, token]
     block = max(1, _BLOCK_ELEMENTS // max(1, n_tokens))
     packed = []
     for first in range(0, n_states, block):
@@ -142,6 +143,6 @@ def build_token_automaton(patterns: Sequence[bytes], vocab: Vocab) -> TokenAutom
         bytes_=automaton,
         allowed=torch.cat(packed),
         n_tokens=n_tokens,
-        token_bytes=vocab.token_bytes,
+        token_bytes=vocab.pieces,
         transitions=tuple(tuple(row) for row in automaton.delta.tolist()),
     )

@@ -54,7 +54,9 @@ class BadWordsLogitsProcessor(LogitsProcessor):
     followed.
 
     ``mode="tokens"`` (vLLM's ``bad_words``): each word is tokenised as given
-    and with a leading space; a word of one token is always banned, a word of
+    and with a leading space, each as it is tokenised in the middle of a
+    text (no normaliser prefix: ``" Paris"`` is ``"▁Paris"`` with a
+    SentencePiece tokenizer, not ``"▁" + "▁Paris"``); a word of one token is always banned, a word of
     several tokens has its last token banned only right after the others
     were generated. Other spellings of the word are not caught. (vLLM keeps
     the spaced form only when it has as many tokens as the plain form; here
@@ -84,7 +86,7 @@ class BadWordsLogitsProcessor(LogitsProcessor):
             self._by_prefix: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         else:
             self._automaton = None
-            self._singles, self._by_prefix = self._token_sequences(vocab.encode)
+            self._singles, self._by_prefix = self._token_sequences(lambda text: vocab.encode_fragment(text).ids)
 
     def _token_sequences(self, encode: Any) -> tuple[torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
         """Single banned tokens, and per prefix length the (prefixes, last tokens) of longer words."""

@@ -8,6 +8,7 @@ import torch
 
 from processors.checks import check_number, check_token_ids, check_width
 from processors.protocol import BatchContext, LogitsProcessor
+from processors.vocab import eos_token_ids
 
 __all__ = ["TemperatureLogitsProcessor", "MinNewTokensLogitsProcessor", "AllowedTokenIdsLogitsProcessor"]
 
@@ -34,13 +35,6 @@ class TemperatureLogitsProcessor(LogitsProcessor):
         return f"TemperatureLogitsProcessor(temperature={self.temperature})"
 
 
-def _eos_ids(eos_token_id: Any) -> list[int]:
-    if eos_token_id is None:
-        raise ValueError("eos_token_id must be a token id or a list of them, got None (the tokenizer has no EOS?)")
-    values = [eos_token_id] if not isinstance(eos_token_id, (list, tuple)) else list(eos_token_id)
-    return check_token_ids("eos_token_id", values, None)
-
-
 class MinNewTokensLogitsProcessor(LogitsProcessor):
     """Ban the end-of-sequence token(s) until ``min_new_tokens`` tokens were generated.
 
@@ -54,7 +48,9 @@ class MinNewTokensLogitsProcessor(LogitsProcessor):
         if not isinstance(min_new_tokens, int) or isinstance(min_new_tokens, bool) or min_new_tokens < 0:
             raise ValueError(f"min_new_tokens must be an int >= 0, got {min_new_tokens!r}")
         self.min_new_tokens = min_new_tokens
-        self.eos_token_ids = _eos_ids(eos_token_id)
+        if eos_token_id is None:
+            raise ValueError("eos_token_id must be a token id or a list of them, got None (the tokenizer has no EOS?)")
+        self.eos_token_ids = list(eos_token_ids(eos_token_id=eos_token_id))
         self._eos = torch.tensor(self.eos_token_ids, dtype=torch.long)
 
     def process(self, logits: torch.Tensor, ctx: BatchContext) -> torch.Tensor:

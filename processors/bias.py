@@ -8,6 +8,7 @@ import torch
 
 from processors.checks import check_number, check_token_id, check_width, vocab_size_of
 from processors.protocol import BatchContext, LogitsProcessor
+from processors.vocab import vocab_for
 
 __all__ = ["LogitBiasLogitsProcessor"]
 
@@ -17,13 +18,16 @@ class LogitBiasLogitsProcessor(LogitsProcessor):
 
     Args:
         bias: token id or string -> bias (a finite number, or -inf to ban the
-            token). A string needs ``tokenizer``; it is tokenised exactly as
-            given (no space is added, so ``" Paris"`` and ``"Paris"`` are
-            different tokens) and the bias goes to its **first token only**:
-            a multi-token string like ``"Moreau"`` -> ``"Mor" + "eau"`` makes
-            the model more (or less) likely to *start* it, and leaves the
-            later tokens alone, since biasing them would touch every word that
-            shares them. Entries that land on the same token add up.
+            token). A string key means **the one token that spells exactly
+            that text in the middle of a text**, the way the tokenizer would
+            split it after other words: ``" Paris"`` is the token shown as
+            `` Paris`` (``"▁Paris"`` in SentencePiece, ``"ĠParis"`` in
+            byte-level BPE), ``"Paris"`` the token glued to the word before.
+            No space is added and no normaliser prefix counts. A string with
+            no single such token (``" Moreau"`` -> ``" Mor" + "eau"``) is an
+            error naming its tokens: pass the id you mean instead (biasing
+            a word's first piece touches every word sharing that piece).
+            A string needs ``tokenizer``. Entries on the same token add up.
         tokenizer: the tokenizer, to tokenise string keys and check ids
             against its vocabulary (without it, ids are checked against the
             logits' width at the first call).
@@ -40,12 +44,13 @@ class LogitBiasLogitsProcessor(LogitsProcessor):
             raise ValueError("bias must hold at least one entry, got an empty mapping")
         vocab_size = vocab_size_of(tokenizer)
         totals: dict[int, float] = {}
-        self.first_tokens: dict[str, int] = {}
+        #: string key -> the token it stands for
+        self.key_tokens: dict[str, int] = {}
         for key, value in bias.items():
             amount = check_number(f"bias[{key!r}]", value, allow_neg_inf=True)
             if isinstance(key, str):
-                token = self._first_token(key, tokenizer)
-                self.first_tokens[key] = token
+                token = self._key_token(key, tokenizer)
+                self.key_tokens[key] = token
             else:
                 token = check_token_id(f"bias key {key!r}", key, vocab_size)
             totals[token] = totals.get(token, 0.0) + amount
@@ -55,15 +60,20 @@ class LogitBiasLogitsProcessor(LogitsProcessor):
         self._on_device: dict[tuple[torch.device, torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
-    def _first_token(text: str, tokenizer: Any) -> int:
+    def _key_token(text: str, tokenizer: Any) -> int:
         if tokenizer is None:
             raise ValueError(f"bias key {text!r} is a string; pass tokenizer= to tokenise it, or give token ids")
         if not text:
             raise ValueError("bias keys must be token ids or non-empty strings, got ''")
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if not ids:
-            raise ValueError(f"bias key {text!r} tokenises to no tokens")
-        return int(ids[0])
+        vocab = vocab_for(tokenizer)
+        fragment = vocab.encode_fragment(text)
+        if len(fragment.ids) != 1:
+            shown = [vocab.display[i] if i < vocab.size else f"<{i}>" for i in fragment.ids]
+            raise ValueError(
+                f"bias key {text!r} is no single token in context: the tokenizer splits it into "
+                f"{len(fragment.ids)} tokens {shown} (ids {list(fragment.ids)}); give the token id(s) you mean instead"
+            )
+        return int(fragment.ids[0])
 
     def _tensors(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         key = (logits.device, logits.dtype, logits.shape[1])

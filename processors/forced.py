@@ -14,7 +14,7 @@ import torch
 
 from processors.checks import check_token_ids, check_width
 from processors.protocol import BatchContext, LogitsProcessor
-from processors.vocab import eos_token_ids
+from processors.vocab import eos_token_ids, vocab_for
 
 __all__ = ["ForcedTextLogitsProcessor"]
 
@@ -22,8 +22,11 @@ __all__ = ["ForcedTextLogitsProcessor"]
 class ForcedTextLogitsProcessor(LogitsProcessor):
     """Allow only the next token of ``text``, then only the end-of-sequence token.
 
-    ``text`` is tokenised once, the way the tokenizer encodes it (no special
-    tokens). At generated position ``k`` every row may take only token ``k``
+    ``text`` is tokenised once, as it is tokenised in the middle of a text
+    (it continues the prompt): no special tokens and no normaliser prefix, so
+    ``" Hello world"`` is forced as ``"▁Hello" + "▁world"`` with a
+    SentencePiece tokenizer, not ``"▁" + "▁Hello" + ...`` (see
+    :meth:`processors.vocab.Vocabulary.encode_fragment`). At generated position ``k`` every row may take only token ``k``
     of the text; from position ``len(tokens)`` on, only EOS. The allowed
     token keeps its own logit (0 if an earlier processor had set it to -inf),
     so the step's natural score stays visible. The position is read from the
@@ -45,13 +48,13 @@ class ForcedTextLogitsProcessor(LogitsProcessor):
         if not isinstance(text, str) or not text:
             raise ValueError(f"text must be a non-empty string, got {text!r}")
         eos = eos_token_ids(tokenizer) if eos_token_id is None else eos_token_id
-        if isinstance(eos, int):
+        if not isinstance(eos, (list, tuple)):
             eos = [eos]
         if not eos:
             raise ValueError("eos_token_id: the tokenizer has no end-of-sequence token; pass eos_token_id=")
         self.eos_token_id = check_token_ids("eos_token_id", list(eos), None)[0]
         self.text = text
-        self.token_ids = [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+        self.token_ids = [int(t) for t in vocab_for(tokenizer).encode_fragment(text).ids]
         if not self.token_ids:
             raise ValueError(f"text {text!r} tokenises to no tokens")
         self._largest = max(max(self.token_ids), self.eos_token_id)

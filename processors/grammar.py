@@ -276,9 +276,14 @@ class JSONLogitsProcessor(GrammarLogitsProcessor):
     Args:
         schema: a JSON-schema dict, its JSON text, or a pydantic model class.
         tokenizer: the model's transformers fast tokenizer.
-        separators: ``None`` allows any JSON whitespace between tokens
-            (llguidance's default); an ``(item, key)`` pair such as
-            ``(", ", ": ")`` fixes the separators and allows no other whitespace.
+        separators: the whitespace policy. An ``(item, key)`` pair fixes the
+            separators and allows no other whitespace; the default
+            ``(", ", ": ")`` is how most training text writes JSON, and leaves
+            a sampled model nothing to loop on, so the document ends. Use
+            ``(",", ":")`` for compact output. ``None`` is the flexible
+            policy (llguidance's own): any JSON whitespace between tokens;
+            a model sampled at temperature 1 can keep emitting whitespace
+            and never close the document, so give it a token budget.
         lenient: ignore schema keywords the engine cannot enforce instead of
             refusing the schema (by default ``uniqueItems``, ``not``, ``if`` ...
             fail at construction, naming the keyword).
@@ -291,7 +296,7 @@ class JSONLogitsProcessor(GrammarLogitsProcessor):
         schema: Any,
         tokenizer: Any,
         *,
-        separators: tuple[str, str] | None = None,
+        separators: tuple[str, str] | None = (", ", ": "),
         lenient: bool = False,
         eos_token_id: int | Sequence[int] | None = None,
     ) -> None:

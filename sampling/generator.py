@@ -24,6 +24,7 @@ import torch
 
 from processors import BatchContext, LogitsProcessor, ProcessorList
 from processors.protocol import check_logits
+from processors.vocab import decode_text, eos_token_ids, vocab_for
 from sampling.functional import RowParams, row_keys, sample, uniforms
 from sampling.outputs import Completion, RequestOutput
 from sampling.params import SamplingParams
@@ -121,12 +122,8 @@ class Generator:
         return next(self.model.parameters()).device
 
     def _eos_ids(self) -> list[int]:
-        ids: Any = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        if ids is None:
-            ids = getattr(self.tokenizer, "eos_token_id", None)
-        if ids is None:
-            return []
-        return [int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])]
+        config = getattr(self.model, "generation_config", None)
+        return list(eos_token_ids(self.tokenizer, generation_config=config))
 
     # ------------------------------------------------------------------ input
 
@@ -292,18 +289,22 @@ class Generator:
         return self._outputs(prompts, encoded, per_request, rows)
 
     def _stop_hit(self, tokens: list[int], stop: tuple[str, ...], tail: int) -> str | None:
-        text = self.tokenizer.decode(tokens[-tail:], skip_special_tokens=True)
+        """The first stop string the last ``tail`` tokens spell (matched on the text's bytes, in context)."""
+        spelled = vocab_for(self.tokenizer).decode_bytes(tokens[-tail:])
         for s in stop:
-            if s in text:
+            if s.encode("utf-8") in spelled:
                 return s
         return None
 
     def _outputs(self, prompts, encoded, per_request, rows: list[_Row]) -> list[RequestOutput]:
         completions: list[list[Completion]] = [[] for _ in prompts]
+        vocab = vocab_for(self.tokenizer)
         for row in rows:
-            text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
+            # the text the new tokens add after the prompt, as the tracker's sequence() shows it
+            spelled = vocab.decode_bytes(row.tokens)
             if row.stop_reason is not None:
-                text = text[: text.find(row.stop_reason)]
+                spelled = spelled[: spelled.find(row.stop_reason.encode("utf-8"))]
+            text = decode_text(spelled)
             completions[row.request].append(
                 Completion(
                     index=row.sample,

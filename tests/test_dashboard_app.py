@@ -132,7 +132,7 @@ def test_the_overview_colours_the_text_and_draws_timelines_and_the_heatmap(runs)
     text = at.html[0].value
     pieces = [part.split(">", 1)[1].split("</span>", 1)[0] for part in text.split('class="tok"')[1:]]
     assert pieces == [" b", "c", "d", "&lt;eos&gt;"]
-    assert "step 0: chose ' b'" in html.unescape(text) and "(masked)" in text
+    assert "step 0: chose ␣b" in html.unescape(text) and "(masked)" in text
     timelines, heatmap = _charts(at)
     removed = next(t for t in timelines["data"] if t.get("yaxis") == "y3")
     p_masked = np.exp(0.3) / (np.exp(1.0) + np.exp(0.3) + 4 * np.exp(-3.0))  # "a", which the constraint masks
@@ -145,7 +145,7 @@ def test_the_overview_colours_the_text_and_draws_timelines_and_the_heatmap(runs)
 def test_step_replay_moves_steps_with_the_slider_and_the_buttons(runs):
     at = _app(runs, "replay")
     _ok(at)
-    assert at.slider(key="step_slider").value == 0 and at.metric[0].value == "' b'"
+    assert at.slider(key="step_slider").value == 0 and at.metric[0].value == "␣b"
     figure = _charts(at)[0]
     bars = figure["data"]
     assert bars[0]["name"] == "model (natural)" and bars[1]["name"] == "after the constraint"
@@ -153,9 +153,9 @@ def test_step_replay_moves_steps_with_the_slider_and_the_buttons(runs):
     assert "<b>▶ ␣b</b>" in ticks and bars[2]["name"] == "masked by the constraint"
     assert [ticks[round(x)] for x in bars[2]["x"]] == ["a"]
     at.slider(key="step_slider").set_value(2).run()
-    assert at.metric[0].value == "'d'" and '<span style="color:#888">a</span> bc<span' in at.html[0].value
+    assert at.metric[0].value == "d" and '<span style="color:#888">a</span> bc<span' in at.html[0].value
     at.button(key="next").click().run()
-    assert at.session_state["step"] == 3 and at.metric[0].value == "'<eos>'"
+    assert at.session_state["step"] == 3 and at.metric[0].value == "<eos>"
     at.button(key="back").click().run()
     assert at.session_state["step"] == 2 and at.slider(key="step_slider").value == 2
     at.radio(key="replay_value").set_value("logit").run()
@@ -182,18 +182,18 @@ def test_play_moves_one_step_per_tick_and_stops_at_the_end(runs):
 def test_switching_generation_and_sequence_changes_what_is_shown(runs):
     at = _app(runs, "replay")
     at.slider(key="step_slider").set_value(2).run()
-    assert at.metric[0].value == "'d'"
+    assert at.metric[0].value == "d"
     at.sidebar.selectbox(key="sequence").set_value(1).run()
     _ok(at)
     assert at.session_state["step"] == 0  # another sequence starts at its first step
     at.slider(key="step_slider").set_value(2).run()
-    assert at.metric[0].value == "'e'"
+    assert at.metric[0].value == "e"
     at.sidebar.selectbox(key="generation").set_value(1).run()
     assert at.sidebar.selectbox(key="sequence").options == ["0", "1"]
     at.slider(key="step_slider").set_value(1).run()
-    assert at.metric[0].value == "'d'"  # generation 1, sequence 1 writes "d d d"
+    assert at.metric[0].value == "d"  # generation 1, sequence 1 writes "d d d"
     at.switch_page("app_pages/overview.py").run()
-    assert at.html[0].value.count('class="tok"') == 4 and "step 0: chose 'd'" in html.unescape(at.html[0].value)
+    assert at.html[0].value.count('class="tok"') == 4 and "step 0: chose d" in html.unescape(at.html[0].value)
 
 
 def test_compare_lines_two_runs_up_by_step_and_says_where_they_diverge(runs):
@@ -201,7 +201,7 @@ def test_compare_lines_two_runs_up_by_step_and_says_where_they_diverge(runs):
     _ok(at)
     assert any("Pick a second run" in c.value for c in at.caption)
     at.selectbox(key="b_sequence").set_value(1).run()
-    assert "diverge at step 2: A chose 'd', B chose 'e'" in at.warning[0].value
+    assert "diverge at step 2: A chose d, B chose e" in at.warning[0].value
     at.sidebar.selectbox(key="run_b").set_value(str(runs / "beta.parquet")).run()
     _ok(at)
     assert "agree on their first 2 tokens and diverge at step 2" in at.warning[0].value

@@ -189,7 +189,7 @@ def test_token_text_colours_each_token_and_puts_alternatives_on_hover(reader):
     track = reader.track(0, 0)
     view = views.window_view(reader.window(track, 0, 3), 0, 0, alternatives=2)
     hovers = text.token_hovers(view, ["natural", "constrained"])
-    assert hovers[0].startswith("step 0: chose ' b'") and "(masked)" in hovers[0] and "removed 50.0%" in hovers[0]
+    assert hovers[0].startswith("step 0: chose ␣b") and "(masked)" in hovers[0] and "removed 50.0%" in hovers[0]
     html = text.token_text_html(view.tokens, view.stats["p_chosen_natural"].to_numpy(), "p_chosen_natural",
                                 hovers=hovers, prompt="<a>")
     assert html.count('class="tok"') == 3 and "&lt;a&gt;" in html and "&lt;eos&gt;" in html

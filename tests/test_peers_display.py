@@ -10,7 +10,7 @@ import pytest
 from processors import LogitBiasLogitsProcessor, PenaltiesLogitsProcessor, ProcessorList
 from sampling import Generator, SamplingParams
 from tracker import Run, add_tracking
-from tracker.vocab import Vocabulary
+from tracker import Vocabulary
 
 HOSTILE = "<script>alert('x')</script>"
 VOID = {"br", "hr", "img", "input", "meta", "link"}

@@ -71,7 +71,7 @@ def test_token_table_bans_exactly_the_tokens_that_complete_a_word(tok):
         state = automaton.advance(0, ids(tok, text))
         allowed_bits = automaton.allowed[state]
         table = [(int(allowed_bits[t // 32]) >> (t % 32)) & 1 == 0 for t in range(vocab.size)]
-        brute = [any(w in data + vocab.token_bytes[t] for w in words) for t in range(vocab.size)]
+        brute = [any(w in data + vocab.pieces[t] for w in words) for t in range(vocab.size)]
         assert table == brute, text
 
 
@@ -83,7 +83,7 @@ def test_text_mode_bans_every_spelling(tok):
     width = len(tok)
     for prefix in ["A", "Al", "Ali", "Alic", " Al", "xAli"]:
         for token in range(width):
-            completes = "Alice".encode() in (prefix.encode() + vocab_for(tok).token_bytes[token])
+            completes = "Alice".encode() in (prefix.encode() + vocab_for(tok).pieces[token])
             proc.reset()
             assert (token in banned_after(proc, ids(tok, prefix), width)) is completes, (prefix, token)
 
@@ -93,7 +93,7 @@ def test_text_mode_follows_bytes_across_many_tokens_and_rows(tok):
     single = [ids(tok, c)[0] for c in "Alic"]
     zo = ids(tok, "Zo")
     e_token = ids(tok, "e")[0]
-    umlaut = [t for t in range(len(tok)) if vocab_for(tok).token_bytes[t].startswith("ë".encode())]
+    umlaut = [t for t in range(len(tok)) if vocab_for(tok).pieces[t].startswith("ë".encode())]
     rows = [single, zo + [0] * (len(single) - len(zo))]  # row 1 pads with EOS (spells nothing)
     ctx = BatchContext(input_ids=torch.tensor([[0] + r for r in rows]), prompt_length=1)
     out = proc.process(torch.zeros(2, len(tok)), ctx)
@@ -104,8 +104,8 @@ def test_text_mode_follows_bytes_across_many_tokens_and_rows(tok):
 def test_text_mode_never_lets_random_sampling_spell_the_word(tok):
     """Logits pushed towards every piece of the word: sampling still never spells it."""
     proc = BadWordsLogitsProcessor(["Alice"], tok)
-    pieces = {t for t in range(len(tok)) if vocab_for(tok).token_bytes[t] and vocab_for(tok).token_bytes[t] in b" Alice"}
-    pieces |= {t for t in range(len(tok)) if b"Alice".startswith(vocab_for(tok).token_bytes[t]) and vocab_for(tok).token_bytes[t]}
+    pieces = {t for t in range(len(tok)) if vocab_for(tok).pieces[t] and vocab_for(tok).pieces[t] in b" Alice"}
+    pieces |= {t for t in range(len(tok)) if b"Alice".startswith(vocab_for(tok).pieces[t]) and vocab_for(tok).pieces[t]}
     boost = torch.zeros(len(tok))
     boost[sorted(pieces)] = 6.0
     gen = torch.Generator().manual_seed(0)

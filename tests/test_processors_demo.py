@@ -101,7 +101,7 @@ def test_bad_words_never_appear_even_when_the_model_likes_them(demo):
     """A bias makes the model want "Alice" after '{"name": "', spelled with any of its pieces; text mode bans them all."""
     model, tok = demo
     vocab = vocab_for(tok)
-    pieces = [t for t in range(vocab.size) if vocab.token_bytes[t] and b"Alice".startswith(vocab.token_bytes[t])]
+    pieces = [t for t in range(vocab.size) if vocab.pieces[t] and b"Alice".startswith(vocab.pieces[t])]
     bias = LogitBiasLogitsProcessor({t: 6.0 for t in pieces}, tok)
     prompt = '{"name": "'
     free = sample(model, tok, [bias], prompt, 12)
@@ -146,7 +146,7 @@ def test_inside_model_generate_regex_and_bad_words_hold(demo):
     assert [t for t in texts if not re.fullmatch(PHONE, t)] == []
 
     vocab = vocab_for(tok)
-    pieces = [t for t in range(vocab.size) if vocab.token_bytes[t] and b"Alice".startswith(vocab.token_bytes[t])]
+    pieces = [t for t in range(vocab.size) if vocab.pieces[t] and b"Alice".startswith(vocab.pieces[t])]
     processors = [LogitBiasLogitsProcessor({t: 6.0 for t in pieces}, tok), BadWordsLogitsProcessor(["Alice"], tok)]
     texts = _hf_generate(model, tok, ['{"name": "'] * 8, processors, 12)
     assert [t for t in texts if "Alice" in t] == []

@@ -114,13 +114,17 @@ def test_eos_is_allowed_exactly_when_the_grammar_accepts(tok):
     ],
 )
 def test_json_schema_accepts_valid_documents_only(tok, text, ok):
-    assert accepts(JSONLogitsProcessor(PERSON, tok), tok, text) is ok
+    assert accepts(JSONLogitsProcessor(PERSON, tok, separators=None), tok, text) is ok
 
 
 def test_json_separators_fix_the_whitespace(tok):
-    proc = JSONLogitsProcessor(PERSON, tok, separators=(", ", ": "))
+    proc = JSONLogitsProcessor(PERSON, tok)  # the default: (", ", ": ") and no other whitespace
     assert accepts(proc, tok, '{"name": "Alice", "age": 34, "city": "Lyon"}')
     assert not accepts(proc, tok, '{"name":"Alice","age":34,"city":"Lyon"}')
+    assert not accepts(proc, tok, '{"name": "Alice", "age": 34, "city": "Lyon" }')
+    compact = JSONLogitsProcessor(PERSON, tok, separators=(",", ":"))
+    assert accepts(compact, tok, '{"name":"Alice","age":34,"city":"Lyon"}')
+    assert accepts(JSONLogitsProcessor(PERSON, tok, separators=None), tok, '{ "name" :"Alice",\n "age": 34, "city": "Lyon"}')
 
 
 def test_json_schema_from_pydantic_model_and_string(tok):

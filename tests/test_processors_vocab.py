@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from processors import vocab_for
+from processors import eos_token_ids, vocab_for
+from processors.vocab import hf_tokenizer
 from processors.bitmask import apply_bitmask_, pack_bool, unpack_bitmask
 
 EOT = "<|endoftext|>"
@@ -48,17 +49,19 @@ def test_byte_level_tokens_spell_the_decoded_text(byte_level):
     ids = byte_level(text, add_special_tokens=False)["input_ids"]
     assert vocab.decode_bytes(ids) == byte_level.decode(ids).encode()
     assert vocab.size == len(byte_level)
-    assert vocab.token_bytes[byte_level.eos_token_id] == b"" and bool(vocab.special[byte_level.eos_token_id])
+    assert vocab.token_bytes(byte_level.eos_token_id) == b"" and bool(vocab.special[byte_level.eos_token_id])
+    assert vocab.display[byte_level.eos_token_id] == EOT
     custom = byte_level.convert_tokens_to_ids("<custom>")
-    assert vocab.token_bytes[custom] == b"<custom>" and not vocab.special[custom]
+    assert vocab.token_bytes(custom) == b"<custom>" and not vocab.special[custom]
 
 
 def test_byte_matrix_matches_token_bytes(byte_level):
     vocab = vocab_for(byte_level)
+    matrix, lengths = vocab.byte_matrix
     for token in range(vocab.size):
-        length = int(vocab.lengths[token])
-        assert bytes(vocab.byte_matrix[token, :length].tolist()) == vocab.token_bytes[token]
-        assert not vocab.byte_matrix[token, length:].any()
+        length = int(lengths[token])
+        assert bytes(matrix[token, :length].tolist()) == vocab.token_bytes(token)
+        assert not matrix[token, length:].any()
 
 
 def test_sentencepiece_pieces_and_byte_fallback(sentencepiece_like):
@@ -169,3 +172,80 @@ def test_apply_one_large_row_mostly_banned_or_mostly_allowed(allowed_share):
     expected = logits.numpy().copy()
     apply_token_bitmask_inplace(expected, mask.numpy())
     assert torch.equal(apply_bitmask_(logits, mask), torch.from_numpy(expected))
+
+
+# --------------------------------------------------------------- fragments, EOS, hosts' wrappers
+
+
+def test_fragments_are_tokenized_in_context(sentencepiece_like):
+    tok = sentencepiece_like
+    vocab = vocab_for(tok)
+    fragment = vocab.encode_fragment(" Hello")
+    assert tok.convert_ids_to_tokens(list(fragment.ids)) == ["▁Hello"] and fragment.exact
+    glued = vocab.encode_fragment("Alice")
+    assert vocab.decode_bytes(glued.ids) == b"Alice" and glued.exact
+    with pytest.raises(ValueError, match="text must be a non-empty string, got ''"):
+        vocab.encode_fragment("")
+
+
+def test_a_fragment_the_tokenizer_changes_is_marked_inexact():
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "x": 2, "0": 3, "a": 4, ".": 5}, unk_token="[UNK]"))
+    model.normalizer = normalizers.Lowercase()
+    model.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=model, unk_token="[UNK]")
+    fragment = vocab_for(tok).encode_fragment("Hello")
+    assert fragment.ids == (1,) and not fragment.exact
+
+
+def test_eos_ids_come_from_the_argument_then_the_generation_config_then_the_tokenizer(byte_level):
+    from types import SimpleNamespace
+
+    eos = byte_level.eos_token_id
+    assert eos_token_ids(byte_level) == (eos,)
+    assert eos_token_ids(byte_level, generation_config=SimpleNamespace(eos_token_id=[4, 5])) == (4, 5)
+    assert eos_token_ids(byte_level, [7, 7, 8], generation_config=SimpleNamespace(eos_token_id=4)) == (7, 8)
+    assert eos_token_ids(SimpleNamespace(tokenizer=byte_level)) == (eos,), "a host's wrapper is looked through"
+    assert eos_token_ids(None) == ()
+    with pytest.raises(ValueError, match=r"eos_token_id\[0\] must be a token id >= 0, got -1"):
+        eos_token_ids(byte_level, -1)
+
+
+def test_a_hosts_wrapper_is_unwrapped_to_the_hugging_face_tokenizer(byte_level):
+    class Wrapper:  # what Outlines' TransformerTokenizer looks like to us: decode returns lists
+        def __init__(self, tokenizer):
+            self.tokenizer = tokenizer
+            self.eos_token_id = tokenizer.eos_token_id
+
+        def decode(self, ids):
+            return [str(i) for i in ids]
+
+    wrapped = Wrapper(byte_level)
+    assert hf_tokenizer(wrapped) is byte_level
+    assert vocab_for(wrapped) is vocab_for(byte_level)
+
+
+def test_vocabularies_of_other_widths_are_cached_apart(byte_level):
+    wide = vocab_for(byte_level, len(byte_level) + 5)
+    assert wide is vocab_for(byte_level, len(byte_level) + 5) and wide is not vocab_for(byte_level)
+    assert wide.size == len(byte_level) + 5 and wide.special[len(byte_level) :].all()
+    assert wide.decode_bytes([len(byte_level) + 1, 10_000]) == b""
+
+
+def test_a_tokenizer_without_a_decoder_table_is_read_from_its_token_strings():
+    class SlowSentencePiece:  # a slow tokenizer: token strings, no backend decoder
+        tokens = ["<unk>", "</s>", "▁Hello", "▁wor", "ld", "<0xE2>", "<0x98>", "<0x83>"]
+        eos_token_id = 1
+        all_special_ids = [0, 1]
+
+        def __len__(self):
+            return len(self.tokens)
+
+        def convert_ids_to_tokens(self, ids):
+            return [self.tokens[i] for i in ids]
+
+    vocab = vocab_for(SlowSentencePiece())
+    assert vocab.decode([2, 3, 4, 5, 6, 7, 1]) == " Hello world☃"
+    assert vocab.display[5] == "⟨E2⟩" and vocab.display[1] == "</s>"

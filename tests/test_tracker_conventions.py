@@ -53,50 +53,29 @@ def test_add_tracking_on_logitscope_generator_records_every_row_and_the_last_tok
     assert tracker.generations() == [0, 1]
 
 
-def test_add_tracking_on_an_outlines_style_generator():
+def test_add_tracking_on_a_real_outlines_generator_shows_the_text_outlines_returned():
+    """Outlines 1.x: the tracker unwraps its TransformerTokenizer, whose decode returns lists, and reads bytes."""
+    outlines = pytest.importorskip("outlines")
+    from outlines.types import Regex
+
     tok = byte_tokenizer()
     model = random_gpt2(len(tok), seed=6)
-
-    class OutlinesLikeGenerator:
-        """What add_tracking relies on in an Outlines 1.x Generator: .logits_processor, reset(), model.generate."""
-
-        def __init__(self, processor):
-            self.logits_processor = processor
-            self.model = model
-
-        def __call__(self, prompt, max_new_tokens=5):
-            self.logits_processor.reset()
-            enc = tok([prompt], return_tensors="pt")
-            out = model.generate(**enc, logits_processor=LogitsProcessorList([self.logits_processor]),
-                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-            return out[0, enc["input_ids"].shape[1]:]
-
-    class OutlinesLikeProcessor:
-        def __init__(self):
-            self.tokenizer = tok
-            self.resets = 0
-
-        def reset(self):
-            self.resets += 1
-
-        def __call__(self, input_ids, logits):
-            logits[:, 1::2] = float("-inf")  # in place, as Outlines' backends do
-            return logits
-
-    inner = OutlinesLikeProcessor()
-    generator = add_tracking(OutlinesLikeGenerator(inner))
+    generator = add_tracking(outlines.Generator(outlines.from_transformers(model, tok), Regex(r"[0-9]{3}-[0-9]{4}")))
     tracker = generator.logits_processor
-    first = generator("the cat")
-    second = generator("héllo", max_new_tokens=4)
-    assert inner.resets == 2 and tracker.generations() == [0, 1]
-    chosen_first = tracker.stats(generation=0)["chosen_id"]
-    assert chosen_first.tolist()[:-1] == first.tolist()[:-1]
-    assert chosen_first.isna().tolist()[-1]  # never told the last token of that generation
-    natural = tracker.get_logits(generation=1)["unstructured"]
-    assert np.isfinite(natural[:, 1::2]).all()  # recorded before the in-place mask
-    assert np.isinf(tracker.get_logits(generation=1)["structured"][:, 1::2]).all()
-    tracker.finish(torch.cat([tok(["héllo"], return_tensors="pt")["input_ids"], second[None]], 1))
-    assert tracker.stats(generation=1)["chosen_id"].tolist() == second.tolist()
+    assert isinstance(tracker, LogitTrackingProcessor) and tracker.tokenizer is tok
+    texts = [generator("Call ", max_new_tokens=12), generator("Phone: ", max_new_tokens=12)]
+    assert tracker.generations() == [0, 1]  # Outlines resets its processor per call; a new generation starts
+    for generation, text in enumerate(texts):
+        assert len(text) == 8 and text[3] == "-" and text.replace("-", "").isdigit()
+        assert tracker.sequence(generation=generation) == text
+        top = tracker.get_top_tokens(k=3, generation=generation)
+        chosen = ["".join(t["token"] for t in step["tokens"] if t["is_chosen"]) for step in top]
+        assert "".join(chosen) == text and top[-1]["text_so_far"] + chosen[-1] == text
+        frame = tracker.to_dataframe(generation=generation)
+        assert "".join(frame.loc[frame["chosen"], "token"]) == text
+        natural = tracker.get_logits(generation=generation)["unstructured"]
+        structured = tracker.get_logits(generation=generation)["structured"]
+        assert np.isfinite(natural).all() and np.isinf(structured).any(axis=1).all()  # recorded before the mask
 
 
 def test_add_tracking_fails_clearly_without_a_processor_attribute():

@@ -142,7 +142,7 @@ def test_vocabulary_serialises_bytes_that_are_not_utf8():
     vocab = Vocabulary.from_parts(pieces, [False, False, False, True])
     back = Vocabulary.deserialize(vocab.serialize())
     assert [back.token_bytes(i) for i in range(4)] == pieces
-    assert back.display == vocab.display and back.display[0] == "\\xe2\\x98"
+    assert back.display == vocab.display and back.display[0] == "⟨E2⟩⟨98⟩"
     assert back.decode([0, 1, 2]) == "☃ok"
     assert back.special.tolist() == [False, False, False, True]
 

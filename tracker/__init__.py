@@ -10,7 +10,7 @@
 Modules: :mod:`~tracker.processor` (the tracker), :mod:`~tracker.integrate`
 (``add_tracking``), :mod:`~tracker.recorder` (device to host, chunks, spill),
 :mod:`~tracker.buffers` (reused host and pinned memory), :mod:`~tracker.schema`
-(the Arrow schema and run metadata), :mod:`~tracker.vocab` (token texts),
+(the Arrow schema and run metadata), :class:`Vocabulary` (token texts, from :mod:`processors.vocab`),
 :mod:`~tracker.compute` (the maths), :mod:`~tracker.analysis` (the query API),
 :mod:`~tracker.run` (``Run`` and Parquet), :mod:`~tracker.spill` (IPC files),
 :mod:`~tracker.stages` (a stage per processor), :mod:`~tracker.prompt` (prompt
@@ -25,7 +25,7 @@ from tracker.processor import LogitTrackingProcessor
 from tracker.recorder import Recorder, Storage
 from tracker.run import Run
 from tracker.schema import SCHEMA_VERSION, RunMetadata
-from tracker.vocab import Vocabulary
+from processors.vocab import Vocabulary
 
 __all__ = [
     "LogitTrackingProcessor",

@@ -28,8 +28,8 @@ import torch
 
 from tracker import compute
 from tracker.schema import FIELD_DTYPE, RunMetadata, flag_column, value_column
+from processors.vocab import Vocabulary
 from tracker.stages import resolve_stage
-from tracker.vocab import Vocabulary
 
 __all__ = ["Analysis", "Continuation", "Selection", "stage_matrix"]
 

@@ -26,6 +26,8 @@ import numpy as np
 import pandas as pd
 import torch
 
+from tracker.display import token_label
+
 __all__ = ["Comparison", "compare", "distances"]
 
 _KEYS = {"natural": "unstructured", "constrained": "structured"}
@@ -72,10 +74,14 @@ class Comparison:
         if d >= min(self.length_a, self.length_b):
             return f"the same first {d} tokens; then one sequence ends (A has {self.length_a} steps, B {self.length_b})"
         row = self.steps.iloc[d]
-        return f"the same first {d} tokens; at step {d} A chose {row['token_a']!r} and B chose {row['token_b']!r}"
+        return f"the same first {d} tokens; at step {d} A chose {_label(row['token_a'])} and B chose {_label(row['token_b'])}"
 
     def __repr__(self) -> str:
         return f"Comparison({self.summary()}; stages={self.stages}, exact={self.exact})"
+
+
+def _label(token: str | None) -> str:
+    return "an unknown token" if token is None else token_label(token)
 
 
 def first_divergence(a: np.ndarray, b: np.ndarray) -> int | None:

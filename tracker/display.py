@@ -21,7 +21,7 @@ import numpy as np
 
 from tracker.stages import step_probabilities
 
-__all__ = ["SequenceView", "StepView", "run_html", "sequence_html", "step_html", "step_svg"]
+__all__ = ["SequenceView", "StepView", "run_html", "sequence_html", "step_html", "step_svg", "token_label"]
 
 _STAGE_COLOURS = ("#4c78a8", "#f58518", "#54a24b", "#b279a2", "#e45756", "#72b7b2", "#9d755d")
 _MAX_TABLE_STEPS = 64
@@ -38,9 +38,11 @@ def _e(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
-def _shown(text: str) -> str:
-    """A token's text with its invisible characters made visible."""
-    return text.replace("\n", "↵").replace("\t", "⇥") if text.strip() else text.replace(" ", "␣").replace("\n", "↵")
+def token_label(text: str) -> str:
+    """A token's text made visible: spaces as ``␣``, newlines as ``↵``, tabs as ``⇥``, empty as ``∅``."""
+    if text == "":
+        return "∅"
+    return text.replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥").replace("\r", "␍")
 
 
 def _colour(p: float) -> str:
@@ -72,10 +74,10 @@ def sequence_html(run: Any, generation: int = -1, sequence: int = 0, *, alternat
     for i, (token, p) in enumerate(zip(chosen, probs)):
         if token is None:
             break
-        lines = [f"step {i}: {token!r}, p = {_fmt(p)}"]
-        lines += [f"{t['token']!r}  {_fmt(t['structured_prob'])}" for t in top[i]["tokens"]] if i < len(top) else []
+        lines = [f"step {i}: {token_label(token)}, p = {_fmt(p)}"]
+        lines += [f"{token_label(t['token'])}  {_fmt(t['structured_prob'])}" for t in top[i]["tokens"]] if i < len(top) else []
         parts.append(
-            f'<span class="ls-tok" style="background:{_colour(p)}" title="{_e(chr(10).join(lines))}">{_e(_shown(token))}</span>'
+            f'<span class="ls-tok" style="background:{_colour(p)}" title="{_e(chr(10).join(lines))}">{_e(token)}</span>'
         )
     parts.append("</div>")
     parts.append(_compact_table(top[:_MAX_TABLE_STEPS], chosen, probs))
@@ -87,8 +89,8 @@ def sequence_html(run: Any, generation: int = -1, sequence: int = 0, *, alternat
 def _compact_table(top: list[dict[str, Any]], chosen: list[str | None], probs: np.ndarray) -> str:
     rows = ['<table class="ls-table"><tr><th>step</th><th>chosen</th><th>p</th><th>best alternatives</th></tr>']
     for i, entry in enumerate(top):
-        others = ", ".join(f"{_e(repr(t['token']))} {t['structured_prob']:.2f}" for t in entry["tokens"] if not t["is_chosen"])
-        name = _e(repr(chosen[i])) if i < len(chosen) and chosen[i] is not None else "—"
+        others = ", ".join(f"{_e(token_label(t['token']))} {t['structured_prob']:.2f}" for t in entry["tokens"] if not t["is_chosen"])
+        name = _e(token_label(chosen[i])) if i < len(chosen) and chosen[i] is not None else "—"
         rows.append(f"<tr><td>{entry['position']}</td><td>{name}</td><td>{_fmt(probs[i])}</td><td>{others}</td></tr>")
     rows.append("</table>")
     return "".join(rows)
@@ -117,7 +119,7 @@ def step_svg(run: Any, position: int, *, generation: int = -1, sequence: int = 0
            'font-family="monospace" font-size="11">']
     y = 4
     for token in ids.tolist():
-        text = _shown(run.vocab.display[token]) + ("  ◀ chosen" if token == chosen else "")
+        text = token_label(run.vocab.display[token]) + ("  ◀ chosen" if token == chosen else "")
         weight = ' font-weight="bold"' if token == chosen else ""
         out.append(f'<text x="0" y="{y + bar * len(stages) / 2 + 4:.0f}"{weight}>{_e(text)}</text>')
         for s, stage in enumerate(stages):
@@ -147,9 +149,9 @@ def step_html(run: Any, position: int, *, generation: int = -1, sequence: int = 
     for token in ids.tolist():
         cls = ' class="ls-chosen"' if token == chosen else ""
         cells = "".join(f"<td>{_fmt(rows[s][token])}</td>" for s in rows)
-        table.append(f"<tr{cls}><td>{_e(repr(run.vocab.display[token]))}</td>{cells}</tr>")
+        table.append(f"<tr{cls}><td>{_e(token_label(run.vocab.display[token]))}</td>{cells}</tr>")
     table.append("</table>")
-    chosen_text = _e(repr(run.vocab.display[chosen])) if chosen >= 0 else "unknown"
+    chosen_text = _e(token_label(run.vocab.display[chosen])) if chosen >= 0 else "unknown"
     return (
         f"{_STYLE}<div><p><b>Step {position}</b> (generation {run._generation_id(generation)}, sequence {sequence}): "
         f"chose {chosen_text}</p><p style=\"font-family:monospace;white-space:pre-wrap\">{_e(so_far)}</p>"

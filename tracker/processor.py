@@ -54,8 +54,8 @@ from tracker.recorder import Recorder, StepRows, Storage
 from tracker.run import Run
 from tracker.prompt import prompt_logprobs, score_prompt
 from tracker.schema import RunMetadata
+from processors.vocab import Vocabulary, eos_token_ids, hf_tokenizer, vocab_for
 from tracker.stages import apply_recording, per_processor
-from tracker.vocab import Vocabulary
 
 __all__ = ["LogitTrackingProcessor", "find_tokenizer"]
 
@@ -74,25 +74,21 @@ def _library_version() -> str:
 
 
 def find_tokenizer(*candidates: Any) -> Any:
-    """The first tokenizer found on the candidates (or their ``.tokenizer`` chains)."""
+    """The first tokenizer found on the candidates (or their ``.tokenizer`` chains).
+
+    A host's wrapper (Outlines' ``TransformerTokenizer``) is unwrapped to the
+    Hugging Face tokenizer inside it: token texts come from the vocabulary's
+    bytes, never from a wrapper's ``decode``.
+    """
     for candidate in candidates:
         seen = 0
         obj = candidate
         while obj is not None and seen < 4:
             if hasattr(obj, "convert_ids_to_tokens") or (hasattr(obj, "decode") and hasattr(obj, "eos_token_id")):
-                return obj
+                return hf_tokenizer(obj)
             obj = getattr(obj, "tokenizer", None)
             seen += 1
     return None
-
-
-def _eos_ids(eos_token_id: int | Sequence[int] | None, tokenizer: Any) -> list[int]:
-    if eos_token_id is None:
-        eos_token_id = getattr(tokenizer, "eos_token_id", None)
-    if eos_token_id is None:
-        return []
-    ids = [eos_token_id] if isinstance(eos_token_id, (int, np.integer)) else list(eos_token_id)
-    return [int(i) for i in ids]
 
 
 @dataclass
@@ -139,7 +135,7 @@ class _Recording:
             if self.tokenizer is None:
                 self.vocab = Vocabulary.placeholder(size)
             else:
-                self.vocab = Vocabulary.from_tokenizer(self.tokenizer, size)
+                self.vocab = vocab_for(self.tokenizer, size)
         return self.vocab
 
     def metadata(self) -> RunMetadata:
@@ -204,7 +200,7 @@ def _vocabulary_source(shared: _Recording) -> Any:
         recording = ref()
         if recording is not None and recording.recorder.vocab_size == size:
             return recording.vocabulary()
-        return Vocabulary.placeholder(size) if tokenizer is None else Vocabulary.from_tokenizer(tokenizer, size)
+        return Vocabulary.placeholder(size) if tokenizer is None else vocab_for(tokenizer, size)
 
     return load
 
@@ -295,7 +291,7 @@ class LogitTrackingProcessor(LogitsProcessor):
             recorder=recorder,
             storage=parsed,
             tokenizer=tokenizer,
-            eos_token_ids=_eos_ids(eos_token_id, tokenizer),
+            eos_token_ids=list(eos_token_ids(tokenizer, eos_token_id)),
             model=model,
             processors=None if self.processor is None else repr(self.processor),
             run_id=run_id,

@@ -27,7 +27,7 @@ from tracker.compute import nonfinite_rows
 from tracker.insight import Insight
 from tracker.schema import META_RUN, META_VOCAB, RunMetadata, flag_column, run_schema
 from tracker.spill import CHUNK_GLOB, RUN_JSON, VOCAB_FILE, atomic_path, read_ipc
-from tracker.vocab import Vocabulary
+from processors.vocab import Vocabulary
 
 __all__ = ["Run"]
 

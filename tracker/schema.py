@@ -31,7 +31,7 @@ the recorder's own batches use the schema without them (``flags=False``).
 A stage's value columns are null in rows where that stage was not recorded
 (the wrapped processor raised, or the sampling tap was not there). Run-level
 facts travel in the schema metadata under :data:`META_RUN` (JSON) and
-:data:`META_VOCAB` (the vocabulary, see :mod:`tracker.vocab`).
+:data:`META_VOCAB` (the vocabulary, see :mod:`processors.vocab`).
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ elif split >= min(track_a.length, track_b.length):
     st.info(f"The two sequences agree on their first {split} tokens; then one of them ends.")
 else:
     st.warning(f"The two sequences agree on their first {split} tokens and diverge at step {split}: "
-               f"A chose {pieces_a[split]!r}, B chose {pieces_b[split]!r}.")
+               f"A chose {views.token_label(pieces_a[split])}, B chose {views.token_label(pieces_b[split])}.")
 left, right = st.columns(2)
 left.html(text.divergent_text_html(prompt_a, pieces_a, split))
 right.html(text.divergent_text_html(prompt_b, pieces_b, split))

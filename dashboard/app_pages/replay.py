@@ -2,7 +2,7 @@
 
 import streamlit as st
 
-from dashboard import charts, data, text, widgets
+from dashboard import charts, data, text, views, widgets
 from dashboard.reader import BadRunError
 
 PLAY_SECONDS = 0.8
@@ -85,7 +85,7 @@ def _stepper() -> None:
     st.html(text.text_so_far_html(prompt, pieces[:position], pieces[position]))
     shown = [s for s in stages if s in summary.p_chosen]
     cells = st.columns(3 + len(shown))
-    cells[0].metric("Chosen token", repr(summary.chosen_token))
+    cells[0].metric("Chosen token", views.token_label(summary.chosen_token))
     for cell, stage in zip(cells[1:], shown):
         p = summary.p_chosen[stage]
         cell.metric(f"p, {charts.STAGE_NAMES.get(stage, stage)}", "—" if p != p else f"{p:.3f}")
