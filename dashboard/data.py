@@ -22,6 +22,7 @@ import streamlit as st
 from dashboard.discover import RunSummary, find_runs, summary_of
 from dashboard.reader import BadRunError, RunReader, Track
 from tracker.compare import Comparison, compare
+from tracker.prompt import perplexity
 from dashboard.views import StepSummary, WindowView, step_summary, step_table, token_pieces, window_view
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "window",
     "window_steps",
     "comparison",
+    "prompt_perplexity",
 ]
 
 #: Bytes of values the overview reads at once; a longer run is shown a window at a time
@@ -163,3 +165,13 @@ def comparison(path_a: str, generation_a: int, sequence_a: int, path_b: str, gen
     """:func:`tracker.compare` of two sequences over steps ``[start, stop)`` (steps numbered from the track's start)."""
     return _comparison(path_a, stamp(path_a), generation_a, sequence_a, path_b, stamp(path_b), generation_b, sequence_b,
                        start, stop)
+
+
+def prompt_perplexity(path: str, generation: int, sequence: int) -> float:
+    """The perplexity of one row's prompt, NaN when the run did not record its log-probabilities."""
+    for entry in reader(path).metadata.generations:
+        if int(entry.get("generation", -1)) == generation:
+            rows = entry.get("prompt_logprobs") or []
+            if 0 <= sequence < len(rows):
+                return perplexity(rows[sequence])
+    return float("nan")

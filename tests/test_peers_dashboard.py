@@ -61,3 +61,14 @@ def test_compare_shows_distances_from_tracker_compare(root):
     distance = [c for c in at.get("plotly_chart") if "Distance between A and B" in c.proto.spec]
     assert distance, "no distance chart"
     assert "after:regex" in _names(distance[0])
+
+
+def test_overview_reports_prompt_and_generation_perplexity(root):
+    from tracker import Run
+
+    run = Run.load(root / SAMPLE)
+    expected = run.perplexity()
+    at = _page(root, "overview")
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Prompt perplexity"] == f"{expected['prompt_perplexity'][0]:.2f}"
+    assert metrics["Perplexity (model, steps shown)"] == f"{expected['perplexity_natural'][0]:.2f}"
