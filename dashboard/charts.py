@@ -23,6 +23,8 @@ __all__ = [
     "STAGE_COLORS",
     "STAGE_NAMES",
     "compare_timelines",
+    "distance_timeline",
+    "removed_by_processor",
     "step_bars",
     "timelines",
     "token_heatmap",
@@ -282,3 +284,55 @@ def compare_timelines(
     fig.update_xaxes(title_text="step", row=2, col=1)
     _integer_steps(fig, list(a["position"]) + list(b["position"]))
     return _layout(fig, title, 460)
+
+
+def removed_by_processor(stats: pd.DataFrame, *, title: str = "") -> go.Figure | None:
+    """One line per processor: the natural probability mass it masked at each step (``removed_mass_after:*``).
+
+    None when the run has no stage per processor.
+    """
+    columns = [c for c in stats.columns if c.startswith("removed_mass_after:")]
+    if not columns:
+        return None
+    fig = go.Figure()
+    tokens = stats["chosen_token"].fillna("").map(token_label) if "chosen_token" in stats.columns else None
+    for i, column in enumerate(columns):
+        name = column[len("removed_mass_"):]
+        fig.add_scatter(
+            x=stats["position"], y=stats[column], mode="lines+markers", marker=dict(size=4),
+            line=dict(color=_EXTRA_COLORS[i % len(_EXTRA_COLORS)] if i else STAGE_COLORS["constrained"], width=1.8),
+            name=name, customdata=tokens, hovertemplate="step %{x} %{customdata}<br>" + name + ": %{y:.4g}<extra></extra>",
+        )
+    fig.update_xaxes(title_text="step")
+    fig.update_yaxes(title_text="natural mass removed", rangemode="tozero")
+    _integer_steps(fig, stats["position"])
+    return _layout(fig, title, 320)
+
+
+def distance_timeline(
+    steps: pd.DataFrame,
+    stages: Sequence[str],
+    *,
+    measure: Literal["tv", "kl", "js"] = "js",
+    divergence: int | None = None,
+    title: str = "",
+) -> go.Figure:
+    """Per step, the distance between two runs' distributions (``tracker.compare``'s ``steps``), one line per stage."""
+    labels = {"tv": "total variation", "kl": "KL(A‖B), nats", "js": "Jensen–Shannon, nats"}
+    fig = go.Figure()
+    for i, stage in enumerate(stages):
+        column = f"{measure}_{stage}"
+        if column not in steps.columns:
+            continue
+        y = steps[column].replace([np.inf], np.nan)
+        fig.add_scatter(
+            x=steps["step"], y=y, mode="lines+markers", marker=dict(size=4), name=_name(stage),
+            line=dict(color=_color(stage, i), **_LINES.get(stage, dict(width=1.6))),
+            hovertemplate="step %{x}<br>" + _name(stage) + ": %{y:.4g}<extra></extra>",
+        )
+    if divergence is not None:
+        fig.add_vline(x=divergence, line_dash="dot", line_color=MASK_COLOR)
+    fig.update_xaxes(title_text="step")
+    fig.update_yaxes(title_text=labels[measure], rangemode="tozero")
+    _integer_steps(fig, steps["step"])
+    return _layout(fig, title, 320)

@@ -21,6 +21,8 @@ import streamlit as st
 
 from dashboard.discover import RunSummary, find_runs, summary_of
 from dashboard.reader import BadRunError, RunReader, Track
+from tracker.compare import Comparison, compare
+from tracker.prompt import perplexity
 from dashboard.views import StepSummary, WindowView, step_summary, step_table, token_pieces, window_view
 
 __all__ = [
@@ -34,6 +36,8 @@ __all__ = [
     "track",
     "window",
     "window_steps",
+    "comparison",
+    "prompt_perplexity",
 ]
 
 #: Bytes of values the overview reads at once; a longer run is shown a window at a time
@@ -139,3 +143,35 @@ def _window(path: str, version: Stamp, generation: int, sequence: int, start: in
 def window(path: str, generation: int, sequence: int, start: int, stop: int) -> WindowView:
     """Statistics, alternatives and heat matrices of track positions ``[start, stop)``."""
     return _window(path, stamp(path), generation, sequence, start, stop)
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def _comparison(path_a: str, version_a: Stamp, generation_a: int, sequence_a: int,
+                path_b: str, version_b: Stamp, generation_b: int, sequence_b: int, start: int, stop: int) -> Comparison:
+    parts = []
+    for path, generation, sequence in ((path_a, generation_a, sequence_a), (path_b, generation_b, sequence_b)):
+        run = reader(path)
+        track_ = run.track(generation, sequence)
+        parts.append(run.window(track_, min(start, track_.length), min(stop, track_.length)))
+    result = compare(parts[0], parts[1], generation_a=generation_a, sequence_a=sequence_a,
+                     generation_b=generation_b, sequence_b=sequence_b, include_finished=True)
+    result.steps["step"] += start
+    result.tokens["step"] += start
+    return result
+
+
+def comparison(path_a: str, generation_a: int, sequence_a: int, path_b: str, generation_b: int, sequence_b: int,
+               start: int, stop: int) -> Comparison:
+    """:func:`tracker.compare` of two sequences over steps ``[start, stop)`` (steps numbered from the track's start)."""
+    return _comparison(path_a, stamp(path_a), generation_a, sequence_a, path_b, stamp(path_b), generation_b, sequence_b,
+                       start, stop)
+
+
+def prompt_perplexity(path: str, generation: int, sequence: int) -> float:
+    """The perplexity of one row's prompt, NaN when the run did not record its log-probabilities."""
+    for entry in reader(path).metadata.generations:
+        if int(entry.get("generation", -1)) == generation:
+            rows = entry.get("prompt_logprobs") or []
+            if 0 <= sequence < len(rows):
+                return perplexity(rows[sequence])
+    return float("nan")

@@ -28,6 +28,8 @@ import tracker
 from dashboard.reader import StageRow, StepRow
 from dashboard.threads import one_torch_thread
 from tracker import Vocabulary
+from tracker.compare import first_divergence  # one definition, shared with tracker.compare
+from tracker.display import token_label  # one definition, shared with the notebook display
 
 __all__ = [
     "COLOR_METRICS",
@@ -51,13 +53,6 @@ COLOR_METRICS: dict[str, tuple[str, str]] = {
     "chosen token's rank (model)": ("rank_chosen_natural", "far down the list"),
     "probability mass the constraint removed": ("removed_mass", "much removed"),
 }
-
-
-def token_label(text: str) -> str:
-    """A token's text made visible: spaces as ``␣``, newlines as ``↵``, tabs as ``⇥``, empty as ``∅``."""
-    if text == "":
-        return "∅"
-    return text.replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥").replace("\r", "␍")
 
 
 def _unique_labels(ids: np.ndarray, vocab: Vocabulary) -> list[str]:
@@ -324,16 +319,6 @@ def token_pieces(vocab: Vocabulary, ids: Sequence[int] | np.ndarray) -> list[str
     if pieces and decoder.getstate()[0]:
         pieces[-1] += decoder.decode(b"", final=True)
     return pieces
-
-
-def first_divergence(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int | None:
-    """The first index where two chosen-token lists differ (a length difference counts); None if equal."""
-    x, y = np.asarray(a), np.asarray(b)
-    n = min(x.size, y.size)
-    differ = np.nonzero(x[:n] != y[:n])[0]
-    if differ.size:
-        return int(differ[0])
-    return None if x.size == y.size else n
 
 
 def aligned(

@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from processors import BadWordsLogitsProcessor, CFGLogitsProcessor, JSONLogitsProcessor, RegexLogitsProcessor
+from processors import (
+    BadWordsLogitsProcessor,
+    CFGLogitsProcessor,
+    JSONLogitsProcessor,
+    PenaltiesLogitsProcessor,
+    RegexLogitsProcessor,
+)
 from sampling import Generator, SamplingParams
 from dashboard.threads import one_torch_thread
 from tracker import add_tracking
@@ -53,6 +59,7 @@ class Recipe:
         prompts: the prompts, decoded together as one batch.
         params: sampling parameters, one per generation (each generation is one ``generate`` call).
         processor: builds the processor from the tokenizer; None records the model alone.
+        processor_stages: record one stage per processor of a list (and the prompt's log-probabilities).
     """
 
     name: str
@@ -61,6 +68,7 @@ class Recipe:
     prompts: tuple[str, ...]
     params: tuple[SamplingParams, ...]
     processor: Callable[[Any], Any] | None = field(default=None, compare=False)
+    processor_stages: bool = False
 
 
 RECIPES: tuple[Recipe, ...] = (
@@ -127,6 +135,16 @@ RECIPES: tuple[Recipe, ...] = (
             SamplingParams(temperature=1.0, seed=1, max_new_tokens=32),
         ),
     ),
+    Recipe(
+        "two_processors",
+        "Regex then penalty (a stage per processor)",
+        "A regex and a repetition penalty, each recorded as its own stage: the regex removes the mass, "
+        "the penalty then moves the digits already used.",
+        ("Call Maria at ",),
+        (SamplingParams(temperature=0.7, seed=0, max_new_tokens=24),),
+        lambda tok: [RegexLogitsProcessor(r"\(\d{3}\) \d{3}-\d{4}\.", tok), PenaltiesLogitsProcessor(repetition_penalty=1.5)],
+        processor_stages=True,
+    ),
 )
 
 
@@ -164,7 +182,8 @@ def record(
     for recipe in recipes:
         processor = recipe.processor(tokenizer) if recipe.processor is not None else None
         generator = add_tracking(
-            Generator(model, tokenizer, logits_processor=processor), storage=storage, memory_limit=None, model=model_name
+            Generator(model, tokenizer, logits_processor=processor), storage=storage, memory_limit=None, model=model_name,
+            processor_stages=recipe.processor_stages, prompt_logprobs=recipe.processor_stages,
         )
         tracker = generator.logits_processor
         texts = []

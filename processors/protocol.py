@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 import functools
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence
 
 import torch
 
@@ -235,6 +235,18 @@ class LogitsProcessor(abc.ABC):
         """
 
     @property
+    def wants_prefill_logits(self) -> bool:
+        """True when the processor wants :meth:`on_prefill` (the host then keeps every prompt position's logits)."""
+        return False
+
+    def on_prefill(self, logits: torch.Tensor, ctx: BatchContext) -> None:
+        """Hear the prefill logits ``[B, L, V]`` (every prompt position, left padding included), once per generation.
+
+        Hosts that can (logitscope's ``Generator``) call it before the first
+        step when :attr:`wants_prefill_logits` is True. Default: nothing.
+        """
+
+    @property
     def name(self) -> str:
         return type(self).__name__
 
@@ -295,6 +307,12 @@ class ProcessorList(LogitsProcessor):
         return self.processors[index]
 
     def process(self, logits: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+        return self.apply(logits, ctx)
+
+    def apply(
+        self, logits: torch.Tensor, ctx: BatchContext, each: Callable[[int, torch.Tensor], None] | None = None
+    ) -> torch.Tensor:
+        """:meth:`process`, handing each processor's checked output to ``each(position, out)`` (a tracker records it)."""
         for position, processor in enumerate(self.processors):
             label = f"{position} ({processor.name})"
             try:
@@ -304,6 +322,8 @@ class ProcessorList(LogitsProcessor):
             except Exception as exc:
                 raise ProcessorError(f"processor {label} raised {type(exc).__name__}: {exc}") from exc
             logits = check_logits(label, out, logits)
+            if each is not None:
+                each(position, logits)
         return logits
 
     def reset(self) -> None:
@@ -317,6 +337,15 @@ class ProcessorList(LogitsProcessor):
     def on_sampled(self, tokens: torch.Tensor, ctx: BatchContext) -> None:
         for processor in self.processors:
             processor.on_sampled(tokens, ctx)
+
+    @property
+    def wants_prefill_logits(self) -> bool:
+        return any(p.wants_prefill_logits for p in self.processors)
+
+    def on_prefill(self, logits: torch.Tensor, ctx: BatchContext) -> None:
+        for processor in self.processors:
+            if processor.wants_prefill_logits:
+                processor.on_prefill(logits, ctx)
 
     def __repr__(self) -> str:
         return f"ProcessorList([{', '.join(repr(p) for p in self.processors)}])"

@@ -165,10 +165,11 @@ class Generator:
 
     # ------------------------------------------------------------------ decode
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache):
+    def _forward(self, input_ids, attention_mask, position_ids, cache, prefill=None):
+        """The last position's float32 logits and the cache; ``prefill`` (a context) hears every position's first."""
         kwargs: dict[str, Any] = {}
         if self._keeps_last_logits:
-            kwargs["logits_to_keep"] = 1
+            kwargs["logits_to_keep"] = 0 if prefill is not None else 1
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -177,6 +178,8 @@ class Generator:
             use_cache=True,
             **kwargs,
         )
+        if prefill is not None:
+            self.logits_processor.on_prefill(out.logits, prefill)
         return out.logits[:, -1, :].float(), out.past_key_values
 
     @torch.inference_mode()
@@ -244,9 +247,12 @@ class Generator:
         cache = None
         finished: torch.Tensor | None = None  # rows that ended, fed padding from then on
         step_input, step_positions = input_ids, position_ids
+        prefill = None
+        if self.logits_processor.wants_prefill_logits:
+            prefill = BatchContext(input_ids=input_ids, prompt_length=width, attention_mask=attention_mask)
         for step in range(max(limits)):
             # 1. the model's next-token logits, and the processors' view of them
-            raw, cache = self._forward(step_input, attention_mask, step_positions, cache)
+            raw, cache = self._forward(step_input, attention_mask, step_positions, cache, prefill if step == 0 else None)
             raw_lse = torch.logsumexp(raw, dim=-1)
             ctx = BatchContext(input_ids=input_ids, prompt_length=width, attention_mask=attention_mask)
             given = raw.clone() if self.logits_processor.inplace else raw

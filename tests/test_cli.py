@@ -13,6 +13,7 @@ import torch
 
 from logitscope import __version__
 from logitscope.cli import main
+from logitscope.samples import RECIPES
 from tracker import Run
 
 
@@ -124,7 +125,7 @@ def test_demo_prints_sensible_text(tmp_path, capsys):
     assert "--- JSON record (schema)" in out and '"age"' in out
     assert "<|endoftext|>" not in out  # some prompts start with the marker; the texts shown do not
     assert f"logitscope dashboard {tmp_path}" in out
-    assert len(list(tmp_path.glob("*.parquet"))) == 8
+    assert len(list(tmp_path.glob("*.parquet"))) == len(RECIPES)
 
 
 def test_console_script_runs_offline():

@@ -12,10 +12,14 @@ Modules: :mod:`~tracker.processor` (the tracker), :mod:`~tracker.integrate`
 :mod:`~tracker.buffers` (reused host and pinned memory), :mod:`~tracker.schema`
 (the Arrow schema and run metadata), :class:`Vocabulary` (token texts, from :mod:`processors.vocab`),
 :mod:`~tracker.compute` (the maths), :mod:`~tracker.analysis` (the query API),
-:mod:`~tracker.run` (``Run`` and Parquet), :mod:`~tracker.spill` (IPC files).
+:mod:`~tracker.run` (``Run`` and Parquet), :mod:`~tracker.spill` (IPC files),
+:mod:`~tracker.stages` (a stage per processor), :mod:`~tracker.prompt` (prompt
+log-probabilities), :mod:`~tracker.compare` (two runs), :mod:`~tracker.display`
+(notebook HTML).
 """
 
 from tracker.analysis import Continuation
+from tracker.compare import Comparison, compare
 from tracker.integrate import add_tracking
 from tracker.processor import LogitTrackingProcessor
 from tracker.recorder import Recorder, Storage
@@ -29,6 +33,8 @@ __all__ = [
     "Run",
     "RunMetadata",
     "Continuation",
+    "compare",
+    "Comparison",
     "Vocabulary",
     "Storage",
     "Recorder",

@@ -29,6 +29,7 @@ import torch
 from tracker import compute
 from tracker.schema import FIELD_DTYPE, RunMetadata, flag_column, value_column
 from processors.vocab import Vocabulary
+from tracker.stages import resolve_stage
 
 __all__ = ["Analysis", "Continuation", "Selection", "stage_matrix"]
 
@@ -316,7 +317,10 @@ class Analysis:
     def _lse(self, stage: str, sel: Selection) -> torch.Tensor:
         return self._lses(sel)[stage]
 
-    def _constrained_stage(self) -> str:
+    def _constrained_stage(self, stage: str | None = None) -> str:
+        """The stage compared with natural: ``stage`` (a recorded name or alias) or constrained."""
+        if stage is not None:
+            return resolve_stage(self.metadata.stages, self.metadata.stage_aliases, stage)
         return "constrained" if self._has("constrained") else "natural"
 
     # ---------------------------------------------------------------- documented surface
@@ -342,12 +346,12 @@ class Analysis:
         key = ("texts", sel.generation, sel.sequence, sel.length)
         return self._cached(key, lambda: self.vocab.prefixes(sel.known_chosen))
 
-    def _top(self, sel: Selection, k: int) -> dict[str, np.ndarray]:
+    def _top(self, sel: Selection, k: int, stage: str | None = None) -> dict[str, np.ndarray]:
         """Per position: the k best allowed tokens with both stages' logits and probabilities."""
-        key = ("top", k, sel.generation, sel.sequence, sel.length)
+        con_stage = self._constrained_stage(stage)
+        key = ("top", k, sel.generation, sel.sequence, sel.length, con_stage)
 
         def build() -> dict[str, np.ndarray]:
-            con_stage = self._constrained_stage()
             if self._full:
                 lse_n, lse_c = self._lse("natural", sel), self._lse(con_stage, sel)
                 parts: dict[str, list[torch.Tensor]] = {k_: [] for k_ in ("ids", "count", "ln", "lc")}
@@ -400,6 +404,7 @@ class Analysis:
         sequence: int = 0,
         generation: int = -1,
         include_finished: bool = False,
+        stage: str | None = None,
     ) -> list[dict[str, Any]]:
         """The ``k`` most likely allowed tokens at each position.
 
@@ -411,12 +416,13 @@ class Analysis:
         the constraint masked are never listed: with fewer than ``k`` allowed
         the list is shorter. ``is_chosen`` compares token ids. Positions that
         were not recorded are skipped. In top-k storage, ``k`` is at most the
-        stored ``top_k``.
+        stored ``top_k``. ``stage`` names the stage shown as "structured"
+        (default ``constrained``; e.g. ``"after:regex"``).
         """
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"k must be an int >= 1, got {k!r}")
         sel = self._select(generation, sequence, include_finished)
-        top = self._top(sel, k)
+        top = self._top(sel, k, stage)
         texts = self._texts(sel)
         where = {int(s): i for i, s in enumerate(sel.steps.tolist())}
         wanted = self._positions(positions, sel)
@@ -466,6 +472,7 @@ class Analysis:
         generation: int = -1,
         include_finished: bool = False,
         token_ids: bool = False,
+        stage: str | None = None,
     ) -> pd.DataFrame:
         """One row per (position, token) with columns ``position, token, natural, constrained, chosen``.
 
@@ -474,7 +481,8 @@ class Analysis:
         (no cap per position); without it, every token of the vocabulary.
         ``chosen`` compares token ids. ``sequence=None`` takes every sequence
         of the generation and adds a ``sequence`` column; ``token_ids=True``
-        adds a ``token_id`` column.
+        adds a ``token_id`` column. ``stage`` names the stage in the
+        ``constrained`` column (default ``constrained``; e.g. ``"after:regex"``).
         """
         if show not in ("probs", "logits"):
             raise ValueError(f"show must be 'probs' or 'logits', got {show!r}")
@@ -483,14 +491,15 @@ class Analysis:
         if sequence is None:
             frames = [
                 self.to_dataframe(show, min_value, sequence=s, generation=generation,
-                                  include_finished=include_finished, token_ids=token_ids).assign(sequence=s)
+                                  include_finished=include_finished, token_ids=token_ids, stage=stage).assign(sequence=s)
                 for s in self.sequences(generation)
             ]
             frame = pd.concat(frames, ignore_index=True)
             return frame[["sequence"] + [c for c in frame.columns if c != "sequence"]]
         sel = self._select(generation, sequence, include_finished)
-        key = ("frame", show, min_value, sel.generation, sel.sequence, sel.length)
-        rows, ids, nat, con = self._cached(key, lambda: self._entries(sel, show, min_value))
+        con_stage = self._constrained_stage(stage)
+        key = ("frame", show, min_value, sel.generation, sel.sequence, sel.length, con_stage)
+        rows, ids, nat, con = self._cached(key, lambda: self._entries(sel, show, min_value, con_stage))
         chosen = sel.chosen[rows] == ids
         data = {
             "position": pa.array(sel.steps[rows].astype(np.int64)),
@@ -503,9 +512,9 @@ class Analysis:
             data["token_id"] = pa.array(ids)
         return pa.table(data).to_pandas()
 
-    def _entries(self, sel: Selection, show: str, min_value: float | None):
+    def _entries(self, sel: Selection, show: str, min_value: float | None, con_stage: str | None = None):
         """Vectorised: (row index, token id, natural value, constrained value) of every kept entry."""
-        con_stage = self._constrained_stage()
+        con_stage = con_stage or self._constrained_stage()
         if not self._full:
             return self._entries_sparse(sel, show, min_value, con_stage)
         probs = show == "probs"

@@ -49,10 +49,13 @@ import torch
 from processors import BatchContext, LogitsProcessor, ProcessorError, as_processor
 from processors.protocol import check_logits
 from tracker.analysis import Analysis
+from tracker.insight import Insight
 from tracker.recorder import Recorder, StepRows, Storage
 from tracker.run import Run
+from tracker.prompt import prompt_logprobs, score_prompt
 from tracker.schema import RunMetadata
 from processors.vocab import Vocabulary, eos_token_ids, hf_tokenizer, vocab_for
+from tracker.stages import apply_recording, per_processor
 
 __all__ = ["LogitTrackingProcessor", "find_tokenizer"]
 
@@ -117,6 +120,8 @@ class _Recording:
     sampling_from_user: bool = False
     pending_sampling: list[dict[str, Any]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    stage_aliases: dict[str, str] = field(default_factory=dict)
+    pending_prompt: list[list[float | None]] | None = None
     generations: list[dict[str, Any]] = field(default_factory=list)
     next_generation: int = 0
     epoch: int = 0
@@ -149,6 +154,7 @@ class _Recording:
             library_version=_library_version(),
             created_at=self.created_at,
             extra=dict(self.extra),
+            stage_aliases=dict(self.stage_aliases),
         )
 
 
@@ -248,6 +254,13 @@ class LogitTrackingProcessor(LogitsProcessor):
         chunk_bytes: rows are kept in chunks of about this size.
         eos_token_id: end-of-sequence id(s); by default the tokenizer's.
         model: the model or its name, for the run's metadata.
+        processor_stages: with a ``ProcessorList`` of two or more, record the
+            logits after each processor as its own stage (``after:<name>``;
+            see :mod:`tracker.stages`). Off by default: each extra stage costs
+            a row per step (``4 V`` bytes in float32).
+        prompt_logprobs: record each prompt's per-token log-probabilities
+            from the prefill logits (hosts that call ``on_prefill``, such as
+            logitscope's Generator; else :meth:`score_prompt`).
     """
 
     def __init__(
@@ -262,12 +275,18 @@ class LogitTrackingProcessor(LogitsProcessor):
         chunk_bytes: int = 32 << 20,
         eos_token_id: int | Sequence[int] | None = None,
         model: Any = None,
+        processor_stages: bool = False,
+        prompt_logprobs: bool = False,
     ) -> None:
+        self._stage_names: list[str] = []
+        if processor_stages and processor is not None:
+            processor, self._stage_names = per_processor(processor)
         self.processor: LogitsProcessor | None = None if processor is None else as_processor(processor)
+        self._records_prompt = bool(prompt_logprobs)
         if tokenizer is None:
             tokenizer = find_tokenizer(processor, getattr(self.processor, "fn", None))
         parsed = Storage.parse(storage, top_k)
-        stages = ["natural"] if self.processor is None else ["natural", "constrained"]
+        stages = ["natural"] if self.processor is None else ["natural", *self._stage_names[:-1], "constrained"]
         run_id = _new_run_id()
         recorder = Recorder(
             parsed, stages, chunk_bytes=chunk_bytes, memory_limit=memory_limit, spill_dir=spill_dir, run_id=run_id
@@ -284,6 +303,7 @@ class LogitTrackingProcessor(LogitsProcessor):
             processors=None if self.processor is None else repr(self.processor),
             run_id=run_id,
             created_at=_now(),
+            stage_aliases={self._stage_names[-1]: "constrained"} if self._stage_names else {},
         )
         recorder.describe = _describer(self._shared)
         self._gen: _Generation | None = None
@@ -367,7 +387,12 @@ class LogitTrackingProcessor(LogitsProcessor):
             return logits
         natural = logits.clone() if processor.inplace and not shared.storage.full else logits
         try:
-            out = check_logits(processor.name, processor.process(logits, ctx), logits)
+            if len(self._stage_names) > 1:
+                names = self._stage_names
+                out = apply_recording(processor, logits, ctx,  # type: ignore[arg-type]
+                                      lambda i, x: recorder.write(rows, names[i], x, natural=natural))
+            else:
+                out = check_logits(processor.name, processor.process(logits, ctx), logits)
         except Exception as exc:
             recorder.mark_error(rows)
             where = f"(the tracker recorded generation {gen.id}, step {step} with processor_error=True)"
@@ -392,6 +417,21 @@ class LogitTrackingProcessor(LogitsProcessor):
                 shared.sampling = _summarise_sampling(rows)
         if self.processor is not None:
             self.processor.on_generation_start(sampling)
+
+    @property
+    def wants_prefill_logits(self) -> bool:  # type: ignore[override]
+        return self._records_prompt or (self.processor is not None and self.processor.wants_prefill_logits)
+
+    def on_prefill(self, logits: torch.Tensor, ctx: BatchContext) -> None:
+        """Keep the prompt's log-probabilities for the coming generation (see :mod:`tracker.prompt`)."""
+        if self._records_prompt:
+            self._shared.pending_prompt = prompt_logprobs(logits, ctx.input_ids, ctx.attention_mask)
+        if self.processor is not None and self.processor.wants_prefill_logits:
+            self.processor.on_prefill(logits, ctx)
+
+    def score_prompt(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+        """Score the prompts of the next generation with one forward pass (for ``model.generate``)."""
+        self._shared.pending_prompt = score_prompt(model, input_ids, attention_mask)
 
     def on_sampled(self, tokens: torch.Tensor, ctx: BatchContext) -> None:
         """Record the tokens chosen at this step (hosts such as logitscope's Generator call it)."""
@@ -542,6 +582,9 @@ class LogitTrackingProcessor(LogitsProcessor):
         if shared.pending_sampling is not None and len(shared.pending_sampling) == batch:
             record["sampling"] = shared.pending_sampling
         shared.pending_sampling = None
+        if shared.pending_prompt is not None and len(shared.pending_prompt) == batch:
+            record["prompt_logprobs"] = shared.pending_prompt
+        shared.pending_prompt = None
         shared.generations.append(record)
         self._gen = _Generation(gid, batch, ctx.prompt_length, shared.epoch)
         return self._gen
@@ -615,4 +658,11 @@ class LogitTrackingProcessor(LogitsProcessor):
     continuation_probability = _delegate(Analysis.continuation_probability)
     generations = _delegate(Analysis.generations)
     sequences = _delegate(Analysis.sequences)
+    why = _delegate(Insight.why)
+    diff = _delegate(Insight.diff)
+    perplexity = _delegate(Insight.perplexity)
+    view = _delegate(Insight.view)
+    step = _delegate(Insight.step)
+    show = _delegate(Insight.show)
+    _repr_html_ = _delegate(Insight._repr_html_)
 

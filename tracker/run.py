@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 
 from tracker.analysis import Analysis, stage_matrix
 from tracker.compute import nonfinite_rows
+from tracker.insight import Insight
 from tracker.schema import META_RUN, META_VOCAB, RunMetadata, flag_column, run_schema
 from tracker.spill import CHUNK_GLOB, RUN_JSON, VOCAB_FILE, atomic_path, read_ipc
 from processors.vocab import Vocabulary
@@ -33,7 +34,7 @@ __all__ = ["Run"]
 _ROW_GROUP_BYTES = 8 << 20
 
 
-class Run(Analysis):
+class Run(Insight, Analysis):
     """Rows of a run, its metadata and vocabulary; answers the analysis API.
 
     Args:

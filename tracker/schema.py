@@ -159,6 +159,9 @@ class RunMetadata:
             told them.
         library_version, created_at, schema_version: provenance.
         extra: anything the user added (JSON-ready).
+        stage_aliases: other names of recorded stages (``{"after:penalties":
+            "constrained"}``: with one stage per processor, the last
+            processor's stage is the one stored as ``constrained``).
     """
 
     run_id: str
@@ -175,6 +178,7 @@ class RunMetadata:
     created_at: str = ""
     schema_version: str = SCHEMA_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
+    stage_aliases: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()

@@ -38,6 +38,8 @@ try:
     prompt_b = data.prompt(other, generation_b, sequence_b)
     pieces_a = data.pieces(picked.path, picked.generation, picked.sequence)
     pieces_b = data.pieces(other, generation_b, sequence_b)
+    diff = data.comparison(picked.path, picked.generation, picked.sequence, other, generation_b, sequence_b,
+                           start, start + size)
 except BadRunError as exc:
     widgets.show_bad_run(exc.path, exc.reason)
     st.stop()
@@ -65,3 +67,14 @@ st.plotly_chart(
 )
 columns = ("chosen_id", "chosen_token", f"p_chosen_{stage}", f"entropy_{stage}")
 st.dataframe(views.aligned(view_a.stats, view_b.stats, columns), hide_index=True, width="stretch")
+
+st.subheader("How far apart the distributions are")
+if diff.note:
+    st.caption(diff.note)
+measure = st.radio("Distance", ["js", "tv", "kl"], horizontal=True, key="compare_measure",
+                   format_func={"js": "Jensen–Shannon", "tv": "total variation", "kl": "KL(A‖B)"}.get)
+st.plotly_chart(charts.distance_timeline(diff.steps, diff.stages, measure=measure, divergence=split,
+                                         title="Distance between A and B, step by step"),
+                key="distance_chart", width="stretch")
+st.caption("Tokens whose probability changed most from A to B at each step")
+st.dataframe(diff.tokens, hide_index=True, width="stretch")

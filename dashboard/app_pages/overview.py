@@ -1,5 +1,6 @@
 """Overview of one sequence: the text coloured step by step, timelines of the statistics, a heatmap of candidates."""
 
+import numpy as np
 import streamlit as st
 
 from dashboard import charts, data, text, widgets
@@ -36,14 +37,23 @@ st.html(text.token_text_html(view.tokens, view.stats[column].to_numpy(), column,
 st.html(text.legend_html(metric))
 st.caption("Hover a token to see the model's alternatives at that step.")
 
-left, right = st.columns(2)
+left, right, third, fourth = st.columns(4)
 left.metric("Steps", f"{track.length:,}")
 if "constrained" in stages:
     removed = view.stats["removed_mass"].mean() if "removed_mass" in view.stats else float("nan")
     right.metric("Mean mass removed by the constraint", "—" if removed != removed else f"{removed:.1%}")
 else:
     right.metric("Constraint", "none")
+surprisal = view.stats["surprisal_natural"].mean() if "surprisal_natural" in view.stats else float("nan")
+third.metric("Perplexity (model, steps shown)", "—" if surprisal != surprisal else f"{np.exp(surprisal):.2f}",
+             help="exp of the mean surprisal (−log p, natural) of the chosen tokens")
+prompt_ppl = data.prompt_perplexity(picked.path, picked.generation, picked.sequence)
+fourth.metric("Prompt perplexity", "—" if prompt_ppl != prompt_ppl else f"{prompt_ppl:.2f}",
+              help="Recorded with LogitTrackingProcessor(..., prompt_logprobs=True)")
 st.plotly_chart(charts.timelines(view.stats, stages, title="Step by step"), key="timelines", width="stretch")
+by_processor = charts.removed_by_processor(view.stats, title="Mass removed by each processor")
+if by_processor is not None:
+    st.plotly_chart(by_processor, key="removed_by_processor", width="stretch")
 heat_stage = st.radio("Heatmap of", stages, horizontal=True, key="heat_stage", format_func=lambda s: charts.STAGE_NAMES.get(s, s))
 st.plotly_chart(
     charts.token_heatmap(view.heat[heat_stage], view.heat_chosen, stage=heat_stage,

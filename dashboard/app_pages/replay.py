@@ -49,6 +49,9 @@ def _slid() -> None:
 
 
 stages = picked.summary.stages.split(", ")
+if len(stages) > 3:  # a stage per processor: pick the ones to draw
+    stages = st.multiselect("Stages", stages, default=stages, key="replay_stages",
+                            format_func=lambda s: charts.STAGE_NAMES.get(s, s)) or stages
 controls = st.columns([1, 1, 1, 2, 2, 2])
 playing = bool(st.session_state.get("playing", False))
 controls[0].button("⏸ Pause" if playing else "▶ Play", key="play", on_click=_toggle_play, width="stretch")

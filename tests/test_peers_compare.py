@@ -1,0 +1,111 @@
+"""compare(run_a, run_b): divergence, distances against a float64 reference, storage modes."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from sampling import Generator, SamplingParams
+from tracker import Run, add_tracking, compare
+from tracker.compare import distances
+
+
+def _run(model, tok, seed, storage="float32", seeds=None):
+    gen = add_tracking(Generator(model, tok), storage=storage)
+    for s in seeds or [seed]:
+        gen.generate("My dog", SamplingParams(temperature=1.0, seed=s, max_new_tokens=16, ignore_eos=True))
+    return gen.logits_processor.run
+
+
+def test_a_run_against_itself_has_no_divergence_and_zero_distances(tiny_model, char_tokenizer):
+    run = _run(tiny_model, char_tokenizer, 0)
+    result = compare(run, run)
+    assert result.divergence is None and result.same and result.exact
+    assert result.steps["same"].all() and len(result.steps) == 16
+    for stage in ("natural", "sampled"):
+        for name in ("tv", "kl", "js"):
+            assert (result.steps[f"{name}_{stage}"] == 0).all(), (name, stage)
+    assert result.tokens.empty
+    assert run.diff(run).same
+
+
+def test_two_seeds_diverge_where_the_chosen_tokens_first_differ(tiny_model, char_tokenizer):
+    a, b = _run(tiny_model, char_tokenizer, 0), _run(tiny_model, char_tokenizer, 1)
+    chosen_a, chosen_b = a.stats()["chosen_id"].to_numpy(), b.stats()["chosen_id"].to_numpy()
+    expected = int(np.nonzero(chosen_a != chosen_b)[0][0])
+    result = compare(a, b)
+    assert result.divergence == expected
+    assert f"at step {expected}" in result.summary()
+    steps = result.steps
+    # before the divergence both saw the same text: the natural distributions are equal
+    assert (steps["tv_natural"][: expected + 1] < 1e-6).all()
+    if expected + 1 < len(steps):
+        assert steps["tv_natural"][expected + 1 :].max() > 0
+    # the same two generations inside one run compare the same way
+    both = _run(tiny_model, char_tokenizer, None, seeds=[0, 1])
+    assert compare(both, both, generation_a=0, generation_b=1).divergence == expected
+
+
+def test_distances_equal_a_float64_reference_on_random_rows():
+    rng = np.random.default_rng(7)
+    p = rng.dirichlet(np.full(50, 0.3), size=6)
+    q = rng.dirichlet(np.full(50, 0.3), size=6)
+    q[0, :5] = 0.0
+    q[0] /= q[0].sum()
+    tv, kl, js, exact = distances(p, q)
+    m = (p + q) / 2
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ref_kl = np.where(p > 0, p * np.log(p / q), 0.0).sum(axis=1)
+        ref_js = 0.5 * np.where(p > 0, p * np.log(p / m), 0).sum(1) + 0.5 * np.where(q > 0, q * np.log(q / m), 0).sum(1)
+    np.testing.assert_allclose(tv, 0.5 * np.abs(p - q).sum(axis=1), rtol=1e-12)
+    assert math.isinf(kl[0]) and np.isinf(ref_kl[0])
+    np.testing.assert_allclose(kl[1:], ref_kl[1:], rtol=1e-10)
+    np.testing.assert_allclose(js, ref_js, rtol=1e-10)
+    assert exact.all()
+
+
+def test_topk_against_full_storage_gives_lower_bounds_and_says_so(tiny_model, char_tokenizer, tmp_path):
+    full_a, full_b = _run(tiny_model, char_tokenizer, 0), _run(tiny_model, char_tokenizer, 1)
+    topk_b = Run.load(_run_saved(tiny_model, char_tokenizer, tmp_path))
+    exact = compare(full_a, full_b, stages=["natural"])
+    approx = compare(full_a, topk_b, stages=["natural"])
+    assert exact.exact and not approx.exact and "lower bounds" in approx.note
+    assert approx.divergence == exact.divergence
+    for name in ("tv", "js"):
+        assert (approx.steps[f"{name}_natural"] <= exact.steps[f"{name}_natural"] + 1e-6).all()
+    assert compare(topk_b, topk_b).same
+
+
+def _run_saved(model, tok, tmp_path):
+    gen = add_tracking(Generator(model, tok), storage="topk", top_k=8)
+    gen.generate("My dog", SamplingParams(temperature=1.0, seed=1, max_new_tokens=16, ignore_eos=True))
+    return gen.logits_processor.to_parquet(tmp_path / "topk.parquet")
+
+
+def test_compare_rejects_bad_arguments(tiny_model, char_tokenizer):
+    run = _run(tiny_model, char_tokenizer, 0)
+    with pytest.raises(ValueError, match="top must be an int >= 1, got 0"):
+        compare(run, run, top=0)
+    with pytest.raises(ValueError, match=r"stages \['constrained'\] are not recorded by both runs"):
+        compare(run, run, stages=["constrained"])
+
+
+def test_dashboard_figures_from_comparison_and_processor_stages(tiny_model, char_tokenizer):
+    from dashboard import charts
+    from processors import LogitBiasLogitsProcessor, PenaltiesLogitsProcessor
+
+    a, b = _run(tiny_model, char_tokenizer, 0), _run(tiny_model, char_tokenizer, 1)
+    result = compare(a, b)
+    fig = charts.distance_timeline(result.steps, result.stages, measure="tv", divergence=result.divergence)
+    assert [t.name for t in fig.data] == [charts.STAGE_NAMES["natural"], charts.STAGE_NAMES["sampled"]]
+    np.testing.assert_allclose(np.asarray(fig.data[0].y, dtype=float), result.steps["tv_natural"])
+    assert charts.removed_by_processor(a.stats()) is None
+    procs = [LogitBiasLogitsProcessor({7: float("-inf")}), PenaltiesLogitsProcessor(repetition_penalty=1.2)]
+    gen = add_tracking(Generator(tiny_model, char_tokenizer, procs), processor_stages=True)
+    gen.generate("My dog", SamplingParams(max_new_tokens=5))
+    stats = gen.logits_processor.stats()
+    fig = charts.removed_by_processor(stats)
+    assert [t.name for t in fig.data] == ["after:logit_bias", "after:penalties"]
+    np.testing.assert_allclose(np.asarray(fig.data[0].y, dtype=float), stats["removed_mass_after:logit_bias"])

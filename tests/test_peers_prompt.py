@@ -1,0 +1,79 @@
+"""Prompt log-probabilities and perplexity: against a direct forward pass, and exp of the mean NLL."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from sampling import Generator, SamplingParams
+from tracker import LogitTrackingProcessor, Run, add_tracking
+from tracker.prompt import perplexity, prompt_logprobs
+
+PROMPTS = ["hello there", "abc"]
+
+
+def _direct(model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), dim=-1)
+    return logp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0].numpy()
+
+
+def test_prompt_logprobs_equal_a_direct_forward_pass(tiny_model, char_tokenizer, tmp_path):
+    gen = add_tracking(Generator(tiny_model, char_tokenizer), prompt_logprobs=True)
+    gen.generate(PROMPTS, SamplingParams(max_new_tokens=5))
+    run = Run.load(gen.logits_processor.to_parquet(tmp_path / "run.parquet"))
+    for row, prompt in enumerate(PROMPTS):  # the second prompt is left-padded in the batch
+        ids = [ord(c) for c in prompt]
+        frame = run.prompt_logprobs(sequence=row)
+        assert frame["token_id"].tolist() == ids
+        assert math.isnan(frame["logprob"][0])
+        np.testing.assert_allclose(frame["logprob"][1:], _direct(tiny_model, ids), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(frame["surprisal"], -frame["logprob"])
+        assert run.to_dataframe(section="prompt", sequence=row).equals(frame)
+
+
+def test_perplexity_is_exp_of_the_mean_negative_logprob(tiny_model, char_tokenizer):
+    gen = add_tracking(Generator(tiny_model, char_tokenizer), prompt_logprobs=True)
+    gen.generate(PROMPTS, SamplingParams(temperature=1.0, seed=4, max_new_tokens=8, ignore_eos=True))
+    run = gen.logits_processor.run
+    table = run.perplexity()
+    assert list(table["sequence"]) == [0, 1]
+    for row, prompt in enumerate(PROMPTS):
+        direct = _direct(tiny_model, [ord(c) for c in prompt])
+        np.testing.assert_allclose(table["prompt_perplexity"][row], np.exp(-direct.mean()), rtol=1e-4)
+        stats = run.stats(sequence=row)
+        np.testing.assert_allclose(stats["surprisal_natural"], -np.log(stats["p_chosen_natural"]), rtol=1e-12)
+        expected = np.exp(np.mean(-np.log(stats["p_chosen_natural"].to_numpy(dtype=np.float64))))
+        np.testing.assert_allclose(table["perplexity_natural"][row], expected, rtol=1e-12)
+        assert table["tokens"][row] == 8
+
+
+def test_without_the_option_the_prompt_has_no_values(tiny_model, char_tokenizer):
+    gen = add_tracking(Generator(tiny_model, char_tokenizer))
+    gen.generate("abc", SamplingParams(max_new_tokens=3))
+    run = gen.logits_processor.run
+    assert run.prompt_logprobs()["logprob"].isna().all()
+    assert math.isnan(run.perplexity()["prompt_perplexity"][0])
+
+
+def test_score_prompt_serves_model_generate(tiny_model):
+    from transformers import LogitsProcessorList
+
+    ids = torch.tensor([[5, 9, 17, 33, 2]])
+    tracker = LogitTrackingProcessor(None, prompt_logprobs=True)
+    tracker.score_prompt(tiny_model, ids)
+    tiny_model.generate(ids, attention_mask=torch.ones_like(ids), logits_processor=LogitsProcessorList([tracker]),
+                        max_new_tokens=3, do_sample=False, pad_token_id=0)
+    frame = tracker.run.prompt_logprobs()
+    np.testing.assert_allclose(frame["logprob"][1:], _direct(tiny_model, ids[0].tolist()), rtol=1e-4, atol=1e-5)
+
+
+def test_prompt_logprobs_checks_shapes_and_perplexity_of_known_values():
+    with pytest.raises(ValueError, match="logits must be"):
+        prompt_logprobs(torch.zeros(1, 3, 5), torch.zeros(1, 4, dtype=torch.long))
+    values = [None, -1.0, -2.0, -0.5]
+    assert perplexity(values) == pytest.approx(math.exp((1.0 + 2.0 + 0.5) / 3))
+    assert math.isnan(perplexity([None]))

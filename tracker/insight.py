@@ -1,0 +1,186 @@
+"""What a run answers beyond the tracking API: per-processor stages, surprisal and perplexity, the
+prompt, the "why" of a step, comparison with another run, and notebook display.
+
+:class:`Insight` is a mixin of :class:`~tracker.Run`; each method is a thin
+call into the module that does the work (:mod:`tracker.stages`,
+:mod:`tracker.prompt`, :mod:`tracker.compare`, :mod:`tracker.display`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import numpy as np
+import pandas as pd
+import torch
+
+from tracker import compute
+from tracker.prompt import perplexity as _perplexity
+from tracker.stages import display_stages, why
+
+__all__ = ["Insight"]
+
+
+class Insight:
+    """Mixin over :class:`~tracker.analysis.Analysis` (it uses its selection and block helpers)."""
+
+    # ---------------------------------------------------------------- stats with surprisal and per-processor mass
+
+    def stats(self, *, sequence: int | None = 0, generation: int = -1, include_finished: bool = False) -> pd.DataFrame:
+        """Per-step statistics (see :meth:`tracker.analysis.Analysis.stats`), plus:
+
+        ``surprisal_{stage}`` (``-log p_chosen``, nats) for every stage and,
+        when the run has a stage per processor, ``removed_mass_after:<name>``:
+        the natural probability mass each processor masked (net of what it
+        let back; NaN in top-k storage).
+        """
+        if sequence is None:
+            frames = [self.stats(sequence=s, generation=generation, include_finished=include_finished)
+                      for s in self.sequences(generation)]  # type: ignore[attr-defined]
+            return pd.concat(frames, ignore_index=True)
+        frame = super().stats(sequence=sequence, generation=generation, include_finished=include_finished)  # type: ignore[misc]
+        for stage in self.stages:  # type: ignore[attr-defined]
+            with np.errstate(divide="ignore"):
+                frame[f"surprisal_{stage}"] = -np.log(frame[f"p_chosen_{stage}"].to_numpy(dtype=np.float64))
+        if self.metadata.stage_aliases:  # type: ignore[attr-defined]
+            sel = self._select(generation, sequence, include_finished)  # type: ignore[attr-defined]
+            removed = self._cached(("removed_by", sel.generation, sel.sequence, sel.length),  # type: ignore[attr-defined]
+                                   lambda: self._removed_by_processor(sel))
+            for name, values in removed.items():
+                frame[f"removed_mass_{name}"] = values
+        return frame
+
+    def _processor_stages(self) -> list[str]:
+        stages = list(self.metadata.stages)  # type: ignore[attr-defined]
+        if "constrained" not in stages:
+            return []
+        return stages[1 : stages.index("constrained") + 1]
+
+    def _removed_by_processor(self, sel: Any) -> dict[str, np.ndarray]:
+        stages = self._processor_stages()
+        names = display_stages(stages, self.metadata.stage_aliases)  # type: ignore[attr-defined]
+        if self.metadata.storage == "topk":  # type: ignore[attr-defined]
+            return {name: np.full(sel.length, math.nan) for name in names}
+        lse_natural = self._lse("natural", sel)  # type: ignore[attr-defined]
+        cumulative: dict[str, list[torch.Tensor]] = {s: [] for s in stages}
+        for start, rows in self._sub_blocks(sel, ["natural", *stages]):  # type: ignore[attr-defined]
+            t = rows["natural"].shape[0]
+            for stage in stages:
+                kept = compute.logsumexp_rows(compute.masked(rows["natural"], rows[stage]))
+                cumulative[stage].append((1.0 - torch.exp(kept - lse_natural[start : start + t])).clamp(0.0, 1.0))
+        out: dict[str, np.ndarray] = {}
+        before = np.zeros(sel.length)
+        for stage, name in zip(stages, names):
+            now = torch.cat(cumulative[stage]).double().numpy() if cumulative[stage] else np.zeros(0)
+            out[name] = now - before
+            before = now
+        return out
+
+    # ---------------------------------------------------------------- the prompt and perplexity
+
+    def _prompt_values(self, generation: int, sequence: int) -> tuple[list[int], list[float | None] | None]:
+        g = self._generation_id(generation)  # type: ignore[attr-defined]
+        record = next((r for r in self.metadata.generations if r.get("generation") == g), {})  # type: ignore[attr-defined]
+        prompts = record.get("prompt_ids") or []
+        if not 0 <= sequence < max(len(prompts), 1):
+            raise ValueError(f"sequence={sequence} is not in generation {g}; it has {len(prompts)} rows")
+        ids = list(prompts[sequence]) if prompts else []
+        logprobs = record.get("prompt_logprobs")
+        return ids, (list(logprobs[sequence]) if logprobs else None)
+
+    def prompt_logprobs(self, *, generation: int = -1, sequence: int = 0) -> pd.DataFrame:
+        """The prompt's tokens with ``logprob`` and ``surprisal`` (NaN for the first token, or when not recorded).
+
+        Recorded with ``LogitTrackingProcessor(..., prompt_logprobs=True)``
+        (see :mod:`tracker.prompt`). Columns: ``position`` (0 is the first
+        prompt token), ``token_id, token, logprob, surprisal``.
+        """
+        ids, logprobs = self._prompt_values(generation, sequence)
+        values = np.full(len(ids), math.nan)
+        if logprobs is not None:
+            values[:] = [math.nan if v is None else float(v) for v in logprobs]
+        display = self.vocab.display  # type: ignore[attr-defined]
+        return pd.DataFrame(
+            {
+                "position": np.arange(len(ids), dtype=np.int64),
+                "token_id": np.asarray(ids, dtype=np.int64),
+                "token": [display[i] for i in ids],
+                "logprob": values,
+                "surprisal": -values,
+            }
+        )
+
+    def perplexity(self, *, generation: int = -1, include_finished: bool = False) -> pd.DataFrame:
+        """One row per sequence: ``prompt_tokens, prompt_perplexity, tokens`` and ``perplexity_{stage}``.
+
+        A stage's perplexity is ``exp`` of the mean surprisal of the chosen
+        tokens under that stage (``natural``: how surprising the text was to
+        the model). NaN where not recorded (prompt) or not stored (top-k).
+        """
+        rows = []
+        for s in self.sequences(generation):  # type: ignore[attr-defined]
+            ids, logprobs = self._prompt_values(generation, s)
+            stats = self.stats(sequence=s, generation=generation, include_finished=include_finished)
+            row: dict[str, Any] = {
+                "generation": self._generation_id(generation),  # type: ignore[attr-defined]
+                "sequence": s,
+                "prompt_tokens": len(ids),
+                "prompt_perplexity": _perplexity(logprobs) if logprobs is not None else math.nan,
+                "tokens": int(stats["chosen_id"].notna().sum()),
+            }
+            for stage in self.stages:  # type: ignore[attr-defined]
+                surprisal = stats[f"surprisal_{stage}"].to_numpy(dtype=np.float64)
+                row[f"perplexity_{stage}"] = _perplexity(-surprisal)
+            rows.append(row)
+        return pd.DataFrame(rows)
+
+    def to_dataframe(
+        self, show: Literal["probs", "logits"] = "probs", min_value: float | None = None, *,
+        section: Literal["steps", "prompt"] = "steps", **kwargs: Any
+    ) -> pd.DataFrame:
+        """:meth:`tracker.analysis.Analysis.to_dataframe`; ``section="prompt"`` gives :meth:`prompt_logprobs`."""
+        if section == "prompt":
+            return self.prompt_logprobs(generation=kwargs.get("generation", -1), sequence=kwargs.get("sequence", 0))
+        if section != "steps":
+            raise ValueError(f"section must be 'steps' or 'prompt', got {section!r}")
+        return super().to_dataframe(show, min_value, **kwargs)  # type: ignore[misc]
+
+    # ---------------------------------------------------------------- one step, two runs, display
+
+    def why(self, position: int, *, sequence: int = 0, generation: int = -1) -> pd.DataFrame:
+        """Which stage changed the chosen token and the model's favourite at ``position`` (see :func:`tracker.stages.why`)."""
+        return why(self, position, sequence=sequence, generation=generation)
+
+    def diff(self, other: Any, **options: Any) -> Any:
+        """This run compared with ``other`` step by step (see :func:`tracker.compare.compare`)."""
+        from tracker.compare import compare
+
+        return compare(self, other, **options)
+
+    def view(self, generation: int = -1, sequence: int = 0) -> Any:
+        """One sequence, shown in a notebook as coloured text with hover details and a top-k table."""
+        from tracker.display import SequenceView
+
+        self._select(generation, sequence, False)  # type: ignore[attr-defined]
+        return SequenceView(self, generation, sequence)
+
+    def step(self, position: int, *, generation: int = -1, sequence: int = 0, k: int = 10) -> Any:
+        """One step, shown in a notebook as its top-``k`` table and chart; ``.why()`` explains it."""
+        from tracker.display import StepView, step_html
+
+        view = StepView(self, position, generation, sequence, k)
+        step_html(self, position, generation=generation, sequence=sequence, k=k)  # checks the arguments now
+        return view
+
+    def show(self, step: int | None = None, *, generation: int = -1, sequence: int = 0, k: int = 10) -> Any:
+        """Draw a step's replay chart (or, with ``step=None``, the sequence) inline in a notebook; returns the view."""
+        from tracker.display import show
+
+        return show(self.view(generation, sequence) if step is None else
+                    self.step(step, generation=generation, sequence=sequence, k=k))
+
+    def _repr_html_(self) -> str:
+        from tracker.display import run_html
+
+        return run_html(self)
