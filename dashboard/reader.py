@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import tracker
-from tracker.run import generations_from_column
+from tracker.run import check_columns, generations_from_column
 from tracker.schema import (
     FIELD_DTYPE,
     GENERATIONS_COLUMN,
@@ -326,6 +326,10 @@ class RunReader:
             lacking = [n for n in ID_COLUMNS if n not in names]
             if lacking:
                 raise BadRunError(part.path, f"it lacks the id columns {lacking} every run has")
+            try:
+                check_columns(part.schema, m, complete=False)  # the types the metadata implies
+            except ValueError as exc:
+                raise BadRunError(part.path, str(exc)) from exc
             present |= names
         missing = [name for name in expected if name not in present]
         if missing:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dashboard.paths import APP, ENV_PATH, REPO_ROOT
+from dashboard.paths import APP, ENV_ANY_PATH, ENV_PATH, REPO_ROOT
 
 __all__ = ["streamlit_command", "streamlit_env", "serve"]
 
@@ -33,22 +33,30 @@ def streamlit_command(port: int, *, headless: bool = True) -> list[str]:
     ]
 
 
-def streamlit_env(path: str | Path) -> dict[str, str]:
-    """The environment for the server: the runs' path, and this checkout first on ``PYTHONPATH``."""
+def streamlit_env(path: str | Path, *, allow_any_path: bool = False) -> dict[str, str]:
+    """The environment for the server: the runs' path, whether its path box may leave that path,
+    and this checkout first on ``PYTHONPATH``."""
     root = str(REPO_ROOT)
     existing = os.environ.get("PYTHONPATH", "")
-    return {
+    env = {
         **os.environ,
         ENV_PATH: str(Path(path).resolve()),
         "PYTHONPATH": root + (os.pathsep + existing if existing else ""),
     }
+    env.pop(ENV_ANY_PATH, None)
+    if allow_any_path:
+        env[ENV_ANY_PATH] = "1"
+    return env
 
 
-def serve(path: str | Path, port: int, *, open_browser: bool = True) -> int:
-    """Run the dashboard on ``path`` until interrupted (Ctrl-C); returns Streamlit's exit status."""
+def serve(path: str | Path, port: int, *, open_browser: bool = True, allow_any_path: bool = False) -> int:
+    """Run the dashboard on ``path`` until interrupted (Ctrl-C); returns Streamlit's exit status.
+
+    The page's path box stays inside ``path`` unless ``allow_any_path``.
+    """
     command = streamlit_command(port, headless=not open_browser)
     print(f"logitscope dashboard: http://127.0.0.1:{port}  (runs from {Path(path).resolve()}; Ctrl-C to stop)")
     try:
-        return subprocess.call(command, env=streamlit_env(path))
+        return subprocess.call(command, env=streamlit_env(path, allow_any_path=allow_any_path))
     except KeyboardInterrupt:
         return 0

@@ -134,7 +134,7 @@ def cmd_dashboard(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     if not path.exists():
         where = "argument PATH" if args.path is not None else "the default sample_runs/"
         parser.error(f"{where}: no run or folder at '{path}' (record runs with `logitscope demo`)")
-    return serve(path, args.port, open_browser=not args.no_browser)
+    return serve(path, args.port, open_browser=not args.no_browser, allow_any_path=args.allow_any_path)
 
 
 def _positive_int(text: str) -> int:
@@ -187,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     dashboard = sub.add_parser("dashboard", help="open the dashboard on a run or a folder of runs")
     dashboard.add_argument("path", nargs="?", default=None, help="a run file or a folder of runs (default: the shipped sample_runs/)")
+    dashboard.add_argument("--allow-any-path", action="store_true",
+                           help="let the page's path box open any folder the server can read (default: only inside PATH)")
     _serving_options(dashboard)
     return parser
 

@@ -46,7 +46,7 @@ from tracker.schema import (
 from tracker.spill import CHUNK_GLOB, RUN_JSON, VOCAB_FILE, atomic_path, read_ipc, remove_orphans
 from tracker.vocab import Vocabulary
 
-__all__ = ["Run", "RunFileError", "generations_from_column"]
+__all__ = ["Run", "RunFileError", "check_columns", "generations_from_column"]
 
 
 class RunFileError(ValueError):
@@ -111,7 +111,7 @@ def generations_from_column(column: pa.ChunkedArray | pa.Array) -> list[dict[str
     return sorted(entries, key=lambda e: e.get("generation", -1) if isinstance(e.get("generation"), int) else -1)
 
 
-def _check_columns(schema: pa.Schema, metadata: RunMetadata, *, complete: bool = True) -> None:
+def check_columns(schema: pa.Schema, metadata: RunMetadata, *, complete: bool = True) -> None:
     """Every column the metadata implies is there with its type (``_nonfinite`` flags may be absent;
     with ``complete=False``, as in a spill chunk written before a stage was added, any may be)."""
     try:
@@ -308,7 +308,7 @@ class Run(Analysis):
                 raise ValueError(f"column {GENERATIONS_COLUMN!r} has type {column.type}, expected string (JSON)")
             metadata = replace(metadata, generations=metadata.generations + generations_from_column(column))
             table = table.drop_columns([GENERATIONS_COLUMN])
-        _check_columns(table.schema, metadata)
+        check_columns(table.schema, metadata)
         vocab = None
         if META_VOCAB in meta:
             try:
@@ -373,7 +373,7 @@ class Run(Analysis):
         for p in sorted(folder.glob(CHUNK_GLOB)):
             table = _read_file(p)
             try:
-                _check_columns(table.schema, metadata, complete=False)
+                check_columns(table.schema, metadata, complete=False)
             except ValueError as exc:
                 raise RunFileError(p, str(exc)) from exc
             batches += table.to_batches()

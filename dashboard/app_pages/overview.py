@@ -10,7 +10,7 @@ picked = widgets.selected()
 if picked is None:
     st.stop()
 title = picked.summary.title or picked.summary.label
-st.title(f"Overview · {title}")
+st.title(f"Overview · {text.md_text(title)}")
 try:
     track = data.track(picked.path, picked.generation, picked.sequence)
     size = data.window_steps(picked.path)
@@ -40,7 +40,7 @@ removed = view.stats["removed_mass"].mean() if "removed_mass" in view.stats else
 left.metric("Steps", f"{track.length:,}")
 right.metric("Mean mass removed by the constraint", "—" if removed != removed else f"{removed:.1%}")
 st.plotly_chart(charts.timelines(view.stats, stages, title="Step by step"), key="timelines", width="stretch")
-heat_stage = st.radio("Heatmap of", stages, horizontal=True, key="heat_stage", format_func=lambda s: charts.STAGE_NAMES.get(s, s))
+heat_stage = st.radio("Heatmap of", stages, horizontal=True, key="heat_stage", format_func=lambda s: text.md_text(charts.STAGE_NAMES.get(s, s)))
 st.plotly_chart(
     charts.token_heatmap(view.heat[heat_stage], view.heat_chosen, stage=heat_stage,
                          title="Top candidates by step (○ chosen)"),
