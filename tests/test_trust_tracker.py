@@ -153,3 +153,16 @@ def test_out_of_range_id_in_the_next_input_is_refused():
     tracker(torch.tensor([[1, 2]]), torch.randn(1, 50))
     with pytest.raises(ValueError, match=r"row 0 is 77, outside the vocabulary \[0, 50\)"):
         tracker(torch.tensor([[1, 2, 77]]), torch.randn(1, 50))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_out_of_range_chosen_token_on_the_gpu_is_refused_when_the_run_is_built():
+    from processors import BatchContext
+
+    tracker = LogitTrackingProcessor(None)
+    ids = torch.tensor([[1, 2], [3, 4]], device="cuda")
+    ctx = BatchContext(input_ids=ids, prompt_length=2)
+    tracker.process(torch.randn(2, 50, device="cuda"), ctx)
+    tracker.on_sampled(torch.tensor([3, 999], device="cuda"), ctx)  # not read here: no synchronisation per step
+    with pytest.raises(ValueError, match=r"generation 0, row 1, step 0 is 999, outside the vocabulary \[0, 50\)"):
+        tracker.run
