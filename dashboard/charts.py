@@ -17,6 +17,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from dashboard.views import token_label
+from dashboard.text import plot_text
 
 __all__ = [
     "MASKED_NAMES",
@@ -57,7 +58,7 @@ def _color(stage: str, i: int = 0) -> str:
 
 
 def _name(stage: str) -> str:
-    return STAGE_NAMES.get(stage, stage)
+    return STAGE_NAMES.get(stage, plot_text(stage))
 
 
 def _integer_steps(fig: go.Figure, steps: pd.Series | Sequence[int]) -> None:
@@ -100,7 +101,7 @@ def step_bars(
     """
     if value not in ("prob", "logit"):
         raise ValueError(f"value must be 'prob' or 'logit', got {value!r}")
-    labels = table["label"].tolist()
+    labels = [plot_text(label) for label in table["label"].tolist()]  # token text: shown as text, not plotly HTML
     ticks = [f"<b>▶ {label}</b>" if chosen else label for label, chosen in zip(labels, table["chosen"].tolist())]
     positions = np.arange(len(table), dtype=float)
     width = (1.0 - _BAR_GAP) / max(1, len(stages))
@@ -183,7 +184,7 @@ def timelines(
         panels = [p for p in panels if p[1] not in (["removed_mass"], ["margin"])]
     fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.045, subplot_titles=[p[0] for p in panels])
     x = stats["position"]
-    tokens = stats["chosen_token"].fillna("").map(token_label) if "chosen_token" in stats.columns else None
+    tokens = stats["chosen_token"].fillna("").map(lambda t: plot_text(token_label(t))) if "chosen_token" in stats.columns else None
     shown: set[str] = set()
     for row, (label, columns) in enumerate(panels, start=1):
         drawn = False
@@ -235,13 +236,13 @@ def token_heatmap(
     z = heat.to_numpy(dtype=float)
     fig = go.Figure(
         go.Heatmap(
-            z=z, x=steps, y=list(heat.index), zmin=0.0, zmax=1.0, colorscale="Blues",
+            z=z, x=steps, y=[plot_text(label) for label in heat.index], zmin=0.0, zmax=1.0, colorscale="Blues",
             colorbar=dict(title=dict(text="p"), thickness=12),
             hovertemplate="step %{x}<br>token %{y}<br>p=%{z:.4f}<extra>" + _name(stage) + "</extra>",
         )
     )
     xs = [s for s, c in zip(steps, chosen) if c is not None]
-    ys = [c for c in chosen if c is not None]
+    ys = [plot_text(c) for c in chosen if c is not None]
     fig.add_scatter(
         x=xs, y=ys, mode="markers", name="chosen",
         marker=dict(symbol="circle-open", size=11, line=dict(width=2, color=MASK_COLOR)),
@@ -267,7 +268,7 @@ def compare_timelines(
                         subplot_titles=[f"chosen token's probability ({_name(stage)})", f"entropy ({_name(stage)}, nats)"])
     styles = (dict(color="#4C78A8", dash="solid"), dict(color="#E45756", dash="dash"))
     for frame, label, style in zip((a, b), labels, styles):
-        tokens = frame["chosen_token"].fillna("").map(token_label)
+        tokens = frame["chosen_token"].fillna("").map(lambda t: plot_text(token_label(t)))
         for row, column in ((1, f"p_chosen_{stage}"), (2, f"entropy_{stage}")):
             if column not in frame.columns:
                 continue
@@ -295,7 +296,7 @@ def removed_by_processor(stats: pd.DataFrame, *, title: str = "") -> go.Figure |
     if not columns:
         return None
     fig = go.Figure()
-    tokens = stats["chosen_token"].fillna("").map(token_label) if "chosen_token" in stats.columns else None
+    tokens = stats["chosen_token"].fillna("").map(lambda t: plot_text(token_label(t))) if "chosen_token" in stats.columns else None
     for i, column in enumerate(columns):
         name = column[len("removed_mass_"):]
         fig.add_scatter(

@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from dashboard.discover import RunSummary, find_runs, summary_of
+from dashboard.discover import MAX_DEPTH, RunSummary, find_runs, summary_of
 from dashboard.reader import BadRunError, RunReader, Track
 from tracker.compare import Comparison, compare
 from tracker.prompt import perplexity
@@ -49,20 +49,32 @@ Stamp = tuple[int, int, int]
 
 
 def stamp(path: str | Path) -> Stamp:
-    """``(entries, newest mtime in ns, total bytes)`` of a file or a folder's files: changes when they do."""
+    """``(entries, newest mtime in ns, total bytes)`` of a file or a folder's files and subfolders, as deep
+    as runs are looked for: changes when they do. An entry that cannot be read (a dangling symlink, no
+    permission) counts by its link, or not at all; it never hides the others."""
     target = Path(path)
     try:
         if target.is_file():
             info = target.stat()
             return (1, info.st_mtime_ns, info.st_size)
         entries, newest, total = 0, target.stat().st_mtime_ns, 0
-        for folder, _, files in os.walk(target):
-            for name in files:
-                info = os.stat(os.path.join(folder, name))
-                entries, newest, total = entries + 1, max(newest, info.st_mtime_ns), total + info.st_size
-        return (entries, newest, total)
-    except FileNotFoundError:
+    except OSError:
         return (0, 0, 0)
+    top = len(target.parts)
+    for folder, folders, files in os.walk(target):
+        if len(Path(folder).parts) - top >= MAX_DEPTH:
+            folders[:] = []
+        for name in files + folders:
+            where = os.path.join(folder, name)
+            try:
+                info = os.stat(where)
+            except OSError:
+                try:
+                    info = os.lstat(where)
+                except OSError:
+                    continue
+            entries, newest, total = entries + 1, max(newest, info.st_mtime_ns), total + info.st_size
+    return (entries, newest, total)
 
 
 @st.cache_resource(max_entries=16, show_spinner=False)
@@ -84,6 +96,8 @@ def _runs(root: str, version: Stamp) -> list[RunSummary]:
             summaries.append(summary_of(reader(str(path)), label))
         except BadRunError as exc:
             summaries.append(RunSummary(path=str(path), label=label, error=exc.reason))
+        except OSError as exc:  # no permission to read it, or it vanished while listing
+            summaries.append(RunSummary(path=str(path), label=label, error=f"it cannot be read ({exc.strerror or exc})"))
     return summaries
 
 

@@ -3,7 +3,8 @@
 A path may be one run (a ``.parquet`` or Arrow IPC file, a ``run_id=...``
 folder, a spill folder) or a folder holding runs, at any depth up to
 :data:`MAX_DEPTH`. Hidden entries and half-written temporary files are
-skipped. A file that looks like a run but cannot be read still appears, with
+skipped, and so are symlinks that lead out of the folder and subfolders the
+server may not read. A file that looks like a run but cannot be read still appears, with
 its error, so the browser can say what is wrong with it.
 """
 
@@ -31,25 +32,50 @@ def _visible(path: Path) -> bool:
     return not path.name.startswith((".", "_")) and not path.name.endswith(".tmp")
 
 
+def _leads_out(entry: Path, inside: Path) -> bool:
+    """A symlink whose target is not under ``inside`` (or cannot be resolved)."""
+    if not entry.is_symlink():
+        return False
+    try:
+        return not entry.resolve().is_relative_to(inside)
+    except (OSError, RuntimeError):
+        return True
+
+
 def find_runs(root: str | Path) -> list[Path]:
-    """The runs at or under ``root``, sorted by path; FileNotFoundError naming ``root`` if it is missing."""
+    """The runs at or under ``root``, sorted by path.
+
+    FileNotFoundError naming ``root`` if it is missing; PermissionError if
+    ``root`` itself cannot be listed (unreadable subfolders are skipped).
+    Symlinks are followed only to targets inside ``root``.
+    """
     base = Path(root)
     if not base.exists():
         raise FileNotFoundError(f"path: nothing at '{base}' (give a run file or a folder of runs)")
     if base.is_file() or is_run_folder(base):
         return [base]
+    inside = base.resolve()
     found: list[Path] = []
 
     def walk(folder: Path, depth: int) -> None:
-        for entry in sorted(folder.iterdir()):
-            if not _visible(entry):
+        try:
+            entries = sorted(folder.iterdir())
+        except OSError:
+            if folder == base:
+                raise
+            return  # a subfolder this server may not read
+        for entry in entries:
+            if not _visible(entry) or _leads_out(entry, inside):
                 continue
-            if entry.is_file() and entry.suffix in RUN_SUFFIXES:
-                found.append(entry)
-            elif is_run_folder(entry):
-                found.append(entry)
-            elif entry.is_dir() and depth < MAX_DEPTH:
-                walk(entry, depth + 1)
+            try:
+                if entry.is_file() and entry.suffix in RUN_SUFFIXES:
+                    found.append(entry)
+                elif is_run_folder(entry):
+                    found.append(entry)
+                elif entry.is_dir() and depth < MAX_DEPTH:
+                    walk(entry, depth + 1)
+            except OSError:
+                continue  # an entry that cannot be looked at
 
     walk(base, 1)
     return found

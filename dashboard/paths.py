@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["APP", "ENV_PATH", "HEADLINE_RUN", "PACKAGED_RUNS", "REPO_ROOT", "default_runs_path"]
+__all__ = ["ANY_PATH_FLAG", "APP", "ENV_ANY_PATH", "ENV_PATH", "HEADLINE_RUN", "PACKAGED_RUNS", "REPO_ROOT", "default_runs_path"]
 
 #: The Streamlit entry script.
 APP = Path(__file__).resolve().parent / "app.py"
@@ -17,6 +17,10 @@ REPO_ROOT = APP.parent.parent
 HEADLINE_RUN = "json_record.parquet"
 #: Environment variable naming the runs to show (set by ``logitscope dashboard``).
 ENV_PATH = "LOGITSCOPE_RUNS"
+#: Environment variable that, set to ``1``, lets the path box open folders outside the served one.
+ENV_ANY_PATH = "LOGITSCOPE_ALLOW_ANY_PATH"
+#: The same as a script argument: ``streamlit run app.py -- PATH --allow-any-path``.
+ANY_PATH_FLAG = "--allow-any-path"
 
 
 #: Where an installed wheel holds the sample runs: the build copies the repository's

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Protocol
@@ -34,7 +34,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import tracker
-from tracker.schema import FIELD_DTYPE, ID_SCHEMA, META_RUN, META_VOCAB, SCHEMA_VERSION, RunMetadata, run_schema
+from tracker.run import check_columns, generations_from_column
+from tracker.schema import (
+    FIELD_DTYPE,
+    GENERATIONS_COLUMN,
+    ID_SCHEMA,
+    META_RUN,
+    META_VOCAB,
+    SCHEMA_VERSION,
+    RunMetadata,
+    run_schema,
+)
 from tracker.spill import CHUNK_GLOB, RUN_JSON, VOCAB_FILE
 from tracker import Vocabulary
 
@@ -147,7 +157,7 @@ class _ParquetPart:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.file = pq.ParquetFile(path, memory_map=True)
+        self.file = pq.ParquetFile(path, memory_map=True, page_checksum_verification=True)
         self._names = self.file.schema_arrow.names
 
     @property
@@ -260,6 +270,7 @@ class RunReader:
         self.blocks_read = 0
         self.bytes_read = 0
         self._parts, self.metadata, self._vocab_source = self._open(self.path)
+        self.metadata = self._with_generations(self.metadata)
         self._check_columns()
         self._index = self._read_index()
 
@@ -288,6 +299,19 @@ class RunReader:
         meta = parts[0].schema.metadata or {}
         return parts, _parse_metadata(files[0], meta.get(META_RUN)), meta.get(META_VOCAB)
 
+    def _with_generations(self, metadata: RunMetadata) -> RunMetadata:
+        """The metadata with the generations a Parquet run keeps in its ``generation_meta`` column."""
+        entries = list(metadata.generations)
+        for part in self._parts:
+            if isinstance(part, _ParquetPart) and GENERATIONS_COLUMN in part.schema.names:
+                try:
+                    entries += generations_from_column(part.file.read(columns=[GENERATIONS_COLUMN]).column(0))
+                except (pa.ArrowException, OSError) as exc:
+                    raise BadRunError(part.path, _describe_arrow_error(exc)) from exc
+                except ValueError as exc:
+                    raise BadRunError(part.path, str(exc)) from exc
+        return metadata if len(entries) == len(metadata.generations) else replace(metadata, generations=entries)
+
     def _check_columns(self) -> None:
         """Every part has the id columns; every value column the metadata declares is in some part.
 
@@ -302,6 +326,10 @@ class RunReader:
             lacking = [n for n in ID_COLUMNS if n not in names]
             if lacking:
                 raise BadRunError(part.path, f"it lacks the id columns {lacking} every run has")
+            try:
+                check_columns(part.schema, m, complete=False)  # the types the metadata implies
+            except ValueError as exc:
+                raise BadRunError(part.path, str(exc)) from exc
             present |= names
         missing = [name for name in expected if name not in present]
         if missing:

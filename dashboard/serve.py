@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from dashboard.paths import APP, ENV_PATH, REPO_ROOT
+from dashboard.paths import APP, ENV_ANY_PATH, ENV_PATH, REPO_ROOT
 
 __all__ = ["Server", "can_open_browser", "serve", "start", "streamlit_command", "streamlit_env"]
 
@@ -76,16 +76,21 @@ def streamlit_command(port: int, *, headless: bool = True) -> list[str]:
     return command
 
 
-def streamlit_env(path: str | Path) -> dict[str, str]:
-    """The environment for the server: the runs' path, the quiet options, and this copy first on ``PYTHONPATH``."""
+def streamlit_env(path: str | Path, *, allow_any_path: bool = False) -> dict[str, str]:
+    """The environment for the server: the runs' path, whether its path box may leave that path,
+    and this checkout first on ``PYTHONPATH``."""
     root = str(REPO_ROOT)
     existing = os.environ.get("PYTHONPATH", "")
-    return {
+    env = {
         **os.environ,
         **{_env_name(option): value for option, value in QUIET_OPTIONS.items()},
         ENV_PATH: str(Path(path).resolve()),
         "PYTHONPATH": root + (os.pathsep + existing if existing else ""),
     }
+    env.pop(ENV_ANY_PATH, None)
+    if allow_any_path:
+        env[ENV_ANY_PATH] = "1"
+    return env
 
 
 def _stop(child: subprocess.Popen[Any], timeout: float = 10.0) -> int:
@@ -132,15 +137,16 @@ class Server:
 
 
 @contextmanager
-def start(path: str | Path, port: int) -> Iterator[Server]:
+def start(path: str | Path, port: int, *, allow_any_path: bool = False) -> Iterator[Server]:
     """Start the (headless) server on ``path`` at ``127.0.0.1:port``; it is stopped when the block ends.
 
     Within the block, SIGTERM is turned into ``KeyboardInterrupt`` like
     Ctrl-C, so that stopping this process (a service manager, ``kill``) also
-    stops the server instead of leaving it holding the port.
+    stops the server instead of leaving it holding the port. The page's path
+    box stays inside ``path`` unless ``allow_any_path``.
     """
     command = streamlit_command(port, headless=True)
-    child = subprocess.Popen(command, env=streamlit_env(path), stdin=subprocess.DEVNULL)
+    child = subprocess.Popen(command, env=streamlit_env(path, allow_any_path=allow_any_path), stdin=subprocess.DEVNULL)
 
     def on_signal(_signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt
@@ -159,16 +165,17 @@ def announce(path: str | Path, port: int) -> None:
     print(f"logitscope dashboard: http://127.0.0.1:{port}  (runs from {Path(path).resolve()}; Ctrl-C to stop)", flush=True)
 
 
-def serve(path: str | Path, port: int, *, open_browser: bool = True) -> int:
+def serve(path: str | Path, port: int, *, open_browser: bool = True, allow_any_path: bool = False) -> int:
     """Run the dashboard on ``path`` until it exits or this process gets Ctrl-C or SIGTERM.
 
     The server always runs headless; the browser, when asked for and when one
     can be opened here, is opened by this process once the server answers.
+    The page's path box stays inside ``path`` unless ``allow_any_path``.
     Returns the server's exit status (0 when stopped by a signal).
     """
     announce(path, port)
     try:
-        with start(path, port) as server:
+        with start(path, port, allow_any_path=allow_any_path) as server:
             if open_browser:
                 server.open_browser()
             return server.wait()

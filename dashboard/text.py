@@ -9,12 +9,18 @@ text (a byte that is no character yet as ``⟨F0⟩``, see
 :func:`processors.vocab.display_bytes`) made visible by
 :func:`~dashboard.views.token_label` (``␣`` for spaces), never a ``repr``
 of it. The raw bytes stay in the run's vocabulary.
+
+Every text that comes from a run file (token text, prompts, titles,
+processor and sampling descriptions, run ids) is shown as text: in HTML
+escaped with :func:`html.escape`, in Markdown with :func:`md_text`, in plotly
+labels with :func:`plot_text`; long texts go in ``st.code`` (no Markdown).
 """
 
 from __future__ import annotations
 
 import html
 import math
+import string
 from typing import Sequence
 
 import numpy as np
@@ -22,7 +28,34 @@ import pandas as pd
 
 from dashboard.views import COLOR_METRICS, WindowView, token_label
 
-__all__ = ["intensity", "legend_html", "token_hovers", "token_text_html", "text_so_far_html", "divergent_text_html"]
+__all__ = [
+    "intensity",
+    "legend_html",
+    "md_text",
+    "plot_text",
+    "token_hovers",
+    "token_text_html",
+    "text_so_far_html",
+    "divergent_text_html",
+]
+
+_MD_ESCAPES = str.maketrans({c: "\\" + c for c in string.punctuation})
+_LINE_BREAKS = str.maketrans({"\n": " ", "\r": " ", "\t": " "})
+
+
+def md_text(value: object) -> str:
+    """``value`` as literal Markdown text on one line: every ASCII punctuation mark backslash-escaped.
+
+    CommonMark shows a backslash-escaped punctuation mark as itself, so no
+    emphasis, link, image, code span, HTML or Streamlit directive
+    (``:red[...]``, ``:material/...:``, ``$...$``) can start inside it.
+    """
+    return str(value).translate(_LINE_BREAKS).translate(_MD_ESCAPES)
+
+
+def plot_text(value: object) -> str:
+    """``value`` for a plotly label or hover text: plotly reads a few HTML tags there, so ``<``, ``>``, ``&`` are escaped."""
+    return html.escape(str(value), quote=False)
 
 _WARM = (228, 87, 86)  # low probability / far down the list: red
 _COOL = (76, 120, 168)  # mass removed by the constraint: blue

@@ -3,6 +3,12 @@
 Selections live in ``st.session_state`` under fixed keys (``root``, ``run``,
 ``run_b``, ``generation``, ``sequence``), set by widgets drawn on every page
 (the sidebar), so they survive moving between pages.
+
+The served folder is the one the server was started on (``streamlit run
+app.py -- PATH``, or ``$LOGITSCOPE_RUNS`` as ``logitscope dashboard PATH``
+sets it); a viewer may move the page to another folder only inside it
+(symlinks resolved), unless the server was started with
+``--allow-any-path``.
 """
 
 from __future__ import annotations
@@ -17,10 +23,21 @@ import streamlit as st
 
 from dashboard import data
 from dashboard.discover import RunSummary
-from dashboard.paths import APP, ENV_PATH, default_runs_path
+from dashboard.paths import ANY_PATH_FLAG, APP, ENV_ANY_PATH, ENV_PATH, default_runs_path
+from dashboard.text import md_text
 from dashboard.reader import BadRunError
 
-__all__ = ["Selected", "root_path", "sidebar", "selected", "pick_generation_sequence", "show_bad_run"]
+__all__ = [
+    "Selected",
+    "any_path_allowed",
+    "choose_root",
+    "root_path",
+    "served_root",
+    "sidebar",
+    "selected",
+    "pick_generation_sequence",
+    "show_bad_run",
+]
 
 
 
@@ -34,13 +51,63 @@ class Selected:
     summary: RunSummary
 
 
+def _script_args() -> list[str]:
+    """The arguments after ``--`` of ``streamlit run app.py -- ...`` (none when run otherwise)."""
+    argv = sys.argv
+    return list(argv[1:]) if argv and Path(argv[0]).resolve() == APP else []
+
+
+def served_root() -> str:
+    """The folder (or file) the server shows: ``streamlit run app.py -- PATH``, else $LOGITSCOPE_RUNS, else sample_runs/."""
+    given = [a for a in _script_args() if a != ANY_PATH_FLAG]
+    return given[0] if given else os.environ.get(ENV_PATH) or str(default_runs_path())
+
+
+def any_path_allowed() -> bool:
+    """Whether the server was started to let the path box leave the served folder."""
+    return ANY_PATH_FLAG in _script_args() or os.environ.get(ENV_ANY_PATH) == "1"
+
+
 def root_path() -> str:
-    """Where the runs are: the session's choice, else ``streamlit run app.py -- PATH``, else $LOGITSCOPE_RUNS, else sample_runs/."""
+    """Where the runs are: the session's choice (see :func:`choose_root`), else :func:`served_root`."""
     if "root" not in st.session_state:
-        argv = sys.argv
-        from_cli = len(argv) > 1 and Path(argv[0]).resolve() == APP
-        st.session_state["root"] = argv[1] if from_cli else os.environ.get(ENV_PATH) or str(default_runs_path())
+        st.session_state["root"] = served_root()
     return str(st.session_state["root"])
+
+
+def choose_root(candidate: str) -> str | None:
+    """Show the runs under ``candidate`` (relative paths are taken inside the served folder).
+
+    Returns None when done, else why not: a path outside the served folder
+    (after resolving symlinks) is refused unless :func:`any_path_allowed`.
+    """
+    text = candidate.strip()
+    if not text:
+        return "give a folder or a run file"
+    served = Path(served_root()).expanduser()
+    base = served if served.is_dir() else served.parent
+    path = Path(text).expanduser()
+    path = path if path.is_absolute() else base / path
+    if not any_path_allowed():
+        try:
+            inside = path.resolve().is_relative_to(base.resolve())
+        except (OSError, RuntimeError):
+            inside = False
+        if not inside:
+            return (f"'{text}' is outside the folder this dashboard serves ('{served}'); start it with "
+                    f"`logitscope dashboard PATH --allow-any-path` to browse elsewhere")
+    st.session_state["root"] = str(path)
+    return None
+
+
+def _unreadable(root: str, exc: OSError) -> str:
+    """What to say when the runs' folder cannot be listed."""
+    if isinstance(exc, FileNotFoundError):
+        return str(exc)
+    where = exc.filename or root
+    if isinstance(exc, PermissionError):
+        return f"'{where}' cannot be read: permission denied (pick a folder this server may read)"
+    return f"'{where}' cannot be read: {exc.strerror or exc}"
 
 
 def _keep_choice(key: str, options: list[Any], default_index: int = 0) -> None:
@@ -74,14 +141,14 @@ def sidebar() -> None:
         st.markdown("### logitscope")
         try:
             summaries = data.runs(root)
-        except FileNotFoundError as exc:
-            st.error(str(exc))
+        except OSError as exc:  # missing, unreadable (PermissionError), or another file-system error
+            st.error(md_text(_unreadable(root, exc)))
             summaries = []
         by_path = {s.path: s for s in summaries}
         paths = list(by_path)
         st.session_state["summaries"] = by_path
         if not paths:
-            st.caption(f"No runs under `{root}`.")
+            st.caption(f"No runs under {md_text(root)}.")
             return
         readable = [p for p in paths if by_path[p].error is None]
         linked = [p for p in paths if by_path[p].label == st.query_params.get("run")]
@@ -100,12 +167,12 @@ def sidebar() -> None:
                 pick_generation_sequence(summary.path)
             except BadRunError as exc:
                 st.error(exc.reason)
-        st.caption(f"Runs from `{root}`")
+        st.caption(f"Runs from {md_text(root)}")
 
 
 def show_bad_run(label: str, reason: str) -> None:
     """A plain message for a path that is not a readable run (never a traceback)."""
-    st.error(f"**{label}** cannot be shown: {reason}.", icon=":material/error:")
+    st.error(f"**{md_text(label)}** cannot be shown: {md_text(reason)}.", icon=":material/error:")
 
 
 def selected() -> Selected | None:
@@ -113,7 +180,7 @@ def selected() -> Selected | None:
     by_path: dict[str, RunSummary] = st.session_state.get("summaries", {})
     path = st.session_state.get("run")
     if not by_path or path not in by_path:
-        st.info(f"No runs found under `{root_path()}`. Record some with `logitscope demo`, or give a path: "
+        st.info(f"No runs found under {md_text(root_path())}. Record some with `logitscope demo`, or give a path: "
                 "`logitscope dashboard PATH`.")
         return None
     summary = by_path[path]

@@ -327,7 +327,7 @@ def cmd_dashboard(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             _fail(parser, "PATH", f"no run or folder at '{path}'; give a .parquet run or a folder of runs")
         _fail(parser, None, f"the shipped sample runs are missing from '{path}'; give a PATH "
               "(record runs with `logitscope demo --out FOLDER`)")
-    return serve(path, args.port, open_browser=not args.no_browser)
+    return serve(path, args.port, open_browser=not args.no_browser, allow_any_path=args.allow_any_path)
 
 
 # ---------------------------------------------------------------- the parser
@@ -386,6 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     dashboard = sub.add_parser("dashboard", help="open the dashboard on a run or a folder of runs")
     dashboard.add_argument("path", nargs="?", default=None, metavar="PATH",
                            help="a run file or a folder of runs (default: the shipped sample runs)")
+    dashboard.add_argument("--allow-any-path", action="store_true",
+                           help="let the page's path box open any folder the server can read (default: only inside PATH)")
     _serving_options(dashboard)
 
     for name, command in (("run", run), ("demo", demo), ("dashboard", dashboard)):

@@ -11,8 +11,11 @@ import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
+from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
@@ -44,7 +47,29 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def beacon():
+    """A local HTTP server that records every request: a page that shows run text as text fetches nothing from it."""
+    requests: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            requests.append(self.path)
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", requests
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, beacon):
     folder = tmp_path_factory.mktemp("runs")
     chosen = np.array([[1, 2, 3, 5], [1, 2, 4, 5]])
     natural = np.full((2, 4, 6), -3.0, dtype=np.float32)
@@ -55,6 +80,10 @@ def server(tmp_path_factory):
     run = hand_made_run(natural, chosen, TOKENS, constrained=constrained, eos_token_id=5, title="Alpha")
     run.to_parquet(folder / "alpha.parquet")
     (folder / "broken.parquet").write_bytes(b"PAR1 and then nothing")
+    url = beacon[0]
+    hostile = hand_made_run(natural[:1], chosen[:1], TOKENS, eos_token_id=5, title=f"Hostile ![pixel]({url}/title.png) **loud**")
+    meta = replace(hostile.metadata, model=f"![model]({url}/model.png)", processors=f"```\n![p]({url}/processors.png)")
+    type(hostile)(hostile.to_arrow().to_batches(), meta, hostile.vocab).to_parquet(folder / "hostile.parquet")
     port = _free_port()
     log = open(folder / "server.log", "wb")
     process = subprocess.Popen(streamlit_command(port), env=streamlit_env(folder), stdout=log, stderr=subprocess.STDOUT)
@@ -149,3 +178,20 @@ def test_play_moves_the_step_slider_by_itself(server, browser):
         lambda d: step() >= 2
     )
     assert not _errors(browser)
+
+
+@pytest.mark.parametrize("page", ["", "replay"])
+def test_a_markdown_image_in_a_run_title_is_shown_as_text_and_fetches_nothing(server, browser, beacon, page):
+    url, requests = beacon
+    browser.get(f"{server}/{page}?run=hostile.parquet")
+    WebDriverWait(browser, 60, poll_frequency=0.25).until(
+        lambda d: "Hostile" in d.find_element(By.TAG_NAME, "main").text
+        and not d.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]')
+    )
+    time.sleep(1.0)  # give any image the page might load time to be requested
+    main = browser.find_element(By.TAG_NAME, "main")
+    assert f"![pixel]({url}/title.png) **loud**" in main.text
+    assert not main.find_elements(By.CSS_SELECTOR, f'img[src^="{url}"]')
+    assert not main.find_elements(By.TAG_NAME, "strong") or all("loud" not in e.text for e in main.find_elements(By.TAG_NAME, "strong"))
+    assert not _errors(browser)
+    assert requests == [], f"the page fetched {requests} from the run's text"

@@ -21,8 +21,21 @@ Where the chosen tokens come from:
   :meth:`finish` (give it the ``generate`` output).
 
 A new generation starts after :meth:`reset` (which is passed on to the
-wrapped processor), when the input stops growing, or after :meth:`finish`;
-:meth:`clear` forgets everything. The tracker is itself a logitscope
+wrapped processor), after :meth:`finish`, or when the host's input is not the
+next step of the last one: a changed batch size, an input that is not exactly
+one token longer than the last call's, or (for inputs on the CPU) one whose
+first columns differ from the last call's input. Calling :meth:`finish` or not
+gives the same generations. A row's recorded prompt leaves out its left
+padding: the columns the attention mask marks 0 when the host gives one, else
+the leading run of the pad id (``pad_token_id``, by default the tokenizer's).
+:meth:`clear` forgets everything.
+
+Threads: the generation in progress and the prompt boundary are kept per
+thread, so two threads sharing a tracker record two separate generations
+into one run (rows and metadata are guarded by a lock). The wrapped
+processor is shared: one that keeps per-generation state (a grammar) must not
+serve two threads at once; give each thread ``copy.deepcopy(tracker)``, which
+shares the recording and copies the wrapped processor. The tracker is itself a logitscope
 processor, so it works in every convention: transformers as it is, and
 ``processors.to_vllm/to_dynamo/to_trtllm(tracker)`` for the others.
 TensorRT-LLM's adapter copies the processor per request: copies made with
@@ -102,6 +115,78 @@ class _Generation:
     last_step: int = -1
     last_rows: StepRows | None = None
     chosen_known: bool = True
+
+
+@dataclass
+class _HostState:
+    """What a transformers-style host showed this thread last: where its prompt ends, its last input."""
+
+    prompt_length: int = 0
+    last_ids: torch.Tensor | None = None
+
+
+def _continues(input_ids: torch.Tensor, last: torch.Tensor) -> bool:
+    """Whether ``input_ids`` is the step after ``last``: same rows, one token longer, same first columns.
+
+    The columns are compared only for tensors on the CPU (free there); on an
+    accelerator that would read the device every step, so batch and length decide.
+    """
+    if input_ids.shape[0] != last.shape[0] or input_ids.shape[1] != last.shape[1] + 1:
+        return False
+    if input_ids.device.type != "cpu" or last.device.type != "cpu":
+        return True
+    return bool(torch.equal(input_ids[:, :-1], last))
+
+
+def _strip_left_padding(prompts: torch.Tensor, pad_token_id: int | None) -> list[list[int]]:
+    """Each row of ``prompts [B, P]`` without its leading run of ``pad_token_id``."""
+    rows = prompts.cpu()
+    if pad_token_id is None or rows.shape[1] == 0:
+        return rows.tolist()
+    leading = torch.cumprod((rows == pad_token_id).to(torch.int64), dim=1).sum(dim=1).tolist()
+    return [row[int(n):].tolist() for row, n in zip(rows, leading)]
+
+
+def _check_chosen(tokens: Any, vocab_size: int, where: str) -> None:
+    """Refuse chosen ids outside ``[0, vocab_size)``, naming the row, the id and the range.
+
+    Checks host values (a CPU tensor, a list); a tensor on an accelerator is
+    not read here (that would synchronise every step) and is checked when the
+    run is built (see ``LogitTrackingProcessor.run``).
+    """
+    if isinstance(tokens, torch.Tensor):
+        if tokens.device.type != "cpu":
+            return
+        values = tokens.detach().reshape(-1).to(torch.int64).numpy()
+    else:
+        values = np.asarray(list(tokens), dtype=np.int64).reshape(-1)
+    if vocab_size <= 0 or values.size == 0:
+        return
+    bad = np.flatnonzero((values < 0) | (values >= vocab_size))
+    if bad.size:
+        row = int(bad[0])
+        raise ValueError(
+            f"{where}: chosen token of row {row} is {int(values[row])}, outside the vocabulary [0, {vocab_size})"
+            + (f" ({bad.size} rows out of range)" if bad.size > 1 else "")
+        )
+
+
+def _check_recorded_chosen(batches: list[Any], vocab_size: int) -> None:
+    """Refuse recorded chosen ids at or past ``vocab_size`` (those that came on an accelerator, unchecked)."""
+    import pyarrow.compute as pc
+
+    for batch in batches:
+        chosen = batch.column("chosen")
+        if vocab_size <= 0 or chosen.null_count == len(chosen):
+            continue
+        bad = pc.greater_equal(chosen, vocab_size)
+        if pc.any(bad).as_py():
+            i = pc.index(bad, True).as_py()
+            row = {name: batch.column(name)[i].as_py() for name in ("generation", "sequence", "step", "chosen")}
+            raise ValueError(
+                f"chosen token of generation {row['generation']}, row {row['sequence']}, step {row['step']} is "
+                f"{row['chosen']}, outside the vocabulary [0, {vocab_size})"
+            )
 
 
 @dataclass
@@ -261,6 +346,9 @@ class LogitTrackingProcessor(LogitsProcessor):
         prompt_logprobs: record each prompt's per-token log-probabilities
             from the prefill logits (hosts that call ``on_prefill``, such as
             logitscope's Generator; else :meth:`score_prompt`).
+        pad_token_id: the id a host pads prompts with on the left; without an
+            attention mask from the host, a row's leading run of it is left
+            out of its recorded prompt. By default the tokenizer's.
     """
 
     def __init__(
@@ -277,6 +365,7 @@ class LogitTrackingProcessor(LogitsProcessor):
         model: Any = None,
         processor_stages: bool = False,
         prompt_logprobs: bool = False,
+        pad_token_id: int | None = None,
     ) -> None:
         self._stage_names: list[str] = []
         if processor_stages and processor is not None:
@@ -306,7 +395,33 @@ class LogitTrackingProcessor(LogitsProcessor):
             stage_aliases={self._stage_names[-1]: "constrained"} if self._stage_names else {},
         )
         recorder.describe = _describer(self._shared)
-        self._gen: _Generation | None = None
+        if pad_token_id is None:
+            pad_token_id = getattr(tokenizer, "pad_token_id", None)
+        if pad_token_id is not None and not isinstance(pad_token_id, (int, np.integer)):
+            raise TypeError(f"pad_token_id must be an int or None, got {pad_token_id!r}")
+        self.pad_token_id: int | None = None if pad_token_id is None else int(pad_token_id)
+        self._local = threading.local()
+
+    # ---------------------------------------------------------------- per-thread state
+
+    @property
+    def _gen(self) -> _Generation | None:
+        """This thread's generation in progress."""
+        return getattr(self._local, "gen", None)
+
+    @_gen.setter
+    def _gen(self, value: _Generation | None) -> None:
+        self._local.gen = value
+
+    def _host(self) -> _HostState:
+        """What a transformers-style host showed this thread last."""
+        host = getattr(self._local, "host", None)
+        if host is None:
+            host = self._local.host = _HostState()
+        return host
+
+    def _forget_host(self) -> None:
+        self._local.host = None
 
     # ---------------------------------------------------------------- properties
 
@@ -361,6 +476,26 @@ class LogitTrackingProcessor(LogitsProcessor):
 
     # ---------------------------------------------------------------- the processor protocol
 
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """The transformers convention: ``(input_ids [B, L], scores [B, V]) -> scores``.
+
+        The first call of a generation marks the prompt; a call that is not
+        the next step of this thread's last one (see the module docstring)
+        resets the tracker and the wrapped processor and starts a new
+        generation. Reads no device value.
+        """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise ValueError(f"input_ids must be a 2-D [batch, length] tensor, got {shape}")
+        host = self._host()
+        if host.last_ids is not None and not _continues(input_ids, host.last_ids):
+            self.reset()
+            host = self._host()
+        if host.last_ids is None:
+            host.prompt_length = int(input_ids.shape[1])
+        host.last_ids = input_ids
+        return self.process(scores, BatchContext(input_ids=input_ids, prompt_length=host.prompt_length))
+
     def process(self, logits: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
         """Record ``logits [B, V]``, call the wrapped processor, record and return its output."""
         if not isinstance(logits, torch.Tensor):
@@ -378,7 +513,9 @@ class LogitTrackingProcessor(LogitsProcessor):
         with shared.lock:
             gen = self._generation_for(ctx, batch, step)
             if gen.last_rows is not None and not gen.chosen_known and step == gen.last_step + 1:
-                recorder.set_chosen(gen.last_rows, ctx.input_ids[:, -1])
+                last = ctx.input_ids[:, -1]
+                _check_chosen(last, int(logits.shape[1]), f"input_ids (generation {gen.id}, step {gen.last_step})")
+                recorder.set_chosen(gen.last_rows, last)
             rows = recorder.begin_step(gen.id, step, batch, int(logits.shape[1]), logits.device)
             gen.last_rows, gen.last_step, gen.chosen_known = rows, step, False
             recorder.write(rows, "natural", logits)
@@ -434,9 +571,15 @@ class LogitTrackingProcessor(LogitsProcessor):
         self._shared.pending_prompt = score_prompt(model, input_ids, attention_mask)
 
     def on_sampled(self, tokens: torch.Tensor, ctx: BatchContext) -> None:
-        """Record the tokens chosen at this step (hosts such as logitscope's Generator call it)."""
+        """Record the tokens chosen at this step (hosts such as logitscope's Generator call it).
+
+        Ids outside ``[0, vocab)`` are refused (ValueError naming the row);
+        tokens on the CPU are checked here, tokens on an accelerator when the
+        run is built, so this reads no device value.
+        """
         gen = self._current()
         if gen is not None and gen.last_rows is not None:
+            _check_chosen(tokens, self.recorder.vocab_size or 0, f"on_sampled (generation {gen.id}, step {gen.last_step})")
             self.recorder.set_chosen(gen.last_rows, tokens)
             gen.chosen_known = True
         if self.processor is not None:
@@ -512,9 +655,12 @@ class LogitTrackingProcessor(LogitsProcessor):
             if gen is None or gen.last_rows is None:
                 raise ValueError("finish(output): no generation in progress; call it right after the tracked generate()")
             tokens = self._last_tokens(output, gen)
+            if isinstance(tokens, torch.Tensor):
+                _check_chosen(tokens, self.recorder.vocab_size or 0, f"finish(output) (generation {gen.id}, step {gen.last_step})")
             self.recorder.set_chosen(gen.last_rows, tokens)
             gen.chosen_known = True
         self._end_generation()
+        self._forget_host()
         return self.run
 
     def _last_tokens(self, output: Any, gen: _Generation) -> torch.Tensor | list[int]:
@@ -548,7 +694,9 @@ class LogitTrackingProcessor(LogitsProcessor):
         if gen is None or gen.last_rows is None or gen.chosen_known:
             return
         if input_ids.shape[0] == gen.batch and input_ids.shape[1] == gen.prompt_length + gen.last_step + 1:
-            self.recorder.set_chosen(gen.last_rows, input_ids[:, -1])
+            last = input_ids[:, -1]
+            _check_chosen(last, self.recorder.vocab_size or 0, f"stopping_criteria (generation {gen.id}, step {gen.last_step})")
+            self.recorder.set_chosen(gen.last_rows, last)
             gen.chosen_known = True
 
     # ---------------------------------------------------------------- generations
@@ -560,13 +708,9 @@ class LogitTrackingProcessor(LogitsProcessor):
         return gen
 
     def _generation_for(self, ctx: BatchContext, batch: int, step: int) -> _Generation:
+        """This thread's generation for a step: the one in progress if the step follows on, else a new one."""
         gen = self._current()
-        if gen is not None and step > gen.last_step:
-            if batch != gen.batch:
-                raise ValueError(
-                    f"logits: batch size changed from {gen.batch} to {batch} within generation {gen.id} "
-                    f"(step {step}); a generation keeps its rows (call reset() to start a new one)"
-                )
+        if gen is not None and step == gen.last_step + 1 and batch == gen.batch:
             return gen
         self._end_generation()
         shared = self._shared
@@ -577,7 +721,7 @@ class LogitTrackingProcessor(LogitsProcessor):
             keep = ctx.attention_mask[:, : ctx.prompt_length].bool().cpu()
             prompt_ids = [row[mask].tolist() for row, mask in zip(prompts.cpu(), keep)]
         else:
-            prompt_ids = prompts.cpu().tolist()
+            prompt_ids = _strip_left_padding(prompts, self.pad_token_id)
         record: dict[str, Any] = {"generation": gid, "batch_size": batch, "prompt_ids": prompt_ids, "started_at": _now()}
         if shared.pending_sampling is not None and len(shared.pending_sampling) == batch:
             record["sampling"] = shared.pending_sampling
@@ -618,7 +762,7 @@ class LogitTrackingProcessor(LogitsProcessor):
         clone.__dict__.update(self.__dict__)
         clone.__dict__.pop("_host_boundary", None)
         clone.processor = copy.deepcopy(self.processor, memo)
-        clone._gen = None
+        clone._local = threading.local()
         return clone
 
     # ---------------------------------------------------------------- the run
@@ -633,6 +777,7 @@ class LogitTrackingProcessor(LogitsProcessor):
             if shared.run_cache is not None and shared.run_cache[0] == key:
                 return shared.run_cache[1]
             batches = shared.recorder.batches()
+            _check_recorded_chosen(batches, shared.recorder.vocab_size or 0)
             run = Run(batches, shared.metadata(), _vocabulary_source(shared))
             shared.run_cache = (key, run)
             return run

@@ -37,7 +37,7 @@ facts travel in the schema metadata under :data:`META_RUN` (JSON) and
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import pyarrow as pa
@@ -55,6 +55,8 @@ __all__ = [
     "stage_fields",
     "run_schema",
     "flag_column",
+    "GENERATIONS_COLUMN",
+    "MAX_METADATA_BYTES",
 ]
 
 #: Bumped when a column changes meaning or type; readers check the major part.
@@ -162,6 +164,12 @@ class RunMetadata:
         stage_aliases: other names of recorded stages (``{"after:penalties":
             "constrained"}``: with one stage per processor, the last
             processor's stage is the one stored as ``constrained``).
+
+    In a Parquet file the ``generations`` list does not travel in the footer
+    (Parquet caps a footer at 100 MB, and a run may hold many long prompts):
+    ``Run.to_parquet`` writes each generation's entry as JSON in the column
+    :data:`GENERATIONS_COLUMN`, on the generation's first row, and readers put
+    it back. What stays in the footer must fit :data:`MAX_METADATA_BYTES`.
     """
 
     run_id: str
@@ -181,16 +189,63 @@ class RunMetadata:
     stage_aliases: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        # fields() rather than asdict(): asdict deep-copies every prompt id first
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> "RunMetadata":
-        data = json.loads(raw)
+        """Parse and check run metadata; ValueError naming the field and what it holds when it is damaged."""
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"run metadata is not valid JSON ({exc})") from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"run metadata must be a JSON object, got {type(data).__name__}")
         version = str(data.get("schema_version", ""))
         if version.split(".")[0] != SCHEMA_VERSION.split(".")[0]:
             raise ValueError(
                 f"run schema version {version!r} cannot be read by this logitscope "
                 f"(schema {SCHEMA_VERSION}); read it with the version that wrote it"
             )
+        for name, kinds, allowed in _METADATA_FIELDS:
+            if name not in data:
+                if name in _REQUIRED_FIELDS:
+                    raise ValueError(f"run metadata lacks the field {name!r}")
+                continue
+            value = data[name]
+            if not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds:
+                raise ValueError(f"run metadata field {name!r} must be {allowed}, got {type(value).__name__} {value!r:.80}")
+        if data["storage"] not in STORAGE_KINDS:
+            raise ValueError(f"run metadata field 'storage' must be one of {STORAGE_KINDS}, got {data['storage']!r:.80}")
+        if data["vocab_size"] < 0 or data["top_k"] < 0:
+            raise ValueError(f"run metadata: vocab_size and top_k must be >= 0, got {data['vocab_size']} and {data['top_k']}")
+        if not all(isinstance(s, str) for s in data["stages"]):
+            raise ValueError(f"run metadata field 'stages' must be a list of names, got {data['stages']!r:.80}")
+        if not all(isinstance(g, dict) for g in data.get("generations", [])):
+            raise ValueError("run metadata field 'generations' must be a list of objects")
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+#: The column of a Parquet run file holding each generation's metadata entry (JSON, on its first row).
+GENERATIONS_COLUMN = "generation_meta"
+#: The most bytes of run metadata (JSON, without the generations) a Parquet footer takes.
+MAX_METADATA_BYTES = 4 << 20
+
+_REQUIRED_FIELDS = ("run_id", "storage", "top_k", "stages", "vocab_size")
+#: (field, accepted types, what to say when it is something else)
+_METADATA_FIELDS: tuple[tuple[str, tuple[type, ...], str], ...] = (
+    ("run_id", (str,), "a string"),
+    ("storage", (str,), "a string"),
+    ("top_k", (int,), "an integer"),
+    ("stages", (list,), "a list of stage names"),
+    ("vocab_size", (int,), "an integer"),
+    ("eos_token_ids", (list,), "a list of token ids"),
+    ("model", (str, type(None)), "a string or null"),
+    ("processors", (str, type(None)), "a string or null"),
+    ("generations", (list,), "a list of objects"),
+    ("library_version", (str,), "a string"),
+    ("created_at", (str,), "a string"),
+    ("extra", (dict,), "an object"),
+    ("stage_aliases", (dict,), "an object mapping stage names"),
+)

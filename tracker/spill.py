@@ -15,13 +15,24 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import socket
 import tempfile
 from pathlib import Path
 from typing import Iterator
 
 import pyarrow as pa
 
-__all__ = ["atomic_path", "write_ipc", "read_ipc", "CHUNK_GLOB", "chunk_name", "RUN_JSON", "VOCAB_FILE"]
+__all__ = [
+    "atomic_path",
+    "remove_orphans",
+    "write_ipc",
+    "read_ipc",
+    "CHUNK_GLOB",
+    "chunk_name",
+    "RUN_JSON",
+    "VOCAB_FILE",
+]
 
 CHUNK_GLOB = "chunk-*.arrow"
 RUN_JSON = "_run.json"
@@ -39,6 +50,48 @@ def chunk_name(index: int) -> str:
     return f"chunk-{index:06d}.arrow"
 
 
+def _host_name() -> str:
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40] or "host"
+
+
+def _writer_tag() -> str:
+    """``<host>-<pid>``: which process writes a temporary file, so that an orphan can be told from a live one."""
+    return f"{_host_name()}-{os.getpid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def remove_orphans(folder: str | os.PathLike[str], name: str) -> list[Path]:
+    """Remove the temporary files of ``folder/name`` left by writers on this host that are gone.
+
+    :func:`atomic_path` names its temporary files ``.<name>.<host>-<pid>.<random>.tmp``;
+    a process killed mid-write leaves one behind. Files of live processes, and
+    of other hosts (a shared folder), are kept. Returns what was removed.
+    """
+    base = Path(folder)
+    if not base.is_dir():
+        return []
+    prefix = f".{name}.{_host_name()}-"
+    removed = []
+    for entry in base.iterdir():
+        if not (entry.name.startswith(prefix) and entry.name.endswith(".tmp")):
+            continue
+        pid = entry.name[len(prefix):].split(".", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                entry.unlink()
+                removed.append(entry)
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; rename it onto ``path`` if the block succeeds.
@@ -49,7 +102,7 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{_writer_tag()}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
         yield Path(tmp)

@@ -18,9 +18,9 @@ if summary_b.error is not None:
 
 left, right = st.columns(2)
 name_a = picked.summary.title or picked.summary.label
-left.markdown(f"**A · {name_a}**  \ngeneration {picked.generation}, sequence {picked.sequence}")
+left.markdown(f"**A · {text.md_text(name_a)}**  \ngeneration {picked.generation}, sequence {picked.sequence}")
 left.caption("A is the run, generation and sequence picked in the sidebar.")
-right.markdown(f"**B · {summary_b.title or summary_b.label}**")
+right.markdown(f"**B · {text.md_text(summary_b.title or summary_b.label)}**")
 if not st.session_state.get("run_b"):
     right.caption("Pick a second run in the sidebar (*Compare with*), or another generation or sequence of this run:")
 try:
@@ -51,14 +51,14 @@ elif split >= min(track_a.length, track_b.length):
     st.info(f"The two sequences agree on their first {split} tokens; then one of them ends.")
 else:
     st.warning(f"The two sequences agree on their first {split} tokens and diverge at step {split}: "
-               f"A chose {views.token_label(pieces_a[split])}, B chose {views.token_label(pieces_b[split])}.")
+               f"A chose {text.md_text(views.token_label(pieces_a[split]))}, B chose {text.md_text(views.token_label(pieces_b[split]))}.")
 left, right = st.columns(2)
 left.html(text.divergent_text_html(prompt_a, pieces_a, split))
 right.html(text.divergent_text_html(prompt_b, pieces_b, split))
 
 common = [s for s in picked.summary.stages.split(", ") if s in summary_b.stages.split(", ")]
 stage = st.radio("Distribution", common, horizontal=True, key="compare_stage",
-                 format_func=lambda s: charts.STAGE_NAMES.get(s, s))
+                 format_func=lambda s: text.md_text(charts.STAGE_NAMES.get(s, s)))
 st.plotly_chart(
     charts.compare_timelines(view_a.stats, view_b.stats, labels=("A", "B"), stage=stage, divergence=split,
                              title="Step by step, aligned"),

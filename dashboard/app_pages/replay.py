@@ -10,7 +10,7 @@ PLAY_SECONDS = 0.8
 picked = widgets.selected()
 if picked is None:
     st.stop()
-st.title(f"Step replay · {picked.summary.title or picked.summary.label}")
+st.title(f"Step replay · {text.md_text(picked.summary.title or picked.summary.label)}")
 try:
     track = data.track(picked.path, picked.generation, picked.sequence)
     pieces = data.pieces(picked.path, picked.generation, picked.sequence)
@@ -85,10 +85,10 @@ def _stepper() -> None:
     st.html(text.text_so_far_html(prompt, pieces[:position], pieces[position]))
     shown = [s for s in stages if s in summary.p_chosen]
     cells = st.columns(3 + len(shown))
-    cells[0].metric("Chosen token", views.token_label(summary.chosen_token))
+    cells[0].metric("Chosen token", text.md_text(views.token_label(summary.chosen_token)))
     for cell, stage in zip(cells[1:], shown):
         p = summary.p_chosen[stage]
-        cell.metric(f"p, {charts.STAGE_NAMES.get(stage, stage)}", "—" if p != p else f"{p:.3f}")
+        cell.metric(f"p, {text.md_text(charts.STAGE_NAMES.get(stage, stage))}", "—" if p != p else f"{p:.3f}")
     cells[-2].metric("Allowed tokens", f"{summary.allowed:,} / {summary.vocab_size:,}")
     removed = summary.removed_mass
     cells[-1].metric("Removed mass", "—" if removed != removed else f"{removed:.1%}",

@@ -4,6 +4,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import widgets
+from dashboard.text import md_text
 
 st.title("Runs")
 st.caption(
@@ -13,13 +14,17 @@ st.caption(
 
 
 def _use_path() -> None:
-    st.session_state["root"] = st.session_state["root_input"].strip()
+    st.session_state["root_refused"] = widgets.choose_root(st.session_state["root_input"])
 
 
-st.text_input("Runs folder or file", value=widgets.root_path(), key="root_input", on_change=_use_path)
+st.text_input("Runs folder or file", value=widgets.root_path(), key="root_input", on_change=_use_path,
+              help="Inside the folder the dashboard serves" + ("" if widgets.any_path_allowed() else
+                   " (start it with --allow-any-path to browse elsewhere)"))
+if st.session_state.get("root_refused"):
+    st.error(md_text(st.session_state["root_refused"]))
 summaries = list(st.session_state.get("summaries", {}).values())
 if not summaries:
-    st.info(f"No runs found under `{widgets.root_path()}`.")
+    st.info(f"No runs found under {md_text(widgets.root_path())}.")
     st.stop()
 
 good = [s for s in summaries if s.error is None]
@@ -52,11 +57,13 @@ for bad in (s for s in summaries if s.error is not None):
 
 picked = st.session_state.get("summaries", {}).get(st.session_state.get("run"))
 if picked is not None and picked.error is None:
-    st.subheader(picked.title or picked.label)
+    st.subheader(md_text(picked.title or picked.label))
     left, right = st.columns(2)
-    left.markdown(f"**Prompt**\n\n```\n{picked.prompt}\n```")
-    left.markdown(f"**Model** `{picked.model or 'unknown'}`  \n**Stages** {picked.stages}  \n"
-                  f"**Storage** {picked.storage}, vocabulary {picked.vocab_size:,}")
-    right.markdown(f"**Processors**\n\n```\n{picked.processors}\n```")
-    right.markdown(f"**Sampling** {picked.sampling or 'not recorded'}  \n**Recorded** {picked.created_at}  \n"
-                   f"**Run id** `{picked.run_id}`")
+    left.markdown("**Prompt**")
+    left.code(picked.prompt, language=None, wrap_lines=True)
+    left.markdown(f"**Model** {md_text(picked.model or 'unknown')}  \n**Stages** {md_text(picked.stages)}  \n"
+                  f"**Storage** {md_text(picked.storage)}, vocabulary {picked.vocab_size:,}")
+    right.markdown("**Processors**")
+    right.code(picked.processors, language=None, wrap_lines=True)
+    right.markdown(f"**Sampling** {md_text(picked.sampling or 'not recorded')}  \n"
+                   f"**Recorded** {md_text(picked.created_at)}  \n**Run id** {md_text(picked.run_id)}")

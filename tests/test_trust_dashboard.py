@@ -1,0 +1,213 @@
+"""The dashboard shows run text as text, stays in its folder, and answers bad folders and files with messages."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import streamlit as st
+from streamlit.testing.v1 import AppTest
+
+from dashboard import data
+from dashboard.discover import find_runs
+from dashboard.paths import APP, ENV_ANY_PATH, ENV_PATH
+from dashboard.synthetic import hand_made_run
+from dashboard.text import md_text
+from tracker.schema import META_RUN
+
+IMAGE = "http://127.0.0.1:9/leak.png"
+#: Token texts and run fields that are Markdown (or HTML) if shown as such.
+TOKENS = ["a", "**b**", f"![t]({IMAGE})", "```", f"<img src={IMAGE}>", "<eos>"]
+TITLE = f"**bold** ![title]({IMAGE}) :red[red] $x^2$"
+PROMPT_TEXT = f"```\n![prompt]({IMAGE})"
+
+
+def _hostile_run(folder: Path, name: str = "hostile.parquet") -> Path:
+    chosen = np.array([[1, 2, 3, 4, 5]])
+    natural = np.full((1, 5, len(TOKENS)), -2.0, dtype=np.float32)
+    np.put_along_axis(natural, chosen[..., None], 1.0, axis=-1)
+    run = hand_made_run(natural, chosen, TOKENS, eos_token_id=5, title=TITLE, prompt=(3, 2))
+    meta = replace(
+        run.metadata,
+        model=f"[model]({IMAGE})",
+        processors=f"```\n![processors]({IMAGE})\n```",
+        sampling={"temperature": f"![sampling]({IMAGE})"},
+        run_id=f"![id]({IMAGE})",
+    )
+    type(run)(run.to_arrow().to_batches(), meta, run.vocab).to_parquet(folder / name)
+    return folder / name
+
+
+def _app(page: str | None = None, root: Path | None = None) -> AppTest:
+    st.cache_data.clear()
+    st.cache_resource.clear()
+    at = AppTest.from_file(str(APP), default_timeout=60)
+    if root is not None:
+        at.session_state["root"] = str(root)
+    if page is not None:
+        at.switch_page(f"app_pages/{page}.py")
+    return at.run()
+
+
+def _ok(at: AppTest) -> None:
+    assert not at.exception, at.exception[0].message if at.exception else ""
+
+
+def _markdown_texts(at: AppTest) -> list[str]:
+    """Every element value Streamlit renders as Markdown, with the labels of radios and metrics."""
+    kinds = ("title", "header", "subheader", "markdown", "caption", "error", "warning", "info", "success")
+    texts = [e.value for kind in kinds for e in at.get(kind)]
+    texts += [str(m.value) for m in at.metric] + [m.label for m in at.metric]
+    texts += [str(o) for r in at.radio for o in r.options]
+    return texts
+
+
+def _unescaped(text: str) -> list[str]:
+    """Markdown constructs that would render: an image or link, emphasis, a code fence, a directive."""
+    bare = re.sub(r"\\.", "", text)  # what backslash escapes neutralise
+    return [p for p in (r"!\[", r"\]\(", r"\*\*b", "```", r":red\[", r"\$x") if re.search(p, bare)]
+
+
+@pytest.mark.parametrize("page", ["runs", "overview", "replay", "compare"])
+def test_run_text_is_never_rendered_as_markdown(tmp_path, page):
+    _hostile_run(tmp_path)
+    at = _app(page, tmp_path)
+    _ok(at)
+    rendered = _markdown_texts(at)
+    bad = {t: _unescaped(t) for t in rendered if _unescaped(t)}
+    assert not bad, bad
+    assert any("bold" in t for t in rendered)  # the title is shown, as text
+    if page == "runs":
+        codes = [c.value for c in at.code]
+        assert "```\n![prompt]" not in codes  # not the prompt text, which is the tokens' own
+        assert any(IMAGE in c for c in codes)  # prompt and processors shown verbatim in text elements
+
+
+def test_charts_show_token_text_as_text(tmp_path):
+    _hostile_run(tmp_path)
+    at = _app("replay", tmp_path)
+    _ok(at)
+    figure = json.dumps(at.get("plotly_chart")[0].proto.spec)
+    assert "<img" not in figure and "&lt;img" in figure
+
+
+def test_md_text_escapes_every_markdown_construct():
+    for text in (TITLE, PROMPT_TEXT, "<b>x</b>", "# heading", "- item", "1. item", "|a|b|", "~~gone~~", ":material/home:"):
+        shown = md_text(text)
+        assert re.sub(r"\\(.)", r"\1", shown) == text.replace("\n", " ")
+
+
+def test_the_path_box_stays_inside_the_served_folder(tmp_path, monkeypatch):
+    served, outside = tmp_path / "served", tmp_path / "outside"
+    served.mkdir()
+    outside.mkdir()
+    _hostile_run(served, "mine.parquet")
+    _hostile_run(outside, "secret.parquet")
+    monkeypatch.setenv(ENV_PATH, str(served))
+    monkeypatch.delenv(ENV_ANY_PATH, raising=False)
+    at = _app()
+    _ok(at)
+    for attempt in (str(outside), "../outside", str(served / ".." / "outside")):
+        at = at.text_input(key="root_input").set_value(attempt).run()
+        _ok(at)
+        assert any("outside the folder this dashboard serves" in re.sub(r"\\(.)", r"\1", e.value) for e in at.error)
+        assert at.session_state["root"] == str(served)
+        assert at.dataframe[0].value["file"].tolist() == ["mine.parquet"]
+    (served / "sub").mkdir()
+    _hostile_run(served / "sub", "inner.parquet")
+    at = at.text_input(key="root_input").set_value("sub").run()
+    _ok(at)
+    assert at.dataframe[0].value["file"].tolist() == ["inner.parquet"]
+
+
+def test_the_path_box_may_leave_the_folder_when_the_server_allows_it(tmp_path, monkeypatch):
+    served, outside = tmp_path / "served", tmp_path / "outside"
+    served.mkdir()
+    outside.mkdir()
+    _hostile_run(outside, "elsewhere.parquet")
+    monkeypatch.setenv(ENV_PATH, str(served))
+    monkeypatch.setenv(ENV_ANY_PATH, "1")
+    at = _app()
+    at = at.text_input(key="root_input").set_value(str(outside)).run()
+    _ok(at)
+    assert at.dataframe[0].value["file"].tolist() == ["elsewhere.parquet"]
+
+
+def test_symlinks_out_of_the_folder_are_not_followed(tmp_path):
+    served, outside = tmp_path / "served", tmp_path / "outside"
+    served.mkdir()
+    (outside / "deep").mkdir(parents=True)
+    _hostile_run(served, "mine.parquet")
+    secret = _hostile_run(outside, "secret.parquet")
+    _hostile_run(outside / "deep", "deeper.parquet")
+    (served / "link.parquet").symlink_to(secret)
+    (served / "linked-folder").symlink_to(outside / "deep")
+    (served / "inner.parquet").symlink_to(served / "mine.parquet")  # a link that stays inside is fine
+    assert [p.name for p in find_runs(served)] == ["inner.parquet", "mine.parquet"]
+    at = _app(root=served)
+    _ok(at)
+    assert sorted(at.dataframe[0].value["file"].tolist()) == ["inner.parquet", "mine.parquet"]
+
+
+def _unreadable_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    folder.chmod(0)
+    try:
+        os.listdir(folder)
+    except PermissionError:
+        return folder
+    for candidate in (Path("/proc/1/map_files"),):  # root reads any mode; this one it may not list
+        try:
+            os.listdir(candidate)
+        except PermissionError:
+            return candidate
+        except OSError:
+            pass
+    pytest.skip("no folder here refuses to be listed (running as root without a restricted /proc)")
+
+
+def test_an_unreadable_folder_gives_a_message_not_a_traceback(tmp_path):
+    folder = _unreadable_folder(tmp_path)
+    try:
+        at = _app(root=folder)
+        _ok(at)
+        assert any("permission denied" in e.value for e in at.sidebar.error)
+    finally:
+        (tmp_path / "locked").chmod(0o755)
+
+
+@pytest.mark.parametrize("page", ["runs", "replay", "overview"])
+def test_metadata_that_disagrees_with_the_columns_gives_a_message(tmp_path, page):
+    good = _hostile_run(tmp_path, "good.parquet")
+    table = pq.read_table(good)
+    meta = dict(table.schema.metadata)
+    described = json.loads(meta[META_RUN])
+    described["vocab_size"] = 10**9
+    meta[META_RUN] = json.dumps(described).encode()
+    pq.write_table(table.replace_schema_metadata(meta), tmp_path / "wide.parquet")
+    good.unlink()
+    at = _app(page, tmp_path)
+    _ok(at)
+    errors = " ".join(re.sub(r"\\(.)", r"\1", e.value) for e in at.error)
+    assert "wide.parquet" in errors and "natural_logits" in errors
+
+
+def test_the_run_list_refreshes_beside_a_dangling_link(tmp_path):
+    _hostile_run(tmp_path, "first.parquet")
+    (tmp_path / "gone.parquet").symlink_to(tmp_path / "nowhere.parquet")
+    at = _app(root=tmp_path)
+    _ok(at)
+    assert at.dataframe[0].value["file"].tolist() == ["first.parquet"]
+    before = data.stamp(tmp_path)
+    _hostile_run(tmp_path, "second.parquet")
+    assert data.stamp(tmp_path) != before
+    at.run()
+    _ok(at)
+    assert at.dataframe[0].value["file"].tolist() == ["first.parquet", "second.parquet"]

@@ -1,0 +1,174 @@
+"""Run files: large prompts, damaged pages, damaged metadata, wrong column types, killed exports."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from test_tracker_support import byte_tokenizer
+
+from dashboard.reader import BadRunError, RunReader
+from tracker import LogitTrackingProcessor, Run
+from tracker.schema import META_RUN, META_VOCAB, RunMetadata
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def recorded(steps: int = 40, vocab: int = 2000, seed: int = 0) -> LogitTrackingProcessor:
+    tracker = LogitTrackingProcessor(None)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    for _ in range(steps):
+        out = tracker(ids, torch.randn(2, vocab, generator=gen) * 3)
+        ids = torch.cat([ids, out.argmax(1, keepdim=True)], 1)
+    tracker.finish(ids)
+    return tracker
+
+
+def rewrite(src: Path, dst: Path, *, metadata: dict[bytes, bytes] | None = None, table: pa.Table | None = None) -> Path:
+    """A copy of a run file with its schema metadata or its table replaced (what damage or a foreign writer does)."""
+    table = pq.read_table(src) if table is None else table
+    if metadata is not None:
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
+    pq.write_table(table, dst)
+    return dst
+
+
+def test_prompts_far_past_the_footer_limit_round_trip(tmp_path):
+    tracker = recorded(steps=3, vocab=300)
+    prompt = (np.arange(2_500_000) % 156 + 100).tolist()
+    rows = [prompt] * 8 + [[1, 2, 3]]  # ~80 MB of JSON: past Parquet's footer limit if kept there
+    tracker._shared.generations[0]["prompt_ids"] = rows
+    tracker._shared.run_cache = None
+    path = tracker.to_parquet(tmp_path / "big.parquet")
+    run = Run.load(path)
+    assert run.metadata.generations[0]["prompt_ids"] == rows
+    reader = RunReader(path)
+    assert reader.metadata.generations[0]["prompt_ids"][8] == [1, 2, 3]
+    assert len(reader.metadata.generations[0]["prompt_ids"][7]) == len(prompt)
+    del prompt, run, reader
+
+
+def test_generation_metadata_survives_the_file_and_the_dashboard_reader(tmp_path):
+    tok = byte_tokenizer()
+    tracker = LogitTrackingProcessor(None, tokenizer=tok)
+    for text in ("the cat", "héllo wörld"):
+        ids = torch.tensor([tok(text)["input_ids"]])
+        for _ in range(3):
+            out = tracker(ids, torch.randn(1, len(tok)))
+            ids = torch.cat([ids, out.argmax(1, keepdim=True)], 1)
+    path = tracker.to_parquet(tmp_path / "two.parquet")
+    assert Run.load(path).metadata.generations == tracker.run.metadata.generations
+    footer = json.loads(pq.read_schema(path).metadata[META_RUN])
+    assert footer["generations"] == []
+    reader = RunReader(path)
+    assert [reader.prompt(g) for g in (0, 1)] == ["the cat", "héllo wörld"]
+
+
+def test_oversized_run_metadata_is_refused_with_the_limit(tmp_path):
+    tracker = recorded(steps=2, vocab=100)
+    tracker.annotate(notes="x" * (5 << 20))
+    with pytest.raises(ValueError, match=r"run metadata is [\d,]+ bytes, over the 4,194,304 .*extra"):
+        tracker.to_parquet(tmp_path / "r.parquet")
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_damaged_page_is_detected_not_read_as_other_logits(tmp_path):
+    path = recorded().to_parquet(tmp_path / "run.parquet", compression="zstd")
+    data = bytearray(path.read_bytes())
+    footer = int.from_bytes(data[-8:-4], "little")
+    middle = (len(data) - footer) // 2
+    rng = np.random.default_rng(0)
+    data[middle : middle + 2000] = rng.integers(0, 256, 2000, dtype=np.uint8).tobytes()
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"run\.parquet.*(checksum|damaged|could not be read)"):
+        Run.load(path)
+
+
+def test_a_damaged_page_read_by_the_dashboard_gives_a_message(tmp_path):
+    path = recorded().to_parquet(tmp_path / "run.parquet", compression=None)
+    data = bytearray(path.read_bytes())
+    footer = int.from_bytes(data[-8:-4], "little")
+    middle = (len(data) - footer) // 2
+    data[middle : middle + 2000] = np.random.default_rng(1).integers(0, 256, 2000, dtype=np.uint8).tobytes()
+    path.write_bytes(bytes(data))
+    with pytest.raises(BadRunError):
+        reader = RunReader(path)
+        for g in reader.generations():
+            for s in reader.sequences(g):
+                track = reader.track(g, s)
+                for p in range(track.length):
+                    reader.step(track, p)
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ({META_RUN: b"[1, 2]"}, "must be a JSON object, got list"),
+        ({META_RUN: b"{not json"}, "not valid JSON"),
+        ({META_VOCAB: b"abc"}, "vocabulary .* is damaged"),
+    ],
+)
+def test_damaged_metadata_names_the_file_and_the_fault(tmp_path, damage, message):
+    good = recorded(steps=3, vocab=100).to_parquet(tmp_path / "good.parquet")
+    bad = rewrite(good, tmp_path / "bad.parquet", metadata=damage)
+    with pytest.raises(ValueError, match=message) as caught:
+        Run.load(bad)
+    assert "bad.parquet" in str(caught.value)
+
+
+def test_metadata_fields_of_the_wrong_type_are_named():
+    raw = json.loads(RunMetadata("r", "float32", 0, ["natural"], 10).to_json())
+    raw["vocab_size"] = "ten"
+    with pytest.raises(ValueError, match="'vocab_size' must be an integer, got str"):
+        RunMetadata.from_json(json.dumps(raw))
+
+
+def test_a_wrongly_typed_column_is_refused(tmp_path):
+    good = recorded(steps=3, vocab=100).to_parquet(tmp_path / "good.parquet")
+    table = pq.read_table(good)
+    index = table.schema.get_field_index("generation")
+    table = table.set_column(index, pa.field("generation", pa.string()), table.column("generation").cast(pa.string()))
+    bad = rewrite(good, tmp_path / "typed.parquet", table=table)
+    with pytest.raises(ValueError, match=r"typed\.parquet.*column 'generation' has type string"):
+        Run.load(bad)
+
+
+def test_metadata_that_disagrees_with_the_columns_is_refused(tmp_path):
+    good = recorded(steps=3, vocab=100).to_parquet(tmp_path / "good.parquet")
+    meta = json.loads(pq.read_schema(good).metadata[META_RUN])
+    meta["vocab_size"] = 10**9
+    bad = rewrite(good, tmp_path / "wide.parquet", metadata={META_RUN: json.dumps(meta).encode()})
+    with pytest.raises(ValueError, match=r"wide\.parquet.*natural_logits"):
+        Run.load(bad)
+
+
+KILLED_EXPORT = """
+import os, signal, sys
+from tracker.spill import atomic_path
+with atomic_path(sys.argv[1]) as tmp:
+    tmp.write_bytes(b"half a run" * 1000)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_exports_temporary_file_is_removed_by_the_next_export(tmp_path):
+    target = tmp_path / "run.parquet"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", KILLED_EXPORT, str(target)], env=env)
+    assert done.returncode != 0
+    left = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert len(left) == 1 and not target.exists()
+    live = tmp_path / f".run.parquet.not-a-writer-tag.tmp"  # not named by this host's writers: kept
+    live.write_bytes(b"x")
+    recorded(steps=2, vocab=50).to_parquet(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "run.parquet"])
+    Run.load(target)
