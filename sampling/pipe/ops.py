@@ -428,7 +428,7 @@ class FusedSampleOp(_FusedOp):
             tokens = K.nth_equal_scan(x, value, pos - (values > value).sum(-1, keepdim=True))
         if rt.wants(SAMPLED):
             if exact:
-                kept_masses = m.masked_fill(torch.arange(width, device=x.device) >= torch.as_tensor(length), 0.0)
+                kept_masses = m.masked_fill(torch.arange(width, device=x.device) >= length, 0.0)
                 dist = torch.zeros((batch, vocab), dtype=torch.float32, device=x.device)
                 dist = dist.scatter_(1, ids, (kept_masses / mass).float())
             else:
@@ -450,9 +450,8 @@ class FusedSampleOp(_FusedOp):
         The kept tokens are those above the last kept value, then the lowest
         ids equal to it; a token's mass is in the units of the candidates' ``m``.
         """
-        last_at = torch.as_tensor(length, device=x.device).expand(x.shape[0], 1) - 1
-        last = values.gather(1, last_at)
-        count = last_at + 1 - (values > last).sum(-1, keepdim=True)
+        last = values[:, length - 1 : length] if isinstance(length, int) else values.gather(1, length - 1)
+        count = length - (values > last).sum(-1, keepdim=True)
         equal = x == last
         keep = (x > last) | (equal & (equal.cumsum(-1, dtype=torch.int32) <= count))
         if self.from_logits:
