@@ -508,10 +508,14 @@ def min_p_length(masses: torch.Tensor, min_p: Param) -> torch.Tensor:
 def top_p_length(masses: torch.Tensor, running: torch.Tensor, top_p: Param, total: torch.Tensor) -> torch.Tensor:
     """``[B, 1]``: how many sorted candidates have a mass strictly before them ``< top_p * total``.
 
-    ``total`` is ``[B, 1]``. At least 1 for a live row (the first has nothing
-    before it); 0 only for a row of NaN (see :func:`shorten`).
+    ``total`` is ``[B, 1]``. The mass before candidate ``i`` is the running
+    sum up to ``i - 1``, so the count is one more than the number of running
+    sums below the target: a binary search, not a pass over the candidates.
+    At least 1 (the first has nothing before it); a row of NaN is dead
+    whatever it gets.
     """
-    return ((running - masses) < as_column(top_p, masses) * total).sum(-1, keepdim=True)
+    target = (as_column(top_p, masses) * total).to(running.dtype)
+    return torch.searchsorted(running, target.contiguous()) + 1
 
 
 def sample_prefix(
