@@ -1,6 +1,7 @@
-"""Time logitscope's compiled LogitsPipe against transformers' sampling warpers, on CPU, in one run.
+"""Time logitscope's compiled LogitsPipe against transformers' sampling warpers, in one run.
 
     python benchmarks/bench_sampling.py [--repeats N] [--threads 2]
+    python benchmarks/bench_sampling.py --device cuda [--repeats N] [--algorithms sort,radix]
 
 Baseline: ``TemperatureLogitsWarper`` + ``TopKLogitsWarper`` + ``TopPLogitsWarper``
 (from ``transformers.generation.logits_process``), ``softmax`` and
@@ -19,6 +20,17 @@ medians over blocks and their ratio, then the ratio of the fastest blocks
 on the machine make 2-thread timings erratic for both sides, since every
 parallel op waits for both threads to be scheduled.
 Speed is reported, never asserted.
+
+With ``--device cuda`` it runs :func:`pipe_grid` instead (also imported by
+``benchmarks/bench_gpu.py``): top-p alone (temperature 0.7, top-p 0.9),
+top-k + top-p (temperature 0.7, top-k 50, top-p 0.9) and min-p (temperature
+0.7, min-p 0.05) at batch 1, 32, 256 and vocabulary 32k, 128k, goal >= 2x
+everywhere. Each call is timed with CUDA events (blocks of 20 calls, the two
+sides alternating, medians over blocks); the pipe is called with its uniform
+numbers drawn on the device and ``on_dead="flag"``, with each sync-free
+algorithm (``sort``, ``radix``). Host synchronisations per call are counted
+for both sides with ``torch.cuda.set_sync_debug_mode("warn")`` (transformers'
+``torch.multinomial`` may synchronise; the pipe's goal is 0).
 """
 
 from __future__ import annotations
@@ -27,49 +39,71 @@ import argparse
 import os
 import statistics
 import time
-from typing import Callable
+import warnings
+from typing import Any, Callable, Sequence
 
 import torch
 from transformers.generation.logits_process import (
     LogitsProcessorList,
+    MinPLogitsWarper,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
 
-from sampling.pipe import LogitsPipe, Sample, Softmax, Temperature, TopK, TopP
+from sampling.pipe import LogitsPipe, MinP, Sample, Softmax, Temperature, TopK, TopP
 
 POINTS = [(1, 32_000), (1, 128_000), (32, 32_000), (32, 128_000)]
 SETTINGS = {
     "top-k set": dict(temperature=0.7, top_k=50, top_p=0.9),
     "top-p only": dict(temperature=0.7, top_p=0.9),
 }
+GRID_SETTINGS = {
+    "top-p": dict(temperature=0.7, top_p=0.9),
+    "top-k+top-p": dict(temperature=0.7, top_k=50, top_p=0.9),
+    "min-p": dict(temperature=0.7, min_p=0.05),
+}
+GRID_GOAL = 2.0
 
 
-def transformers_chain(temperature: float, top_p: float, top_k: int | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """transformers' warpers, softmax and multinomial, as ``generate`` runs them."""
-    warpers = [TemperatureLogitsWarper(temperature)]
+def transformers_chain(
+    temperature: float, top_p: float | None = None, top_k: int | None = None, min_p: float | None = None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """transformers' warpers, softmax and multinomial, as ``generate`` runs them (on the logits' device)."""
+    warpers: list[Any] = [TemperatureLogitsWarper(temperature)]
     if top_k is not None:
         warpers.append(TopKLogitsWarper(top_k))
-    warpers.append(TopPLogitsWarper(top_p))
+    if top_p is not None:
+        warpers.append(TopPLogitsWarper(top_p))
+    if min_p is not None:
+        warpers.append(MinPLogitsWarper(min_p))
     chain = LogitsProcessorList(warpers)
 
     def run(logits: torch.Tensor) -> torch.Tensor:
-        ids = torch.zeros((logits.shape[0], 1), dtype=torch.long)
+        ids = torch.zeros((logits.shape[0], 1), dtype=torch.long, device=logits.device)
         probs = torch.softmax(chain(ids, logits), dim=-1)
         return torch.multinomial(probs, 1).squeeze(1)
 
     return run
 
 
-def logitscope_pipe(temperature: float, top_p: float, top_k: int | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The compiled pipe with the same parameters."""
-    stages = [Temperature(temperature), Softmax(), *([TopK(top_k)] if top_k else []), TopP(top_p), Sample()]
-    pipe = LogitsPipe(stages)
+def logitscope_pipe(
+    temperature: float,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    algorithm: str = "auto",
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The compiled pipe with the same parameters; uniforms drawn on the logits' device, dead rows flagged."""
+    stages: list[Any] = [Temperature(temperature), Softmax()]
+    stages += [MinP(min_p)] if min_p is not None else []
+    stages += [TopK(top_k)] if top_k is not None else []
+    stages += [TopP(top_p)] if top_p is not None else []
+    pipe = LogitsPipe([*stages, Sample()], algorithm=algorithm)  # type: ignore[arg-type]
 
     def run(logits: torch.Tensor) -> torch.Tensor:
-        u = torch.rand(logits.shape[0], dtype=torch.float64)
-        return pipe(logits, u=u)
+        u = torch.rand(logits.shape[0], dtype=torch.float64, device=logits.device)
+        return pipe(logits, u=u, on_dead="flag")
 
     return run
 
@@ -93,11 +127,120 @@ def time_pair(
     return ta, tb
 
 
+def _cuda_block(fn: Callable[[], object], calls: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / calls
+
+
+def syncs_per_call(fn: Callable[[], object], calls: int = 5) -> float:
+    """Host synchronisations per call of ``fn`` on CUDA, counted by torch's sync debug mode."""
+    fn()  # warm: first calls may allocate or build
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(calls):
+                fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    return sum("synchroniz" in str(w.message) for w in caught) / calls
+
+
+def pipe_grid(
+    device: str | torch.device = "cuda",
+    batches: Sequence[int] = (1, 32, 256),
+    vocabs: Sequence[int] = (32_000, 128_000),
+    repeats: int = 15,
+    algorithms: Sequence[str] = ("sort", "radix"),
+    settings: dict[str, dict[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
+    """The pipe against transformers' warpers at every (setting, batch, vocabulary, algorithm).
+
+    Returns one dict per point: ``setting, algorithm, batch, vocab,
+    transformers_ms, pipe_ms`` (medians per call), ``ratio`` (transformers /
+    pipe, the higher the better; goal :data:`GRID_GOAL`), ``pipe_syncs`` and
+    ``transformers_syncs`` per call (counted on CUDA only, else NaN). Logits
+    are standard normal times 3, float32. On CUDA calls are timed with CUDA
+    events in blocks of 20; on a CPU with ``perf_counter``.
+    """
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for name, params in (settings or GRID_SETTINGS).items():
+        base = transformers_chain(**params)
+        for batch in batches:
+            for vocab in vocabs:
+                logits = torch.randn(batch, vocab, generator=gen, device=device) * 3
+                for algorithm in algorithms:
+                    pipe = logitscope_pipe(**params, algorithm=algorithm)
+                    a, b = (lambda: base(logits)), (lambda: pipe(logits))
+                    if cuda:
+                        for fn in (a, b):
+                            _cuda_block(fn, 3)
+                        ta, tb = [], []
+                        for _ in range(repeats):
+                            ta.append(_cuda_block(a, 20))
+                            tb.append(_cuda_block(b, 20))
+                        syncs_pipe, syncs_base = syncs_per_call(b), syncs_per_call(a)
+                    else:
+                        ta, tb = time_pair(a, b, repeats, 10 if batch * vocab <= 1_000_000 else 1)
+                        syncs_pipe = syncs_base = float("nan")
+                    t_base, t_pipe = statistics.median(ta), statistics.median(tb)
+                    rows.append(
+                        dict(
+                            setting=name,
+                            algorithm=algorithm,
+                            batch=batch,
+                            vocab=vocab,
+                            transformers_ms=t_base * 1e3,
+                            pipe_ms=t_pipe * 1e3,
+                            ratio=t_base / t_pipe,
+                            pipe_syncs=syncs_pipe,
+                            transformers_syncs=syncs_base,
+                        )
+                    )
+    return rows
+
+
+def format_grid(rows: Sequence[dict[str, Any]]) -> str:
+    """:func:`pipe_grid`'s rows as a table, with the goal checked."""
+    lines = [
+        f"{'setting':<12} {'algorithm':<9} {'batch':>5} {'vocab':>7} {'transformers':>13} {'pipe':>10} "
+        f"{'ratio':>7}  {'goal':<11} syncs/call (pipe, transformers)"
+    ]
+    for r in rows:
+        mark = "ok" if r["ratio"] >= GRID_GOAL else "MISSED"
+        lines.append(
+            f"{r['setting']:<12} {r['algorithm']:<9} {r['batch']:>5} {r['vocab']:>7} {r['transformers_ms']:>10.3f} ms "
+            f"{r['pipe_ms']:>7.3f} ms {r['ratio']:>6.2f}x  >={GRID_GOAL:g}x {mark:<6} "
+            f"{r['pipe_syncs']:.1f}, {r['transformers_syncs']:.1f}"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15, help="timed calls per point (fewer at large points)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu (the CPU goals) or cuda (the pipe grid)")
+    parser.add_argument("--algorithms", default="sort,radix", help="sync-free algorithms for --device cuda")
     args = parser.parse_args()
+    if args.device != "cpu":
+        if args.device.startswith("cuda") and not torch.cuda.is_available():
+            raise SystemExit(f"--device {args.device}: CUDA is not available on this machine (torch {torch.__version__})")
+        name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else args.device
+        print(f"torch {torch.__version__}, {name}")
+        algorithms = [a for a in args.algorithms.split(",") if a]
+        print(format_grid(pipe_grid(args.device, repeats=args.repeats, algorithms=algorithms)))
+        return
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())

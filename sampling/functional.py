@@ -94,8 +94,9 @@ class RowGroup:
     """Rows that share a pipe: their indices, the pipe's key and their parameters.
 
     A parameter is a Python scalar when every row of the group has the same
-    value (cheaper: no per-row tensor, no sync for the top-k width), else a
-    ``[n]`` tensor.
+    value (cheaper: no per-row tensor), else a ``[n]`` tensor; a per-row
+    ``top_k`` comes with ``max_top_k``, its largest value as a host int, so
+    the pipe knows the candidates' width without reading the device.
     """
 
     rows: torch.Tensor  # int64 [n]
@@ -131,6 +132,8 @@ def _plan(
             for on, name, index, dtype in ((key[1], "min_p", 3, torch.float32), (key[2], "top_k", 1, torch.long), (key[3], "top_p", 2, torch.float32)):
                 if on:
                     params[name] = _column([eff[i][index] for i in rows], dtype, device)
+            if key[2] and isinstance(params["top_k"], torch.Tensor):
+                params["max_top_k"] = max(eff[i][1] for i in rows)  # the candidates' width, known on the host
         groups.append(
             RowGroup(torch.tensor(rows, dtype=torch.long, device=device), key, params, len(rows) == len(keys))
         )
@@ -203,7 +206,10 @@ def sample(
     ``on_dead="raise"`` (synchronises once to look) a :class:`DeadRowError`
     names them; with ``on_dead="flag"`` nothing is read from the device and
     ``SampleOutput.valid`` marks them, for the caller to check once the step's
-    values reach the host.
+    values reach the host. The pipes pick their algorithm by the device
+    (:mod:`sampling.pipe.kernels`): on an accelerator a call with
+    ``on_dead="flag"`` and ``u`` on the device does not synchronise; on a CPU
+    the faster CPU algorithms read tensor values (no device to wait for).
 
     ``taps``: observers of the distribution actually sampled from, each called
     once with float32 probabilities ``[B, V]`` (rows sum to 1, exactly 0 for

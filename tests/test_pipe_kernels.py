@@ -17,12 +17,13 @@ def _weights(rows: int, vocab: int, seed: int) -> torch.Tensor:
     return w
 
 
+@pytest.mark.parametrize("sync_free", [False, True], ids=["gathered bucket", "masked whole row"])
 @pytest.mark.parametrize("inclusive", [True, False])
-def test_radix_crossing_equals_the_sorting_crossing(inclusive):
+def test_radix_crossing_equals_the_sorting_crossing(inclusive, sync_free):
     w = _weights(6, 5000, seed=0)
     fraction = torch.tensor([0.0, 0.3, 0.5, 0.9, 0.999, 1.0], dtype=torch.float64)
     assert w.shape[-1] >= K.SORT_BELOW
-    radix = K.mass_crossing(w, fraction, inclusive=inclusive)
+    radix = K.mass_crossing(w, fraction, inclusive=inclusive, sync_free=sync_free)
     sort = K._crossing_by_sort(w, fraction, None, inclusive)
     assert torch.equal(radix.value, sort.value)
     assert torch.equal(radix.ties, sort.ties)
@@ -57,12 +58,34 @@ def test_top_k_candidates_follow_the_order_with_lower_ids_first():
         assert torch.equal(ids, expected.indices[:, :width])
 
 
-def test_nth_equal_finds_the_nth_tied_token_by_id():
+@pytest.mark.parametrize("scan", [False, True], ids=["blocks", "scan"])
+def test_nth_equal_finds_the_nth_tied_token_by_id(scan):
     w = torch.zeros(3, 1000)
     w[0, [5, 300, 301, 999]] = 0.25
     w[1, 700] = 0.5
     w[2] = 0.001
     value = torch.tensor([0.25, 0.5, 0.001])
-    assert K.nth_equal(w, value, torch.tensor([0, 0, 0])).tolist() == [5, 700, 0]
-    assert K.nth_equal(w, value, torch.tensor([2, 0, 999])).tolist() == [301, 700, 999]
-    assert K.nth_equal(w, value, torch.tensor([3, 0, 256])).tolist() == [999, 700, 256]
+
+    def nth(n):
+        if scan:
+            return K.nth_equal_scan(w, value[:, None], torch.tensor(n)[:, None]).squeeze(1).tolist()
+        return K.nth_equal(w, value, torch.tensor(n)).tolist()
+
+    assert nth([0, 0, 0]) == [5, 700, 0]
+    assert nth([2, 0, 999]) == [301, 700, 999]
+    assert nth([3, 0, 256]) == [999, 700, 256]
+
+
+def test_sync_free_top_k_mask_keeps_exactly_k_with_lower_ids_among_ties():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randint(0, 6, (30, 3000), generator=g).float()  # many ties at every boundary
+    x[3] = float("-inf")
+    x[3, [9, 40]] = 1.0  # fewer live tokens than k
+    k = torch.randint(1, 60, (30,), generator=g)
+    for floor in (float("-inf"), 0.0):
+        live = x > floor  # tokens at the floor (logit -inf, probability 0) are gone whether "kept" or not
+        expected = K.top_k_mask(x, k, floor) & live
+        assert expected.sum(-1).tolist() == torch.minimum(k, live.sum(-1)).tolist()
+        assert torch.equal(K.top_k_mask(x, k, floor, sync_free=True, bound=59), expected)
+        assert torch.equal(K.top_k_mask(x, k, floor, sync_free=True), expected)  # no bound: the whole row
+        assert torch.equal(K.top_k_mask(x, 7, floor, sync_free=True), K.top_k_mask(x, 7, floor) & live)

@@ -27,7 +27,10 @@ def _support(pipe: LogitsPipe, x: torch.Tensor, **params) -> list[list[int]]:
 
 
 def _pipes(*stages, **kw):
-    return [LogitsPipe(list(stages), compile=c, **kw) for c in (True, False)]
+    """The pipe compiled and not, with each algorithm (the sync-free ones forced on CPU tensors)."""
+    return [
+        LogitsPipe(list(stages), compile=c, algorithm=a, **kw) for c in (True, False) for a in ("cpu", "sort", "radix")
+    ]
 
 
 def _wide(probs: list[float], vocab: int) -> torch.Tensor:
@@ -42,10 +45,14 @@ def test_top_k_keeps_exactly_k_with_lower_ids_among_ties(vocab):
     logits = torch.full((2, vocab), float("-inf"))
     logits[0, :6] = torch.tensor([1.0, 3.0, 2.0, 3.0, 2.0, 2.0])
     logits[1, :6] = torch.tensor([2.0, 2.0, 2.0, 2.0, 2.0, 2.0])
-    plain = LogitsPipe([TopK()], compile=False)
-    kept = plain(logits, top_k=3) > float("-inf")
-    assert kept[0].nonzero().flatten().tolist() == [1, 2, 3]
-    assert kept[1].nonzero().flatten().tolist() == [0, 1, 2]
+    for algorithm in ("cpu", "sort"):
+        plain = LogitsPipe([TopK()], compile=False, algorithm=algorithm)
+        kept = plain(logits, top_k=3) > float("-inf")
+        assert kept[0].nonzero().flatten().tolist() == [1, 2, 3]
+        assert kept[1].nonzero().flatten().tolist() == [0, 1, 2]
+        kept = plain(logits, top_k=torch.tensor([2, 4]), max_top_k=4) > float("-inf")
+        assert kept[0].nonzero().flatten().tolist() == [1, 3]
+        assert kept[1].nonzero().flatten().tolist() == [0, 1, 2, 3]
     for pipe in _pipes(TopK(), Sample()):
         assert _support(pipe, logits, top_k=3) == [[1, 2, 3], [0, 1, 2]]
         assert _support(pipe, logits, top_k=torch.tensor([2, 4])) == [[1, 3], [0, 1, 2, 3]]

@@ -25,16 +25,38 @@ row, the next two over the few tokens of the chosen bucket; no sort and no
 loop over data. (Vocabularies under :data:`SORT_BELOW` tokens sort instead:
 there a sort is cheaper than a histogram, and the result is the same.) Top-k
 uses a partial selection (``torch.topk``) of the ``k`` largest only.
+
+**Two families of algorithms** (:data:`Algorithm`), same order, same CDF, so
+the same uniform gives the same token on every path (up to float rounding at
+a boundary):
+
+- ``"cpu"``: the algorithms above as they are best on a CPU. They read the
+  device: the radix select gathers one bucket's tokens with ``nonzero``, the
+  top-k selection checks for ties across its boundary, and a per-row top-k
+  tensor is read for its largest value.
+- ``"sort"`` and ``"radix"``: sync-free, for accelerators. No ``nonzero``,
+  ``item``, ``bool(tensor)`` or data-dependent shape. Top-k takes
+  ``torch.topk`` candidates without a tie check: the sampled token's id is
+  found afterwards as the ``n``-th token (by id) equal to the sampled value
+  (:func:`nth_equal_scan`), which is the tie rule. Without a top-k,
+  ``"sort"`` sorts the whole row (stable, so ids follow the tie rule) and
+  ``"radix"`` runs the radix select with its two inner levels histogramming
+  the whole row under a mask instead of gathering a bucket.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Union
+from typing import Literal, NamedTuple, Union
 
 import torch
 
 __all__ = [
     "Param",
+    "Algorithm",
+    "ALGORITHMS",
+    "resolve_algorithm",
+    "sync_free_candidates",
+    "nth_equal_scan",
     "Crossing",
     "Cut",
     "as_column",
@@ -61,6 +83,18 @@ __all__ = [
 
 Param = Union[float, int, torch.Tensor]
 """A runtime parameter: one value for every row, or a ``[B]`` tensor."""
+
+Algorithm = Literal["auto", "cpu", "sort", "radix"]
+"""How a pipe finds cuts and samples (see the module docstring); ``"auto"``: ``"cpu"`` on a CPU, else ``"sort"``."""
+
+ALGORITHMS: tuple[str, ...] = ("auto", "cpu", "sort", "radix")
+
+
+def resolve_algorithm(algorithm: str, device: torch.device) -> str:
+    """The algorithm that runs on ``device``: ``"auto"`` picks ``"cpu"`` on a CPU and ``"sort"`` elsewhere."""
+    if algorithm != "auto":
+        return algorithm
+    return "cpu" if device.type == "cpu" else "sort"
 
 _LEVELS = ((20, 11), (10, 10), (0, 10))  # (shift, width) of the three radix levels over 31 bits
 _BLOCK = 256  # block length for locating the n-th equal token without a full cumsum
@@ -141,23 +175,73 @@ def top_k_candidates(x: torch.Tensor, width: int, floor: float) -> tuple[torch.T
     return values, ids
 
 
-def top_k_column(k: Param, batch: int, vocab: int, device: torch.device) -> tuple[int, torch.Tensor | None]:
-    """``(width, k)``: how many candidates to select, and per-row ``k`` as ``[B, 1]`` (0 means all) if a tensor."""
+def top_k_column(
+    k: Param, batch: int, vocab: int, device: torch.device, bound: int | None = None, sync_free: bool = False
+) -> tuple[int, torch.Tensor | None]:
+    """``(width, k)``: how many candidates to select, and per-row ``k`` as ``[B, 1]`` (0 means all) if a tensor.
+
+    For a tensor ``k`` the width is ``bound`` when given (a host-side upper
+    bound of the tensor's values; larger values are cut to it, unchecked);
+    else the tensor's largest value, read from the device, or the whole
+    vocabulary when ``sync_free`` (no read).
+    """
     if isinstance(k, torch.Tensor):
         column = k.to(device=device, dtype=torch.long).reshape(-1, 1).expand(batch, 1)
         column = torch.where(column > 0, column, vocab).clamp(max=vocab)
-        return int(column.max()), column
+        if bound is not None:
+            width = min(bound, vocab)
+            return width, column.clamp(max=width)
+        return (vocab if sync_free else int(column.max())), column
     return (min(int(k), vocab) if k > 0 else vocab), None
 
 
-def top_k_mask(x: torch.Tensor, k: Param, floor: float) -> torch.Tensor:
-    """``bool [B, V]``: exactly ``k`` tokens per row, the first of the order (ties: lower id)."""
+def top_k_mask(
+    x: torch.Tensor, k: Param, floor: float, *, sync_free: bool = False, bound: int | None = None
+) -> torch.Tensor:
+    """``bool [B, V]``: exactly ``k`` tokens per row, the first of the order (ties: lower id).
+
+    ``sync_free``: from the k-th largest value alone (every token above it,
+    then the lowest ids equal to it), without reading the device.
+    """
     batch, vocab = x.shape
-    width, column = top_k_column(k, batch, vocab, x.device)
+    width, column = top_k_column(k, batch, vocab, x.device, bound, sync_free)
+    if sync_free:
+        values = torch.topk(x, width, dim=-1).values
+        kth = values[:, width - 1 :] if column is None else values.gather(1, column - 1)
+        count = (width if column is None else column) - (values > kth).sum(-1, keepdim=True)
+        equal = x == kth
+        rank = equal.cumsum(-1, dtype=torch.int32)
+        return (x > floor) & ((x > kth) | (equal & (rank <= count)))
     _, ids = top_k_candidates(x, width, floor)
     rank = torch.arange(width, device=x.device).expand(batch, width)
     keep = rank < (width if column is None else column)
     return torch.zeros_like(x, dtype=torch.bool).scatter_(1, ids, keep)
+
+
+def sync_free_candidates(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The first ``width`` values of the order without reading the device: ``(values, ids, exact)``.
+
+    ``values`` are exact; ``ids`` follow the tie rule only when ``exact``
+    (the whole row, sorted stably). Otherwise they come from ``torch.topk``,
+    which may return any of tied tokens: resolve a chosen position with
+    :func:`nth_equal_scan`.
+    """
+    if width >= x.shape[-1]:
+        values, ids = torch.sort(x, dim=-1, descending=True, stable=True)
+        return values, ids, True
+    values, ids = torch.topk(x, width, dim=-1)
+    return values, ids, False
+
+
+def nth_equal_scan(x: torch.Tensor, value: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """``[B, 1]``: the id of the ``n``-th (0-based, by id) token of each row equal to ``value`` (``[B, 1]``).
+
+    One scan over the row (fewer kernels than :func:`nth_equal`'s blocks); no
+    sync. A row without such a token gets the last id (its row is dead).
+    """
+    running = (x == value).cumsum(-1, dtype=torch.int32)
+    at = torch.searchsorted(running, n.to(torch.int32), right=True)
+    return at.clamp_(max=x.shape[-1] - 1)
 
 
 # --------------------------------------------------------------------------- radix select on mass
@@ -232,6 +316,7 @@ def mass_crossing(
     *,
     inclusive: bool,
     shared: Radix | None = None,
+    sync_free: bool = False,
 ) -> Crossing:
     """Find the token at which the running mass of ``w`` crosses ``fraction * of_mass``.
 
@@ -245,8 +330,9 @@ def mass_crossing(
     The first level histograms every token by its top 11 bits; the next two
     see only the tokens of the chosen bucket (gathered with one ``nonzero``,
     which synchronises a GPU once), so their cost does not grow with ``V``.
-    Below :data:`SORT_BELOW` tokens a row costs less to sort than to
-    histogram, and the crossing sorts (same result).
+    With ``sync_free`` they histogram the whole row under a mask instead (no
+    sync, same result). Below :data:`SORT_BELOW` tokens a row costs less to
+    sort than to histogram, and the crossing sorts (same result, no sync).
     """
     if w.shape[-1] < SORT_BELOW:
         return _crossing_by_sort(w, fraction, of_mass, inclusive)
@@ -262,6 +348,16 @@ def mass_crossing(
     target = (fraction.double() if isinstance(fraction, torch.Tensor) else fraction) * mass
     above = torch.zeros_like(total)
     prefix, above, in_bucket = _select(top_down, running, above, target, inclusive)
+    if sync_free:
+        bits = w.contiguous().view(torch.int32) & 0x7FFFFFFF
+        for shift, width in inner_levels:
+            size = 1 << width
+            inside = (bits >> (shift + width)) == prefix.to(torch.int32)[:, None]
+            slot = ((bits >> shift) & (size - 1)).long()
+            hist = masses.new_zeros(batch, size).scatter_add_(1, slot, torch.where(inside, masses, 0.0))
+            bucket, above, in_bucket = _select(*_top_down(hist), above, target, inclusive)
+            prefix = (prefix << width) | bucket
+        return _crossing_at(prefix, above, in_bucket, target, total)
     rows, cols = (keys == prefix.to(keys.dtype)[:, None]).nonzero(as_tuple=True)
     sub_w = masses[rows, cols]
     sub_bits = (w[rows, cols].view(torch.int32) & 0x7FFFFFFF).long()
@@ -272,6 +368,13 @@ def mass_crossing(
         hist = masses.new_zeros(batch * size).index_add_(0, slot, torch.where(inside, sub_w, 0.0))
         bucket, above, in_bucket = _select(*_top_down(hist.view(batch, size)), above, target, inclusive)
         prefix = (prefix << width) | bucket
+    return _crossing_at(prefix, above, in_bucket, target, total)
+
+
+def _crossing_at(
+    prefix: torch.Tensor, above: torch.Tensor, in_bucket: torch.Tensor, target: torch.Tensor, total: torch.Tensor
+) -> Crossing:
+    """The crossing once the radix select has found all 31 bits of the value."""
     value = prefix.to(torch.int32).view(torch.float32)
     safe = torch.where(value > 0, value, torch.ones_like(value)).double()
     ties = torch.round(in_bucket / safe).long().clamp_(min=1)
@@ -279,12 +382,16 @@ def mass_crossing(
 
 
 def top_p_cut(
-    w: torch.Tensor, top_p: Param, of_mass: torch.Tensor | None = None, shared: Radix | None = None
+    w: torch.Tensor,
+    top_p: Param,
+    of_mass: torch.Tensor | None = None,
+    shared: Radix | None = None,
+    sync_free: bool = False,
 ) -> Cut:
     """The top-p prefix of ``w`` (renormalised to ``of_mass``): keep ``t`` iff mass before ``t`` < top_p * mass."""
     batch = w.shape[0]
     fraction = _per_row(top_p, batch, w.device, torch.float64)
-    c = mass_crossing(w, fraction, of_mass, inclusive=True, shared=shared)
+    c = mass_crossing(w, fraction, of_mass, inclusive=True, shared=shared, sync_free=sync_free)
     safe = torch.where(c.value > 0, c.value, torch.ones_like(c.value)).double()
     count = torch.ceil((c.target - c.above) / safe).clamp_(min=1)
     count = torch.minimum(count, c.ties.double()).long()
@@ -333,15 +440,19 @@ def cut_mask(w: torch.Tensor, cut: Cut) -> torch.Tensor:
 
 
 def sample_weights(
-    w: torch.Tensor, u: torch.Tensor, cut: Cut | None = None, shared: Radix | None = None
+    w: torch.Tensor,
+    u: torch.Tensor,
+    cut: Cut | None = None,
+    shared: Radix | None = None,
+    sync_free: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw one token per row from weights ``w`` restricted to ``cut``, by the CDF in the order.
 
     Returns ``(tokens, log-probability in the renormalised distribution,
     mass sampled from)``. The mass is NaN or 0 for a dead row (its token is
-    then meaningless; the caller flags it).
+    then meaningless; the caller flags it). ``sync_free``: see :func:`mass_crossing`.
     """
-    c = mass_crossing(w, u, None if cut is None else cut.mass, inclusive=False, shared=shared)
+    c = mass_crossing(w, u, None if cut is None else cut.mass, inclusive=False, shared=shared, sync_free=sync_free)
     safe = torch.where(c.value > 0, c.value, torch.ones_like(c.value)).double()
     n = torch.floor((c.target - c.above) / safe).clamp_(min=0)
     n = torch.minimum(n, (c.ties - 1).double()).long()
@@ -350,7 +461,7 @@ def sample_weights(
         outside = (value < cut.value) | ((value == cut.value) & (n >= cut.count))
         value = torch.where(outside, cut.value, value)
         n = torch.where(outside, cut.count - 1, n)
-    tokens = nth_equal(w, value, n)
+    tokens = nth_equal_scan(w, value[:, None], n[:, None]).squeeze(1) if sync_free else nth_equal(w, value, n)
     mass = c.total if cut is None else torch.where(torch.isnan(cut.mass), c.total, cut.mass)
     mass = torch.where(torch.isfinite(c.total), mass, c.total)  # NaN anywhere in the row: dead
     logprobs = torch.log(value.double() / mass)
@@ -397,10 +508,14 @@ def min_p_length(masses: torch.Tensor, min_p: Param) -> torch.Tensor:
 def top_p_length(masses: torch.Tensor, running: torch.Tensor, top_p: Param, total: torch.Tensor) -> torch.Tensor:
     """``[B, 1]``: how many sorted candidates have a mass strictly before them ``< top_p * total``.
 
-    ``total`` is ``[B, 1]``. At least 1 for a live row (the first has nothing
-    before it); 0 only for a row of NaN (see :func:`shorten`).
+    ``total`` is ``[B, 1]``. The mass before candidate ``i`` is the running
+    sum up to ``i - 1``, so the count is one more than the number of running
+    sums below the target: a binary search, not a pass over the candidates.
+    At least 1 (the first has nothing before it); a row of NaN is dead
+    whatever it gets.
     """
-    return ((running - masses) < as_column(top_p, masses) * total).sum(-1, keepdim=True)
+    target = (as_column(top_p, masses) * total).to(running.dtype)
+    return torch.searchsorted(running, target.contiguous()) + 1
 
 
 def sample_prefix(

@@ -130,7 +130,9 @@ class LogitsTopKOp(Op):
     IN, OUT, PARAMS = LOGITS, LOGITS, ("top_k",)
 
     def __call__(self, x: TaggedTensor, rt: Runtime) -> TaggedTensor:
-        keep = K.top_k_mask(x.data, rt.param(self, "top_k"), float("-inf"))
+        keep = K.top_k_mask(
+            x.data, rt.param(self, "top_k"), float("-inf"), sync_free=rt.sync_free, bound=rt.max_top_k
+        )
         return TaggedTensor.logits(x.data.masked_fill(~keep, float("-inf")))
 
 
@@ -169,7 +171,8 @@ class ProbsTopKOp(ProbsFilterOp):
 
     def __call__(self, x: TaggedTensor, rt: Runtime) -> TaggedTensor:
         p = x.data
-        kept = torch.where(K.top_k_mask(p, rt.param(self, "top_k"), 0.0), p, 0.0)
+        keep = K.top_k_mask(p, rt.param(self, "top_k"), 0.0, sync_free=rt.sync_free, bound=rt.max_top_k)
+        kept = torch.where(keep, p, 0.0)
         return TaggedTensor.probs(kept / kept.sum(-1, keepdim=True) if self.renormalize else kept)
 
 
@@ -180,7 +183,7 @@ class ProbsTopPOp(ProbsFilterOp):
 
     def __call__(self, x: TaggedTensor, rt: Runtime) -> TaggedTensor:
         p = x.data.float()
-        cut = K.top_p_cut(p, rt.param(self, "top_p"), _ones(p))
+        cut = K.top_p_cut(p, rt.param(self, "top_p"), _ones(p), sync_free=rt.sync_free)
         kept = torch.where(K.cut_mask(p, cut), p, 0.0)
         return TaggedTensor.probs(kept / kept.sum(-1, keepdim=True))
 
@@ -201,7 +204,7 @@ class ProbsMinPOp(ProbsFilterOp):
 
 
 def _sample_probs(w: torch.Tensor, rt: Runtime) -> TaggedTensor:
-    tokens, logprobs, mass = K.sample_weights(w, rt.uniforms())
+    tokens, logprobs, mass = K.sample_weights(w, rt.uniforms(), sync_free=rt.sync_free)
     valid = _valid(logprobs)
     if rt.wants(SAMPLED):
         rt.emit(SAMPLED, TaggedTensor.probs(torch.where(w > 0, w, 0.0) / mass[:, None].float()))
@@ -330,7 +333,7 @@ class FusedSampleOp(_FusedOp):
         return "Fused" + "".join(words) + "Op"
 
     def __call__(self, x: TaggedTensor, rt: Runtime) -> TaggedTensor:
-        if self.on_candidates:
+        if self.on_candidates or rt.algorithm == "sort":
             return self._on_candidates(x.data, rt)
         return self._on_vocabulary(x.data, rt)
 
@@ -363,10 +366,10 @@ class FusedSampleOp(_FusedOp):
                     norm = cut.mass
             else:
                 shared = K.radix(w) if shared is None else shared
-                new = K.top_p_cut(w, rt.param(f.op, "top_p"), norm, shared)
+                new = K.top_p_cut(w, rt.param(f.op, "top_p"), norm, shared, rt.sync_free)
                 cut = new if cut is None else K.shorter(new, cut)
                 norm = cut.mass
-        tokens, logprobs, mass = K.sample_weights(w, rt.uniforms(), cut, shared)
+        tokens, logprobs, mass = K.sample_weights(w, rt.uniforms(), cut, shared, rt.sync_free)
         valid = _valid(logprobs)
         if rt.wants(SAMPLED):
             keep = (w > 0) if cut is None else K.cut_mask(w, cut)
@@ -374,25 +377,37 @@ class FusedSampleOp(_FusedOp):
         return _report(rt, tokens, logprobs, valid)
 
     def _on_candidates(self, x: torch.Tensor, rt: Runtime) -> TaggedTensor:
-        """Top-k path: a partial selection of candidates; each filter then only shortens a prefix.
+        """Top-k path (and the ``"sort"`` algorithm's only path): each filter only shortens a prefix.
 
-        The candidates are sorted and every filter keeps a prefix of the
-        order, so the state is one length per row and one cumulative sum.
+        The candidates (a partial selection of the ``k`` largest, or the
+        whole row sorted) are in the order and every filter keeps a prefix of
+        it, so the state is one length per row and one cumulative sum.
+        Sync-free unless the algorithm is ``"cpu"``.
         """
         batch, vocab = x.shape
         limits: dict[int, K.Length] = {}
         width = vocab
         for i, f in enumerate(self.filters):
             if f.kind == "top_k":
-                w_i, column = K.top_k_column(rt.param(f.op, "top_k"), batch, vocab, x.device)
+                w_i, column = K.top_k_column(
+                    rt.param(f.op, "top_k"), batch, vocab, x.device, rt.max_top_k, rt.sync_free
+                )
                 limits[i] = w_i if column is None else column
                 width = min(width, w_i)
         t = self._temperature(rt)
-        values, ids = K.top_k_candidates(x, width, float("-inf") if self.from_logits else 0.0)
+        floor = float("-inf") if self.from_logits else 0.0
+        if rt.sync_free:
+            values, ids, exact = K.sync_free_candidates(x, width)
+        else:
+            (values, ids), exact = K.top_k_candidates(x, width, floor), True
         m = K.candidate_masses(values, t, self.from_logits)
         running = m.cumsum(-1)
         length: K.Length = width
-        norm = self._joint_norm(x, values, m, t) if not self.filters[0].renormalize else None
+        norm = None
+        if self.filters and not self.filters[0].renormalize:
+            norm = self._joint_norm(x, values, m, t)
+        elif not self.from_logits and not self.on_candidates:
+            norm = _ones(x)[:, None]  # a top-p on the whole row: PROBS count as summing to 1
         for i, f in enumerate(self.filters):
             if f.kind == "min_p":
                 length, norm = K.shorten(length, K.min_p_length(m, rt.param(f.op, "min_p"))), None
@@ -406,12 +421,46 @@ class FusedSampleOp(_FusedOp):
                 kept = K.top_p_length(m, running, rt.param(f.op, "top_p"), total)
                 length, norm = K.shorten(length, kept), None
         pos, logprobs, mass = K.sample_prefix(m, running, length, rt.uniforms()[:, None])
-        tokens = ids.gather(1, pos)
+        value = values.gather(1, pos)
+        if exact:
+            tokens = ids.gather(1, pos)
+        else:  # topk's ids are arbitrary among ties: take the n-th equal token by id, the tie rule
+            tokens = K.nth_equal_scan(x, value, pos - (values > value).sum(-1, keepdim=True))
         if rt.wants(SAMPLED):
-            kept_masses = m.masked_fill(torch.arange(width, device=x.device) >= torch.as_tensor(length), 0.0)
-            dist = torch.zeros((batch, vocab), dtype=torch.float32, device=x.device)
-            rt.emit(SAMPLED, TaggedTensor.probs(dist.scatter_(1, ids, (kept_masses / mass).float())))
+            if exact:
+                kept_masses = m.masked_fill(torch.arange(width, device=x.device) >= length, 0.0)
+                dist = torch.zeros((batch, vocab), dtype=torch.float32, device=x.device)
+                dist = dist.scatter_(1, ids, (kept_masses / mass).float())
+            else:
+                dist = self._kept_distribution(x, values, m, length, mass, t)
+            rt.emit(SAMPLED, TaggedTensor.probs(dist))
         return _report(rt, tokens, logprobs, _valid(logprobs))
+
+    def _kept_distribution(
+        self,
+        x: torch.Tensor,
+        values: torch.Tensor,
+        m: torch.Tensor,
+        length: K.Length,
+        mass: torch.Tensor,
+        t: K.Param | None,
+    ) -> torch.Tensor:
+        """The distribution sampled from, over the whole row, from the candidates' values alone (no ids, no sync).
+
+        The kept tokens are those above the last kept value, then the lowest
+        ids equal to it; a token's mass is in the units of the candidates' ``m``.
+        """
+        last = values[:, length - 1 : length] if isinstance(length, int) else values.gather(1, length - 1)
+        count = length - (values > last).sum(-1, keepdim=True)
+        equal = x == last
+        keep = (x > last) | (equal & (equal.cumsum(-1, dtype=torch.int32) <= count))
+        if self.from_logits:
+            scale = 1.0 if t is None else K.as_column(t, x, torch.float64)
+            weights = torch.exp((x.double() - values[:, :1].double()) / scale) * m[:, :1]
+        else:
+            weights = x.double()
+        keep &= weights > 0
+        return (torch.where(keep, weights, 0.0) / mass).float()
 
     def _joint_norm(self, x: torch.Tensor, values: torch.Tensor, m: torch.Tensor, t: K.Param | None) -> torch.Tensor:
         """For the joint filter: the whole row's mass in the units of the candidate masses ``m``."""

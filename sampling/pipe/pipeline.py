@@ -12,6 +12,18 @@ keyword arguments of the call, each a scalar (validated) or a ``[B]`` tensor
 (one value per row); a processor's own value is the default. Randomness
 comes from ``u`` (one float64 uniform in [0, 1) per row; the
 :mod:`sampling.functional` streams pass it) or else from ``generator``.
+
+**Algorithms and synchronisation.** ``algorithm="auto"`` (the default) runs
+the CPU algorithms on CPU tensors and the sync-free ones (``"sort"``) on any
+other device; ``"sort"`` and ``"radix"`` may be forced anywhere, CPU tensors
+included (see :mod:`sampling.pipe.kernels`). Every algorithm samples the same
+distribution and maps the same uniform to the same token, so a seeded request
+gives the same tokens on a CPU and on a GPU (up to float rounding at a CDF
+boundary, and to the logits themselves differing between devices). A call
+with a sync-free algorithm reads nothing from the device when it cannot
+raise: ``sample(on_dead="flag")`` (or ``__call__(on_dead="flag")``), a
+per-row ``top_k`` tensor given with ``max_top_k`` (a host-side bound of its
+values) and ``u`` on the device.
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ from sampling.pipe.runtime import Runtime
 from sampling.pipe.stages import Stage
 from sampling.pipe.taps import INPUT, SAMPLED, Tap, group_taps
 from sampling.pipe.types import CompileError, DeadRowError, LegalizationError, PipeError, TaggedTensor, TensorType
+from sampling.pipe.kernels import ALGORITHMS, Algorithm, resolve_algorithm
 from sampling.pipe.validators import ValidityCheck, check_param, default_checks
 
 __all__ = ["LogitsPipe", "dead_row_error"]
@@ -64,6 +77,8 @@ class LogitsPipe:
             processor only accepts PROBS.
         fusion_rules: rules added to the default ones.
         validity_checks: checks added to the default ones.
+        algorithm: ``"auto"``, ``"cpu"``, ``"sort"`` or ``"radix"`` (see the
+            module docstring): ``"auto"`` picks by the input's device.
 
     Raises :class:`~sampling.pipe.types.PipeError` (a ``ValueError``) naming
     the processor's position, class and the problem.
@@ -77,7 +92,11 @@ class LogitsPipe:
         input_type: TensorType | None = None,
         fusion_rules: Sequence[FusionRule] = (),
         validity_checks: Sequence[ValidityCheck] = (),
+        algorithm: Algorithm = "auto",
     ) -> None:
+        if algorithm not in ALGORITHMS:
+            raise PipeError(f"algorithm must be one of {list(ALGORITHMS)}, got {algorithm!r}")
+        self.algorithm = algorithm
         processors = list(processors)
         if not processors:
             raise PipeError("a pipe needs at least one processor, got none")
@@ -171,15 +190,22 @@ class LogitsPipe:
         u: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
         taps: Iterable[Tap] | None = None,
+        on_dead: Literal["raise", "flag"] = "raise",
+        max_top_k: int | None = None,
         **params: Any,
     ) -> torch.Tensor:
         """Run the pipe; returns the last stage's tensor (token ids ``[B]`` for a sampling pipe).
 
-        A dead row (nothing to sample, or NaN) raises :class:`DeadRowError`.
+        A dead row (nothing to sample, or NaN) raises :class:`DeadRowError`,
+        which reads the device once; ``on_dead="flag"`` gives it token -1
+        instead and reads nothing.
         """
-        tagged, rt = self._prepare(x, u, generator, taps, params)
+        if on_dead not in ("raise", "flag"):
+            raise PipeError(f"on_dead must be 'raise' or 'flag', got {on_dead!r}")
+        tagged, rt = self._prepare(x, u, generator, taps, params, max_top_k)
+        rt.flag_dead = on_dead == "flag"
         out = self._run(tagged, rt)
-        if rt.valid is not None and not bool(rt.valid.all()):
+        if on_dead == "raise" and rt.valid is not None and not bool(rt.valid.all()):
             raise dead_row_error(tagged, ~rt.valid)
         return out.data
 
@@ -193,6 +219,7 @@ class LogitsPipe:
         on_dead: Literal["raise", "flag"] = "raise",
         raw: bool = False,
         top_logprobs: int = 0,
+        max_top_k: int | None = None,
         **params: Any,
     ) -> SampleResult:
         """Sample one token per row and say how likely it was (see :class:`SampleResult`).
@@ -201,6 +228,9 @@ class LogitsPipe:
         instead of raising, and then never synchronises the device.
         ``raw=True`` or ``top_logprobs=n`` adds log-probabilities under the
         pipe's input (:class:`RawLogprobs`), at the cost of a log-softmax.
+        ``max_top_k``: a host-side upper bound of a per-row ``top_k`` tensor's
+        values (rows above it are cut to it, unchecked), so that the
+        candidates' width is known without reading the tensor.
         """
         if self.output_type is not TensorType.INDICES:
             raise PipeError(f"sample() needs a pipe that ends in a sampler, this one ends in {self.output_type.name}")
@@ -208,7 +238,7 @@ class LogitsPipe:
             raise PipeError(f"on_dead must be 'raise' or 'flag', got {on_dead!r}")
         if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or top_logprobs < 0:
             raise PipeError(f"top_logprobs must be an int >= 0, got {top_logprobs!r}")
-        tagged, rt = self._prepare(x, u, generator, taps, params)
+        tagged, rt = self._prepare(x, u, generator, taps, params, max_top_k)
         rt.flag_dead = on_dead == "flag"
         tokens = self._run(tagged, rt).data
         assert rt.logprobs is not None and rt.valid is not None
@@ -224,6 +254,7 @@ class LogitsPipe:
         generator: torch.Generator | None,
         taps: Iterable[Tap] | None,
         params: dict[str, Any],
+        max_top_k: int | None = None,
     ) -> tuple[TaggedTensor, Runtime]:
         if isinstance(x, TaggedTensor):
             if x.type is not self.input_type:
@@ -250,7 +281,13 @@ class LogitsPipe:
                 raise PipeError(f"u must be a [batch] tensor of uniform numbers ({batch},), got {shape}")
             if u.dtype != torch.float64 or u.device != data.device:
                 u = u.to(device=data.device, dtype=torch.float64)
+        if max_top_k is not None and (
+            not isinstance(max_top_k, int) or isinstance(max_top_k, bool) or max_top_k < 1
+        ):
+            raise PipeError(f"max_top_k must be an int >= 1 (a bound of the per-row top_k), got {max_top_k!r}")
         rt = Runtime(batch, data.device, checked, u, generator, group_taps(taps, self.tap_stages))
+        rt.algorithm = resolve_algorithm(self.algorithm, data.device)
+        rt.max_top_k = max_top_k
         return tagged, rt
 
     def _run(self, x: TaggedTensor, rt: Runtime) -> TaggedTensor:
@@ -277,7 +314,7 @@ class LogitsPipe:
         wanted = [i for i, part in enumerate(inner) if part.ends_stage and rt.wants(part.stage)]
         if not wanted:
             return
-        side = Runtime(rt.batch, rt.device, rt.params)
+        side = Runtime(rt.batch, rt.device, rt.params, algorithm=rt.algorithm, max_top_k=rt.max_top_k)
         for part in inner[: wanted[-1] + 1]:
             x = part(x, side)
             if part.ends_stage and rt.wants(part.stage):

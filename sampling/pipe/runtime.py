@@ -26,6 +26,8 @@ class Runtime:
     [0, 1) per row (float64), drawn from ``generator`` when not given. The
     sampling op fills ``logprobs`` (log-probability of each chosen token in
     the distribution sampled from) and ``valid`` (False for a dead row).
+    ``algorithm`` is the resolved :data:`~sampling.pipe.kernels.Algorithm`
+    (never ``"auto"``); ``max_top_k`` a host-side bound of a per-row top-k.
     """
 
     batch: int
@@ -35,6 +37,8 @@ class Runtime:
     generator: torch.Generator | None = None
     taps: Mapping[str, tuple[TapFn, ...]] = field(default_factory=dict)
     flag_dead: bool = False
+    algorithm: str = "cpu"
+    max_top_k: int | None = None
     logprobs: torch.Tensor | None = None
     valid: torch.Tensor | None = None
 
@@ -55,6 +59,11 @@ class Runtime:
         if self.u is None:
             self.u = torch.rand(self.batch, dtype=torch.float64, device=self.device, generator=self.generator)
         return self.u
+
+    @property
+    def sync_free(self) -> bool:
+        """Whether the ops must not read the device (every algorithm but ``"cpu"``)."""
+        return self.algorithm != "cpu"
 
     def wants(self, stage: str) -> bool:
         return stage in self.taps
