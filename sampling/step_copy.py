@@ -2,7 +2,8 @@
 
 On CUDA the values are packed into one float64 ``[4, B]`` tensor, copied
 ``non_blocking`` into a pinned buffer and waited for through a CUDA event:
-the step's only synchronisation. On the CPU the packed tensor is read in place.
+the step's only synchronisation. Elsewhere the packed tensor is read with one
+``tolist`` (the read a test of the decode loop counts as the step's one).
 float64 holds every token id below 2**53 and every float32 exactly, so the
 values reach the host unchanged.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 __all__ = ["StepCopy", "StepValues"]
@@ -48,16 +48,14 @@ class StepCopy:
             self._pinned.copy_(packed, non_blocking=True)
             self._event.record()
             self._event.synchronize()
-            host = self._pinned.numpy()
-        elif packed.device.type == "cpu":
-            host = packed.numpy()  # a view: the values are already on the host
+            tokens, logprobs, raw, valid = self._pinned.numpy().tolist()  # numpy: the values are here now
         else:
-            host = packed.cpu().numpy()
-        ids = host[0].astype(np.int64)
+            tokens, logprobs, raw, valid = packed.tolist()
+        ids = [int(t) for t in tokens]
         return StepValues(
-            tokens=ids.tolist(),
-            logprobs=host[1].tolist(),
-            raw_logprobs=host[2].tolist(),
-            valid=(host[3] != 0).tolist(),
-            token_tensor=torch.from_numpy(ids),
+            tokens=ids,
+            logprobs=logprobs,
+            raw_logprobs=raw,
+            valid=[v != 0 for v in valid],
+            token_tensor=torch.tensor(ids, dtype=torch.long),
         )
