@@ -2,7 +2,10 @@
 
 On CUDA the values are packed into one float64 ``[4, B]`` tensor, copied
 ``non_blocking`` into a pinned buffer and waited for through a CUDA event:
-the step's only synchronisation. Elsewhere the packed tensor is read with one
+the step's only synchronisation. That planned wait is exempt from
+``torch.cuda.set_sync_debug_mode``, so that the debug mode reports every
+other synchronisation of the step (and ``"error"`` can guard a decode loop).
+Elsewhere the packed tensor is read with one
 ``tolist`` (the read a test of the decode loop counts as the step's one).
 float64 holds every token id below 2**53 and every float32 exactly, so the
 values reach the host unchanged.
@@ -47,7 +50,14 @@ class StepCopy:
         if self._pinned is not None and self._event is not None:
             self._pinned.copy_(packed, non_blocking=True)
             self._event.record()
-            self._event.synchronize()
+            mode = torch.cuda.get_sync_debug_mode()
+            if mode:
+                torch.cuda.set_sync_debug_mode(0)
+            try:
+                self._event.synchronize()
+            finally:
+                if mode:
+                    torch.cuda.set_sync_debug_mode(mode)
             tokens, logprobs, raw, valid = self._pinned.numpy().tolist()  # numpy: the values are here now
         else:
             tokens, logprobs, raw, valid = packed.tolist()
