@@ -14,6 +14,7 @@ import torch
 
 from processors.automaton import TokenAutomaton, build_token_automaton
 from processors.bitmask import apply_bitmask_
+from processors.device import tensor_on, to_device
 from processors.protocol import BatchContext, LogitsProcessor
 from processors.token_feed import TokenFeed
 from processors.vocab import vocab_for
@@ -21,6 +22,7 @@ from processors.vocab import vocab_for
 __all__ = ["BadWordsLogitsProcessor", "BadWordsMode"]
 
 BadWordsMode = Literal["text", "tokens"]
+_TokenTables = tuple[torch.Tensor, tuple[tuple[int, torch.Tensor, torch.Tensor], ...]]
 
 
 def _check_words(words: Any) -> tuple[str, ...]:
@@ -78,6 +80,7 @@ class BadWordsLogitsProcessor(LogitsProcessor):
         self._feed = TokenFeed()
         self._states: list[int] = []
         self._device_tables: dict[torch.device, torch.Tensor] = {}
+        self._token_cache: dict[tuple[int, torch.device], _TokenTables] = {}
         if mode == "text":
             self._automaton: TokenAutomaton | None = build_token_automaton(
                 [w.encode("utf-8") for w in self.words], vocab
@@ -133,7 +136,8 @@ class BadWordsLogitsProcessor(LogitsProcessor):
         table = self._device_tables.get(device)
         if table is None:
             assert self._automaton is not None
-            table = self._device_tables[device] = self._automaton.allowed.to(device)
+            with torch.inference_mode(False):  # kept across calls: never an inference tensor
+                table = self._device_tables[device] = to_device(self._automaton.allowed, device)
         return table
 
     def _process_text(self, logits: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
@@ -146,27 +150,39 @@ class BadWordsLogitsProcessor(LogitsProcessor):
             if tokens:
                 self._states[row] = automaton.advance(self._states[row], tokens)
         table = self._table(logits.device)
-        index = torch.tensor(self._states, dtype=torch.long).to(logits.device)
+        index = tensor_on(self._states, torch.long, logits.device)
         covered = min(self._n_tokens, logits.shape[1])
         apply_bitmask_(logits[:, :covered], table.index_select(0, index), covered)
         return logits
 
+    def _token_tables(self, width: int, device: torch.device) -> _TokenTables:
+        """The banned sequences whose last token fits ``width``, on ``device`` (built once per both)."""
+        tables = self._token_cache.get((width, device))
+        if tables is None:
+            with torch.inference_mode(False):  # kept across calls: never an inference tensor
+                singles = to_device(self._singles[self._singles < width], device)
+                longer = []
+                for length, (prefixes, last) in self._by_prefix.items():
+                    fits = last < width
+                    if bool(fits.any()):
+                        longer.append((length, to_device(prefixes[fits], device), to_device(last[fits], device)))
+            tables = self._token_cache[(width, device)] = (singles, tuple(longer))
+        return tables
+
     def _process_tokens(self, logits: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
-        width = logits.shape[1]
-        singles = self._singles[self._singles < width]
+        singles, longer = self._token_tables(logits.shape[1], logits.device)
         if singles.numel():
-            logits[:, singles.to(logits.device)] = float("-inf")
-        generated = ctx.generated_ids
-        for length, (prefixes, last) in self._by_prefix.items():
+            logits.index_fill_(1, singles, float("-inf"))
+        generated = ctx.generated_ids.to(logits.device)
+        for length, prefixes, last in longer:
             if length > generated.shape[1]:
                 continue
-            prefixes, last = prefixes.to(generated.device), last.to(generated.device)
             tail = generated[:, -length:]
-            hits = (tail[:, None, :] == prefixes[None, :, :]).all(-1)
-            rows, which = hits.nonzero(as_tuple=True)
-            tokens = last[which]
-            keep = tokens < width
-            logits[rows[keep].to(logits.device), tokens[keep].to(logits.device)] = float("-inf")
+            hits = (tail[:, None, :] == prefixes[None, :, :]).all(-1)  # [B, sequences]
+            # -inf where a row just wrote a sequence's prefix, +inf elsewhere; the minimum keeps
+            # every other logit as it is (several sequences may share a last token)
+            ban = torch.where(hits, float("-inf"), float("inf")).to(logits.dtype)
+            logits.scatter_reduce_(1, last.expand(hits.shape[0], -1), ban, reduce="amin")
         return logits
 
     def __repr__(self) -> str:

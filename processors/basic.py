@@ -7,6 +7,7 @@ from typing import Any, Sequence
 import torch
 
 from processors.checks import check_number, check_token_ids, check_width
+from processors.device import tensor_on, to_device
 from processors.protocol import BatchContext, LogitsProcessor
 from processors.vocab import eos_token_ids
 
@@ -51,13 +52,20 @@ class MinNewTokensLogitsProcessor(LogitsProcessor):
         if eos_token_id is None:
             raise ValueError("eos_token_id must be a token id or a list of them, got None (the tokenizer has no EOS?)")
         self.eos_token_ids = list(eos_token_ids(eos_token_id=eos_token_id))
-        self._eos = torch.tensor(self.eos_token_ids, dtype=torch.long)
+        self._eos: dict[torch.device, torch.Tensor] = {}
+
+    def _eos_on(self, device: torch.device) -> torch.Tensor:
+        eos = self._eos.get(device)
+        if eos is None:
+            with torch.inference_mode(False):  # kept across calls: never an inference tensor
+                eos = self._eos[device] = tensor_on(self.eos_token_ids, torch.long, device)
+        return eos
 
     def process(self, logits: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
         """Set the EOS logits to -inf (in place) while fewer than ``min_new_tokens`` were generated."""
         if ctx.num_generated < self.min_new_tokens:
             check_width(self.name, max(self.eos_token_ids), logits.shape[1])
-            logits[:, self._eos.to(logits.device)] = float("-inf")
+            logits.index_fill_(1, self._eos_on(logits.device), float("-inf"))
         return logits
 
     def __repr__(self) -> str:
@@ -84,9 +92,10 @@ class AllowedTokenIdsLogitsProcessor(LogitsProcessor):
         mask = self._banned.get((width, device))
         if mask is None:
             check_width(self.name, self.token_ids[-1], width)
-            mask = torch.ones(width, dtype=torch.bool)
-            mask[torch.tensor(self.token_ids)] = False
-            mask = self._banned[(width, device)] = mask.to(device)
+            with torch.inference_mode(False):  # kept across calls: never an inference tensor
+                mask = torch.ones(width, dtype=torch.bool)
+                mask[torch.tensor(self.token_ids)] = False
+                mask = self._banned[(width, device)] = to_device(mask, device)
         return mask
 
     def process(self, logits: torch.Tensor, ctx: BatchContext) -> torch.Tensor:

@@ -24,11 +24,14 @@ on a CPU. A fused kernel still beats both ways on large batches
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["bitmask_words", "allocate_bitmask", "apply_bitmask_", "pack_bool", "unpack_bitmask"]
+from processors.device import to_device
+
+__all__ = ["bitmask_words", "allocate_bitmask", "apply_bitmask_", "pack_bool", "unpack_bitmask", "HostBitmask"]
 
 #: Below this many logits (rows x tokens) the table is cheaper than the word bookkeeping.
 WORDS_MIN_SIZE = 1 << 16
@@ -58,23 +61,32 @@ def _check(bitmask: torch.Tensor) -> None:
 def _bits_table(device: torch.device) -> torch.Tensor:
     table = _BOOL_TABLES.get(device)
     if table is None:
-        values = torch.arange(256, dtype=torch.int32)[:, None]
-        table = ((values >> torch.arange(8, dtype=torch.int32)) & 1).bool().to(device)
-        _BOOL_TABLES[device] = table
+        with torch.inference_mode(False):  # shared across calls: never an inference tensor
+            table = _BOOL_TABLES[device] = _make_bits_table(device)
     return table
+
+
+def _make_bits_table(device: torch.device) -> torch.Tensor:
+    values = torch.arange(256, dtype=torch.int32)[:, None]
+    return to_device(((values >> torch.arange(8, dtype=torch.int32)) & 1).bool(), device)
 
 
 def _bias_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     table = _BIAS_TABLES.get((dtype, device))
     if table is None:
         allowed = _bits_table(torch.device("cpu"))
-        table = torch.zeros(256, 8, dtype=dtype).masked_fill_(~allowed, float("-inf")).to(device)
+        with torch.inference_mode(False):  # shared across calls: never an inference tensor
+            table = to_device(torch.zeros(256, 8, dtype=dtype).masked_fill_(~allowed, float("-inf")), device)
         _BIAS_TABLES[(dtype, device)] = table
     return table
 
 
 def _scratch(n_bytes: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reused per-thread buffers for the byte indices and the biases (fresh memory costs page faults)."""
+    """Reused per-thread buffers for the byte indices and the biases (fresh memory costs page faults).
+
+    Made outside inference mode: they are written in place on later calls,
+    which may run outside ``torch.inference_mode`` (``model.generate``).
+    """
     buffers = getattr(_SCRATCH, "buffers", None)
     if buffers is None:
         buffers = _SCRATCH.buffers = {}
@@ -83,8 +95,9 @@ def _scratch(n_bytes: int, dtype: torch.dtype, device: torch.device) -> tuple[to
     if pair is None:
         if len(buffers) > 16:
             buffers.clear()
-        index = torch.empty(n_bytes, dtype=torch.int32, device=device)
-        pair = buffers[key] = (index, torch.empty(n_bytes, 8, dtype=dtype, device=device))
+        with torch.inference_mode(False):
+            index = torch.empty(n_bytes, dtype=torch.int32, device=device)
+            pair = buffers[key] = (index, torch.empty(n_bytes, 8, dtype=dtype, device=device))
     return pair
 
 
@@ -208,3 +221,44 @@ def pack_bool(allowed: torch.Tensor) -> torch.Tensor:
     )
     as_bytes = (padded.view(rows, -1, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8)
     return as_bytes.view(rows, words, 4).contiguous().view(torch.int32).view(rows, words)
+
+
+class HostBitmask:
+    """Host buffers for a ``[batch, words]`` bitmask filled on the host and applied on ``device``.
+
+    Two buffers alternate, so the host can fill the next step's mask while the
+    last one's copy may still be queued. On CUDA they are pinned and sent with
+    a ``non_blocking`` copy followed by an event; a buffer is filled again
+    only after its previous copy ran (long done in a decode loop, so the wait
+    is normally free). Elsewhere :meth:`send` returns the buffer itself.
+    """
+
+    def __init__(self, batch: int, words: int, device: torch.device) -> None:
+        self.device = device
+        pinned = device.type == "cuda"
+        with torch.inference_mode(False):  # written in place on later calls, inside or outside inference mode
+            self._buffers = [torch.zeros((batch, words), dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
+        self._events: list[Any] = [None, None]
+        self._next = 0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self._buffers[0].shape)  # type: ignore[return-value]
+
+    def acquire(self) -> torch.Tensor:
+        """The buffer to fill now (waits, if it must, for that buffer's last copy to the device)."""
+        event = self._events[self._next]
+        if event is not None and not event.query():
+            event.synchronize()
+        return self._buffers[self._next]
+
+    def send(self, buffer: torch.Tensor) -> torch.Tensor:
+        """``buffer`` (the one :meth:`acquire` gave) on the device; does not synchronise."""
+        index, self._next = self._next, 1 - self._next
+        if self.device.type != "cuda":
+            return buffer if self.device.type == "cpu" else buffer.to(self.device)
+        on_device = buffer.to(self.device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._events[index] = event
+        return on_device

@@ -5,9 +5,14 @@
 >>> proc = CFGLogitsProcessor('start: NUM " + " NUM', tokenizer)   # Lark; syntax="gbnf" for GBNF
 
 Each row of a batch gets its own matcher, created when the batch is first
-seen and advanced with the tokens the row generated (read from
-``ctx.input_ids[:, ctx.prompt_length:]``, so the processors also work inside
-``model.generate``). The generated text of every row matches the constraint
+seen and advanced with the tokens the row generated (read from the host's
+``ctx.generated`` or from ``ctx.input_ids[:, ctx.prompt_length:]``, so the
+processors also work inside ``model.generate``). Under logitscope's
+``Generator``, which reports each step's tokens on the host through
+``on_sampled``, the next step's masks are computed on a worker thread while
+the model runs (as SGLang and vLLM do), the rows filled in parallel by
+llguidance; the mask is applied on the logits' device, copied there from
+pinned memory without a synchronisation. The generated text of every row matches the constraint
 as a whole: EOS is allowed exactly when the grammar accepts, and a row whose
 grammar is complete, or that has ended, is allowed EOS only (hosts keep
 finished rows in the batch and feed them padding). A pattern, schema or
@@ -22,12 +27,13 @@ import copy
 import json
 import threading
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal, Mapping, Sequence
 
 import llguidance
 import torch
 
-from processors.bitmask import apply_bitmask_, bitmask_words, pack_bool, unpack_bitmask
+from processors.bitmask import HostBitmask, apply_bitmask_, bitmask_words, pack_bool, unpack_bitmask
 from processors.protocol import BatchContext, LogitsProcessor
 from processors.token_feed import TokenFeed
 
@@ -47,6 +53,7 @@ _TOKENIZERS: "weakref.WeakKeyDictionary[Any, dict[tuple[int, ...] | None, llguid
 )
 _TOKENIZERS_LOCK = threading.Lock()
 _EXECUTOR: llguidance.LLExecutor | None = None
+_WORKER: ThreadPoolExecutor | None = None
 
 
 def _eos_key(eos_token_id: int | Sequence[int] | None) -> tuple[int, ...] | None:
@@ -80,6 +87,14 @@ def llguidance_tokenizer(tokenizer: Any, eos_token_id: int | Sequence[int] | Non
                 ) from exc
             per_tokenizer[key] = cached
         return cached
+
+
+def _worker() -> ThreadPoolExecutor:
+    """The thread that prepares grammar masks while the host queues the next forward pass."""
+    global _WORKER
+    if _WORKER is None:
+        _WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logitscope-grammar")
+    return _WORKER
 
 
 def _executor() -> llguidance.LLExecutor:
@@ -133,7 +148,8 @@ class GrammarLogitsProcessor(LogitsProcessor):
         self._eos_only = pack_bool(eos_only)[0]
         self._matchers: list[llguidance.LLMatcher] | None = None
         self._done: list[bool] = []
-        self._bitmask = torch.zeros((0, bitmask_words(self._n_tokens)), dtype=torch.int32)
+        self._masks: HostBitmask | None = None
+        self._pending: Future[torch.Tensor] | None = None  # the next step's mask, on the worker
         self._feed = TokenFeed()
 
     # ------------------------------------------------------------ state
@@ -141,10 +157,11 @@ class GrammarLogitsProcessor(LogitsProcessor):
     def _start(self, batch: int) -> None:
         self._matchers = [self._template.deep_copy() for _ in range(batch)]
         self._done = [False] * batch
-        self._bitmask = torch.zeros((batch, bitmask_words(self._n_tokens)), dtype=torch.int32)
+        self._masks = None
 
     def reset(self) -> None:
         """Forget every row's matcher; the next call starts a new generation."""
+        self._drop_pending()
         self._matchers = None
         self._feed.reset()
 
@@ -153,6 +170,8 @@ class GrammarLogitsProcessor(LogitsProcessor):
         clone = copy.copy(self)
         clone.__dict__.pop("_host_boundary", None)
         clone._matchers = None
+        clone._masks = None
+        clone._pending = None
         clone._feed = TokenFeed()
         return clone
 
@@ -179,17 +198,23 @@ class GrammarLogitsProcessor(LogitsProcessor):
                     f"there ({reason}); did a later processor undo the mask?"
                 )
 
-    def _sync(self, ctx: BatchContext) -> None:
-        """Create the row matchers if needed and feed them the tokens generated since the last call."""
+    def _sync(self, ctx: BatchContext) -> bool:
+        """Create the row matchers if needed and feed them the tokens generated since the last call.
+
+        Returns whether anything changed (a new generation, or tokens fed).
+        """
         update = self._feed.update(ctx, self.name)
-        if update.restarted or self._matchers is None:
+        changed = update.restarted or self._matchers is None
+        if changed:
             self._start(update.batch)
         for row, tokens in enumerate(update.new_tokens):
             if tokens:
                 self._advance(row, tokens)
+                changed = True
+        return changed
 
-    def _fill(self) -> torch.Tensor:
-        bitmask = self._bitmask
+    def _fill(self, bitmask: torch.Tensor) -> torch.Tensor:
+        """Fill ``bitmask`` (host, ``[B, words]`` int32) with each row's next allowed tokens, rows in parallel."""
         matchers, done = self._matchers, self._done
         assert matchers is not None
         live = [(m, row) for row, m in enumerate(matchers) if not done[row]]
@@ -207,20 +232,74 @@ class GrammarLogitsProcessor(LogitsProcessor):
                 raise ValueError(f"{self.name}: the matcher of row {row} failed: {matcher.get_error().strip()}")
         return bitmask
 
+    def _host_masks(self, device: torch.device) -> HostBitmask:
+        batch = len(self._matchers or ())
+        masks = self._masks
+        if masks is None or masks.device != device or masks.shape[0] != batch:
+            masks = self._masks = HostBitmask(batch, bitmask_words(self._n_tokens), device)
+        return masks
+
+    # ------------------------------------------------------------ the worker
+
+    def _advance_and_fill(self, tokens: list[int], masks: HostBitmask) -> torch.Tensor:
+        """On the worker: advance each row by its new token, then fill the next step's mask."""
+        for row, token in enumerate(tokens):
+            self._advance(row, [token])
+        return self._fill(masks.acquire())
+
+    def _take_pending(self) -> torch.Tensor | None:
+        """The mask the worker prepared (waiting for it if it is still running), re-raising its error."""
+        pending, self._pending = self._pending, None
+        return None if pending is None else pending.result()
+
+    def _drop_pending(self) -> None:
+        """Wait for the worker and drop its result: it was for a step that will not come."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.exception()
+
     # ------------------------------------------------------------ step
 
     def process(self, logits: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
-        """Set to -inf the logits of every token the row's grammar does not allow next (in place)."""
-        self._sync(ctx)
-        return apply_bitmask_(logits, self._fill(), self._n_tokens)
+        """Set to -inf the logits of every token the row's grammar does not allow next (in place).
+
+        Does not synchronise: the mask is filled on the host (by the worker
+        when the host reported the last tokens through :meth:`on_sampled`,
+        else here), then copied to the logits' device from pinned memory.
+        """
+        prepared = self._take_pending()
+        changed = self._sync(ctx)
+        masks = self._host_masks(logits.device)
+        host = prepared if prepared is not None and not changed else self._fill(masks.acquire())
+        return apply_bitmask_(logits, masks.send(host), self._n_tokens)
+
+    def on_sampled(self, tokens: torch.Tensor, ctx: BatchContext) -> None:
+        """Start computing the next step's masks on a worker thread, from tokens already on the host.
+
+        The worker advances each row's matcher and fills the next mask while
+        the host queues the next forward pass; :meth:`process` then only waits
+        for it. Tokens on a device, or that do not follow the step this
+        processor saw, are left for the next :meth:`process` to read from its
+        context. An error of the worker (a token the grammar does not allow)
+        is raised by the next :meth:`process`, naming the row.
+        """
+        if tokens.device.type != "cpu" or self._masks is None or self._pending is not None:
+            return
+        if not self._feed.consume(ctx.batch_size, ctx.num_generated):
+            return
+        new = tokens.numpy().tolist()  # a CPU tensor: a view, no read of a device
+        self._pending = _worker().submit(self._advance_and_fill, new, self._masks)
 
     def allowed_token_mask(self, ctx: BatchContext) -> torch.Tensor:
         """``[B, n_tokens]`` bool: the tokens each row may take next (for inspection)."""
+        self._take_pending()
         self._sync(ctx)
-        return unpack_bitmask(self._fill(), self._n_tokens)
+        bitmask = torch.zeros((len(self._matchers or ()), bitmask_words(self._n_tokens)), dtype=torch.int32)
+        return unpack_bitmask(self._fill(bitmask), self._n_tokens)
 
     def is_accepting(self) -> list[bool]:
         """Per row: whether the text generated so far is a complete match."""
+        self._take_pending()
         if self._matchers is None:
             return []
         return [m.is_accepting() for m in self._matchers]

@@ -50,9 +50,15 @@ class PenaltiesLogitsProcessor(LogitsProcessor):
         self.frequency_penalty = check_number("frequency_penalty", frequency_penalty, low=-2.0, high=2.0)
 
     def process(self, logits: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
-        """Apply the penalties to ``logits`` in place."""
+        """Apply the penalties to ``logits`` in place.
+
+        Does not synchronise when the host passes its token lists
+        (``ctx.generated``, logitscope's ``Generator``, whose ids are checked
+        when the prompts are encoded); other hosts' ids are checked against
+        the logits' width, which reads them once per step.
+        """
         ids = ctx.input_ids.to(logits.device)
-        if ids.numel():
+        if ctx.generated is None and ids.numel():
             check_width(self.name, int(ids.max()), logits.shape[1])
         if self.repetition_penalty != 1.0 and ids.shape[1]:
             self._repetition(logits, ids, ctx.attention_mask)

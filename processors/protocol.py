@@ -46,12 +46,19 @@ class BatchContext:
         attention_mask: ``[B, L]``, 0 where a row is left padding, or ``None``
             when the host has no padding.
         request_ids: one id per row (the request a row belongs to), or ``None``.
+        generated: the host's copy of ``input_ids[:, prompt_length:]``, one
+            list of ints per row, or ``None``. Hosts that keep the tokens on
+            the host (logitscope's ``Generator``) pass it so that processors
+            never read the device to learn them. Its first ``num_generated``
+            entries per row are this step's; the host may append to the lists
+            after the step, and processors must not modify them.
     """
 
     input_ids: torch.Tensor
     prompt_length: int
     attention_mask: torch.Tensor | None = None
     request_ids: tuple[Any, ...] | None = None
+    generated: Sequence[Sequence[int]] | None = None
 
     def __post_init__(self) -> None:
         if self.input_ids.ndim != 2:
@@ -72,6 +79,10 @@ class BatchContext:
         if self.request_ids is not None and len(self.request_ids) != self.batch_size:
             raise ValueError(
                 f"request_ids must have one id per row ({self.batch_size}), got {len(self.request_ids)}"
+            )
+        if self.generated is not None and len(self.generated) != self.batch_size:
+            raise ValueError(
+                f"generated must have one token list per row ({self.batch_size}), got {len(self.generated)}"
             )
 
     @property
@@ -100,7 +111,9 @@ class BatchContext:
         return self.input_ids[row, self.pad_length(row) : self.prompt_length].tolist()
 
     def output_ids(self, row: int) -> list[int]:
-        """The tokens generated so far for ``row``."""
+        """The tokens generated so far for ``row`` (from the host's copy when there is one)."""
+        if self.generated is not None:
+            return list(self.generated[row][: self.num_generated])
         return self.input_ids[row, self.prompt_length :].tolist()
 
     def token_ids(self, row: int) -> list[int]:
@@ -122,6 +135,7 @@ class BatchContext:
             request_ids=None
             if self.request_ids is None
             else tuple(self.request_ids[int(i)] for i in index.tolist()),
+            generated=None if self.generated is None else [self.generated[int(i)] for i in index.tolist()],
         )
 
 
@@ -227,11 +241,16 @@ class LogitsProcessor(abc.ABC):
         """
 
     def on_sampled(self, tokens: torch.Tensor, ctx: BatchContext) -> None:
-        """Hear the tokens chosen at this step (``[B]``), from hosts that know them.
+        """Hear the tokens chosen at this step (``[B]`` int64), from hosts that know them.
 
-        logitscope's ``Generator`` calls it after every step, the last one
-        included; hosts such as ``model.generate`` do not, and processors learn
-        the chosen tokens from the next call's ``input_ids`` instead.
+        ``ctx`` is the context the step's :meth:`process` saw. logitscope's
+        ``Generator`` calls it after every step, the last one included, with
+        ``tokens`` already on the host (a CPU tensor: reading it costs no
+        synchronisation), before it queues the next forward pass: a processor
+        may start preparing its next step here (grammar processors compute
+        their next masks on a worker thread). Hosts such as
+        ``model.generate`` do not call it, and processors learn the chosen
+        tokens from the next call's ``input_ids`` instead.
         """
 
     @property

@@ -6,6 +6,9 @@ the sampled tokens (logitscope's ``Generator`` calls ``on_sampled``,
 ``model.generate`` does not), but every host passes the generated tokens in
 ``ctx.input_ids[:, ctx.prompt_length:]``, so reading them from there works
 everywhere, and calling a processor twice on the same step changes nothing.
+When the host also passes its own copy of those tokens (``ctx.generated``,
+as logitscope's ``Generator`` does), they are taken from there and the device
+is never read; otherwise reading them synchronises once per step.
 """
 
 from __future__ import annotations
@@ -61,8 +64,23 @@ class TokenFeed:
                 "call reset() before starting a generation with another batch"
             )
         if generated > self.consumed:
-            new = ctx.input_ids[:, ctx.prompt_length + self.consumed :].tolist()
+            if ctx.generated is not None:
+                new = [list(row[self.consumed : generated]) for row in ctx.generated]
+            else:
+                new = ctx.input_ids[:, ctx.prompt_length + self.consumed :].tolist()
             self.consumed = generated
         else:
             new = [[] for _ in range(batch)]
         return FeedUpdate(restarted=restarted, batch=batch, new_tokens=new)
+
+    def consume(self, batch: int, generated: int) -> bool:
+        """Take a step's tokens heard outside :meth:`update` (``on_sampled``); False if they do not follow on.
+
+        ``generated`` is the number of tokens generated before the step, so
+        the tokens follow on when this feed has consumed exactly that many in
+        a generation of ``batch`` rows.
+        """
+        if self.batch != batch or self.consumed != generated:
+            return False
+        self.consumed = generated + 1
+        return True

@@ -24,6 +24,7 @@ import torch
 
 from sampling.params import SamplingParams, sampling_stages
 from sampling.pipe import Greedy, LogitsPipe, Tap, TaggedTensor
+from sampling.pipe.kernels import Algorithm
 from sampling.pipe.pipeline import dead_row_error
 from sampling.pipe.taps import SAMPLED
 from sampling.pipe.types import DeadRowError
@@ -81,12 +82,12 @@ GroupKey = tuple[bool, bool, bool, bool, bool]
 
 
 @lru_cache(maxsize=None)
-def group_pipe(key: GroupKey) -> LogitsPipe:
+def group_pipe(key: GroupKey, algorithm: Algorithm = "auto") -> LogitsPipe:
     """The compiled pipe for rows with this :data:`GroupKey` (parameters come per call)."""
     greedy, min_p, top_k, top_p, joint = key
     if greedy:
-        return LogitsPipe([Greedy()])
-    return LogitsPipe(sampling_stages(min_p=min_p, top_k=top_k, top_p=top_p, joint=joint))
+        return LogitsPipe([Greedy()], algorithm=algorithm)
+    return LogitsPipe(sampling_stages(min_p=min_p, top_k=top_k, top_p=top_p, joint=joint), algorithm=algorithm)
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,7 @@ def sample(
     *,
     taps: Sequence[SampleTap] | None = None,
     on_dead: str = "raise",
+    algorithm: Algorithm = "auto",
 ) -> SampleOutput:
     """Draw one token per row of ``logits [B, V]`` (float32) with the row's parameters.
 
@@ -210,6 +212,8 @@ def sample(
     (:mod:`sampling.pipe.kernels`): on an accelerator a call with
     ``on_dead="flag"`` and ``u`` on the device does not synchronise; on a CPU
     the faster CPU algorithms read tensor values (no device to wait for).
+    ``algorithm`` forces one (``"sort"`` runs the accelerator path on a CPU,
+    as the test that counts host reads per step does).
 
     ``taps``: observers of the distribution actually sampled from, each called
     once with float32 probabilities ``[B, V]`` (rows sum to 1, exactly 0 for
@@ -234,7 +238,7 @@ def sample(
     groups = params.plan()
     if len(groups) == 1 and groups[0].whole_batch:
         group = groups[0]
-        out = group.pipe.sample(logits, u=u, on_dead="flag", taps=pipe_taps, **group.params)
+        out = group_pipe(group.key, algorithm).sample(logits, u=u, on_dead="flag", taps=pipe_taps, **group.params)
         tokens, logprobs, valid = out.tokens, out.logprobs, out.valid
         sampled = captured[0] if taps else None
     else:
@@ -245,7 +249,7 @@ def sample(
             sampled = torch.zeros_like(logits)
         for group in groups:
             rows = group.rows
-            out = group.pipe.sample(
+            out = group_pipe(group.key, algorithm).sample(
                 logits.index_select(0, rows), u=u.index_select(0, rows), on_dead="flag", taps=pipe_taps, **group.params
             )
             tokens.index_copy_(0, rows, out.tokens)

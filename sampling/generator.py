@@ -23,11 +23,15 @@ from typing import Any, Sequence
 import torch
 
 from processors import BatchContext, LogitsProcessor, ProcessorList
+from processors.device import tensor_on
 from processors.protocol import check_logits
 from processors.vocab import decode_text, eos_token_ids, vocab_for
 from sampling.functional import RowParams, row_keys, sample, uniforms
 from sampling.outputs import Completion, RequestOutput
 from sampling.params import SamplingParams
+from sampling.pipe import TaggedTensor
+from sampling.pipe.pipeline import dead_row_error
+from sampling.step_copy import StepCopy
 
 __all__ = ["Generator", "load_model"]
 
@@ -103,6 +107,9 @@ class Generator:
         self._keeps_last_logits = "logits_to_keep" in forward
         # observers of the distribution each step samples from ([B, V] probabilities; see sampling.functional.sample)
         self.sample_taps: list = []
+        # the sampling kernels: "auto" picks by device (the CPU algorithms on a CPU, the sync-free ones
+        # elsewhere); "sort" or "radix" force the sync-free ones (see sampling.pipe.kernels)
+        self.sampling_algorithm: str = "auto"
 
     @classmethod
     def from_pretrained(
@@ -182,6 +189,33 @@ class Generator:
             self.logits_processor.on_prefill(out.logits, prefill)
         return out.logits[:, -1, :].float(), out.past_key_values
 
+    def _model_mask(self, keep: torch.Tensor | None, new_columns: int) -> torch.Tensor | None:
+        """The attention mask to give the model, in a form transformers uses without reading its values.
+
+        ``keep`` is ``[B, L]`` bool, False on left padding (``None`` when no
+        row is padded: then the model gets no mask and relies on causal
+        attention). A 2-D mask makes transformers check on the host whether
+        anything is padded (a synchronisation per step); a prepared 4-D mask
+        ``[B, 1, new_columns, L]`` is used as it is. SDPA takes it as bool,
+        eager attention as an additive float mask; other attention kernels get
+        the 2-D mask.
+        """
+        if keep is None:
+            return None
+        implementation = getattr(self.model.config, "_attn_implementation", None)
+        if implementation not in ("sdpa", "eager"):
+            return keep.long()
+        mask = keep[:, None, None, :]
+        if new_columns > 1:  # the prompt: causal as well, and a padding row attends to itself (never empty)
+            length = keep.shape[1]
+            causal = torch.ones(length, length, dtype=torch.bool, device=keep.device).tril()
+            own = torch.eye(length, dtype=torch.bool, device=keep.device)
+            mask = (mask & causal[-new_columns:]) | own[-new_columns:]
+        if implementation == "eager":
+            dtype = self.model.dtype
+            return torch.zeros(mask.shape, dtype=dtype, device=keep.device).masked_fill_(~mask, torch.finfo(dtype).min)
+        return mask
+
     @torch.inference_mode()
     def generate(
         self,
@@ -194,6 +228,10 @@ class Generator:
         ``params`` is one :class:`SamplingParams` for all prompts or one per
         prompt; keyword arguments (``temperature=0.7, max_new_tokens=20``) build
         one instead. Prompts are strings or lists of token ids.
+
+        Each decode step synchronises once: the chosen ids, log-probabilities
+        and validity flags reach the host together (:class:`StepCopy`); every
+        decision in between is taken from host-side state.
         """
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts)
@@ -220,8 +258,10 @@ class Generator:
             ids = encoded[row.request]
             input_ids[b, width - len(ids) :] = torch.tensor(ids)
             attention_mask[b, width - len(ids) :] = 1
+        padded = any(len(encoded[r.request]) < width for r in rows)
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         position_ids = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+        keep = attention_mask.bool() if padded else None  # None: nothing padded, the model needs no mask
 
         row_params = RowParams.build([r.params for r in rows], device)
         # greedy rows ignore their uniform numbers: an all-greedy batch skips the hash
@@ -239,6 +279,8 @@ class Generator:
         stops = [r.params.stop for r in rows]
         stop_tail = [max((len(s.encode()) for s in st), default=0) + 1 for st in stops]
         live = list(range(batch))
+        fed: list[list[int]] = [[] for _ in rows]  # the host's copy of input_ids[:, width:]
+        copy = StepCopy(batch, device)
 
         self.logits_processor.reset()
         self.logits_processor.on_generation_start(
@@ -251,40 +293,51 @@ class Generator:
         if self.logits_processor.wants_prefill_logits:
             prefill = BatchContext(input_ids=input_ids, prompt_length=width, attention_mask=attention_mask)
         for step in range(max(limits)):
-            # 1. the model's next-token logits, and the processors' view of them
-            raw, cache = self._forward(step_input, attention_mask, step_positions, cache, prefill if step == 0 else None)
-            raw_lse = torch.logsumexp(raw, dim=-1)
-            ctx = BatchContext(input_ids=input_ids, prompt_length=width, attention_mask=attention_mask)
+            # 1. the model's next-token logits (queued on the device; the host does not wait)
+            mask = self._model_mask(keep, step_input.shape[1])
+            raw, cache = self._forward(step_input, mask, step_positions, cache, prefill if step == 0 else None)
+            # 2. the processors, told the tokens so far from the host's copy
+            # (unpadded rows need no mask after the first step, which tells a tracker where prompts start)
+            ctx_mask = attention_mask if padded or step == 0 else None
+            ctx = BatchContext(input_ids=input_ids, prompt_length=width, attention_mask=ctx_mask, generated=fed)
             given = raw.clone() if self.logits_processor.inplace else raw
             logits = check_logits("logits_processor", self.logits_processor.process(given, ctx), raw)
-            # 2. one token per row, each with its request's parameters and random stream
+            # 3. one token per row, each with its request's parameters and random stream
             u = no_draws if all_greedy else uniforms(keys, step)
-            drawn = sample(logits, row_params, u, taps=self.sample_taps)
+            drawn = sample(logits, row_params, u, taps=self.sample_taps, on_dead="flag", algorithm=self.sampling_algorithm)
             tokens = drawn.tokens if finished is None else drawn.tokens.masked_fill(finished, self.pad_token_id)
-            self.logits_processor.on_sampled(tokens, ctx)
-            raw_lp = (raw.gather(1, tokens[:, None]).squeeze(1) - raw_lse).tolist()
-            # 3. book-keeping: append, then stop rows on EOS, stop strings or length
-            token_list, lp_list = tokens.tolist(), drawn.logprobs.tolist()
+            # (a dead row's token is -1: its values are meaningless, and raised after the copy)
+            raw_lp = raw.gather(1, tokens.clamp(min=0)[:, None]).squeeze(1) - torch.logsumexp(raw, dim=-1)
+            # 4. the step's one synchronisation: ids, log-probabilities and validity reach the host
+            host = copy.fetch(tokens, drawn.logprobs, raw_lp, drawn.valid)
+            _check_alive(host.valid, live, logits)
+            self.logits_processor.on_sampled(host.token_tensor, ctx)
+            # 5. book-keeping on the host: append, then stop rows on EOS, stop strings or length
+            for b, row_fed in enumerate(fed):
+                row_fed.append(host.tokens[b])
             for b in live:
                 row = rows[b]
-                row.tokens.append(token_list[b])
-                row.logprobs.append(lp_list[b])
-                row.raw_logprobs.append(raw_lp[b])
-                if token_list[b] in eos and not row.params.ignore_eos:
+                token = host.tokens[b]
+                row.tokens.append(token)
+                row.logprobs.append(host.logprobs[b])
+                row.raw_logprobs.append(host.raw_logprobs[b])
+                if token in eos and not row.params.ignore_eos:
                     row.finish_reason = "stop"
                 elif stops[b] and (hit := self._stop_hit(row.tokens, stops[b], stop_tail[b])):
                     row.finish_reason, row.stop_reason = "stop", hit
                 elif len(row.tokens) >= limits[b]:
                     row.finish_reason = "length"
             still = [b for b in live if rows[b].finish_reason is None]
-            if len(still) < len(live):
-                finished = _finished_mask(rows, device)
+            if len(still) < len(live):  # the device's copy of the finished rows changes only here
+                finished = tensor_on([r.finish_reason is not None for r in rows], torch.bool, device)
             live = still
             if not live:
                 break
-            # 4. feed the tokens back: one new column of ids, mask and positions
+            # 6. feed the tokens back: one new column of ids, mask and positions, all on the device
             input_ids = torch.cat([input_ids, tokens[:, None]], dim=1)
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], dim=1)
+            if padded:
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], dim=1)
+                keep = torch.cat([keep, keep.new_ones((batch, 1))], dim=1)  # type: ignore[list-item]
             step_input, step_positions = tokens[:, None], step_positions[:, -1:] + 1
         return self._outputs(prompts, encoded, per_request, rows)
 
@@ -343,5 +396,10 @@ class Generator:
         return f"Generator(model={name!r}, logits_processor={self.logits_processor!r})"
 
 
-def _finished_mask(rows: list[_Row], device: torch.device) -> torch.Tensor:
-    return torch.tensor([r.finish_reason is not None for r in rows], dtype=torch.bool, device=device)
+def _check_alive(valid: list[bool], live: list[int], logits: torch.Tensor) -> None:
+    """Raise a :class:`DeadRowError` naming the live rows that had nothing to sample (host values only)."""
+    dead = [b for b in live if not valid[b]]
+    if dead:
+        flags = torch.zeros(logits.shape[0], dtype=torch.bool)
+        flags[dead] = True
+        raise dead_row_error(TaggedTensor.logits(logits), flags.to(logits.device))
