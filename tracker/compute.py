@@ -212,3 +212,103 @@ def nonfinite_rows(values: torch.Tensor) -> torch.Tensor:
         sub = values[rows]
         out[rows] = (torch.isnan(sub) | torch.isposinf(sub)).any(dim=1)
     return out
+
+
+# ---------------------------------------------------------------- record-time statistics (any device)
+
+#: Order of the values :func:`row_stats` packs per row (the schema's statistics columns up to the margin).
+ROW_STATS = ("lse", "allowed", "max", "entropy", "nan", "p_eos", "removed_mass", "margin")
+#: Order of the values :func:`chosen_stats` packs per row.
+CHOSEN_STATS = ("chosen_logit", "p_chosen", "rank_chosen")
+
+
+def probability(logit: torch.Tensor, lse: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """``exp(logit - lse)`` with the record's rules: NaN entries weigh 0, a ``+inf`` row is a one-hot.
+
+    ``lse`` and ``allowed`` broadcast against ``logit`` (a ``+inf`` row has
+    ``lse = +inf`` and ``allowed`` = its count of ``+inf`` tokens).
+    """
+    p = torch.exp(logit - lse)
+    one_hot = (logit == math.inf).to(p.dtype) / allowed.clamp(min=1).to(p.dtype)
+    p = torch.where(lse == math.inf, one_hot, p)
+    return torch.nan_to_num(p, nan=0.0)
+
+
+def row_stats(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, 8]`` float32 statistics of rows ``x [B, V]`` on their device, in :data:`ROW_STATS` order.
+
+    NaN entries are left out of the distribution (and counted); a row with
+    ``+inf`` is a one-hot on its ``+inf`` tokens. ``eos`` (int64 ids on the
+    same device) gives ``p_eos`` (NaN without). With ``natural`` (the rows
+    before the processor), ``removed_mass`` and ``margin`` say what ``x``
+    masked of them; without, they are NaN. Whole-row kernels only: no host
+    read, no synchronisation.
+    """
+    x = x.float()
+    isnan = torch.isnan(x)
+    nan = isnan.sum(dim=1, dtype=torch.float32)
+    xs = x.masked_fill(isnan, NEG_INF)
+    top = xs.amax(dim=1)
+    posinf = top == math.inf
+    shift = torch.where(torch.isfinite(top), top, 0.0)
+    z = (xs - shift[:, None]).clamp_(min=_EXP_FLOOR)
+    e = torch.exp(z)
+    total = e.sum(dim=1)
+    log_total = torch.log(total)
+    entropy = log_total - (e * z).sum(dim=1) / total
+    count_inf = torch.isposinf(xs).sum(dim=1, dtype=torch.float32)
+    allowed = torch.where(posinf, count_inf, (xs > NEG_INF).sum(dim=1, dtype=torch.float32))
+    nothing = top == NEG_INF
+    lse = torch.where(nothing, NEG_INF, torch.where(posinf, math.inf, shift + log_total))
+    entropy = torch.where(nothing, math.nan, torch.where(posinf, torch.log(count_inf.clamp(min=1)), entropy))
+    if eos is not None and eos.numel():
+        p_eos = probability(xs.index_select(1, eos), lse[:, None], allowed[:, None]).sum(dim=1)
+    else:
+        p_eos = torch.full_like(lse, math.nan)
+    if natural is not None:
+        removed, margin = pair_stats(natural, xs)
+    else:
+        removed = margin = torch.full_like(lse, math.nan)
+    return torch.stack([lse, allowed, top, entropy, nan, p_eos, removed, margin], dim=1)
+
+
+def pair_stats(natural: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(removed_mass, margin)`` of a stage ``x`` against ``natural`` (both ``[B, V]``, any device).
+
+    ``removed_mass``: natural probability of the tokens ``x`` masked (``-inf``
+    or NaN); ``margin``: the best natural logit minus the best natural logit
+    ``x`` still allows (``inf`` when it allows nothing).
+    """
+    nat = natural.float()
+    nat = nat.masked_fill(torch.isnan(nat), NEG_INF)
+    kept = nat.masked_fill(~(x > NEG_INF), NEG_INF)
+    lse_nat, lse_kept = torch.logsumexp(nat, dim=1), torch.logsumexp(kept, dim=1)
+    removed = (1.0 - torch.exp(lse_kept - lse_nat)).clamp_(0.0, 1.0)
+    margin = nat.amax(dim=1) - kept.amax(dim=1)
+    return torch.nan_to_num(removed, nan=0.0), margin
+
+
+def chosen_stats(x: torch.Tensor, chosen: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+    """``[B, 3]`` float32: the chosen token's logit, probability and rank (0 = best) in rows ``x``.
+
+    ``stats`` are the rows' :func:`row_stats`; ``chosen`` holds one id per
+    row (out-of-range ids give NaN). Same device as ``x``, no synchronisation.
+    """
+    vocab = x.shape[1]
+    ids = chosen.reshape(-1, 1).to(device=x.device, dtype=torch.int64)
+    valid = (ids[:, 0] >= 0) & (ids[:, 0] < vocab)
+    value = x.gather(1, ids.clamp(0, vocab - 1))
+    rank = (x > value).sum(dim=1, dtype=torch.float32)
+    logit = value[:, 0].float()
+    logit = logit.masked_fill(torch.isnan(logit), NEG_INF)
+    prob = probability(logit, stats[:, 0], stats[:, 1])
+    out = torch.stack([logit, prob, rank], dim=1)
+    return out.masked_fill(~valid[:, None], math.nan)
+
+
+def effective(x: torch.Tensor) -> torch.Tensor:
+    """Rows as the record reads them: NaN as ``-inf``; a row holding ``+inf`` as 0 there and ``-inf`` elsewhere."""
+    x = x.float().masked_fill(torch.isnan(x), NEG_INF)
+    posinf = torch.isposinf(x)
+    rows = posinf.any(dim=1, keepdim=True)
+    return torch.where(rows, torch.where(posinf, 0.0, NEG_INF), x)

@@ -283,6 +283,7 @@ class LogitTrackingProcessor(LogitsProcessor):
             created_at=_now(),
         )
         recorder.describe = _describer(self._shared)
+        recorder.eos_token_ids = list(self._shared.eos_token_ids)
         self._gen: _Generation | None = None
 
     # ---------------------------------------------------------------- properties
@@ -362,7 +363,7 @@ class LogitTrackingProcessor(LogitsProcessor):
         processor = self.processor
         if processor is None:
             return logits
-        natural = logits.clone() if processor.inplace and not shared.storage.full else logits
+        natural = logits.clone() if processor.inplace else logits  # the chosen token's statistics read it later
         try:
             out = check_logits(processor.name, processor.process(logits, ctx), logits)
         except Exception as exc:
