@@ -346,15 +346,16 @@ class Analysis:
         """``(first row, {stage: rows})`` over the selection, in blocks of :meth:`_block_rows`.
 
         Streams: one block per stage is converted at a time (spilled chunks are
-        read through their memory maps), so a query holds at most one block
-        beyond the recorded rows.
+        read through their memory maps), so a query holds at most one chunk's
+        worth beyond the recorded rows.
         """
-        per = self._block_rows()
         batches = self._record_batches()
         stages = list(dict.fromkeys(stages))
         flags = {stage: self._nonfinite_stage(stage, sel) for stage in stages} if not raw and self._has_stats(sel) else {}
         start = 0
         for b, rows in sel.blocks:
+            # a quarter of the chunk's rows at most: a block of each stage, as float32, and scratch stay within one chunk
+            per = max(1, min(self._block_rows(), batches[b].num_rows // 4))
             for a in range(0, rows.size, per):
                 sub = rows[a : a + per]
                 yield start + a, {

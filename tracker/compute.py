@@ -244,6 +244,13 @@ def row_stats(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Tensor |
     masked of them; without, they are NaN. Whole-row kernels only: no host
     read, no synchronisation.
     """
+    if x.device.type == "cpu":
+        return _row_stats_cpu(x, eos, natural)
+    return _row_stats_general(x, eos, natural)
+
+
+def _row_stats_general(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`row_stats` with torch kernels, for any device and any row."""
     x = x.float()
     isnan = torch.isnan(x)
     nan = isnan.sum(dim=1, dtype=torch.float32)
@@ -270,6 +277,59 @@ def row_stats(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Tensor |
     else:
         removed = margin = torch.full_like(lse, math.nan)
     return torch.stack([lse, allowed, top, entropy, nan, p_eos, removed, margin], dim=1)
+
+
+def _row_stats_cpu(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Tensor | None) -> torch.Tensor:
+    """:func:`row_stats` on the CPU: numpy passes (one thread, a fast ``exp``) for rows without NaN or
+    ``+inf`` (a row's sum tells), the general kernels for the others."""
+    rows = x.detach().float().numpy()
+    sums = rows.sum(axis=1)
+    plain = np.isfinite(sums) | (sums == NEG_INF)
+    if not plain.all():
+        out = torch.empty(rows.shape[0], len(ROW_STATS))
+        special = torch.from_numpy(np.nonzero(~plain)[0])
+        out[special] = _row_stats_general(x[special], eos, None if natural is None else natural[special])
+        if plain.any():
+            keep = torch.from_numpy(np.nonzero(plain)[0])
+            out[keep] = _row_stats_cpu(x[keep], eos, None if natural is None else natural[keep])
+        return out
+    top = rows.max(axis=1)
+    nothing = top == NEG_INF
+    shift = np.where(nothing, 0.0, top).astype(np.float32)
+    z = rows - shift[:, None]
+    np.maximum(z, _EXP_FLOOR, out=z)
+    e = np.exp(z)
+    total = e.sum(axis=1, dtype=np.float32)
+    log_total = np.log(total)
+    entropy = log_total - np.einsum("ij,ij->i", e, z) / total
+    allowed = rows.shape[1] - np.count_nonzero(rows == NEG_INF, axis=1)
+    lse = np.where(nothing, NEG_INF, shift + log_total)
+    entropy = np.where(nothing, np.nan, entropy)
+    if eos is not None and eos.numel():
+        p_eos = np.exp(rows[:, eos.numpy()] - lse[:, None]).sum(axis=1)
+    else:
+        p_eos = np.full(rows.shape[0], np.nan)
+    if natural is not None:
+        removed, margin = _pair_stats_cpu(natural, x)
+    else:
+        removed = margin = np.full(rows.shape[0], np.nan)
+    nan = np.zeros(rows.shape[0])
+    packed = np.stack([lse, allowed, top, entropy, nan, p_eos, removed, margin], axis=1).astype(np.float32)
+    return torch.from_numpy(packed)
+
+
+def _pair_stats_cpu(natural: torch.Tensor, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`pair_stats` in numpy passes when the natural rows hold no NaN or ``+inf``."""
+    nat = natural.detach().float()
+    sums = nat.numpy().sum(axis=1)
+    if not (np.isfinite(sums) | (sums == NEG_INF)).all():
+        removed, margin = pair_stats(natural, x)
+        return removed.numpy(), margin.numpy()
+    kept = masked(nat, x.detach().float())
+    lse_nat, lse_kept = logsumexp_rows(nat).numpy(), logsumexp_rows(kept).numpy()
+    removed = np.nan_to_num(np.clip(1.0 - np.exp(lse_kept - lse_nat), 0.0, 1.0), nan=0.0)
+    margin = nat.numpy().max(axis=1) - kept.numpy().max(axis=1)
+    return removed, margin
 
 
 def pair_stats(natural: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
