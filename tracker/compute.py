@@ -358,7 +358,12 @@ def chosen_stats(x: torch.Tensor, chosen: torch.Tensor, stats: torch.Tensor) -> 
     ids = chosen.reshape(-1, 1).to(device=x.device, dtype=torch.int64)
     valid = (ids[:, 0] >= 0) & (ids[:, 0] < vocab)
     value = x.gather(1, ids.clamp(0, vocab - 1))
-    rank = (x > value).sum(dim=1, dtype=torch.float32)
+    if x.device.type == "cpu":  # a numpy count: torch's sum of a boolean row is slow on the CPU
+        rows = x.detach().numpy() if x.dtype in (torch.float32, torch.float16) else x.detach().float().numpy()
+        bound = value.detach().to(torch.float32).numpy().astype(rows.dtype)
+        rank = torch.from_numpy(np.count_nonzero(rows > bound, axis=1).astype(np.float32))
+    else:
+        rank = (x > value).sum(dim=1, dtype=torch.float32)
     logit = value[:, 0].float()
     logit = logit.masked_fill(torch.isnan(logit), NEG_INF)
     prob = probability(logit, stats[:, 0], stats[:, 1])
