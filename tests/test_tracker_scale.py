@@ -323,3 +323,23 @@ def test_a_temporary_spill_folder_is_removed_with_its_tracker():
 
     gc.collect()
     assert not folder.exists()
+
+
+# ---------------------------------------------------------------- the default storage
+
+
+def test_auto_storage_keeps_500_steps_of_the_batch_within_the_bound():
+    stages = ["natural", "constrained"]
+    auto = Storage.parse("auto", 20)
+    assert auto.resolve(stages, 131072, 4, 2 << 30).kind == "float32"
+    assert auto.resolve(stages, 131072, 8, 2 << 30).kind == "bfloat16"
+    assert auto.resolve(stages, 131072, 64, 2 << 30) == Storage("topk", 20)
+    assert auto.resolve(stages, 131072, 64, None).kind == "float32"  # no bound: nothing to protect
+    tracker = LogitTrackingProcessor(MaskThird(), memory_limit=2_100_000)  # 500 steps of one bfloat16 row pair
+    tracker(torch.ones(4, 2, dtype=torch.long), torch.randn(4, 1000))
+    assert tracker.storage.kind == "topk" and tracker.run.metadata.storage == "topk"
+    tracker.clear()
+    tracker(torch.ones(1, 2, dtype=torch.long), torch.randn(1, 1000))
+    assert tracker.storage.kind == "bfloat16"
+    with pytest.raises(ValueError, match="storage must be one of .* or 'auto', got 'int8'"):
+        LogitTrackingProcessor(None, storage="int8")

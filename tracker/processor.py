@@ -141,8 +141,8 @@ class _Recording:
         size = self.recorder.vocab_size or 0
         return RunMetadata(
             run_id=self.run_id,
-            storage=self.storage.kind,
-            top_k=self.storage.k_for(size) if size else self.storage.top_k,
+            storage=self.recorder.storage.kind,
+            top_k=self.recorder.storage.k_for(size) if size else self.recorder.storage.top_k,
             stages=list(self.recorder.stages),
             vocab_size=size,
             eos_token_ids=list(self.eos_token_ids),
@@ -235,7 +235,11 @@ class LogitTrackingProcessor(LogitsProcessor):
             ``tokenizer`` attribute. Without one, tokens show as ``<id>``.
         storage: ``"float32"``, ``"float16"``, ``"bfloat16"`` (the whole
             vocabulary per row) or ``"topk"`` (the ``top_k`` best per stage,
-            with the row's log-sum-exp and allowed count).
+            with the row's log-sum-exp and allowed count); every mode keeps
+            each row's exact statistics. ``"auto"`` (the default): float32
+            when 500 steps of the batch fit in ``memory_limit`` (or no bound
+            or a zero one is given), else bfloat16 if that fits, else top-k;
+            decided at the first step.
         top_k: values kept per row with ``storage="topk"``.
         memory_limit: bytes of recorded rows kept in memory; past it, finished
             chunks spill to Arrow IPC files in ``spill_dir``. ``None``: no bound.
@@ -252,7 +256,7 @@ class LogitTrackingProcessor(LogitsProcessor):
         processor: Any = None,
         tokenizer: Any = None,
         *,
-        storage: Literal["float32", "float16", "bfloat16", "topk"] = "float32",
+        storage: Literal["auto", "float32", "float16", "bfloat16", "topk"] = "auto",
         top_k: int = 20,
         memory_limit: int | None = 2 << 30,
         spill_dir: str | Path | None = None,
@@ -299,7 +303,8 @@ class LogitTrackingProcessor(LogitsProcessor):
 
     @property
     def storage(self) -> Storage:
-        return self._shared.storage
+        """How rows are kept (with ``storage="auto"``: the mode chosen at the first step)."""
+        return self._shared.recorder.storage
 
     @property
     def recorder(self) -> Recorder:

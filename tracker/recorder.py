@@ -21,9 +21,10 @@ written, and the chosen token's logit, probability and rank when the chosen
 token arrives: the step's device rows stay referenced until then (one step's
 worth), and the few values per row are copied like the rest, without a sync.
 
-Storage (:class:`Storage`): the whole row as float32, float16 or bfloat16, or
-the top ``k`` values with their ids, the row's log-sum-exp and its count of
-allowed tokens (``logit > -inf``), computed on the device.
+Storage (:class:`Storage`): the whole row as float32, float16 or bfloat16
+(converted on the device before the copy), or the top ``k`` values with their
+ids (selected on the device), or ``"auto"``: the fullest of those that keeps
+500 steps of the batch within the memory bound, decided at the first step.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ _STALE_CHECKED = False
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _MAX_CHUNK_ROWS = 4096
 _MEMCPY = (torch.float32, torch.float16)
+#: Steps of a batch that ``storage="auto"`` keeps within the memory bound.
+AUTO_STEPS = 500
 
 
 @dataclass(frozen=True)
@@ -85,13 +88,32 @@ class Storage:
 
     @classmethod
     def parse(cls, storage: str, top_k: int = 20) -> "Storage":
-        if storage not in STORAGE_KINDS:
-            raise ValueError(f"storage must be one of {STORAGE_KINDS}, got {storage!r}")
-        if storage == "topk":
+        """A storage mode by name: one of :data:`STORAGE_KINDS`, or ``"auto"`` (see :meth:`resolve`)."""
+        if storage not in STORAGE_KINDS and storage != "auto":
+            raise ValueError(f"storage must be one of {STORAGE_KINDS} or 'auto', got {storage!r}")
+        if storage in ("topk", "auto"):
             if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
                 raise ValueError(f"top_k must be an int >= 1 for storage='topk', got {top_k!r}")
-            return cls("topk", int(top_k))
+            return cls(storage, int(top_k))
         return cls(storage, 0)
+
+    def resolve(self, stages: Sequence[str], vocab_size: int, batch: int, memory_limit: int | None) -> "Storage":
+        """The mode ``"auto"`` stands for, decided at the first step: the fullest that keeps
+        :data:`AUTO_STEPS` steps of the batch in ``memory_limit``.
+
+        float32 when it fits (or when there is no bound, or a zero bound: the
+        user chose to spill), else bfloat16, else top-k. At 128k tokens and
+        the default 2 GiB bound: float32 up to batch 4, bfloat16 up to 8,
+        top-k beyond (a batch of 64 in float32 would fill the bound in 32 steps).
+        """
+        if self.kind != "auto":
+            return self
+        if not memory_limit:
+            return Storage("float32")
+        for kind in ("float32", "bfloat16"):
+            if Storage(kind).row_bytes(stages, vocab_size) * batch * AUTO_STEPS <= memory_limit:
+                return Storage(kind)
+        return Storage("topk", self.top_k)
 
     @property
     def full(self) -> bool:
@@ -287,6 +309,7 @@ class Recorder:
             raise ValueError(f"memory_limit must be >= 0 bytes or None, got {memory_limit}")
         if ring_slots < 2:
             raise ValueError(f"ring_slots must be >= 2 (one filling, one draining), got {ring_slots}")
+        self.requested = storage  # "auto" is resolved at the first step (and again after clear())
         self.storage = storage
         self.stages: list[str] = list(stages)
         self.chunk_bytes = int(chunk_bytes)
@@ -370,6 +393,7 @@ class Recorder:
         with self._lock:
             if self.vocab_size is None:
                 self.vocab_size = int(vocab_size)
+                self.storage = self.requested.resolve(self.stages, self.vocab_size, batch, self.memory_limit)
             elif vocab_size != self.vocab_size:
                 raise ValueError(
                     f"logits: vocabulary size changed from {self.vocab_size} to {vocab_size} "
@@ -555,6 +579,7 @@ class Recorder:
             self._ended.clear()
             self._retained, self._retained_rows = None, {}
             self.vocab_size = None
+            self.storage = self.requested
             self.spilled_bytes = 0
             self.chunk_writes = 0
             self._described = None
@@ -669,7 +694,9 @@ class Recorder:
         self._collect()
         if self.memory_limit is None:
             return
-        excess = self.host_bytes - self.memory_limit
+        # Room for the chunk about to be filled too, so rows in memory stay within the bound plus one chunk.
+        sizes = [c.nbytes for c in self._chunks if c.nbytes]
+        excess = self.host_bytes + (sizes[-1] if sizes else 0) - self.memory_limit
         for chunk in list(self._chunks):
             if excess <= 0:
                 break
