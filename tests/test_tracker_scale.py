@@ -284,8 +284,8 @@ def test_queries_on_a_spilled_half_precision_run_stay_within_the_bound(tmp_path)
         run.clear_cache()
         with AnonPeak() as peak:
             query()
-        assert peak.grew <= bound + chunk, f"a query grew anonymous memory by {peak.grew / 2**20:.1f} MiB"
-        assert peak.grew < recorded / 4
+        # converting the whole sequence to float32, as a query once did, would take twice ``recorded``
+        assert peak.grew <= bound + chunk < recorded, f"a query grew anonymous memory by {peak.grew / 2**20:.1f} MiB"
     assert len(run.get_top_tokens(k=3)) == steps
 
 
