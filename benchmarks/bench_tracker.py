@@ -297,12 +297,15 @@ def long_run(vocab: int, steps: int) -> None:
         f.write("5")
     base_rss = _status_kib("VmRSS") * 1024
     times = np.empty(steps)
+    rows_peak = 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", SpillWarning)
         for t in range(steps):
             start = time.perf_counter()
             tracker(ids_all[:, : 4 + t], logits[t % POOL])
             times[t] = time.perf_counter() - start
+            if t % 16 == 0:
+                rows_peak = max(rows_peak, recorder.host_bytes)
         start = time.perf_counter()
         tracker.finish(ids_all[:, : 4 + steps])
         recorder.flush()
@@ -327,6 +330,9 @@ def long_run(vocab: int, steps: int) -> None:
     limit = (recorder.memory_limit or 0) + 2 * chunk
     print(f"peak RSS over the process's start: {peak / 2**30:.2f} GiB; bound + 2 chunks {limit / 2**30:.2f} GiB "
           f"({'within' if peak <= limit else 'OVER'})")
+    print(f"rows held in memory at most {rows_peak / 2**30:.3f} GiB (sampled every 16 steps; "
+          f"bound + 1 chunk {((recorder.memory_limit or 0) + chunk) / 2**30:.3f} GiB); the rest of the RSS "
+          "is the process's own (the vocabulary written beside the spill files, allocator caches)")
     for warning in caught[:1]:
         print(f"notice: {warning.message}")
     tracker.clear()

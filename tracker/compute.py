@@ -99,6 +99,41 @@ def probs_at(x: torch.Tensor, lse: torch.Tensor, ids: torch.Tensor) -> torch.Ten
     return torch.exp(x.gather(1, ids) - lse[:, None])
 
 
+_TOPK_STRIDE = 16  # every 16th entry samples a row for its top-k threshold
+
+
+def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk(x, k, dim=1)`` for float32 CPU rows, selecting among a few candidates per row.
+
+    The ``k``-th largest of every 16th entry is at most the row's ``k``-th
+    largest, so the entries at or above it include the row's top ``k``: one
+    compare pass finds them, and ``topk`` runs on those only (the whole rows
+    when they are not a small part of them). Same values and ids, several
+    times faster at 128k tokens than sorting out the top of each row.
+    """
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.shape[1] < 64 * k or x.shape[0] == 0:
+        return torch.topk(x, k, dim=1)
+    a = _np(x)
+    sample = a[:, ::_TOPK_STRIDE]
+    floor = -np.partition(-sample, k - 1, axis=1)[:, k - 1]
+    if not np.isfinite(floor).all():
+        return torch.topk(x, k, dim=1)
+    mask = a >= floor[:, None]
+    counts = np.count_nonzero(mask, axis=1)
+    width = int(counts.max())
+    if width > a.shape[1] // 8:
+        return torch.topk(x, k, dim=1)
+    rows, cols = np.nonzero(mask)
+    starts = np.cumsum(counts) - counts
+    pos = np.arange(rows.size) - np.repeat(starts, counts)
+    values = np.full((a.shape[0], width), NEG_INF, dtype=np.float32)
+    ids = np.zeros((a.shape[0], width), dtype=np.int64)
+    values[rows, pos] = a[rows, cols]
+    ids[rows, pos] = cols
+    best, where = torch.topk(torch.from_numpy(values), k, dim=1)
+    return best, torch.from_numpy(ids).gather(1, where)
+
+
 def top_allowed(
     natural: torch.Tensor,
     constrained: torch.Tensor,
@@ -116,11 +151,11 @@ def top_allowed(
     as for :func:`masked`.
     """
     k = min(int(k), natural.shape[1])
-    _, con_ids = torch.topk(constrained, k, dim=1)
+    _, con_ids = topk_rows(constrained, k)
     if constrained is natural:
         nat_ids = con_ids
     else:
-        _, nat_ids = torch.topk(masked(natural, constrained, scratch), k, dim=1)
+        _, nat_ids = topk_rows(masked(natural, constrained, scratch), k)
     candidates = torch.cat([con_ids, nat_ids], dim=1)
     score = torch.maximum(probs_at(natural, lse_natural, candidates), probs_at(constrained, lse_constrained, candidates))
     repeated = (nat_ids[:, :, None] == con_ids[:, None, :]).any(dim=2)

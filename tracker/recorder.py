@@ -335,12 +335,12 @@ class Recorder:
         self._spill_cleanup: Any = None
         self._writer = SpillWriter(spill_queue)
         self._landed: list[tuple[_Chunk, Path, int]] = []  # written by the writer, not yet mapped
-        self._described: bytes | None = None
+        self._described_generation = -1
         self._noticed = False
         self._steps = 0
         self._next_index = 0
         self._arange = np.arange(64, dtype=np.int32)
-        self._eos: dict[torch.device, torch.Tensor] = {}
+        self._eos: dict[Any, torch.Tensor] = {}
         # The last step's device rows and statistics, until its chosen tokens come.
         self._retained: StepRows | None = None
         self._retained_rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -444,10 +444,11 @@ class Recorder:
     def _eos_on(self, device: torch.device) -> torch.Tensor | None:
         if not self.eos_token_ids:
             return None
-        eos = self._eos.get(device)
-        if eos is None or eos.numel() != len(self.eos_token_ids):
+        key = (device, tuple(self.eos_token_ids), self.vocab_size)
+        eos = self._eos.get(key)
+        if eos is None:  # once per device (a host-to-device copy, never a read)
             ids = [i for i in self.eos_token_ids if 0 <= i < (self.vocab_size or 0)]
-            eos = self._eos[device] = torch.tensor(ids, dtype=torch.int64).to(device)
+            eos = self._eos[key] = torch.tensor(ids, dtype=torch.int64).to(device)
         return eos
 
     def _write(self, rows: StepRows, stage: str, values: torch.Tensor, natural: torch.Tensor | None) -> None:
@@ -582,7 +583,7 @@ class Recorder:
             self.storage = self.requested
             self.spilled_bytes = 0
             self.chunk_writes = 0
-            self._described = None
+            self._described_generation = -1
             self._noticed = False
             self._steps = 0
             self.version += 1
@@ -724,14 +725,16 @@ class Recorder:
         folder = self._spill_folder()
         schema = self.schema()
         batch = _to_batch(chunk, schema, self.stages, self.storage, self.vocab_size or 0)
-        if self.describe is not None:
+        newest = int(chunk.generation[: chunk.n].max()) if chunk.n else -1
+        if self.describe is not None and newest > self._described_generation:
+            # once per generation reaching the disk: the metadata then names it (serialising a large
+            # vocabulary for every chunk would cost more than the chunk)
             run_json, vocab = self.describe()
             if not (folder / VOCAB_FILE).exists():
                 write_ipc(folder / VOCAB_FILE, [], pa.schema([], metadata={META_VOCAB: vocab}))
-            if run_json != self._described:
-                with atomic_path(folder / RUN_JSON) as tmp:
-                    tmp.write_bytes(run_json)
-                self._described = run_json
+            with atomic_path(folder / RUN_JSON) as tmp:
+                tmp.write_bytes(run_json)
+            self._described_generation = newest
         path = folder / chunk_name(chunk.index)
         chunk.spilling = True
         landed = self._landed
