@@ -331,7 +331,7 @@ def long_run(vocab: int, steps: int) -> None:
     print(f"peak RSS over the process's start: {peak / 2**30:.2f} GiB; bound + 2 chunks {limit / 2**30:.2f} GiB "
           f"({'within' if peak <= limit else 'OVER'})")
     print(f"rows held in memory at most {rows_peak / 2**30:.3f} GiB (sampled every 16 steps; "
-          f"bound + 1 chunk {((recorder.memory_limit or 0) + chunk) / 2**30:.3f} GiB); the rest of the RSS "
+          f"bound + 2 chunks {limit / 2**30:.3f} GiB); the rest of the RSS "
           "is the process's own (the vocabulary written beside the spill files, allocator caches)")
     for warning in caught[:1]:
         print(f"notice: {warning.message}")
