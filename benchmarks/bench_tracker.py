@@ -1,6 +1,14 @@
 """Measure the tracker against a straightforward one and against the floor, in one process.
 
     python benchmarks/bench_tracker.py [--steps 512] [--vocab 32768 131072] [--repeats 3]
+    python benchmarks/bench_tracker.py --long [--steps 10000] [--vocab 131072]
+
+``--long`` records one long run with the default memory bound (float32,
+batch 1, 1 MB per step at 128k: past the 2 GiB bound it spills) and prints
+the time per step in blocks of 1,000 steps, the chunk writes against the
+chunks spilled, and the peak RSS against the bound plus two chunks. It is
+the memory- and disk-heavy one (10,000 steps: about 2.2 GiB of RSS and 8 GiB
+of spill files, removed at the end): run it once.
 
 Per vocabulary size, over ``--steps`` steps of batch 1 with a processor that
 masks half the vocabulary (called transformers-style, ``tracker(ids, logits)``):
@@ -267,13 +275,83 @@ def analysis_times(vocab: int, steps: int, repeats: int = 3) -> dict[str, float]
     return out
 
 
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def long_run(vocab: int, steps: int) -> None:
+    """One run of ``steps`` steps with the tracker's default bound: flat time per step, linear spill, bounded RSS."""
+    import warnings
+
+    from tracker.recorder import SpillWarning
+
+    tracker = LogitTrackingProcessor(HalfMask(vocab))  # the defaults: float32, memory_limit 2 GiB
+    recorder = tracker.recorder
+    logits = model_like_logits(vocab, seed=vocab + 3)
+    ids_all = torch.arange(steps + 8).view(1, -1) % vocab
+    with open("/proc/self/clear_refs", "w") as f:  # reset the peak RSS (VmHWM) to the current RSS
+        f.write("5")
+    base_rss = _status_kib("VmRSS") * 1024
+    times = np.empty(steps)
+    rows_peak = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SpillWarning)
+        for t in range(steps):
+            start = time.perf_counter()
+            tracker(ids_all[:, : 4 + t], logits[t % POOL])
+            times[t] = time.perf_counter() - start
+            if t % 16 == 0:
+                rows_peak = max(rows_peak, recorder.host_bytes)
+        start = time.perf_counter()
+        tracker.finish(ids_all[:, : 4 + steps])
+        recorder.flush()
+        finish = time.perf_counter() - start
+    peak = _status_kib("VmHWM") * 1024 - base_rss
+    chunk = recorder._chunks[0].capacity * recorder.storage.row_bytes(recorder.stages, vocab)
+    folder = recorder.spill_path
+    files = sorted(folder.glob("chunk-*.arrow")) if folder is not None else []
+    on_disk = sum(f.stat().st_size for f in files)
+    block = min(1000, max(1, steps // 10))
+    print(f"{steps} steps, vocabulary {vocab}, float32, memory_limit {recorder.memory_limit / 2**30:.1f} GiB, "
+          f"chunk {chunk / 2**20:.1f} MiB")
+    print(f"{'steps':<16}{'ms per step':>12}")
+    means = [times[a : a + block].mean() for a in range(0, steps, block)]
+    for i, value in enumerate(means):
+        print(f"{i * block:>6}-{min(steps, (i + 1) * block) - 1:<9}{value * 1e3:>12.3f}")
+    print(f"last {block} / first {block} steps: {means[-1] / means[0]:.2f}x (goal: at most 1.5x)")
+    print(f"finish() and the last chunks to disk: {finish:.2f} s")
+    print(f"chunks: {len(recorder._chunks)}, spilled {recorder.chunks_spilled}, chunk writes {recorder.chunk_writes}, "
+          f"files {len(files)} (goal: writes == spilled)")
+    print(f"spilled_bytes {recorder.spilled_bytes / 2**30:.2f} GiB, on disk {on_disk / 2**30:.2f} GiB")
+    limit = (recorder.memory_limit or 0) + 2 * chunk
+    print(f"peak RSS over the process's start: {peak / 2**30:.2f} GiB; bound + 2 chunks {limit / 2**30:.2f} GiB "
+          f"({'within' if peak <= limit else 'OVER'})")
+    print(f"rows held in memory at most {rows_peak / 2**30:.3f} GiB (sampled every 16 steps; "
+          f"bound + 2 chunks {limit / 2**30:.3f} GiB); the rest of the RSS "
+          "is the process's own (the vocabulary written beside the spill files, allocator caches)")
+    for warning in caught[:1]:
+        print(f"notice: {warning.message}")
+    tracker.clear()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=512)
-    parser.add_argument("--vocab", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (default 512; 10,000 with --long)")
+    parser.add_argument("--vocab", type=int, nargs="+", default=None, help="vocabulary sizes (default 32768 131072; 131072 with --long)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--long", action="store_true", help="one long run with the default memory bound")
     args = parser.parse_args()
     torch.set_num_threads(2)
+    if args.long:
+        for vocab in args.vocab or [131072]:
+            long_run(vocab, args.steps or 10_000)
+        return
+    args.steps = args.steps or 512
+    args.vocab = args.vocab or [32768, 131072]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"{args.steps} steps, batch 1, torch threads {torch.get_num_threads()}, best of {args.repeats}, "

@@ -28,8 +28,8 @@ if "run" not in st.session_state and not st.query_params.get("run"):
     # a folder of sample runs opens on the headline example rather than the alphabetically first run
     try:
         headline = [s.path for s in data.runs(widgets.root_path()) if s.label == HEADLINE_RUN and s.error is None]
-    except FileNotFoundError:
-        headline = []  # the sidebar says what is missing
+    except OSError:
+        headline = []  # the sidebar says what is missing or unreadable
     if headline:
         st.session_state["run"] = headline[0]
 widgets.sidebar()

@@ -464,6 +464,8 @@ class RunReader:
         m = self.metadata
         names = set(self._parts[part].schema.names)
         declared = run_schema(m.storage, m.stages, m.vocab_size, m.top_k).names
+        with_stats = run_schema(m.storage, m.stages, m.vocab_size, m.top_k, stats=True).names  # recorded statistics
+        declared = list(dict.fromkeys([*declared, *with_stats]))
         return tuple(n for n in declared if n not in ID_COLUMNS and n in names)
 
     def rows(self, track: Track, start: int, stop: int) -> pa.Table:

@@ -194,7 +194,9 @@ def test_half_storage_answers_close_to_float32(storage):
     full, nat, con, _ = record(seed=7)
     half, _, _, _ = record(seed=7, storage=storage)
     a, b = full.get_top_tokens(k=4), half.get_top_tokens(k=4)
-    tol = 1e-2 if storage == "bfloat16" else 2e-3
+    # Probabilities are exp(stored logit - the row's exact log-sum-exp): bfloat16 keeps 8 significant
+    # bits, so a logit near 9 may be off by 0.018 and its probability by about 2% of itself.
+    tol = 2e-2 if storage == "bfloat16" else 2e-3
     for ea, eb in zip(a, b):
         for ta, tb in zip(ea["tokens"], eb["tokens"]):
             assert tb["structured_prob"] == pytest.approx(ta["structured_prob"], abs=tol)
@@ -214,8 +216,9 @@ def test_topk_storage_answers_from_the_stored_values():
             assert tok["unstructured_prob"] == pytest.approx(float(pn[i]), rel=1e-5)
     stats = tracker.stats()
     assert stats["allowed"].tolist() == torch.isfinite(con[0]).sum(1).double().tolist()
-    in_top = [int(chosen[0, t]) in torch.argsort(con[0, t], descending=True)[:5].tolist() for t in range(12)]
-    assert stats["p_chosen_constrained"].notna().tolist() == in_top
+    # The chosen token's probability and rank are exact even when it is not among the 5 kept.
+    p_chosen = torch.softmax(con[0], 1).gather(1, chosen[0, :12, None])[:, 0]
+    np.testing.assert_allclose(stats["p_chosen_constrained"], p_chosen.numpy(), rtol=1e-5, atol=1e-7)
     logits = tracker.get_logits()["structured"]
     assert np.isnan(logits).sum(axis=1).tolist() == [V - 5] * 12
     frame = tracker.to_dataframe(min_value=0.05)

@@ -69,3 +69,18 @@ def test_nonfinite_rows_flags_nan_and_plus_inf_but_not_masked_rows():
         x[4, :5] = NEG_INF
         x[4, 9] = float("inf")  # +inf beside -inf: the sum is NaN, the exact check decides
         assert compute.nonfinite_rows(x).tolist() == [False, True, True, False, True]
+
+
+def test_topk_rows_equals_torch_topk_on_peaked_flat_and_masked_rows():
+    from tracker.compute import topk_rows
+
+    gen = torch.Generator().manual_seed(4)
+    peaked = torch.randn(5, 40000, generator=gen) * 2
+    peaked.scatter_add_(1, torch.randint(0, 40000, (5, 6), generator=gen), torch.rand(5, 6, generator=gen) * 6 + 8)
+    masked = peaked.clone()
+    masked[:, ::2] = float("-inf")
+    flat = torch.randn(5, 40000, generator=gen) * 1e-3
+    for rows in (peaked, masked, flat):
+        for k in (1, 10, 50):
+            got, want = topk_rows(rows, k), torch.topk(rows, k, dim=1)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

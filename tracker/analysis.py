@@ -34,7 +34,11 @@ from tracker.stages import resolve_stage
 __all__ = ["Analysis", "Continuation", "Selection", "stage_matrix"]
 
 _KEYS = {"natural": "unstructured", "constrained": "structured"}
-_BLOCK_BYTES = 16 << 20
+_BLOCK_BYTES = 8 << 20  # per stage: a query's blocks and scratch stay under one 32 MiB chunk
+
+
+def _part(values: np.ndarray | None, start: int, count: int) -> np.ndarray | None:
+    return None if values is None else values[start : start + count]
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,19 @@ def stage_matrix(batch: pa.RecordBatch, stage: str, vocab_size: int) -> torch.Te
     if stored.get(FIELD_DTYPE) == b"bfloat16":
         matrix = matrix.view(torch.int16).view(torch.bfloat16)
     return matrix
+
+
+def _count(value: float) -> int | None:
+    return None if math.isnan(value) else int(value)
+
+
+def _one_hot_rows(values: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Stored top-k values with rows whose log-sum-exp is +inf read as one-hots (0 at +inf, -inf elsewhere)."""
+    rows = (lse == math.inf)[:, None]
+    if not bool(rows.any()):
+        return values
+    one_hot = torch.where(values == math.inf, 0.0, -math.inf)
+    return torch.where(rows, one_hot, values)
 
 
 def _contiguous(rows: np.ndarray) -> bool:
@@ -226,21 +243,51 @@ class Analysis:
     def _has(self, stage: str) -> bool:
         return stage in self.metadata.stages
 
-    def _dense_blocks(self, stage: str, sel: Selection) -> list[torch.Tensor]:
-        """The stage's logits for the selection as float32 blocks (views where possible)."""
+    def _has_stats(self, sel: Selection) -> bool:
+        """Whether the selection's rows carry the record-time statistics columns (runs of schema 1.1)."""
         batches = self._record_batches()
-        out = []
-        for b, rows in sel.blocks:
-            column = batches[b].column(value_column(stage, "full"))
-            matrix = stage_matrix(batches[b], stage, self.metadata.vocab_size)
-            block = matrix[int(rows[0]) : int(rows[-1]) + 1] if _contiguous(rows) else matrix[_tensor(rows)]
-            block = block.float()
-            if column.null_count:
-                valid = column.is_valid().to_numpy(zero_copy_only=False)[rows]
-                block = block.clone() if block.data_ptr() == matrix.data_ptr() else block
-                block[_tensor(~valid)] = math.nan
-            out.append(block)
-        return out
+        return bool(sel.blocks) and all("natural_entropy" in batches[b].schema.names for b, _ in sel.blocks)
+
+    def _column(self, name: str, sel: Selection) -> np.ndarray:
+        """A per-row column over the selection as float64 (null as NaN)."""
+        key = ("column", name, sel.generation, sel.sequence, sel.length)
+
+        def build() -> np.ndarray:
+            batches = self._record_batches()
+            parts = [np.zeros(0)]
+            for b, rows in sel.blocks:
+                column = batches[b].column(name)
+                values = column.to_numpy(zero_copy_only=False)[rows].astype(np.float64)
+                if column.null_count:
+                    values[~column.is_valid().to_numpy(zero_copy_only=False)[rows]] = math.nan
+                parts.append(values)
+            return np.concatenate(parts)
+
+        return self._cached(key, build)
+
+    def _block(self, batch: pa.RecordBatch, stage: str, rows: np.ndarray, nonfinite: np.ndarray | None, raw: bool) -> torch.Tensor:
+        """Rows of a full-storage stage as float32 (a view where possible).
+
+        Unless ``raw``, rows holding NaN or +inf are read as the record reads
+        them (:func:`compute.effective`); ``nonfinite`` says which (from the
+        statistics columns), else they are found here. Null rows are NaN.
+        """
+        column = batch.column(value_column(stage, "full"))
+        matrix = stage_matrix(batch, stage, self.metadata.vocab_size)
+        block = matrix[int(rows[0]) : int(rows[-1]) + 1] if _contiguous(rows) else matrix[_tensor(rows)]
+        block = block.float()
+        shared = block.data_ptr() == matrix.data_ptr()
+        if not raw:
+            bad = compute.nonfinite_rows(block) if nonfinite is None else _tensor(nonfinite)
+            if bool(bad.any()):
+                block = block.clone() if shared else block
+                shared = False
+                block[bad] = compute.effective(block[bad])
+        if column.null_count:
+            valid = column.is_valid().to_numpy(zero_copy_only=False)[rows]
+            block = block.clone() if shared else block
+            block[_tensor(~valid)] = math.nan
+        return block
 
     def _sparse(self, stage: str, sel: Selection) -> dict[str, torch.Tensor]:
         """Top-k storage of a stage for the selection: ids, logits, natural, lse, allowed."""
@@ -268,11 +315,20 @@ class Analysis:
                     column = batch.column(f"{stage}_{name}")
                     values = column.to_numpy(zero_copy_only=False)[rows].astype(np.float64)
                     parts.setdefault(name, []).append(torch.as_tensor(values))
+            if stage != "natural" and "natural" in parts:
+                for b, rows in sel.blocks:
+                    column = batches[b].column("natural_lse")
+                    parts.setdefault("natural_lse", []).append(torch.as_tensor(column.to_numpy(zero_copy_only=False)[rows].astype(np.float64)))
             out = {k: torch.cat(v) for k, v in parts.items()}
             out["ids"] = out["ids"].long()
             for k in ("logits", "natural"):
                 if k in out:
                     out[k] = out[k].float()
+            # A +inf row is a one-hot on its +inf tokens: read it as 0 there, -inf elsewhere, lse log(count).
+            out["logits"] = _one_hot_rows(out["logits"], out["lse"])
+            if "natural" in out:
+                out["natural"] = _one_hot_rows(out["natural"], out.pop("natural_lse"))
+            out["lse"] = torch.where(out["lse"] == math.inf, torch.log(out["allowed"].clamp(min=1)), out["lse"])
             return out
 
         return self._cached(key, build)
@@ -282,26 +338,50 @@ class Analysis:
         return self.metadata.storage != "topk"
 
     def _block_rows(self) -> int:
-        """Rows per block of maths: about 16 MiB of float32 per stage (a chunk's worth: few large kernels)."""
+        """Rows per block of maths: about 8 MiB of float32 per stage (few large kernels, bounded memory)."""
         return max(1, _BLOCK_BYTES // (4 * max(1, self.metadata.vocab_size)))
 
-    def _sub_blocks(self, sel: Selection, stages: Sequence[str]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-        """``(first row, {stage: rows})`` over the selection, in blocks of :meth:`_block_rows`."""
-        per = self._block_rows()
-        lists = {stage: self._dense_blocks(stage, sel) for stage in dict.fromkeys(stages)}
+    def _sub_blocks(
+        self, sel: Selection, stages: Sequence[str], raw: bool = False
+    ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """``(first row, {stage: rows})`` over the selection, in blocks of :meth:`_block_rows`.
+
+        Streams: one block per stage is converted at a time (spilled chunks are
+        read through their memory maps), so a query holds at most one chunk's
+        worth beyond the recorded rows.
+        """
+        batches = self._record_batches()
+        stages = list(dict.fromkeys(stages))
+        flags = {stage: self._nonfinite_stage(stage, sel) for stage in stages} if not raw and self._has_stats(sel) else {}
         start = 0
-        for i in range(len(sel.blocks)):
-            blocks = {stage: lists[stage][i] for stage in lists}
-            t = next(iter(blocks.values())).shape[0]
-            for a in range(0, t, per):
-                yield start + a, {stage: block[a : a + per] for stage, block in blocks.items()}
-            start += t
+        for b, rows in sel.blocks:
+            # a quarter of the chunk's rows at most: a block of each stage, as float32, and scratch stay within one chunk
+            per = max(1, min(self._block_rows(), batches[b].num_rows // 4))
+            for a in range(0, rows.size, per):
+                sub = rows[a : a + per]
+                yield start + a, {
+                    stage: self._block(batches[b], stage, sub, _part(flags.get(stage), start + a, sub.size), raw)
+                    for stage in stages
+                }
+            start += rows.size
+
+    def _nonfinite_stage(self, stage: str, sel: Selection) -> np.ndarray:
+        """Rows of a stage holding NaN or +inf, from the statistics columns."""
+        return (self._column(f"{stage}_nan", sel) > 0) | (self._column(f"{stage}_lse", sel) == math.inf)
 
     def _lses(self, sel: Selection) -> dict[str, torch.Tensor]:
-        """Each stage's per-row log-sum-exp, computed once per selection."""
+        """Each stage's per-row log-sum-exp as the record reads the rows (a +inf row: log of its +inf count)."""
         key = ("lse", sel.generation, sel.sequence, sel.length)
 
         def build() -> dict[str, torch.Tensor]:
+            if self._has_stats(sel):
+                out = {}
+                for stage in self.stages:
+                    lse, allowed = self._column(f"{stage}_lse", sel), self._column(f"{stage}_allowed", sel)
+                    with np.errstate(divide="ignore"):
+                        lse = np.where(lse == math.inf, np.log(np.maximum(allowed, 1)), lse)
+                    out[stage] = torch.from_numpy(lse.astype(np.float32))
+                return out
             if not self._full:
                 return {stage: self._sparse(stage, sel)["lse"].float() for stage in self.stages}
             parts: dict[str, list[torch.Tensor]] = {stage: [] for stage in self.stages}
@@ -415,7 +495,11 @@ class Analysis:
         "is_chosen"}`` (no logits when ``include_logits`` is False). Tokens
         the constraint masked are never listed: with fewer than ``k`` allowed
         the list is shorter. ``is_chosen`` compares token ids. Positions that
-        were not recorded are skipped. In top-k storage, ``k`` is at most the
+        were not recorded are skipped. Each position also says whether a
+        stored row held NaN or +inf (``"nonfinite"``) and how many NaN entries
+        each stage's row held (``"nan_count"``, None when unknown): NaN
+        entries are left out of the distribution, and a row holding +inf is
+        a one-hot on its +inf token(s). In top-k storage, ``k`` is at most the
         stored ``top_k``. ``stage`` names the stage shown as "structured"
         (default ``constrained``; e.g. ``"after:regex"``).
         """
@@ -430,6 +514,8 @@ class Analysis:
         ids_all, counts = top["ids"].tolist(), top["count"].tolist()
         columns = {name: top[name].tolist() for name in ("natural_prob", "constrained_prob", "natural_logit", "constrained_logit")}
         chosen = sel.chosen.tolist()
+        nonfinite = self._nonfinite(sel)
+        counts_nan = self._nan_counts(sel)
         results = []
         for pos in wanted:
             i = where.get(pos)
@@ -448,7 +534,15 @@ class Analysis:
                     entry["structured_logit"] = columns["constrained_logit"][i][j]
                 entry["is_chosen"] = token_id == chosen[i]
                 tokens.append(entry)
-            results.append({"position": pos, "text_so_far": texts[min(i, len(texts) - 1)], "tokens": tokens})
+            results.append(
+                {
+                    "position": pos,
+                    "text_so_far": texts[min(i, len(texts) - 1)],
+                    "tokens": tokens,
+                    "nonfinite": bool(nonfinite[i]),
+                    "nan_count": {stage: _count(counts_nan[stage][i]) for stage in self.stages},
+                }
+            )
         return results
 
     @staticmethod
@@ -597,15 +691,14 @@ class Analysis:
             dense = np.empty((sel.length, vocab), dtype=np.float32)
             target = _tensor(dense)
             if self._full:
-                start = 0
                 lse = self._lse(stage, sel) if probs else None
-                for block in self._dense_blocks(stage, sel):
+                for start, rows in self._sub_blocks(sel, [stage], raw=not probs):
+                    block = rows[stage]
                     t = block.shape[0]
                     if probs:
                         torch.exp(block - lse[start : start + t, None], out=target[start : start + t])
                     else:
                         target[start : start + t] = block
-                    start += t
             else:
                 data = self._sparse(stage, sel)
                 target.fill_(math.nan)
@@ -633,10 +726,14 @@ class Analysis:
         stage's best token), ``p_eos_*`` (probability of end-of-sequence);
         ``allowed`` (tokens the constraint left), ``removed_mass`` (natural
         probability the constraint removed), ``margin`` (best token's natural
-        log-probability minus the best allowed token's); ``processor_error``
-        and ``nonfinite`` (NaN or +inf in a stored row). In top-k storage,
-        what the stored values cannot tell (entropy, removed mass, ranks
-        beyond k) is NaN. ``sequence=None`` gives every sequence.
+        log-probability minus the best allowed token's); ``nan_*`` (NaN
+        entries of the row, left out of its distribution), ``processor_error``
+        and ``nonfinite`` (NaN or +inf in a stored row; a +inf row is a
+        one-hot on its +inf tokens). The statistics were computed from the
+        whole row when it was recorded, so they are exact in every storage
+        mode (runs written before schema 1.1 compute them from the stored
+        rows; in top-k storage what those cannot tell is NaN).
+        ``sequence=None`` gives every sequence.
         """
         if sequence is None:
             frames = [self.stats(sequence=s, generation=generation, include_finished=include_finished)
@@ -655,12 +752,19 @@ class Analysis:
         )
         for name, column in values.items():
             frame[name] = column
+        for stage, counts in self._nan_counts(sel).items():
+            frame[f"nan_{stage}"] = counts
         frame["processor_error"] = sel.processor_error
         frame["nonfinite"] = self._nonfinite(sel)
         return frame
 
     def _nonfinite(self, sel: Selection) -> np.ndarray:
-        """Rows holding NaN or +inf in any stage: from the stored flags, else from the log-sum-exps."""
+        """Rows holding NaN or +inf in any stage: from the statistics or the stored flags, else from the rows."""
+        if self._has_stats(sel):
+            out = np.zeros(sel.length, dtype=bool)
+            for stage in self.stages:
+                out |= self._nonfinite_stage(stage, sel)
+            return out
         batches = self._record_batches()
         if all(flag_column(stage) in batches[b].schema.names for b, _ in sel.blocks for stage in self.stages):
             out = np.zeros(sel.length, dtype=bool)
@@ -671,14 +775,34 @@ class Analysis:
                     out[start : start + rows.size] |= flags[rows]
                 start += rows.size
             return out
-        flags = torch.zeros(sel.length, dtype=torch.bool)
-        for lse in self._lses(sel).values():
-            flags |= torch.isnan(lse) | (lse == math.inf)
-        return flags.numpy()
+        if not self._full:
+            flags = torch.zeros(sel.length, dtype=torch.bool)
+            for stage in self.stages:
+                lse = self._sparse(stage, sel)["lse"]
+                flags |= torch.isnan(lse)
+            return flags.numpy()
+        out = np.zeros(sel.length, dtype=bool)
+        for start, rows in self._sub_blocks(sel, self.stages, raw=True):
+            for block in rows.values():
+                out[start : start + block.shape[0]] |= compute.nonfinite_rows(block).numpy()
+        return out
+
+    def _nan_counts(self, sel: Selection) -> dict[str, np.ndarray]:
+        """Per stage, the NaN entries of each row (left out of its distribution)."""
+        if self._has_stats(sel):
+            return {stage: self._column(f"{stage}_nan", sel) for stage in self.stages}
+        out = {stage: np.full(sel.length, math.nan) for stage in self.stages}
+        if self._full:
+            for start, rows in self._sub_blocks(sel, self.stages, raw=True):
+                for stage, block in rows.items():
+                    out[stage][start : start + block.shape[0]] = torch.isnan(block).sum(dim=1).numpy()
+        return out
 
     def _stats(self, sel: Selection) -> dict[str, np.ndarray]:
         eos = list(self.metadata.eos_token_ids)
         chosen = torch.as_tensor(sel.chosen)
+        if self._has_stats(sel):
+            return self._stats_recorded(sel)
         if not self._full:
             return self._stats_sparse(sel, chosen, eos)
         lses = self._lses(sel)
@@ -691,6 +815,25 @@ class Analysis:
             for name, value in part.items():
                 parts.setdefault(name, []).append(value)
         return self._order_stats({name: torch.cat(v).double().numpy() for name, v in parts.items()})
+
+    def _stats_recorded(self, sel: Selection) -> dict[str, np.ndarray]:
+        """The statistics columns computed when the rows were recorded (exact in every storage mode)."""
+        out: dict[str, np.ndarray] = {}
+        known = sel.chosen >= 0
+        for stage in self.stages:
+            out[f"entropy_{stage}"] = self._column(f"{stage}_entropy", sel)
+            for name in ("p_chosen", "rank_chosen"):
+                out[f"{name}_{stage}"] = np.where(known, self._column(f"{stage}_{name}", sel), math.nan)
+            out[f"p_eos_{stage}"] = self._column(f"{stage}_p_eos", sel)
+        con = self._constrained_stage()
+        out["allowed"] = self._column(f"{con}_allowed", sel)
+        if con == "natural":
+            out["removed_mass"] = np.zeros(sel.length)
+            out["margin"] = np.zeros(sel.length)
+        else:
+            out["removed_mass"] = self._column(f"{con}_removed_mass", sel)
+            out["margin"] = self._column(f"{con}_margin", sel)
+        return self._order_stats(out)
 
     def _order_stats(self, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         order = []
@@ -722,6 +865,31 @@ class Analysis:
         out["margin"] = nan
         return self._order_stats(out)
 
+    def _probability_row(self, sel: Selection, i: int) -> dict[str, np.ndarray]:
+        """One position's probabilities per stage (keys as :meth:`get_probabilities`), read from its row alone."""
+        out: dict[str, np.ndarray] = {}
+        batches = self._record_batches()
+        offset = 0
+        for b, rows in sel.blocks:
+            if i < offset + rows.size:
+                break
+            offset += rows.size
+        row = rows[i - offset : i - offset + 1]
+        lses = self._lses(sel)
+        for stage in self.stages:
+            if self._full:
+                flags = self._nonfinite_stage(stage, sel)[i : i + 1] if self._has_stats(sel) else None
+                block = self._block(batches[b], stage, row, flags, raw=False)
+                value = torch.exp(block[0] - lses[stage][i]).double().numpy()
+            else:
+                data = self._sparse(stage, sel)
+                value = np.full(self.metadata.vocab_size, math.nan)
+                value[data["ids"][i].numpy()] = torch.exp(data["logits"][i].double() - data["lse"][i]).numpy()
+            out[_KEYS.get(stage, stage)] = value
+        if "structured" not in out:
+            out["structured"] = out["unstructured"]
+        return out
+
     def continuation_probability(
         self,
         text: str,
@@ -742,30 +910,33 @@ class Analysis:
         where = {int(s): i for i, s in enumerate(sel.steps.tolist())}
         if position not in where:
             raise ValueError(f"position={position} was not recorded; recorded positions are 0..{sel.length - 1}")
-        probs = self.get_probabilities(sequence=sequence, generation=generation, include_finished=include_finished)
         matrix, lengths = self.vocab.byte_matrix
         remaining = text.encode("utf-8")
         i = where[position]
-        path_prob = {key: 1.0 for key in probs}
-        total = {key: 0.0 for key in probs}
         exact, path = True, []
+        keys = [_KEYS.get(stage, stage) for stage in self.stages]
+        if "structured" not in keys:
+            keys.append("structured")
+        path_prob = {key: 1.0 for key in keys}
+        total = {key: 0.0 for key in keys}
         while remaining:
             if i >= sel.length:
                 exact = False
                 break
+            probs = self._probability_row(sel, i)
             covers, prefixes = _match(matrix, lengths, remaining)
             for key, array in probs.items():
-                total[key] += path_prob[key] * float(np.asarray(array[i], dtype=np.float64)[covers].sum())
+                total[key] += path_prob[key] * float(array[covers].sum())
             chosen = int(sel.chosen[i])
             others = prefixes.copy()
             if chosen >= 0:
                 others[chosen] = False
-            if any(float(np.asarray(array[i])[others].sum()) > 0 for array in probs.values()):
+            if any(float(array[others].sum()) > 0 for array in probs.values()):
                 exact = False
             if chosen < 0 or not prefixes[chosen]:
                 break
             for key, array in probs.items():
-                path_prob[key] *= float(array[i][chosen])
+                path_prob[key] *= float(array[chosen])
             path.append(chosen)
             remaining = remaining[int(lengths[chosen]) :]
             i += 1

@@ -227,8 +227,8 @@ class _Recording:
         size = self.recorder.vocab_size or 0
         return RunMetadata(
             run_id=self.run_id,
-            storage=self.storage.kind,
-            top_k=self.storage.k_for(size) if size else self.storage.top_k,
+            storage=self.recorder.storage_kind,
+            top_k=self.recorder.storage.k_for(size) if size else self.recorder.storage.top_k,
             stages=list(self.recorder.stages),
             vocab_size=size,
             eos_token_ids=list(self.eos_token_ids),
@@ -329,7 +329,11 @@ class LogitTrackingProcessor(LogitsProcessor):
             ``tokenizer`` attribute. Without one, tokens show as ``<id>``.
         storage: ``"float32"``, ``"float16"``, ``"bfloat16"`` (the whole
             vocabulary per row) or ``"topk"`` (the ``top_k`` best per stage,
-            with the row's log-sum-exp and allowed count).
+            with the row's log-sum-exp and allowed count); every mode keeps
+            each row's exact statistics. ``"auto"`` (the default): float32
+            when 500 steps of the batch fit in ``memory_limit`` (or no bound
+            or a zero one is given), else bfloat16 if that fits, else top-k;
+            decided at the first step.
         top_k: values kept per row with ``storage="topk"``.
         memory_limit: bytes of recorded rows kept in memory; past it, finished
             chunks spill to Arrow IPC files in ``spill_dir``. ``None``: no bound.
@@ -356,7 +360,7 @@ class LogitTrackingProcessor(LogitsProcessor):
         processor: Any = None,
         tokenizer: Any = None,
         *,
-        storage: Literal["float32", "float16", "bfloat16", "topk"] = "float32",
+        storage: Literal["auto", "float32", "float16", "bfloat16", "topk"] = "auto",
         top_k: int = 20,
         memory_limit: int | None = 2 << 30,
         spill_dir: str | Path | None = None,
@@ -395,6 +399,7 @@ class LogitTrackingProcessor(LogitsProcessor):
             stage_aliases={self._stage_names[-1]: "constrained"} if self._stage_names else {},
         )
         recorder.describe = _describer(self._shared)
+        recorder.eos_token_ids = list(self._shared.eos_token_ids)
         if pad_token_id is None:
             pad_token_id = getattr(tokenizer, "pad_token_id", None)
         if pad_token_id is not None and not isinstance(pad_token_id, (int, np.integer)):
@@ -436,7 +441,8 @@ class LogitTrackingProcessor(LogitsProcessor):
 
     @property
     def storage(self) -> Storage:
-        return self._shared.storage
+        """How rows are kept (with ``storage="auto"``: the mode chosen at the first step)."""
+        return self._shared.recorder.storage
 
     @property
     def recorder(self) -> Recorder:
@@ -522,7 +528,7 @@ class LogitTrackingProcessor(LogitsProcessor):
         processor = self.processor
         if processor is None:
             return logits
-        natural = logits.clone() if processor.inplace and not shared.storage.full else logits
+        natural = logits.clone() if processor.inplace else logits  # the chosen token's statistics read it later
         try:
             if len(self._stage_names) > 1:
                 names = self._stage_names

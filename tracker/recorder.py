@@ -10,18 +10,28 @@ memory only when the ring has no free slot or someone reads, by which time its
 copies have long finished. Nothing turns into Arrow until it is read.
 
 Past ``memory_limit`` bytes of host chunks, the oldest complete chunks spill
-to Arrow IPC files (see :mod:`tracker.spill`) and their buffers are reused.
+to Arrow IPC files (see :mod:`tracker.spill`), each written once by a
+background writer with a bounded queue; once a chunk is on disk it is read
+back through a memory map and its buffers are reused.
 
-Storage (:class:`Storage`): the whole row as float32, float16 or bfloat16, or
-the top ``k`` values with their ids, the row's log-sum-exp and its count of
-allowed tokens (``logit > -inf``), computed on the device.
+Every stage's row also gets its statistics (:mod:`tracker.compute`
+``row_stats``: log-sum-exp, allowed count, maximum, entropy, NaN count, EOS
+probability, removed mass and margin) computed on the row's device when it is
+written, and the chosen token's logit, probability and rank when the chosen
+token arrives: the step's device rows stay referenced until then (one step's
+worth), and the few values per row are copied like the rest, without a sync.
+
+Storage (:class:`Storage`): the whole row as float32, float16 or bfloat16
+(converted on the device before the copy), or the top ``k`` values with their
+ids (selected on the device), or ``"auto"``: the fullest of those that keeps
+500 steps of the batch within the memory bound, decided at the first step.
 """
 
 from __future__ import annotations
 
 import shutil
-import tempfile
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,14 +42,34 @@ import pyarrow as pa
 import torch
 
 from tracker.buffers import SHARED_POOL, BufferPool, HostBuffer, PinnedRing
-from tracker.schema import META_VOCAB, STORAGE_KINDS, run_schema
-from tracker.spill import RUN_JSON, VOCAB_FILE, atomic_path, chunk_name, read_ipc, write_ipc
+from tracker.compute import CHOSEN_STATS, ROW_STATS, chosen_stats, row_stats
+from tracker.schema import META_VOCAB, STAT_COLUMNS, STORAGE_KINDS, run_schema
+from tracker.spill import (
+    RUN_JSON,
+    VOCAB_FILE,
+    SpillWriter,
+    atomic_path,
+    chunk_name,
+    read_ipc,
+    remove_stale_spill_folders,
+    temporary_spill_folder,
+    write_ipc,
+)
 
-__all__ = ["Storage", "StepRows", "Recorder"]
+__all__ = ["Storage", "StepRows", "Recorder", "SpillWarning"]
+
+
+class SpillWarning(UserWarning):
+    """A run outgrew its memory bound and spills to disk (said once per run)."""
+
+
+_STALE_CHECKED = False
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _MAX_CHUNK_ROWS = 4096
 _MEMCPY = (torch.float32, torch.float16)
+#: Steps of a batch that ``storage="auto"`` keeps within the memory bound.
+AUTO_STEPS = 500
 
 
 @dataclass(frozen=True)
@@ -58,13 +88,32 @@ class Storage:
 
     @classmethod
     def parse(cls, storage: str, top_k: int = 20) -> "Storage":
-        if storage not in STORAGE_KINDS:
-            raise ValueError(f"storage must be one of {STORAGE_KINDS}, got {storage!r}")
-        if storage == "topk":
+        """A storage mode by name: one of :data:`STORAGE_KINDS`, or ``"auto"`` (see :meth:`resolve`)."""
+        if storage not in STORAGE_KINDS and storage != "auto":
+            raise ValueError(f"storage must be one of {STORAGE_KINDS} or 'auto', got {storage!r}")
+        if storage in ("topk", "auto"):
             if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
                 raise ValueError(f"top_k must be an int >= 1 for storage='topk', got {top_k!r}")
-            return cls("topk", int(top_k))
+            return cls(storage, int(top_k))
         return cls(storage, 0)
+
+    def resolve(self, stages: Sequence[str], vocab_size: int, batch: int, memory_limit: int | None) -> "Storage":
+        """The mode ``"auto"`` stands for, decided at the first step: the fullest that keeps
+        :data:`AUTO_STEPS` steps of the batch in ``memory_limit``.
+
+        float32 when it fits (or when there is no bound, or a zero bound: the
+        user chose to spill), else bfloat16, else top-k. At 128k tokens and
+        the default 2 GiB bound: float32 up to batch 4, bfloat16 up to 8,
+        top-k beyond (a batch of 64 in float32 would fill the bound in 32 steps).
+        """
+        if self.kind != "auto":
+            return self
+        if not memory_limit:
+            return Storage("float32")
+        for kind in ("float32", "bfloat16"):
+            if Storage(kind).row_bytes(stages, vocab_size) * batch * AUTO_STEPS <= memory_limit:
+                return Storage(kind)
+        return Storage("topk", self.top_k)
 
     @property
     def full(self) -> bool:
@@ -75,21 +124,20 @@ class Storage:
         return min(self.top_k, vocab_size) if not self.full else 0
 
     def layout(self, stage: str, vocab_size: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Buffer name -> (shape of one row, dtype) for one stage."""
+        """Buffer name -> (shape of one row, dtype) for one stage (values, then the packed statistics)."""
         if self.full:
-            return {f"{stage}:logits": ((vocab_size,), _TORCH_DTYPES[self.kind])}
-        k = self.k_for(vocab_size)
-        out = {
-            f"{stage}:ids": ((k,), torch.int32),
-            f"{stage}:logits": ((k,), torch.float32),
-            f"{stage}:lse": ((), torch.float32),
-            f"{stage}:allowed": ((), torch.int32),
-        }
-        if stage != "natural":
-            out[f"{stage}:natural"] = ((k,), torch.float32)
+            out = {f"{stage}:logits": ((vocab_size,), _TORCH_DTYPES[self.kind])}
+        else:
+            k = self.k_for(vocab_size)
+            out = {f"{stage}:ids": ((k,), torch.int32), f"{stage}:logits": ((k,), torch.float32)}
+            if stage != "natural":
+                out[f"{stage}:natural"] = ((k,), torch.float32)
+        out[f"{stage}:stats"] = ((len(ROW_STATS),), torch.float32)
+        out[f"{stage}:cstats"] = ((len(CHOSEN_STATS),), torch.float32)
         return out
 
     def row_bytes(self, stages: Sequence[str], vocab_size: int) -> int:
+        """Bytes one row takes in host memory (and about as much on disk) for these stages."""
         total = 8  # chosen
         for stage in stages:
             for shape, dtype in self.layout(stage, vocab_size).values():
@@ -113,19 +161,16 @@ class StepRows:
 
 
 def summarise_topk(x: torch.Tensor, k: int, natural: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """Top-k storage of rows ``x [B, V]`` on their device: ids, values, log-sum-exp, allowed count.
+    """Top-k storage of rows ``x [B, V]`` on their device: the ``k`` largest logits and their ids.
 
-    ``natural`` (the rows before the processor) gives the natural logits at the
-    same ids, so a constrained top-k row still knows what the model wanted.
+    NaN entries are never selected (they count as ``-inf``). ``natural`` (the
+    rows before the processor) gives the natural logits at the same ids, so a
+    constrained top-k row still knows what the model wanted. No synchronisation.
     """
     x = x.float()
+    x = x.masked_fill(torch.isnan(x), float("-inf"))
     values, ids = torch.topk(x, k, dim=1)
-    out = {
-        "ids": ids.to(torch.int32),
-        "logits": values,
-        "lse": torch.logsumexp(x, dim=1),
-        "allowed": (x > float("-inf")).sum(dim=1, dtype=torch.int32),
-    }
+    out = {"ids": ids.to(torch.int32), "logits": values}
     if natural is not None:
         out["natural"] = natural.float().gather(1, ids)
     return out
@@ -180,17 +225,24 @@ class _Chunk:
         self.processor_error = np.zeros(capacity, dtype=bool)
         self.chosen_set = np.zeros(capacity, dtype=bool)
         self.written = {stage: np.zeros(capacity, dtype=bool) for stage in stages}
+        self.chosen_known = {stage: np.zeros(capacity, dtype=bool) for stage in stages}  # chosen statistics
         self.buffers = buffers
         self.arrays = {name: _numpy(t) for name, t in buffers.items()}  # numpy views, for plain copies
         self.host = host  # None while the buffers are a pinned staging slot
         self.events: dict[int, Any] = {}
         self.spilled: pa.RecordBatch | None = None
+        self.spilling = False  # queued for the spill writer, still in memory
         self.version = 0
         self.cached: tuple[int, tuple[str, ...], pa.RecordBatch] | None = None
 
     @property
     def staging(self) -> bool:
         return self.host is None and self.spilled is None
+
+    @property
+    def on_disk(self) -> bool:
+        """Spilled, or on its way to disk: never spilled again."""
+        return self.spilled is not None or self.spilling
 
     @property
     def nbytes(self) -> int:
@@ -219,13 +271,23 @@ class Recorder:
         stages: the stages recorded, in order (more can be added later).
         chunk_bytes: target size of one chunk of rows (a chunk always holds at
             least one step of the batch).
-        memory_limit: bytes of host chunks kept in memory; past it, complete
-            chunks spill to Arrow IPC files. ``None`` never spills.
+        memory_limit: bytes of host chunks kept in memory (chunks on their
+            way to disk included); past it, complete chunks spill to Arrow IPC
+            files, written once each by a background writer. ``None`` never
+            spills.
         spill_dir: folder for spilled chunks (a subfolder per run is made);
-            by default a temporary folder removed with the recorder.
+            by default a temporary folder removed with the recorder (or, if
+            the process dies, by the next process that records).
         ring_slots: pinned staging chunks per CUDA device.
         pool: where host buffers come from and go back to (default: the
             process-wide :data:`~tracker.buffers.SHARED_POOL`).
+        spill_queue: chunks that may wait for the writer before recording
+            waits for the disk.
+
+    Attributes:
+        eos_token_ids: end-of-sequence ids, for the ``p_eos`` statistic.
+        spilled_bytes: bytes of spilled chunks on disk.
+        chunk_writes: chunk files written (each spilled chunk once).
     """
 
     def __init__(
@@ -239,6 +301,7 @@ class Recorder:
         ring_slots: int = 3,
         run_id: str = "run",
         pool: BufferPool | None = None,
+        spill_queue: int = 2,
     ) -> None:
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
@@ -246,6 +309,7 @@ class Recorder:
             raise ValueError(f"memory_limit must be >= 0 bytes or None, got {memory_limit}")
         if ring_slots < 2:
             raise ValueError(f"ring_slots must be >= 2 (one filling, one draining), got {ring_slots}")
+        self.requested = storage  # "auto" is resolved at the first step (and again after clear())
         self.storage = storage
         self.stages: list[str] = list(stages)
         self.chunk_bytes = int(chunk_bytes)
@@ -255,7 +319,9 @@ class Recorder:
         self.vocab_size: int | None = None
         self.version = 0
         self.describe: Callable[[], tuple[bytes, bytes]] | None = None
+        self.eos_token_ids: list[int] = []
         self.spilled_bytes = 0
+        self.chunk_writes = 0
         self._ring_slots = int(ring_slots)
         self._rings: dict[torch.device, PinnedRing] = {}
         self._pool = SHARED_POOL if pool is None else pool
@@ -267,8 +333,17 @@ class Recorder:
         self._lock = threading.RLock()
         self._spill_dir: Path | None = None
         self._spill_cleanup: Any = None
+        self._writer = SpillWriter(spill_queue)
+        self._landed: list[tuple[_Chunk, Path, int]] = []  # written by the writer, not yet mapped
+        self._described_generation = -1
+        self._noticed = False
+        self._steps = 0
         self._next_index = 0
         self._arange = np.arange(64, dtype=np.int32)
+        self._eos: dict[Any, torch.Tensor] = {}
+        # The last step's device rows and statistics, until its chosen tokens come.
+        self._retained: StepRows | None = None
+        self._retained_rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ---------------------------------------------------------------- state
 
@@ -279,8 +354,13 @@ class Recorder:
 
     @property
     def host_bytes(self) -> int:
-        """Bytes of host chunks held in memory (spilled chunks excluded)."""
+        """Bytes of host chunks held in memory (chunks on their way to disk included, spilled ones not)."""
         return sum(c.nbytes for c in self._chunks)
+
+    @property
+    def chunks_spilled(self) -> int:
+        """Chunks whose rows are on disk."""
+        return sum(c.spilled is not None for c in self._chunks)
 
     @property
     def rows(self) -> int:
@@ -301,10 +381,16 @@ class Recorder:
             self.version += 1
 
     def schema(self) -> pa.Schema:
-        """The Arrow schema of the recorded rows (no run metadata, no ``_nonfinite`` flags)."""
+        """The Arrow schema of the recorded rows (statistics included; no run metadata, no ``_nonfinite`` flags)."""
         vocab = self.vocab_size or 0
         k = self.storage.k_for(vocab) if vocab else 0
-        return run_schema(self.storage.kind, self.stages, vocab, k, flags=False)
+        return run_schema(self.storage_kind, self.stages, vocab, k, flags=False, stats=True)
+
+    @property
+    def storage_kind(self) -> str:
+        """The storage mode rows are kept in (before the first step ``"auto"`` is undecided: no row holds
+        values yet, and an empty run describes itself as ``"float32"``)."""
+        return "float32" if self.storage.kind == "auto" else self.storage.kind
 
     # ---------------------------------------------------------------- writing
 
@@ -313,17 +399,22 @@ class Recorder:
         with self._lock:
             if self.vocab_size is None:
                 self.vocab_size = int(vocab_size)
+                self.storage = self.requested.resolve(self.stages, self.vocab_size, batch, self.memory_limit)
             elif vocab_size != self.vocab_size:
                 raise ValueError(
                     f"logits: vocabulary size changed from {self.vocab_size} to {vocab_size} "
                     f"(generation {generation}, step {step}); a run holds one vocabulary size. "
                     "Call clear() before tracking a model with another vocabulary."
                 )
+            self._retained, self._retained_rows = None, {}
+            self._steps += 1
             device = torch.device(device)
             chunk = self._active
             if chunk is None or chunk.capacity - chunk.n < batch or chunk.device != device:
                 self._seal_active()
                 chunk = self._active = self._new_chunk(batch, device)
+            elif self._landed:
+                self._collect()
             start = chunk.n
             end = start + batch
             chunk.n = end
@@ -332,8 +423,8 @@ class Recorder:
             chunk.step[start:end] = step
             chunk.processor_error[start:end] = False
             chunk.chosen_set[start:end] = False
-            for written in chunk.written.values():
-                written[start:end] = False
+            for flags in (*chunk.written.values(), *chunk.chosen_known.values()):
+                flags[start:end] = False
             chunk.arrays["chosen"][start:end] = -1
             chunk.version += 1
             self.version += 1
@@ -346,13 +437,25 @@ class Recorder:
         return ids[:batch]
 
     def write(self, rows: StepRows, stage: str, values: torch.Tensor, natural: torch.Tensor | None = None) -> None:
-        """Record ``values [count, V]`` as ``stage`` for the reserved rows.
+        """Record ``values [count, V]`` as ``stage`` for the reserved rows, with their statistics.
 
-        In top-k storage ``natural`` (the rows before the processor) supplies
-        the natural logits at the stage's top-k ids.
+        ``natural`` (the rows before the processor, unmodified) supplies the
+        natural logits at the stage's top-k ids and the removed mass and
+        margin; by default the natural rows written for this step are used.
+        Kernels and ``non_blocking`` copies only: no synchronisation.
         """
         with self._lock:
             self._write(rows, stage, values, natural)
+
+    def _eos_on(self, device: torch.device) -> torch.Tensor | None:
+        if not self.eos_token_ids:
+            return None
+        key = (device, tuple(self.eos_token_ids), self.vocab_size)
+        eos = self._eos.get(key)
+        if eos is None:  # once per device (a host-to-device copy, never a read)
+            ids = [i for i in self.eos_token_ids if 0 <= i < (self.vocab_size or 0)]
+            eos = self._eos[key] = torch.tensor(ids, dtype=torch.int64).to(device)
+        return eos
 
     def _write(self, rows: StepRows, stage: str, values: torch.Tensor, natural: torch.Tensor | None) -> None:
         chunk = rows.chunk
@@ -366,6 +469,11 @@ class Recorder:
         staging = chunk.host is None
         start, end = rows.start, rows.end
         src = values.detach()
+        retained = self._retained_rows if self._retained is rows else {}
+        if stage != "natural" and natural is None and "natural" in retained:
+            natural = retained["natural"][0]
+        if natural is not None:
+            natural = natural.detach()
         if self.storage.full:
             name = f"{stage}:logits"
             dst = chunk.buffers[name]
@@ -376,13 +484,22 @@ class Recorder:
                 if staging and src.dtype != dst.dtype:
                     src = src.to(dst.dtype)  # convert on the device, copy the smaller row
                 dst[start:end].copy_(src, non_blocking=staging)
+            src = values.detach()
         else:
             k = self.storage.k_for(self.vocab_size or 0)
             summary = summarise_topk(src, k, None if stage == "natural" else natural)
             for name, tensor in summary.items():
                 chunk.buffers[f"{stage}:{name}"][start:end].copy_(tensor, non_blocking=staging)
+        stats = row_stats(src, self._eos_on(src.device), None if stage == "natural" else natural)
+        chunk.buffers[f"{stage}:stats"][start:end].copy_(stats, non_blocking=staging)
         if staging:
             chunk.note_stream()
+        if self._retained is not rows:
+            self._retained, self._retained_rows = rows, {}
+        self._retained_rows[stage] = (src, stats)
+        if natural is not None and stage != "natural" and "natural" in self._retained_rows:
+            # an in-place processor changed the natural rows after they were written: keep its snapshot
+            self._retained_rows["natural"] = (natural, self._retained_rows["natural"][1])
         written[start:end] = True
         chunk.version += 1
         self.version += 1
@@ -395,7 +512,12 @@ class Recorder:
             self.version += 1
 
     def set_chosen(self, rows: StepRows, tokens: torch.Tensor | Sequence[int]) -> None:
-        """Record the tokens chosen for the reserved rows (a tensor on any device, or ints)."""
+        """Record the tokens chosen for the reserved rows (a tensor on any device, or ints).
+
+        While the step's rows are still held (the chosen tokens come before
+        the next step), each stage's chosen-token logit, probability and rank
+        are computed on the rows' device and copied without a sync.
+        """
         with self._lock:
             self._set_chosen(rows, tokens)
 
@@ -414,6 +536,13 @@ class Recorder:
             np.copyto(chunk.arrays["chosen"][start:end], src.numpy(), casting="unsafe")
         else:
             chunk.buffers["chosen"][start:end].copy_(src.to(torch.int64), non_blocking=staging)
+        if self._retained is rows:
+            staging = chunk.host is None
+            for stage, (values, stats) in self._retained_rows.items():
+                tokens_here = src if src.device == values.device else src.to(values.device, non_blocking=True)
+                found = chosen_stats(values, tokens_here, stats)
+                chunk.buffers[f"{stage}:cstats"][start:end].copy_(found, non_blocking=staging)
+                chunk.chosen_known[stage][start:end] = True
         if staging:
             chunk.note_stream()
         chunk.chosen_set[start:end] = True
@@ -428,22 +557,41 @@ class Recorder:
     # ---------------------------------------------------------------- reading
 
     def batches(self) -> list[pa.RecordBatch]:
-        """Every row so far as record batches (drains CUDA staging: synchronises once)."""
+        """Every row so far as record batches (drains CUDA staging: synchronises once).
+
+        Spilled chunks are memory-mapped files; chunks on their way to disk are
+        read from memory.
+        """
         with self._lock:
             self._drain_staging(everything=True)
+            self._collect()
             schema = self.schema()
             return [self._batch_of(chunk, schema) for chunk in self._chunks if chunk.n]
+
+    def flush(self) -> None:
+        """Wait until every chunk queued for the disk is written and mapped back."""
+        with self._lock:
+            self._writer.flush()
+            self._collect()
 
     def clear(self) -> None:
         """Forget every row, delete spill files, keep buffers for reuse."""
         with self._lock:
+            self._writer.flush()
+            self._landed.clear()
             for chunk in self._chunks:
                 self._release(chunk)
             self._chunks.clear()
             self._active = None
             self._ended.clear()
+            self._retained, self._retained_rows = None, {}
             self.vocab_size = None
+            self.storage = self.requested
             self.spilled_bytes = 0
+            self.chunk_writes = 0
+            self._described_generation = -1
+            self._noticed = False
+            self._steps = 0
             self.version += 1
             if self._spill_dir is not None:
                 shutil.rmtree(self._spill_dir, ignore_errors=True)
@@ -452,7 +600,7 @@ class Recorder:
     # ---------------------------------------------------------------- internals
 
     def _check_writable(self, chunk: _Chunk, what: str) -> None:
-        if chunk.spilled is not None:
+        if chunk.on_disk:
             raise RuntimeError(
                 f"{what}: rows of generation {int(chunk.generation[0])} already spilled to disk; "
                 "tell the tracker the chosen tokens before the next generation starts"
@@ -545,13 +693,21 @@ class Recorder:
         return drained
 
     def _enforce_bound(self) -> None:
+        """Queue the oldest complete chunks for the disk while host memory is over the bound.
+
+        Each chunk is queued once (chunks on disk or on their way are never
+        considered again), so the work is linear in the run's length.
+        """
+        self._collect()
         if self.memory_limit is None:
             return
-        excess = self.host_bytes - self.memory_limit
+        # Room for the chunk about to be filled too, so rows in memory stay within the bound plus one chunk.
+        sizes = [c.nbytes for c in self._chunks if c.nbytes]
+        excess = self.host_bytes + (sizes[-1] if sizes else 0) - self.memory_limit
         for chunk in list(self._chunks):
             if excess <= 0:
                 break
-            if chunk is self._active or chunk.host is None or not chunk.complete(self._ended):
+            if chunk is self._active or chunk.on_disk or chunk.host is None or not chunk.complete(self._ended):
                 continue
             excess -= chunk.nbytes
             self._spill(chunk)
@@ -562,25 +718,77 @@ class Recorder:
                 self._spill_dir = self.spill_root / self.run_id
                 self._spill_dir.mkdir(parents=True, exist_ok=True)
             else:
-                self._spill_dir = Path(tempfile.mkdtemp(prefix="logitscope-spill-"))
+                global _STALE_CHECKED
+                if not _STALE_CHECKED:
+                    _STALE_CHECKED = True
+                    remove_stale_spill_folders()
+                self._spill_dir = temporary_spill_folder()
                 self._spill_cleanup = weakref.finalize(self, shutil.rmtree, str(self._spill_dir), True)
         return self._spill_dir
 
     def _spill(self, chunk: _Chunk) -> None:
+        """Hand a complete chunk to the background writer (blocks only while its queue is full)."""
         folder = self._spill_folder()
         schema = self.schema()
-        batch = self._batch_of(chunk, schema)
-        self.spilled_bytes += write_ipc(folder / chunk_name(chunk.index), [batch], schema)
-        if self.describe is not None:
+        batch = _to_batch(chunk, schema, self.stages, self.storage, self.vocab_size or 0)
+        newest = int(chunk.generation[: chunk.n].max()) if chunk.n else -1
+        if self.describe is not None and newest > self._described_generation:
+            # once per generation reaching the disk: the metadata then names it (serialising a large
+            # vocabulary for every chunk would cost more than the chunk)
             run_json, vocab = self.describe()
             if not (folder / VOCAB_FILE).exists():
                 write_ipc(folder / VOCAB_FILE, [], pa.schema([], metadata={META_VOCAB: vocab}))
             with atomic_path(folder / RUN_JSON) as tmp:
                 tmp.write_bytes(run_json)
-        mapped = read_ipc(folder / chunk_name(chunk.index)).to_batches()
-        chunk.spilled = mapped[0] if mapped else batch.slice(0, 0)
-        chunk.cached = None
-        self._release(chunk)
+            self._described_generation = newest
+        path = folder / chunk_name(chunk.index)
+        chunk.spilling = True
+        landed = self._landed
+
+        def done(nbytes: int, seconds: float) -> None:
+            landed.append((chunk, path, nbytes))  # list.append is atomic; mapped by the recording thread
+
+        self._writer.submit(path, batch, schema, done)
+
+    def _collect(self) -> None:
+        """Map the chunks the writer finished and give their buffers back."""
+        while self._landed:
+            chunk, path, nbytes = self._landed.pop(0)
+            if chunk not in self._chunks:
+                continue  # cleared meanwhile
+            mapped = read_ipc(path).to_batches()
+            chunk.spilled = mapped[0] if mapped else None
+            chunk.spilling = False
+            self.spilled_bytes += nbytes
+            self.chunk_writes += 1
+            self._release(chunk)
+            if chunk.spilled is None:
+                chunk.spilled = pa.RecordBatch.from_pylist([], schema=self.schema())
+            self._notice()
+
+    def _notice(self) -> None:
+        """Say once that the run spills, how fast the disk takes it, and what would keep it in memory."""
+        if self._noticed or self._writer.seconds <= 0:
+            return
+        self._noticed = True
+        vocab = self.vocab_size or 0
+        rows = max(1, self.rows)
+        per_step = self.storage.row_bytes(self.stages, vocab) * rows / max(1, self._steps)
+        rate = self._writer.bytes_written / self._writer.seconds
+        fits = {
+            kind: int((self.memory_limit or 0) // max(1, Storage.parse(kind).row_bytes(self.stages, vocab) * rows / max(1, self._steps)))
+            for kind in ("float32", "bfloat16", "topk")
+        }
+        others = "; ".join(f"storage={k!r} keeps {v:,} steps" for k, v in fits.items() if k != self.storage.kind)
+        warnings.warn(
+            f"the tracker's rows outgrew memory_limit={self.memory_limit:,} bytes and spill to {self._spill_dir} "
+            f"({per_step / 1e6:,.1f} MB per step in storage={self.storage.kind!r}; the disk took {rate / 1e6:,.0f} MB/s, "
+            f"so recording goes at most {rate / max(per_step, 1):,.0f} steps/s while it spills). "
+            f"In memory_limit: {others}. Pass storage='bfloat16' or storage='topk', or a larger memory_limit, "
+            "to keep the run in memory.",
+            SpillWarning,
+            stacklevel=6,
+        )
 
     def _release(self, chunk: _Chunk) -> None:
         """Give a chunk's buffers back: host buffers to the pool, a staging slot to its ring."""
@@ -628,7 +836,7 @@ def _numpy(tensor: torch.Tensor) -> np.ndarray:
 
 
 def _to_batch(chunk: _Chunk, schema: pa.Schema, stages: Sequence[str], storage: Storage, vocab: int) -> pa.RecordBatch:
-    """The chunk's rows as a record batch: values zero-copy, id columns copied (no ``_nonfinite`` flags)."""
+    """The chunk's rows as a record batch: values zero-copy, id and statistics columns copied (no ``_nonfinite`` flags)."""
     n = chunk.n
     chosen = chunk.buffers["chosen"][:n].numpy().copy()
     unknown = ~chunk.chosen_set[:n] | (chosen < 0)
@@ -639,25 +847,39 @@ def _to_batch(chunk: _Chunk, schema: pa.Schema, stages: Sequence[str], storage: 
         pa.array(chosen, mask=unknown),
         pa.array(chunk.processor_error[:n].copy()),
     ]
+    k = storage.k_for(vocab)
     for stage in stages:
+        fields = [f for f in schema if f.name.startswith(f"{stage}_")]
         written = chunk.written.get(stage)
         if written is None:  # stage added after this chunk began
-            for field in schema:
-                if field.name.startswith(f"{stage}_"):
-                    arrays.append(pa.nulls(n, field.type))
+            arrays += [pa.nulls(n, f.type) for f in fields]
             continue
         written = written[:n]
         mask = None if written.all() else pa.array(~written)
-        if storage.full:
-            values = chunk.buffers[f"{stage}:logits"][:n]
-            flat = pa.array(_numpy(values).reshape(-1))
-            arrays.append(pa.FixedSizeListArray.from_arrays(flat, vocab, mask=mask))
-        else:
-            k = storage.k_for(vocab)
-            for name in ("ids", "logits") + (() if stage == "natural" else ("natural",)):
-                flat = pa.array(_numpy(chunk.buffers[f"{stage}:{name}"][:n]).reshape(-1))
+        stats = chunk.buffers[f"{stage}:stats"][:n].numpy()
+        cstats = chunk.buffers[f"{stage}:cstats"][:n].numpy()
+        no_choice = ~(chunk.chosen_known[stage][:n] & written)
+        for field in fields:
+            suffix = field.name[len(stage) + 1 :]
+            if suffix == "logits" and storage.full:
+                flat = pa.array(_numpy(chunk.buffers[f"{stage}:logits"][:n]).reshape(-1))
+                arrays.append(pa.FixedSizeListArray.from_arrays(flat, vocab, mask=mask))
+            elif suffix.startswith("topk_"):
+                flat = pa.array(_numpy(chunk.buffers[f"{stage}:{suffix[5:]}"][:n]).reshape(-1))
                 arrays.append(pa.FixedSizeListArray.from_arrays(flat, k, mask=mask))
-            lse = _numpy(chunk.buffers[f"{stage}:lse"][:n]).copy()
-            arrays.append(pa.array(lse, mask=~written))
-            arrays.append(pa.array(_numpy(chunk.buffers[f"{stage}:allowed"][:n]).copy(), mask=~written))
+            elif suffix in ROW_STATS:
+                values = stats[:, ROW_STATS.index(suffix)]
+                invalid = ~written | np.isnan(values)  # not recorded, or not defined (no EOS ids known)
+                values = np.where(invalid, 0, values).astype(_STAT_NUMPY[suffix])
+                arrays.append(pa.array(values, mask=invalid))
+            elif suffix in CHOSEN_STATS:
+                values = cstats[:, CHOSEN_STATS.index(suffix)]
+                invalid = no_choice | np.isnan(values)
+                values = np.where(invalid, 0, values).astype(_STAT_NUMPY[suffix])
+                arrays.append(pa.array(values, mask=invalid))
+            else:
+                raise AssertionError(f"no buffer for column {field.name}")
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+_STAT_NUMPY = {name: (np.int32 if t == pa.int32() else np.float32) for name, t in STAT_COLUMNS.items()}

@@ -180,7 +180,8 @@ class Run(Insight, Analysis):
     def schema(self, run_json: bytes | None = None) -> pa.Schema:
         """The run's Arrow schema with its metadata (run JSON, by default the whole metadata, and vocabulary)."""
         m = self.metadata
-        base = run_schema(m.storage, m.stages, m.vocab_size, m.top_k)
+        stats = bool(self._batches) and "natural_entropy" in self._batches[0].schema.names
+        base = run_schema(m.storage, m.stages, m.vocab_size, m.top_k, stats=stats)
         return base.with_metadata({META_RUN: m.to_json() if run_json is None else run_json, META_VOCAB: self.vocab.serialize()})
 
     def to_arrow(self) -> pa.Table:
@@ -210,7 +211,11 @@ class Run(Insight, Analysis):
                 columns.append(batch.column(field.name))
                 continue
             stage = field.name[: -len("_nonfinite")]
-            if self.metadata.storage == "topk":
+            if f"{stage}_nan" in names:  # from the statistics recorded with the rows
+                nan = batch.column(f"{stage}_nan").fill_null(0).to_numpy(zero_copy_only=False)
+                lse = batch.column(f"{stage}_lse").fill_null(0.0).to_numpy(zero_copy_only=False)
+                flags = (nan > 0) | (lse == np.inf)
+            elif self.metadata.storage == "topk":
                 lse = batch.column(f"{stage}_lse").fill_null(0.0).to_numpy(zero_copy_only=False)
                 flags = np.isnan(lse) | (lse == np.inf)
             else:

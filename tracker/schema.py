@@ -24,6 +24,27 @@ column                           type                                  storage
 ``{stage}_nonfinite``            bool: the stored row holds NaN/+inf   all (exports)
 ================================ ===================================== ===========
 
+Statistics columns (:data:`STAT_COLUMNS`, schema 1.1), computed from the whole
+row when it is recorded (on its device), in every storage mode, so that a
+top-k run answers them exactly and a full run without another pass:
+
+================================ =====================================================
+``{stage}_lse``, ``_allowed``    log-sum-exp and count of tokens with probability > 0
+``{stage}_max``                  the row's largest logit
+``{stage}_entropy``              entropy in nats
+``{stage}_nan``                  NaN entries (left out of the distribution)
+``{stage}_p_eos``                probability of the EOS ids (NaN when none are known)
+``{stage}_chosen_logit``,        the chosen token's logit, probability and rank
+``_p_chosen``, ``_rank_chosen``  (0 = best); null until the chosen token is known
+``{stage}_removed_mass``,        natural probability of the tokens this stage masked;
+``{stage}_margin``               best natural log-probability minus the best one this
+                                 stage allows (stages other than natural)
+================================ =====================================================
+
+A row's distribution leaves NaN entries out; a row holding ``+inf`` is a
+one-hot on its ``+inf`` token(s) (``lse`` is then ``+inf`` and ``allowed``
+counts the ``+inf`` tokens).
+
 The ``_nonfinite`` flags are computed when a run is exported
 (:meth:`tracker.Run.to_arrow`), not while recording, so recording stays a copy;
 the recorder's own batches use the schema without them (``flags=False``).
@@ -57,10 +78,12 @@ __all__ = [
     "flag_column",
     "GENERATIONS_COLUMN",
     "MAX_METADATA_BYTES",
+    "STAT_COLUMNS",
+    "stat_names",
 ]
 
 #: Bumped when a column changes meaning or type; readers check the major part.
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 
 #: Schema metadata keys.
 META_RUN = b"logitscope.run"
@@ -82,6 +105,28 @@ ID_SCHEMA = pa.schema(
     ]
 )
 
+#: Per-stage statistics columns (suffix -> type), in column order; see the module docstring.
+STAT_COLUMNS: dict[str, pa.DataType] = {
+    "lse": pa.float32(),
+    "allowed": pa.int32(),
+    "max": pa.float32(),
+    "entropy": pa.float32(),
+    "nan": pa.int32(),
+    "p_eos": pa.float32(),
+    "removed_mass": pa.float32(),
+    "margin": pa.float32(),
+    "chosen_logit": pa.float32(),
+    "p_chosen": pa.float32(),
+    "rank_chosen": pa.int32(),
+}
+_PAIR_STATS = ("removed_mass", "margin")
+
+
+def stat_names(stage: str) -> list[str]:
+    """The statistics suffixes a stage has (the natural stage has no removed mass or margin)."""
+    return [name for name in STAT_COLUMNS if stage != "natural" or name not in _PAIR_STATS]
+
+
 _FULL_TYPES = {"float32": pa.float32(), "float16": pa.float16(), "bfloat16": pa.uint16()}
 
 
@@ -95,8 +140,10 @@ def flag_column(stage: str) -> str:
     return f"{stage}_nonfinite"
 
 
-def stage_fields(stage: str, storage: str, vocab_size: int, top_k: int, flags: bool = True) -> list[pa.Field]:
-    """The columns of one stage for a storage kind (see the module table)."""
+def stage_fields(
+    stage: str, storage: str, vocab_size: int, top_k: int, flags: bool = True, stats: bool = False
+) -> list[pa.Field]:
+    """The columns of one stage for a storage kind (see the module tables; ``stats``: with the statistics)."""
     if storage == "topk":
         k = int(top_k)
         fields = [
@@ -105,10 +152,11 @@ def stage_fields(stage: str, storage: str, vocab_size: int, top_k: int, flags: b
         ]
         if stage != "natural":
             fields.append(pa.field(f"{stage}_topk_natural", pa.list_(pa.float32(), k)))
-        fields += [
-            pa.field(f"{stage}_lse", pa.float32()),
-            pa.field(f"{stage}_allowed", pa.int32()),
-        ]
+        if not stats:
+            fields += [
+                pa.field(f"{stage}_lse", pa.float32()),
+                pa.field(f"{stage}_allowed", pa.int32()),
+            ]
     elif storage in _FULL_TYPES:
         fields = [
             pa.field(
@@ -119,6 +167,8 @@ def stage_fields(stage: str, storage: str, vocab_size: int, top_k: int, flags: b
         ]
     else:
         raise ValueError(f"storage must be one of {STORAGE_KINDS}, got {storage!r}")
+    if stats:
+        fields += [pa.field(f"{stage}_{name}", STAT_COLUMNS[name]) for name in stat_names(stage)]
     if flags:
         fields.append(pa.field(f"{stage}_nonfinite", pa.bool_(), nullable=False))
     return fields
@@ -131,11 +181,13 @@ def run_schema(
     top_k: int,
     metadata: dict[bytes, bytes] | None = None,
     flags: bool = True,
+    stats: bool = False,
 ) -> pa.Schema:
-    """The schema of a run: :data:`ID_SCHEMA` then each stage's columns (``flags``: with ``_nonfinite``)."""
+    """The schema of a run: :data:`ID_SCHEMA` then each stage's columns (``flags``: with ``_nonfinite``;
+    ``stats``: with the statistics columns, as the recorder writes them)."""
     fields = list(ID_SCHEMA)
     for stage in stages:
-        fields += stage_fields(stage, storage, vocab_size, top_k, flags)
+        fields += stage_fields(stage, storage, vocab_size, top_k, flags, stats)
     return pa.schema(fields, metadata=metadata)
 
 

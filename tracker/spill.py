@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import re
+import shutil
 import socket
 import tempfile
+import threading
+import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import pyarrow as pa
 
@@ -32,7 +36,12 @@ __all__ = [
     "chunk_name",
     "RUN_JSON",
     "VOCAB_FILE",
+    "SpillWriter",
+    "temporary_spill_folder",
+    "remove_stale_spill_folders",
 ]
+
+_TEMP_PREFIX = "logitscope-spill-"
 
 CHUNK_GLOB = "chunk-*.arrow"
 RUN_JSON = "_run.json"
@@ -57,16 +66,6 @@ def _host_name() -> str:
 def _writer_tag() -> str:
     """``<host>-<pid>``: which process writes a temporary file, so that an orphan can be told from a live one."""
     return f"{_host_name()}-{os.getpid()}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
 
 
 def remove_orphans(folder: str | os.PathLike[str], name: str) -> list[Path]:
@@ -127,3 +126,126 @@ def read_ipc(path: str | os.PathLike[str]) -> pa.Table:
     """Read an IPC file through a memory map (no copy)."""
     source = pa.memory_map(str(path), "r")
     return pa.ipc.open_file(source).read_all()
+
+
+# ---------------------------------------------------------------- temporary spill folders
+
+
+def _start_time(pid: int) -> str | None:
+    """The start time of process ``pid`` (clock ticks since boot, Linux), None when it is gone or unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return fields[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int, started: str | None = None) -> bool:
+    """Whether process ``pid`` runs (with ``started``: the same process, not a later one given its pid)."""
+    if started is not None and os.path.isdir("/proc"):
+        return _start_time(pid) == started
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def temporary_spill_folder() -> Path:
+    """A new folder in the temporary directory named after this process (pid and start time).
+
+    :func:`remove_stale_spill_folders` recognises such folders once their
+    process is gone, so a run killed before it could clean up leaves nothing
+    behind for long.
+    """
+    pid = os.getpid()
+    started = _start_time(pid) or "0"
+    return Path(tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{pid}-{started}-"))
+
+
+def remove_stale_spill_folders(root: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Remove temporary spill folders whose creating process is gone; returns those removed."""
+    folder = Path(root) if root is not None else Path(tempfile.gettempdir())
+    removed = []
+    try:
+        candidates = list(folder.glob(f"{_TEMP_PREFIX}*"))
+    except OSError:
+        return removed
+    for path in candidates:
+        parts = path.name[len(_TEMP_PREFIX) :].split("-")
+        if len(parts) < 3 or not parts[0].isdigit() or not path.is_dir():
+            continue
+        if not _alive(int(parts[0]), parts[1]):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+# ---------------------------------------------------------------- the background writer
+
+
+class SpillWriter:
+    """Writes spilled chunks on a background thread, each once, through a bounded queue.
+
+    :meth:`submit` hands over ``(path, batch, schema, done)``; the thread
+    writes the batch as one IPC file and calls ``done(nbytes, seconds)``.
+    When ``depth`` chunks are already waiting, :meth:`submit` blocks until
+    one is written: generation then waits for the disk, never for a rewrite.
+    An error in the thread is raised by the next :meth:`submit` or
+    :meth:`flush`.
+
+    Attributes:
+        writes: chunk files written so far.
+        bytes_written, seconds: totals, for the rate the disk sustains.
+    """
+
+    def __init__(self, depth: int = 2) -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.writes = 0
+        self.bytes_written = 0
+        self.seconds = 0.0
+
+    def submit(
+        self, path: Path, batch: pa.RecordBatch, schema: pa.Schema, done: Callable[[int, float], None]
+    ) -> None:
+        """Queue one chunk for writing (blocks while the queue is full)."""
+        self._raise()
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="logitscope-spill", daemon=True)
+            self._thread.start()
+        self._queue.put((path, batch, schema, done))
+
+    def flush(self) -> None:
+        """Wait until every queued chunk is on disk."""
+        if self._thread is not None:
+            self._queue.join()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"spilling a chunk to disk failed: {error}") from error
+
+    def _run(self) -> None:
+        while True:
+            path, batch, schema, done = self._queue.get()
+            try:
+                start = time.perf_counter()
+                nbytes = write_ipc(path, [batch], schema)
+                elapsed = time.perf_counter() - start
+                del batch
+                self.writes += 1
+                self.bytes_written += nbytes
+                self.seconds += elapsed
+                done(nbytes, elapsed)
+            except BaseException as exc:  # kept for the recording thread to raise
+                self._error = exc
+            finally:
+                self._queue.task_done()
