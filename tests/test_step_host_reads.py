@@ -132,13 +132,14 @@ def _mark(generator: Generator, on_step: Any) -> None:
     (inner if inner is not None else target).processors.insert(0, StepMarker(on_step))
 
 
-def test_steady_state_decode_step_reads_the_device_at_most_once():
+@pytest.mark.parametrize("prompts", [PROMPTS, ["a cat sat", "a dog ran"]], ids=["padded", "unpadded"])
+def test_steady_state_decode_step_reads_the_device_at_most_once(prompts):
     pytest.importorskip("llguidance")
     generator, params = _loop("cpu", grammar="regex", tracked=True)
     counter = ReadCounter()
     _mark(generator, counter.on_step)
     with counter.counting():
-        outputs = generator.generate(PROMPTS, params)
+        outputs = generator.generate(prompts, params)
     assert all(len(c.token_ids) == STEPS for out in outputs for c in out.outputs)
     per_step, sites = counter.steady(2, STEPS - 1)
     listing = "\n".join(f"  {count / (STEPS - 3):.2f} per step  {site}" for site, count in sites.most_common())
