@@ -243,3 +243,19 @@ def test_the_generator_tells_the_tracker_how_each_row_was_sampled():
     gen.logits_processor.annotate(sampling={"note": "by hand"})
     gen.generate(["ab"], hot)
     assert gen.logits_processor.run.metadata.sampling == {"note": "by hand"}
+
+
+@pytest.mark.parametrize("statistics", ["record", "read"])
+def test_queries_never_change_the_recorded_rows(statistics):
+    tracker = LogitTrackingProcessor(MaskEven(), statistics=statistics)
+    logits = torch.randn(3, V)
+    logits[1, 3] = float("nan")
+    logits[2, 5] = float("inf")
+    tracker(torch.tensor([[1], [2], [3]]), logits)
+    for sequence in (1, 2):  # rows after the first: slices of the stored buffer
+        tracker.stats(sequence=sequence)
+        tracker.get_top_tokens(k=3, sequence=sequence)
+        tracker.to_dataframe(sequence=sequence)
+    stored = tracker.to_arrow().column("natural_logits").to_pylist()
+    assert np.isnan(stored[1][3]) and stored[2][5] == float("inf")
+    assert tracker.to_arrow().column("natural_nonfinite").to_pylist() == [False, True, True]

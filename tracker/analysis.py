@@ -276,7 +276,8 @@ class Analysis:
         matrix = stage_matrix(batch, stage, self.metadata.vocab_size)
         block = matrix[int(rows[0]) : int(rows[-1]) + 1] if _contiguous(rows) else matrix[_tensor(rows)]
         block = block.float()
-        shared = block.data_ptr() == matrix.data_ptr()
+        # a view of the stored (immutable) Arrow buffer unless the index or the cast copied
+        shared = block.untyped_storage().data_ptr() == matrix.untyped_storage().data_ptr()
         if not raw:
             bad = compute.nonfinite_rows(block) if nonfinite is None else _tensor(nonfinite)
             if bool(bad.any()):

@@ -353,6 +353,14 @@ class LogitTrackingProcessor(LogitsProcessor):
         pad_token_id: the id a host pads prompts with on the left; without an
             attention mask from the host, a row's leading run of it is left
             out of its recorded prompt. By default the tokenizer's.
+        statistics: when each row's statistics (entropy, the chosen token's
+            probability and rank, removed mass, margin, EOS probability) are
+            computed: ``"record"`` as rows are recorded (on their device, no
+            synchronisation), ``"read"`` when a query needs them (full storage
+            only), ``"auto"``: when recorded, except for float32 rows on a
+            CPU, which keep the whole row exactly: there they are computed
+            when read (the same values; the passes over every row would cost
+            the CPU more than the step's copy).
     """
 
     def __init__(
@@ -370,6 +378,7 @@ class LogitTrackingProcessor(LogitsProcessor):
         processor_stages: bool = False,
         prompt_logprobs: bool = False,
         pad_token_id: int | None = None,
+        statistics: Literal["auto", "record", "read"] = "auto",
     ) -> None:
         self._stage_names: list[str] = []
         if processor_stages and processor is not None:
@@ -382,7 +391,8 @@ class LogitTrackingProcessor(LogitsProcessor):
         stages = ["natural"] if self.processor is None else ["natural", *self._stage_names[:-1], "constrained"]
         run_id = _new_run_id()
         recorder = Recorder(
-            parsed, stages, chunk_bytes=chunk_bytes, memory_limit=memory_limit, spill_dir=spill_dir, run_id=run_id
+            parsed, stages, chunk_bytes=chunk_bytes, memory_limit=memory_limit, spill_dir=spill_dir, run_id=run_id,
+            statistics=statistics,
         )
         if model is not None and not isinstance(model, str):
             config = getattr(model, "config", None)

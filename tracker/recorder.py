@@ -66,6 +66,13 @@ class SpillWarning(UserWarning):
 _STALE_CHECKED = False
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: When rows get their statistics (entropy, chosen token's probability and rank, removed mass, margin, ...):
+#: ``"record"``, as they are recorded (kernels on the rows' device, copied with them: cheap and asynchronous
+#: on an accelerator; several passes over each row on a CPU); ``"read"``, computed from the stored rows when
+#: a query needs them (full storage only); ``"auto"``: when recorded unless the rows are kept whole in float32
+#: on a CPU (top-k, float16 and bfloat16 rows are not the full-precision row the statistics need; on an
+#: accelerator recording them costs a few asynchronous kernels), else when read (exactly the same values).
+STATISTICS = ("auto", "record", "read")
 _MAX_CHUNK_ROWS = 4096
 _MEMCPY = (torch.float32, torch.float16)
 #: Steps of a batch that ``storage="auto"`` keeps within the memory bound.
@@ -123,8 +130,8 @@ class Storage:
         """The number of values kept per row for a vocabulary (top_k, at most the vocabulary)."""
         return min(self.top_k, vocab_size) if not self.full else 0
 
-    def layout(self, stage: str, vocab_size: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Buffer name -> (shape of one row, dtype) for one stage (values, then the packed statistics)."""
+    def layout(self, stage: str, vocab_size: int, stats: bool = True) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Buffer name -> (shape of one row, dtype) for one stage (values, then the packed statistics, if ``stats``)."""
         if self.full:
             out = {f"{stage}:logits": ((vocab_size,), _TORCH_DTYPES[self.kind])}
         else:
@@ -132,15 +139,16 @@ class Storage:
             out = {f"{stage}:ids": ((k,), torch.int32), f"{stage}:logits": ((k,), torch.float32)}
             if stage != "natural":
                 out[f"{stage}:natural"] = ((k,), torch.float32)
-        out[f"{stage}:stats"] = ((len(ROW_STATS),), torch.float32)
-        out[f"{stage}:cstats"] = ((len(CHOSEN_STATS),), torch.float32)
+        if stats or not self.full:  # top-k rows cannot be summed up later: their statistics are always kept
+            out[f"{stage}:stats"] = ((len(ROW_STATS),), torch.float32)
+            out[f"{stage}:cstats"] = ((len(CHOSEN_STATS),), torch.float32)
         return out
 
-    def row_bytes(self, stages: Sequence[str], vocab_size: int) -> int:
+    def row_bytes(self, stages: Sequence[str], vocab_size: int, stats: bool = True) -> int:
         """Bytes one row takes in host memory (and about as much on disk) for these stages."""
         total = 8  # chosen
         for stage in stages:
-            for shape, dtype in self.layout(stage, vocab_size).values():
+            for shape, dtype in self.layout(stage, vocab_size, stats).values():
                 total += int(np.prod(shape, dtype=np.int64)) * torch.tensor([], dtype=dtype).element_size()
         return total
 
@@ -302,6 +310,7 @@ class Recorder:
         run_id: str = "run",
         pool: BufferPool | None = None,
         spill_queue: int = 2,
+        statistics: str = "auto",
     ) -> None:
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
@@ -309,6 +318,10 @@ class Recorder:
             raise ValueError(f"memory_limit must be >= 0 bytes or None, got {memory_limit}")
         if ring_slots < 2:
             raise ValueError(f"ring_slots must be >= 2 (one filling, one draining), got {ring_slots}")
+        if statistics not in STATISTICS:
+            raise ValueError(f"statistics must be one of {STATISTICS}, got {statistics!r}")
+        self.statistics = statistics
+        self.record_stats = statistics == "record"  # decided at the first step (see _decide_stats)
         self.requested = storage  # "auto" is resolved at the first step (and again after clear())
         self.storage = storage
         self.stages: list[str] = list(stages)
@@ -384,7 +397,13 @@ class Recorder:
         """The Arrow schema of the recorded rows (statistics included; no run metadata, no ``_nonfinite`` flags)."""
         vocab = self.vocab_size or 0
         k = self.storage.k_for(vocab) if vocab else 0
-        return run_schema(self.storage_kind, self.stages, vocab, k, flags=False, stats=True)
+        return run_schema(self.storage_kind, self.stages, vocab, k, flags=False, stats=self.record_stats or not self.storage.full)
+
+    def _decide_stats(self, device: torch.device) -> bool:
+        """Whether rows get their statistics when recorded (see :data:`STATISTICS`)."""
+        if self.statistics != "auto":
+            return self.statistics == "record"
+        return self.storage.kind != "float32" or device.type != "cpu"
 
     @property
     def storage_kind(self) -> str:
@@ -400,6 +419,7 @@ class Recorder:
             if self.vocab_size is None:
                 self.vocab_size = int(vocab_size)
                 self.storage = self.requested.resolve(self.stages, self.vocab_size, batch, self.memory_limit)
+                self.record_stats = self._decide_stats(torch.device(device))
             elif vocab_size != self.vocab_size:
                 raise ValueError(
                     f"logits: vocabulary size changed from {self.vocab_size} to {vocab_size} "
@@ -490,16 +510,17 @@ class Recorder:
             summary = summarise_topk(src, k, None if stage == "natural" else natural)
             for name, tensor in summary.items():
                 chunk.buffers[f"{stage}:{name}"][start:end].copy_(tensor, non_blocking=staging)
-        stats = row_stats(src, self._eos_on(src.device), None if stage == "natural" else natural)
-        chunk.buffers[f"{stage}:stats"][start:end].copy_(stats, non_blocking=staging)
+        if f"{stage}:stats" in chunk.buffers:
+            stats = row_stats(src, self._eos_on(src.device), None if stage == "natural" else natural)
+            chunk.buffers[f"{stage}:stats"][start:end].copy_(stats, non_blocking=staging)
+            if self._retained is not rows:
+                self._retained, self._retained_rows = rows, {}
+            self._retained_rows[stage] = (src, stats)
+            if natural is not None and stage != "natural" and "natural" in self._retained_rows:
+                # an in-place processor changed the natural rows after they were written: keep its snapshot
+                self._retained_rows["natural"] = (natural, self._retained_rows["natural"][1])
         if staging:
             chunk.note_stream()
-        if self._retained is not rows:
-            self._retained, self._retained_rows = rows, {}
-        self._retained_rows[stage] = (src, stats)
-        if natural is not None and stage != "natural" and "natural" in self._retained_rows:
-            # an in-place processor changed the natural rows after they were written: keep its snapshot
-            self._retained_rows["natural"] = (natural, self._retained_rows["natural"][1])
         written[start:end] = True
         chunk.version += 1
         self.version += 1
@@ -610,12 +631,12 @@ class Recorder:
         vocab = self.vocab_size or 0
         layout: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"chosen": ((capacity,), torch.int64)}
         for stage in self.stages:
-            for name, (shape, dtype) in self.storage.layout(stage, vocab).items():
+            for name, (shape, dtype) in self.storage.layout(stage, vocab, self.record_stats).items():
                 layout[name] = ((capacity, *shape), dtype)
         return layout
 
     def _capacity(self, batch: int) -> int:
-        per_row = self.storage.row_bytes(self.stages, self.vocab_size or 0)
+        per_row = self.storage.row_bytes(self.stages, self.vocab_size or 0, self.record_stats)
         rows = max(batch, min(_MAX_CHUNK_ROWS, self.chunk_bytes // max(per_row, 1)))
         return -(-rows // batch) * batch  # whole steps
 
@@ -856,8 +877,8 @@ def _to_batch(chunk: _Chunk, schema: pa.Schema, stages: Sequence[str], storage: 
             continue
         written = written[:n]
         mask = None if written.all() else pa.array(~written)
-        stats = chunk.buffers[f"{stage}:stats"][:n].numpy()
-        cstats = chunk.buffers[f"{stage}:cstats"][:n].numpy()
+        stats = chunk.buffers[f"{stage}:stats"][:n].numpy() if f"{stage}:stats" in chunk.buffers else None
+        cstats = chunk.buffers[f"{stage}:cstats"][:n].numpy() if f"{stage}:cstats" in chunk.buffers else None
         no_choice = ~(chunk.chosen_known[stage][:n] & written)
         for field in fields:
             suffix = field.name[len(stage) + 1 :]
@@ -867,12 +888,12 @@ def _to_batch(chunk: _Chunk, schema: pa.Schema, stages: Sequence[str], storage: 
             elif suffix.startswith("topk_"):
                 flat = pa.array(_numpy(chunk.buffers[f"{stage}:{suffix[5:]}"][:n]).reshape(-1))
                 arrays.append(pa.FixedSizeListArray.from_arrays(flat, k, mask=mask))
-            elif suffix in ROW_STATS:
+            elif suffix in ROW_STATS and stats is not None:
                 values = stats[:, ROW_STATS.index(suffix)]
                 invalid = ~written | np.isnan(values)  # not recorded, or not defined (no EOS ids known)
                 values = np.where(invalid, 0, values).astype(_STAT_NUMPY[suffix])
                 arrays.append(pa.array(values, mask=invalid))
-            elif suffix in CHOSEN_STATS:
+            elif suffix in CHOSEN_STATS and cstats is not None:
                 values = cstats[:, CHOSEN_STATS.index(suffix)]
                 invalid = no_choice | np.isnan(values)
                 values = np.where(invalid, 0, values).astype(_STAT_NUMPY[suffix])
