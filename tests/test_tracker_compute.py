@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from tracker import compute
@@ -84,3 +87,42 @@ def test_topk_rows_equals_torch_topk_on_peaked_flat_and_masked_rows():
         for k in (1, 10, 50):
             got, want = topk_rows(rows, k), torch.topk(rows, k, dim=1)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _rows_like_a_model(gen: torch.Generator, t: int, vocab: int) -> torch.Tensor:
+    x = torch.randn(t, vocab, generator=gen) * 2
+    x.scatter_add_(1, torch.randint(0, vocab, (t, 6), generator=gen), torch.rand(t, 6, generator=gen) * 6 + 8)
+    return x
+
+
+def test_grouped_top_allowed_and_entries_equal_the_whole_row_passes():
+    """Large rows take the group-maxima paths; they give what the whole-row passes give, edge rows included."""
+    gen = torch.Generator().manual_seed(5)
+    for vocab in (4096, 40000):  # 40000: columns past the last group, and groups past the last super group
+        natural = _rows_like_a_model(gen, 8, vocab)
+        halves = natural.masked_fill(torch.rand(8, vocab, generator=gen) < 0.5, NEG_INF)
+        sparse = natural.masked_fill(torch.rand(8, vocab, generator=gen) < 0.999, NEG_INF)
+        boosted = natural + torch.where(torch.rand(8, vocab, generator=gen) < 0.01, 5.0, 0.0)
+        edge = halves.clone()
+        edge[0] = NEG_INF  # nothing allowed
+        edge[1] = NEG_INF
+        edge[1, :3] = 1.0  # fewer allowed than k
+        edge[2, 7] = float("nan")
+        for constrained in (halves, sparse, boosted, natural / 50, edge, natural):
+            ln = torch.logsumexp(natural, 1)
+            lc = torch.logsumexp(torch.nan_to_num(constrained, nan=NEG_INF), 1)
+            for k in (1, 10):
+                got = compute.top_allowed(natural, constrained, ln, lc, k)
+                dense = compute._top_candidates_dense(natural, constrained, ln, lc, k)
+                want = compute.best_candidates(dense, ln, lc, k)[0]
+                assert torch.equal(got.count, want.count)
+                for r in range(8):
+                    n = int(want.count[r])
+                    assert got.ids[r, :n].tolist() == want.ids[r, :n].tolist()
+            for min_value in (0.01, 1e-6):
+                slack = math.log(min_value) - 1e-4
+                rows, ids = compute.entries_above(natural, constrained, ln + slack, lc + slack)
+                margin = np.maximum(natural.numpy() - (ln + slack).numpy()[:, None],
+                                    constrained.numpy() - (lc + slack).numpy()[:, None])
+                want_rows, want_ids = np.nonzero(margin >= 0)
+                assert np.array_equal(rows.numpy(), want_rows) and np.array_equal(ids.numpy(), want_ids)

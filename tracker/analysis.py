@@ -343,13 +343,16 @@ class Analysis:
         return max(1, _BLOCK_BYTES // (4 * max(1, self.metadata.vocab_size)))
 
     def _sub_blocks(
-        self, sel: Selection, stages: Sequence[str], raw: bool = False
+        self, sel: Selection, stages: Sequence[str], raw: bool = False, views: bool = False
     ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
         """``(first row, {stage: rows})`` over the selection, in blocks of :meth:`_block_rows`.
 
         Streams: one block per stage is converted at a time (spilled chunks are
         read through their memory maps), so a query holds at most one chunk's
-        worth beyond the recorded rows.
+        worth beyond the recorded rows. With ``views`` (for maths that
+        allocates little beside the rows it reads), rows that need no
+        conversion (float32, no null, NaN or +inf row) come as one view per
+        batch instead: nothing is copied, and there are fewer, larger kernels.
         """
         batches = self._record_batches()
         stages = list(dict.fromkeys(stages))
@@ -358,6 +361,8 @@ class Analysis:
         for b, rows in sel.blocks:
             # a quarter of the chunk's rows at most: a block of each stage, as float32, and scratch stay within one chunk
             per = max(1, min(self._block_rows(), batches[b].num_rows // 4))
+            if views and _contiguous(rows) and self._plain(batches[b], stages, flags, start, rows.size, raw):
+                per = rows.size
             for a in range(0, rows.size, per):
                 sub = rows[a : a + per]
                 yield start + a, {
@@ -365,6 +370,21 @@ class Analysis:
                     for stage in stages
                 }
             start += rows.size
+
+    def _plain(
+        self, batch: pa.RecordBatch, stages: Sequence[str], flags: dict[str, np.ndarray], start: int, count: int, raw: bool
+    ) -> bool:
+        """Whether ``count`` selected rows of ``batch`` (from ``start``) read as float32 views with nothing to fix."""
+        for stage in stages:
+            name = value_column(stage, "full")
+            column = batch.column(name)
+            if column.null_count or column.type.value_type != pa.float32():
+                return False
+            if (batch.schema.field(name).metadata or {}).get(FIELD_DTYPE, b"float32") != b"float32":
+                return False
+            if not raw and (stage not in flags or bool(flags[stage][start : start + count].any())):
+                return False
+        return True
 
     def _nonfinite_stage(self, stage: str, sel: Selection) -> np.ndarray:
         """Rows of a stage holding NaN or +inf, from the statistics columns."""
@@ -435,22 +455,19 @@ class Analysis:
         def build() -> dict[str, np.ndarray]:
             if self._full:
                 lse_n, lse_c = self._lse("natural", sel), self._lse(con_stage, sel)
-                parts: dict[str, list[torch.Tensor]] = {k_: [] for k_ in ("ids", "count", "ln", "lc")}
+                width = min(k, self.metadata.vocab_size)
+                parts: list[compute.Candidates] = []
                 scratch = torch.empty(self._block_rows(), self.metadata.vocab_size)
-                for start, rows in self._sub_blocks(sel, ["natural", con_stage]):
+                for start, rows in self._sub_blocks(sel, ["natural", con_stage], views=True):
                     nat, con = rows["natural"], rows[con_stage]
                     t = nat.shape[0]
-                    top = compute.top_allowed(nat, con, lse_n[start : start + t], lse_c[start : start + t], k, scratch)
-                    parts["ids"].append(top.ids)
-                    parts["count"].append(top.count)
-                    parts["ln"].append(nat.gather(1, top.ids))
-                    parts["lc"].append(con.gather(1, top.ids))
-                if not parts["ids"]:
-                    empty = torch.zeros(0, min(k, self.metadata.vocab_size))
+                    parts.append(compute.top_candidates(nat, con, lse_n[start : start + t], lse_c[start : start + t], width, scratch))
+                if not parts:
+                    empty = torch.zeros(0, width)
                     ids, count, ln, lc = empty.long(), torch.zeros(0, dtype=torch.long), empty, empty
-                else:
-                    ids, count = torch.cat(parts["ids"]), torch.cat(parts["count"])
-                    ln, lc = torch.cat(parts["ln"]), torch.cat(parts["lc"])
+                else:  # the scoring in one go: a few small kernels per query, not per block
+                    top, ln, lc = compute.best_candidates(compute.Candidates.join(parts), lse_n, lse_c, width)
+                    ids, count = top.ids, top.count
             else:
                 ids, count, ln, lc, lse_n, lse_c = self._top_sparse(sel, k, con_stage)
             return {
@@ -616,7 +633,7 @@ class Analysis:
         lse_n, lse_c = (self._lse("natural", sel), self._lse(con_stage, sel)) if probs else (None, None)
         out: dict[str, list[np.ndarray]] = {k: [] for k in ("rows", "ids", "nat", "con")}
         scratch = torch.empty(self._block_rows(), self.metadata.vocab_size)
-        for start, block in self._sub_blocks(sel, ["natural", con_stage]):
+        for start, block in self._sub_blocks(sel, ["natural", con_stage], views=min_value is not None):
             nat, con = block["natural"], block[con_stage]
             t = nat.shape[0]
             if min_value is None:
@@ -631,20 +648,21 @@ class Analysis:
             else:
                 bound = torch.full((t,), float(min_value))
                 rows, ids = compute.entries_above(nat, con, bound, bound, scratch)
-            vn, vc = nat[rows, ids], con[rows, ids]
-            if probs:
-                vn = torch.exp(vn - lse_n[start + rows])
-                vc = torch.exp(vc - lse_c[start + rows])
-                if min_value is not None:
-                    keep = (vn >= min_value) | (vc >= min_value)
-                    rows, ids, vn, vc = rows[keep], ids[keep], vn[keep], vc[keep]
-            out["rows"].append((rows + start).numpy())
-            out["ids"].append(ids.numpy())
-            out["nat"].append(vn.numpy())
-            out["con"].append(vc.numpy())
+            rows, ids = rows.numpy(), ids.numpy()
+            out["rows"].append(rows + start)
+            out["ids"].append(ids)
+            out["nat"].append(compute._np(nat)[rows, ids])
+            out["con"].append(compute._np(con)[rows, ids])
         if not out["rows"]:
             return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.float32)
-        return tuple(np.concatenate(out[k]) for k in ("rows", "ids", "nat", "con"))
+        rows, ids, vn, vc = (np.concatenate(out[k]) for k in ("rows", "ids", "nat", "con"))
+        if probs:  # in one go: a few kernels per query, not per block
+            vn = torch.exp(torch.from_numpy(vn) - lse_n[torch.from_numpy(rows)]).numpy()
+            vc = torch.exp(torch.from_numpy(vc) - lse_c[torch.from_numpy(rows)]).numpy()
+            if min_value is not None:
+                keep = (vn >= min_value) | (vc >= min_value)
+                rows, ids, vn, vc = rows[keep], ids[keep], vn[keep], vc[keep]
+        return rows, ids, vn, vc
 
     def _entries_sparse(self, sel: Selection, show: str, min_value: float | None, con_stage: str):
         """Top-k storage: the stored entries (constrained list, then natural-only ones with an unknown constrained value)."""

@@ -27,7 +27,10 @@ __all__ = [
     "TopTokens",
     "logsumexp_rows",
     "masked",
+    "Candidates",
     "top_allowed",
+    "top_candidates",
+    "best_candidates",
     "entries_above",
     "step_stats",
     "probs_at",
@@ -99,39 +102,180 @@ def probs_at(x: torch.Tensor, lse: torch.Tensor, ids: torch.Tensor) -> torch.Ten
     return torch.exp(x.gather(1, ids) - lse[:, None])
 
 
-_TOPK_STRIDE = 16  # every 16th entry samples a row for its top-k threshold
+_GROUP = 16  # entries per group: a row's columns j, j + G, ..., j + 15 G (G = V // 16 groups)
+_GROUP_OFFSETS = np.arange(_GROUP, dtype=np.int64)
+_GROUPED_MIN_VOCAB = 4096  # below this a whole-row pass is as cheap as the grouped one
+_SLACK = 1e-3  # log-space margin for thresholds derived from float32 values (adds candidates, never drops one)
+
+
+def _groupable(x: torch.Tensor, k: int = 1) -> bool:
+    """Whether rows ``x`` take the grouped paths: float32 CPU rows of a large vocabulary."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.dim() == 2
+        and x.shape[0] > 0
+        and x.shape[1] >= _GROUPED_MIN_VOCAB
+        and k <= x.shape[1] // (_GROUP * _GROUP)
+    )
+
+
+def group_max(rows: np.ndarray) -> np.ndarray:
+    """``[t, G]`` maxima of each row's groups (group ``j``: columns ``j + G * r``, ``r < 16``; ``G = V // 16``).
+
+    One read pass over the rows, as fast as a plain row maximum (sixteen
+    contiguous slabs folded with ``maximum``); the columns past ``16 G`` belong
+    to no group. A group holding NaN has a NaN maximum.
+    """
+    t, v = rows.shape
+    groups = v // _GROUP
+    return rows[:, : groups * _GROUP].reshape(t, _GROUP, groups).max(axis=1)
+
+
+def entries_at_least(rows: np.ndarray, gmax: np.ndarray, threshold: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(row, column)`` of every entry ``>= threshold[row]``, row-major, reading only groups that reach it.
+
+    ``gmax`` is :func:`group_max` of ``rows``. Groups whose maximum is below
+    the threshold (or NaN) are skipped whole, so the cost is one compare over
+    the group maxima plus sixteen entries per group that reaches it. Entries
+    in a group with a NaN maximum are missed: callers check for NaN first.
+    """
+    t, v = rows.shape
+    groups = gmax.shape[1]
+    r, j = np.divmod(np.flatnonzero(gmax >= threshold[:, None]), groups)
+    cols = (j[:, None] + groups * _GROUP_OFFSETS).ravel()
+    owner = np.repeat(r, _GROUP)
+    hit = rows[owner, cols] >= threshold[owner]
+    owner, cols = owner[hit], cols[hit]
+    if v > groups * _GROUP:  # the columns past the last group, compared directly
+        tr, tc = np.nonzero(rows[:, groups * _GROUP :] >= threshold[:, None])
+        owner, cols = np.concatenate([owner, tr]), np.concatenate([cols, tc + groups * _GROUP])
+        order = np.argsort(owner * v + cols, kind="stable")
+        return owner[order], cols[order]
+    order = np.argsort(owner * v + cols, kind="stable")
+    return owner[order], cols[order]
+
+
+def _kth_floor(rows: np.ndarray, gmax: np.ndarray, k: int) -> np.ndarray:
+    """``[t]`` a value at most each row's ``k``-th largest entry, at least as high as the ``k``-th group maximum
+    of 256-column super groups (NaN or ``-inf`` where the row has no such floor).
+
+    The maxima of disjoint sets of entries: their ``k``-th largest is at most
+    the row's ``k``-th largest entry, so every one of the row's top ``k`` is at
+    or above it.
+    """
+    t, v = rows.shape
+    groups = gmax.shape[1]
+    supers = groups // _GROUP
+    parts = [gmax[:, : supers * _GROUP].reshape(t, _GROUP, supers).max(axis=1)]
+    if groups > supers * _GROUP:
+        parts.append(gmax[:, supers * _GROUP :])
+    if v > groups * _GROUP:
+        parts.append(rows[:, groups * _GROUP :])
+    maxima = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+    return -np.partition(-maxima, k - 1, axis=1)[:, k - 1]
+
+
+def _compact(owner: np.ndarray, cols: np.ndarray, values: np.ndarray, t: int, fill: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Variable-length runs per row (row-major ``owner``) packed into ``[t, width]`` values, ids and a validity mask."""
+    counts = np.bincount(owner, minlength=t)
+    width = int(counts.max()) if counts.size else 0
+    starts = np.cumsum(counts) - counts
+    pos = np.arange(owner.size) - np.repeat(starts, counts)
+    packed = np.full((t, width), fill, dtype=np.float32)
+    ids = np.zeros((t, width), dtype=np.int64)
+    valid = np.zeros((t, width), dtype=bool)
+    packed[owner, pos] = values
+    ids[owner, pos] = cols
+    valid[owner, pos] = True
+    return packed, ids, valid
+
+
+def _topk_grouped(a: np.ndarray, gmax: np.ndarray, k: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray] | None:
+    """Top-``k`` values and ids of float32 rows from the entries at or above :func:`_kth_floor`.
+
+    Returns ``(values, ids, answered)``; rows not answered (NaN, fewer than
+    ``k`` finite entries) hold junk. None when the candidates are not a small
+    part of the rows (a whole-row ``topk`` is then as cheap).
+    """
+    t, v = a.shape
+    floor = _kth_floor(a, gmax, k)
+    answered = np.isfinite(floor) & ~np.isnan(gmax).any(axis=1)
+    if v > gmax.shape[1] * _GROUP:
+        answered &= ~np.isnan(a[:, gmax.shape[1] * _GROUP :]).any(axis=1)
+    owner, cols = entries_at_least(a, gmax, np.where(answered, floor, np.inf).astype(np.float32))
+    if owner.size > t * (v // 8):
+        return None
+    values, ids, _ = _compact(owner, cols, a[owner, cols], t, NEG_INF)
+    if values.shape[1] < k:
+        values = np.pad(values, ((0, 0), (0, k - values.shape[1])), constant_values=NEG_INF)
+        ids = np.pad(ids, ((0, 0), (0, k - ids.shape[1])))
+    best, where = torch.topk(torch.from_numpy(values), k, dim=1)
+    return best, torch.from_numpy(ids).gather(1, where), answered
 
 
 def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.topk(x, k, dim=1)`` for float32 CPU rows, selecting among a few candidates per row.
 
-    The ``k``-th largest of every 16th entry is at most the row's ``k``-th
-    largest, so the entries at or above it include the row's top ``k``: one
-    compare pass finds them, and ``topk`` runs on those only (the whole rows
-    when they are not a small part of them). Same values and ids, several
-    times faster at 128k tokens than sorting out the top of each row.
+    The ``k``-th largest maximum of disjoint groups of entries is at most the
+    row's ``k``-th largest entry, so the entries at or above it include the
+    row's top ``k``: one folding pass (:func:`group_max`) finds the groups
+    that hold them, and ``topk`` runs on those entries only (in column order,
+    as on the whole row). Rows with NaN or fewer than ``k`` finite entries
+    take ``torch.topk`` on their own. Same values and ids, many times faster
+    at 128k tokens than sorting out the top of each row.
     """
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.shape[1] < 64 * k or x.shape[0] == 0:
+    if not _groupable(x, k):
         return torch.topk(x, k, dim=1)
     a = _np(x)
-    sample = a[:, ::_TOPK_STRIDE]
-    floor = -np.partition(-sample, k - 1, axis=1)[:, k - 1]
-    if not np.isfinite(floor).all():
+    found = _topk_grouped(a, group_max(a), k)
+    if found is None:
         return torch.topk(x, k, dim=1)
-    mask = a >= floor[:, None]
-    counts = np.count_nonzero(mask, axis=1)
-    width = int(counts.max())
-    if width > a.shape[1] // 8:
-        return torch.topk(x, k, dim=1)
-    rows, cols = np.nonzero(mask)
-    starts = np.cumsum(counts) - counts
-    pos = np.arange(rows.size) - np.repeat(starts, counts)
-    values = np.full((a.shape[0], width), NEG_INF, dtype=np.float32)
-    ids = np.zeros((a.shape[0], width), dtype=np.int64)
-    values[rows, pos] = a[rows, cols]
-    ids[rows, pos] = cols
-    best, where = torch.topk(torch.from_numpy(values), k, dim=1)
-    return best, torch.from_numpy(ids).gather(1, where)
+    best, ids, answered = found
+    if not answered.all():
+        rest = torch.from_numpy(np.nonzero(~answered)[0])
+        best[rest], ids[rest] = torch.topk(x[rest], k, dim=1)
+    return best, ids
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """Tokens that may be among a block's best allowed tokens, with both stages' logits at them.
+
+    Attributes:
+        ids: ``[t, j]`` token ids.
+        usable: ``[t, j]`` whether an entry counts (padding and repeats do not).
+        natural: ``[t, j]`` float32 natural logits at ``ids``.
+        constrained: ``[t, j]`` float32 constrained logits at ``ids``.
+    """
+
+    ids: np.ndarray
+    usable: np.ndarray
+    natural: np.ndarray
+    constrained: np.ndarray
+
+    @staticmethod
+    def join(parts: Sequence["Candidates"], width: int = 0) -> "Candidates":
+        """Rows of ``parts`` one after another, padded with unusable entries to a common width (at least ``width``)."""
+        width = max([width, *(p.ids.shape[1] for p in parts)])
+
+        def pad(x: np.ndarray, fill: object) -> np.ndarray:
+            return np.pad(x, ((0, 0), (0, width - x.shape[1])), constant_values=fill) if x.shape[1] < width else x
+
+        return Candidates(
+            np.concatenate([pad(p.ids, 0) for p in parts]),
+            np.concatenate([pad(p.usable, False) for p in parts]),
+            np.concatenate([pad(p.natural, NEG_INF) for p in parts]),
+            np.concatenate([pad(p.constrained, NEG_INF) for p in parts]),
+        )
+
+    def take(self, rows: np.ndarray, other: "Candidates") -> "Candidates":
+        """These candidates with ``rows`` replaced by ``other``'s rows (in order)."""
+        both = Candidates.join([self, other])
+        t = self.ids.shape[0]
+        index = np.arange(t)
+        index[rows] = t + np.arange(rows.size)
+        return Candidates(both.ids[index], both.usable[index], both.natural[index], both.constrained[index])
 
 
 def top_allowed(
@@ -145,24 +289,160 @@ def top_allowed(
     """The ``k`` allowed tokens with the highest ``max(natural prob, constrained prob)``.
 
     Masked tokens (constrained logit ``-inf``) are never listed, so when
-    fewer than ``k`` are allowed the list is shorter (``count``). The answer
-    lies in the union of the constrained top-k and the natural top-k among
-    allowed tokens, so only those ``2k`` candidates are scored. ``scratch``
-    as for :func:`masked`.
+    fewer than ``k`` are allowed the list is shorter (``count``). See
+    :func:`top_candidates` (``scratch`` as there) and :func:`best_candidates`.
     """
     k = min(int(k), natural.shape[1])
-    _, con_ids = topk_rows(constrained, k)
-    if constrained is natural:
-        nat_ids = con_ids
-    else:
-        _, nat_ids = topk_rows(masked(natural, constrained, scratch), k)
-    candidates = torch.cat([con_ids, nat_ids], dim=1)
-    score = torch.maximum(probs_at(natural, lse_natural, candidates), probs_at(constrained, lse_constrained, candidates))
-    repeated = (nat_ids[:, :, None] == con_ids[:, None, :]).any(dim=2)
-    usable = (constrained.gather(1, candidates) > NEG_INF) & torch.cat([torch.ones_like(repeated), ~repeated], dim=1)
+    candidates = top_candidates(natural, constrained, lse_natural, lse_constrained, k, scratch)
+    return best_candidates(candidates, lse_natural, lse_constrained, k)[0]
+
+
+def top_candidates(
+    natural: torch.Tensor,
+    constrained: torch.Tensor,
+    lse_natural: torch.Tensor,
+    lse_constrained: torch.Tensor,
+    k: int,
+    scratch: torch.Tensor | None = None,
+) -> Candidates:
+    """Candidates that hold each row's ``k`` best allowed tokens (by the larger probability).
+
+    The answer lies in the constrained top-k plus the allowed tokens whose
+    natural probability reaches the constrained ``k``-th best one (every
+    other token scores below ``k`` tokens already listed). On large float32
+    CPU rows both sets come from group maxima (one folding pass per stage,
+    see :func:`group_max`); elsewhere, and for rows that pass cannot answer,
+    from the constrained top-k and the natural top-k among allowed tokens
+    (``scratch`` as for :func:`masked`). numpy only: the scoring runs once
+    per query in :func:`best_candidates`.
+    """
+    k = min(int(k), natural.shape[1])
+    if _groupable(constrained, k) and _groupable(natural, k):
+        found = _top_candidates_grouped(natural, constrained, lse_natural, lse_constrained, k)
+        if found is not None:
+            return found
+    return _top_candidates_dense(natural, constrained, lse_natural, lse_constrained, k, scratch)
+
+
+def best_candidates(
+    candidates: Candidates, lse_natural: torch.Tensor, lse_constrained: torch.Tensor, k: int
+) -> tuple[TopTokens, torch.Tensor, torch.Tensor]:
+    """The ``k`` best usable, allowed candidates per row, with their natural and constrained logits."""
+    ids = torch.from_numpy(candidates.ids)
+    nat, con = torch.from_numpy(candidates.natural), torch.from_numpy(candidates.constrained)
+    if ids.shape[1] < k:
+        candidates = Candidates.join([candidates], k)
+        ids = torch.from_numpy(candidates.ids)
+        nat, con = torch.from_numpy(candidates.natural), torch.from_numpy(candidates.constrained)
+    score = torch.maximum(torch.exp(nat - lse_natural[:, None]), torch.exp(con - lse_constrained[:, None]))
+    usable = torch.from_numpy(candidates.usable) & (con > NEG_INF)
     score = torch.where(usable & ~torch.isnan(score), score, -1.0)
     best, order = torch.topk(score, k, dim=1)
-    return TopTokens(candidates.gather(1, order), (best >= 0).sum(dim=1))
+    return TopTokens(ids.gather(1, order), (best >= 0).sum(dim=1)), nat.gather(1, order), con.gather(1, order)
+
+
+def _gathered(ids: np.ndarray, usable: np.ndarray, natural: torch.Tensor, constrained: torch.Tensor) -> Candidates:
+    return Candidates(
+        ids,
+        usable,
+        np.take_along_axis(_np(natural), ids, axis=1),
+        np.take_along_axis(_np(constrained), ids, axis=1),
+    )
+
+
+def _top_candidates_dense(
+    natural: torch.Tensor,
+    constrained: torch.Tensor,
+    lse_natural: torch.Tensor,
+    lse_constrained: torch.Tensor,
+    k: int,
+    scratch: torch.Tensor | None = None,
+) -> Candidates:
+    """:func:`top_candidates` from the constrained top-k and the natural top-k among allowed tokens.
+
+    Works in slices of at most ``scratch``'s rows (:data:`_DENSE_ROWS` without
+    it), so that its masked copy of the natural rows stays small.
+    """
+    per = _DENSE_ROWS if scratch is None else scratch.shape[0]
+    if natural.shape[0] > per:
+        same = constrained is natural
+        return Candidates.join([
+            _top_candidates_dense(natural[a : a + per], natural[a : a + per] if same else constrained[a : a + per],
+                                  lse_natural[a : a + per], lse_constrained[a : a + per], k, scratch)
+            for a in range(0, natural.shape[0], per)
+        ])
+    _, con_ids = topk_rows(constrained, k)
+    if constrained is natural:
+        return _gathered(con_ids.numpy(), np.ones(con_ids.shape, dtype=bool), natural, constrained)
+    _, nat_ids = topk_rows(masked(natural, constrained, scratch), k)
+    repeated = (nat_ids[:, :, None] == con_ids[:, None, :]).any(dim=2)
+    usable = torch.cat([torch.ones_like(repeated), ~repeated], dim=1)
+    return _gathered(torch.cat([con_ids, nat_ids], dim=1).numpy(), usable.numpy(), natural, constrained)
+
+
+_DENSE_ROWS = 8  # rows per slice of the dense paths when no scratch bounds them
+_MAX_EXTRA = 1024  # natural candidates per row beyond which a row takes the dense path
+
+
+def _top_candidates_grouped(
+    natural: torch.Tensor,
+    constrained: torch.Tensor,
+    lse_natural: torch.Tensor,
+    lse_constrained: torch.Tensor,
+    k: int,
+) -> Candidates | None:
+    """:func:`top_candidates` from group maxima; rows it cannot answer go to the dense path."""
+    a_c = _np(constrained)
+    t, v = a_c.shape
+    gmax_c = group_max(a_c)
+    floor = _kth_floor(a_c, gmax_c, k)
+    answered = np.isfinite(floor) & ~np.isnan(gmax_c).any(axis=1)
+    if v > gmax_c.shape[1] * _GROUP:
+        answered &= ~np.isnan(a_c[:, gmax_c.shape[1] * _GROUP :]).any(axis=1)
+    owner, cols = entries_at_least(a_c, gmax_c, np.where(answered, floor, np.inf).astype(np.float32))
+    if owner.size > t * (v // 8):
+        return None
+    # The constrained k-th best of each row, and every candidate reaching it (ties included).
+    packed, _, _ = _compact(owner, cols, a_c[owner, cols], t, NEG_INF)
+    if packed.shape[1] < k:
+        packed = np.pad(packed, ((0, 0), (0, k - packed.shape[1])), constant_values=NEG_INF)
+    kth = -np.partition(-packed, k - 1, axis=1)[:, k - 1]
+    keep = a_c[owner, cols] >= kth[owner]
+    owner, cols = owner[keep], cols[keep]
+    if constrained is not natural:
+        a_n = _np(natural)
+        # An allowed token outside the constrained top-k can only be listed if its natural
+        # probability reaches the constrained k-th best probability: natural logit >= this.
+        ln = lse_natural.detach().double().numpy()
+        gap = kth.astype(np.float64) - lse_constrained.detach().double().numpy()
+        with np.errstate(invalid="ignore"):
+            threshold = ln + gap
+            threshold -= _SLACK * (1.0 + np.abs(ln) + np.abs(gap))
+        gmax_n = group_max(a_n)
+        answered &= np.isfinite(threshold) & ~np.isnan(gmax_n).any(axis=1)
+        threshold = np.where(answered, threshold, np.inf).astype(np.float32)
+        extra_owner, extra_cols = entries_at_least(a_n, gmax_n, threshold)
+        new = (a_c[extra_owner, extra_cols] > NEG_INF) & ~np.isin(extra_owner * v + extra_cols, owner * v + cols)
+        extra_owner, extra_cols = extra_owner[new], extra_cols[new]
+        values = a_n[extra_owner, extra_cols]
+        order = np.lexsort((extra_cols, -values, extra_owner))  # best natural first, as a top-k lists them
+        extra_owner, extra_cols = extra_owner[order], extra_cols[order]
+        answered &= np.bincount(extra_owner, minlength=t) <= _MAX_EXTRA
+        together = np.argsort(np.concatenate([owner, extra_owner]), kind="stable")  # per row: constrained, then extras
+        owner = np.concatenate([owner, extra_owner])[together]
+        cols = np.concatenate([cols, extra_cols])[together]
+    keep = answered[owner]
+    owner, cols = owner[keep], cols[keep]
+    _, ids, usable = _compact(owner, cols, np.zeros(owner.size, dtype=np.float32), t, 0.0)
+    found = _gathered(ids, usable, natural, constrained)
+    if answered.all():
+        return found
+    rest = np.nonzero(~answered)[0]
+    index = torch.from_numpy(rest)
+    same = constrained is natural
+    dense = _top_candidates_dense(natural[index], natural[index] if same else constrained[index],
+                                  lse_natural[index], lse_constrained[index], k)
+    return found.take(rest, dense)
 
 
 def entries_above(
@@ -172,13 +452,67 @@ def entries_above(
     threshold_constrained: torch.Tensor,
     scratch: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rows, ids)`` of every entry at or above its row's threshold in either stage, row-major."""
+    """``(rows, ids)`` of every entry at or above its row's threshold in either stage, row-major.
+
+    An entry holding NaN in either stage is never listed. On large float32
+    CPU rows with finite thresholds the entries come from group maxima (one
+    folding pass per stage, see :func:`group_max`); otherwise from one
+    compare pass over the rows.
+    """
+    if _groupable(natural) and _groupable(constrained):
+        tn, tc = _np(threshold_natural), _np(threshold_constrained)
+        if np.isfinite(tn).all() and np.isfinite(tc).all():
+            found = _entries_above_grouped(_np(natural), _np(constrained), tn, tc, constrained is natural)
+            if found is not None:
+                return found
+    return _entries_above_dense(natural, constrained, threshold_natural, threshold_constrained, scratch)
+
+
+def _entries_above_dense(
+    natural: torch.Tensor,
+    constrained: torch.Tensor,
+    threshold_natural: torch.Tensor,
+    threshold_constrained: torch.Tensor,
+    scratch: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`entries_above` by one compare pass, in slices of at most ``scratch``'s rows (the margins' copy)."""
+    per = _DENSE_ROWS if scratch is None else scratch.shape[0]
+    if natural.shape[0] > per:
+        rows_parts, ids_parts = [], []
+        for a in range(0, natural.shape[0], per):
+            r, i = _entries_above_dense(natural[a : a + per], constrained[a : a + per], threshold_natural[a : a + per],
+                                 threshold_constrained[a : a + per], scratch)
+            rows_parts.append(r + a)
+            ids_parts.append(i)
+        return torch.cat(rows_parts), torch.cat(ids_parts)
     nat, con = _np(natural), _np(constrained)
     margin = np.empty_like(nat) if scratch is None else _np(scratch)[: nat.shape[0]]
     np.subtract(nat, _np(threshold_natural)[:, None], out=margin)
     np.maximum(margin, con - _np(threshold_constrained)[:, None], out=margin)
     rows, ids = np.nonzero(margin >= 0)
     return torch.from_numpy(rows), torch.from_numpy(ids)
+
+
+def _entries_above_grouped(
+    nat: np.ndarray, con: np.ndarray, tn: np.ndarray, tc: np.ndarray, same: bool
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`entries_above` through group maxima; None when the thresholds reach too many groups."""
+    t, v = nat.shape
+    gn = group_max(nat)
+    gc = gn if same else group_max(con)
+    # Entries in a group whose maximum is NaN would not be looked at: such blocks take the compare pass.
+    if np.isnan(gn).any() or np.isnan(gc).any():
+        return None
+    tail = gn.shape[1] * _GROUP
+    if v > tail and (np.isnan(nat[:, tail:]).any() or np.isnan(con[:, tail:]).any()):
+        return None
+    reached = np.count_nonzero(gn >= tn[:, None]) + np.count_nonzero(gc >= tc[:, None])
+    if reached > t * gn.shape[1] // 8:
+        return None
+    rn, cn = entries_at_least(nat, gn, tn)
+    rc, cc = entries_at_least(con, gc, tc)
+    key = np.union1d(rn * v + cn, rc * v + cc)  # sorted: row-major
+    return torch.from_numpy(key // v), torch.from_numpy(key % v)
 
 
 def _entropy(x: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
