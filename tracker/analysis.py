@@ -779,6 +779,9 @@ class Analysis:
 
     def _nonfinite(self, sel: Selection) -> np.ndarray:
         """Rows holding NaN or +inf in any stage: from the statistics or the stored flags, else from the rows."""
+        return self._cached(("nonfinite", sel.generation, sel.sequence, sel.length), lambda: self._find_nonfinite(sel))
+
+    def _find_nonfinite(self, sel: Selection) -> np.ndarray:
         if self._has_stats(sel):
             out = np.zeros(sel.length, dtype=bool)
             for stage in self.stages:
@@ -808,6 +811,9 @@ class Analysis:
 
     def _nan_counts(self, sel: Selection) -> dict[str, np.ndarray]:
         """Per stage, the NaN entries of each row (left out of its distribution)."""
+        return self._cached(("nan", sel.generation, sel.sequence, sel.length), lambda: self._count_nans(sel))
+
+    def _count_nans(self, sel: Selection) -> dict[str, np.ndarray]:
         if self._has_stats(sel):
             return {stage: self._column(f"{stage}_nan", sel) for stage in self.stages}
         out = {stage: np.full(sel.length, math.nan) for stage in self.stages}
