@@ -193,7 +193,7 @@ class Generator:
         """The attention mask to give the model, in a form transformers uses without reading its values.
 
         ``keep`` is ``[B, L]`` bool, False on left padding (``None`` when no
-        row is padded: then the model gets no mask and relies on causal
+        row is padded and the model has no pad id: then it gets no mask and relies on causal
         attention). A 2-D mask makes transformers check on the host whether
         anything is padded (a synchronisation per step); a prepared 4-D mask
         ``[B, 1, new_columns, L]`` is used as it is. SDPA takes it as bool,
@@ -261,7 +261,10 @@ class Generator:
         padded = any(len(encoded[r.request]) < width for r in rows)
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         position_ids = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-        keep = attention_mask.bool() if padded else None  # None: nothing padded, the model needs no mask
+        # No mask when nothing is padded, unless the model knows a pad id: given no mask, transformers then
+        # looks for that id in the input (its padding warning), a read of the device at every step.
+        masked = padded or getattr(self.model.config, "pad_token_id", None) is not None
+        keep = attention_mask.bool() if masked else None
 
         row_params = RowParams.build([r.params for r in rows], device)
         # greedy rows ignore their uniform numbers: an all-greedy batch skips the hash
@@ -337,7 +340,8 @@ class Generator:
             input_ids = torch.cat([input_ids, tokens[:, None]], dim=1)
             if padded:
                 attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], dim=1)
-                keep = torch.cat([keep, keep.new_ones((batch, 1))], dim=1)  # type: ignore[list-item]
+            if keep is not None:
+                keep = torch.cat([keep, keep.new_ones((batch, 1))], dim=1)
             step_input, step_positions = tokens[:, None], step_positions[:, -1:] + 1
         return self._outputs(prompts, encoded, per_request, rows)
 

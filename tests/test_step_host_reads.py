@@ -132,10 +132,15 @@ def _mark(generator: Generator, on_step: Any) -> None:
     (inner if inner is not None else target).processors.insert(0, StepMarker(on_step))
 
 
-@pytest.mark.parametrize("prompts", [PROMPTS, ["a cat sat", "a dog ran"]], ids=["padded", "unpadded"])
-def test_steady_state_decode_step_reads_the_device_at_most_once(prompts):
+@pytest.mark.parametrize(
+    "prompts, pad_token_id",
+    [(PROMPTS, None), (["a cat sat", "a cat sat"], None), (["a cat sat", "a cat sat"], 0)],
+    ids=["padded", "unpadded", "unpadded-model-with-pad-id"],  # transformers checks unmasked input for its pad id
+)
+def test_steady_state_decode_step_reads_the_device_at_most_once(prompts, pad_token_id):
     pytest.importorskip("llguidance")
     generator, params = _loop("cpu", grammar="regex", tracked=True)
+    generator.model.config.pad_token_id = pad_token_id
     counter = ReadCounter()
     _mark(generator, counter.on_step)
     with counter.counting():
