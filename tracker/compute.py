@@ -176,6 +176,20 @@ def _kth_floor(rows: np.ndarray, gmax: np.ndarray, k: int) -> np.ndarray:
     return -np.partition(-maxima, k - 1, axis=1)[:, k - 1]
 
 
+
+def _at_kth_floor(a: np.ndarray, gmax: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """``(answered, owner, cols)``: the rows the grouped path can answer (no NaN, a finite k-th floor) and
+    the entries of those rows at or above their floor; None when they are not a small part of the rows."""
+    t, v = a.shape
+    floor = _kth_floor(a, gmax, k)
+    answered = np.isfinite(floor) & ~np.isnan(gmax).any(axis=1)
+    if v > gmax.shape[1] * _GROUP:
+        answered &= ~np.isnan(a[:, gmax.shape[1] * _GROUP :]).any(axis=1)
+    owner, cols = entries_at_least(a, gmax, np.where(answered, floor, np.inf).astype(np.float32))
+    if owner.size > t * (v // 8):
+        return None
+    return answered, owner, cols
+
 def _compact(owner: np.ndarray, cols: np.ndarray, values: np.ndarray, t: int, fill: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Variable-length runs per row (row-major ``owner``) packed into ``[t, width]`` values, ids and a validity mask."""
     counts = np.bincount(owner, minlength=t)
@@ -191,6 +205,15 @@ def _compact(owner: np.ndarray, cols: np.ndarray, values: np.ndarray, t: int, fi
     return packed, ids, valid
 
 
+def _packed(a: np.ndarray, owner: np.ndarray, cols: np.ndarray, t: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The entries ``a[owner, cols]`` as ``[t, >= k]`` rows of values (padded with -inf) and their column ids."""
+    values, ids, _ = _compact(owner, cols, a[owner, cols], t, NEG_INF)
+    if values.shape[1] < k:
+        values = np.pad(values, ((0, 0), (0, k - values.shape[1])), constant_values=NEG_INF)
+        ids = np.pad(ids, ((0, 0), (0, k - ids.shape[1])))
+    return values, ids
+
+
 def _topk_grouped(a: np.ndarray, gmax: np.ndarray, k: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray] | None:
     """Top-``k`` values and ids of float32 rows from the entries at or above :func:`_kth_floor`.
 
@@ -198,18 +221,12 @@ def _topk_grouped(a: np.ndarray, gmax: np.ndarray, k: int) -> tuple[torch.Tensor
     ``k`` finite entries) hold junk. None when the candidates are not a small
     part of the rows (a whole-row ``topk`` is then as cheap).
     """
-    t, v = a.shape
-    floor = _kth_floor(a, gmax, k)
-    answered = np.isfinite(floor) & ~np.isnan(gmax).any(axis=1)
-    if v > gmax.shape[1] * _GROUP:
-        answered &= ~np.isnan(a[:, gmax.shape[1] * _GROUP :]).any(axis=1)
-    owner, cols = entries_at_least(a, gmax, np.where(answered, floor, np.inf).astype(np.float32))
-    if owner.size > t * (v // 8):
+    t, _ = a.shape
+    found = _at_kth_floor(a, gmax, k)
+    if found is None:
         return None
-    values, ids, _ = _compact(owner, cols, a[owner, cols], t, NEG_INF)
-    if values.shape[1] < k:
-        values = np.pad(values, ((0, 0), (0, k - values.shape[1])), constant_values=NEG_INF)
-        ids = np.pad(ids, ((0, 0), (0, k - ids.shape[1])))
+    answered, owner, cols = found
+    values, ids = _packed(a, owner, cols, t, k)
     best, where = torch.topk(torch.from_numpy(values), k, dim=1)
     return best, torch.from_numpy(ids).gather(1, where), answered
 
@@ -395,17 +412,12 @@ def _top_candidates_grouped(
     a_c = _np(constrained)
     t, v = a_c.shape
     gmax_c = group_max(a_c)
-    floor = _kth_floor(a_c, gmax_c, k)
-    answered = np.isfinite(floor) & ~np.isnan(gmax_c).any(axis=1)
-    if v > gmax_c.shape[1] * _GROUP:
-        answered &= ~np.isnan(a_c[:, gmax_c.shape[1] * _GROUP :]).any(axis=1)
-    owner, cols = entries_at_least(a_c, gmax_c, np.where(answered, floor, np.inf).astype(np.float32))
-    if owner.size > t * (v // 8):
+    found = _at_kth_floor(a_c, gmax_c, k)
+    if found is None:
         return None
+    answered, owner, cols = found
     # The constrained k-th best of each row, and every candidate reaching it (ties included).
-    packed, _, _ = _compact(owner, cols, a_c[owner, cols], t, NEG_INF)
-    if packed.shape[1] < k:
-        packed = np.pad(packed, ((0, 0), (0, k - packed.shape[1])), constant_values=NEG_INF)
+    packed, _ = _packed(a_c, owner, cols, t, k)
     kth = -np.partition(-packed, k - 1, axis=1)[:, k - 1]
     keep = a_c[owner, cols] >= kth[owner]
     owner, cols = owner[keep], cols[keep]
