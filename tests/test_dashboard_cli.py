@@ -130,11 +130,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _wait_healthy(port: int, process: subprocess.Popen, seconds: float) -> float:
+def _wait_healthy(port: int, process: subprocess.Popen, seconds: float, log: Path | None = None) -> float:
     """Seconds until the server answers its health check (fails if the command exits or time runs out)."""
     start = time.monotonic()
     while time.monotonic() - start < seconds:
-        assert process.poll() is None, f"the command exited with {process.returncode}"
+        if process.poll() is not None:
+            said = log.read_text(errors="replace")[-3000:] if log is not None and log.exists() else ""
+            raise AssertionError(f"the command exited with {process.returncode}:\n{said}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=1) as response:
                 if response.status == 200:
@@ -168,7 +170,7 @@ def test_demo_without_a_terminal_serves_then_stops_its_server_and_removes_its_fo
         process = subprocess.Popen([sys.executable, "-m", "logitscope", "demo", "--port", str(port)], env=env,
                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
         try:
-            _wait_healthy(port, process, 240)  # recording the eight runs comes first
+            _wait_healthy(port, process, 240, log)  # recording the runs comes first
             assert [p.name for p in temp.iterdir()][0].startswith("logitscope-demo-")
             process.send_signal(signal.SIGTERM)
             assert process.wait(30) == 0
@@ -185,11 +187,12 @@ def test_demo_without_a_terminal_serves_then_stops_its_server_and_removes_its_fo
 def test_sigterm_to_the_dashboard_stops_the_server(tmp_path):
     port = _free_port()
     env = {**os.environ, "HOME": str(tmp_path), "DISPLAY": ""}
+    log = tmp_path / "log.txt"
     process = subprocess.Popen([sys.executable, "-m", "logitscope", "dashboard", str(default_runs_path()), "--port",
-                                str(port)], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+                                str(port)], env=env, stdin=subprocess.DEVNULL, stdout=open(log, "wb"),
+                               stderr=subprocess.STDOUT)
     try:
-        _wait_healthy(port, process, 60)
+        _wait_healthy(port, process, 60, log)
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) == 0
     finally:
