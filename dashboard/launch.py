@@ -2,17 +2,18 @@
 
 The first page of a new session otherwise pays for importing torch, pandas,
 pyarrow and plotly (through ``tracker`` and the chart and view modules) inside
-the script run. Here a background thread imports them while the server
-starts, so that the first visitor finds them loaded. Only modules free of
-Streamlit calls are imported early; the pages import the rest as usual.
+the script run. Here they are imported before the server starts, so that the
+first visitor finds them loaded. (Not on a background thread beside the
+server: a session's script importing the same packages at the same moment
+could see a module half initialised.) Only modules free of Streamlit calls
+are imported early; the pages import the rest as usual.
 """
 
 from __future__ import annotations
 
 import importlib
-import threading
 
-#: Imported in the background while the server starts (none of them calls Streamlit).
+#: Imported before the server starts (none of them calls Streamlit).
 EARLY = ("tracker", "dashboard.reader", "dashboard.discover", "dashboard.views", "dashboard.charts", "dashboard.text")
 
 
@@ -23,7 +24,7 @@ def warm() -> None:
 
 
 def main() -> None:
-    threading.Thread(target=warm, name="logitscope-warm-imports", daemon=True).start()
+    warm()
     from streamlit.web.cli import main as streamlit_main
 
     streamlit_main(prog_name="streamlit")  # as ``python -m streamlit`` does; exits with the server

@@ -130,12 +130,38 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class PortTaken(AssertionError):
+    """The free port picked for the server was taken before the server could bind it."""
+
+
+def _started(command: list[str], env: dict[str, str], log: Path, seconds: float, **popen: object) -> tuple[subprocess.Popen, int]:
+    """``command + ["--port", PORT]`` started and answering its health check, on a port found free
+    (tried again on another port when something else took it in between)."""
+    for _ in range(3):
+        port = _free_port()
+        with open(log, "wb") as out:
+            process = subprocess.Popen([*command, "--port", str(port)], env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                       stderr=subprocess.STDOUT, **popen)
+        try:
+            _wait_healthy(port, process, seconds, log)
+            return process, port
+        except PortTaken:
+            continue
+        except BaseException:
+            if process.poll() is None:
+                process.kill()
+            raise
+    raise AssertionError("three free ports were taken before the server could bind them")
+
+
 def _wait_healthy(port: int, process: subprocess.Popen, seconds: float, log: Path | None = None) -> float:
     """Seconds until the server answers its health check (fails if the command exits or time runs out)."""
     start = time.monotonic()
     while time.monotonic() - start < seconds:
         if process.poll() is not None:
-            said = log.read_text(errors="replace")[-3000:] if log is not None and log.exists() else ""
+            said = log.read_text(errors="replace")[-12000:] if log is not None and log.exists() else ""
+            if f"Port {port} is not available" in said:
+                raise PortTaken(said)
             raise AssertionError(f"the command exited with {process.returncode}:\n{said}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=1) as response:
@@ -161,22 +187,19 @@ def _port_is_free(port: int, seconds: float = 5.0) -> bool:
 
 def test_demo_without_a_terminal_serves_then_stops_its_server_and_removes_its_folder(tmp_path):
     """`logitscope demo </dev/null` as a service would run it: no prompt, a server, and nothing left after SIGTERM."""
-    port = _free_port()
     temp = tmp_path / "tmp"
     temp.mkdir()
     env = {**os.environ, "TMPDIR": str(temp), "HOME": str(tmp_path), "DISPLAY": ""}  # a fresh user, no display
     log = tmp_path / "log.txt"
-    with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "logitscope", "demo", "--port", str(port)], env=env,
-                                   stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
-        try:
-            _wait_healthy(port, process, 240, log)  # recording the runs comes first
-            assert [p.name for p in temp.iterdir()][0].startswith("logitscope-demo-")
-            process.send_signal(signal.SIGTERM)
-            assert process.wait(30) == 0
-        finally:
-            if process.poll() is None:
-                process.kill()
+    # recording the runs comes first
+    process, port = _started([sys.executable, "-m", "logitscope", "demo"], env, log, 240, cwd=tmp_path)
+    try:
+        assert [p.name for p in temp.iterdir()][0].startswith("logitscope-demo-")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
     text = log.read_text(errors="replace")
     assert "Email" not in text and "gatherUsageStats" not in text and "streamlit skills" not in text, text
     assert "<|endoftext|>" not in text
@@ -185,14 +208,10 @@ def test_demo_without_a_terminal_serves_then_stops_its_server_and_removes_its_fo
 
 
 def test_sigterm_to_the_dashboard_stops_the_server(tmp_path):
-    port = _free_port()
     env = {**os.environ, "HOME": str(tmp_path), "DISPLAY": ""}
     log = tmp_path / "log.txt"
-    process = subprocess.Popen([sys.executable, "-m", "logitscope", "dashboard", str(default_runs_path()), "--port",
-                                str(port)], env=env, stdin=subprocess.DEVNULL, stdout=open(log, "wb"),
-                               stderr=subprocess.STDOUT)
+    process, port = _started([sys.executable, "-m", "logitscope", "dashboard", str(default_runs_path())], env, log, 60)
     try:
-        _wait_healthy(port, process, 60, log)
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) == 0
     finally:
