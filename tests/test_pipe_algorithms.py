@@ -14,8 +14,7 @@ import torch
 
 from sampling.pipe import SAMPLED, LogitsPipe, MinP, PipeError, Sample, Softmax, Tap, Temperature, TensorType, TopK, TopP
 from sampling.pipe import kernels as K
-from test_pipe_statistics import CASES, _assert_fits, _draw, _logits, _stages
-from test_pipe_reference import reference_probs
+from test_pipe_statistics import CASES, _assert_fits, _draw, _expected, _logits, _stages
 
 SYNC_FREE = ("sort", "radix")
 
@@ -105,14 +104,7 @@ def test_probs_input_counts_as_summing_to_one_on_every_algorithm():
 def test_sync_free_algorithms_sample_the_exact_distribution(case, algorithm):
     params = CASES[case]
     row = _logits(200, seed=200 + len(case))
-    expected = reference_probs(
-        row,
-        temperature=params["temperature"],
-        min_p=params.get("min_p"),
-        top_k=params.get("top_k"),
-        top_p=params.get("top_p"),
-        joint=params.get("joint", False),
-    )[0]
+    expected = _expected(row, params)
     pipe = LogitsPipe(_stages(params), algorithm=algorithm)
     _assert_fits(_draw(pipe, row, params, seed=1), expected, f"{case} {algorithm}")
 

@@ -70,12 +70,9 @@ def _assert_fits(tokens: torch.Tensor, expected: np.ndarray, what: str) -> None:
     assert pvalue >= MIN_PVALUE, f"{what}: G-test G={g:.1f}, dof={dof}, p={pvalue:.2e} < {MIN_PVALUE}"
 
 
-@pytest.mark.parametrize("vocab", [50, 200])
-@pytest.mark.parametrize("case", list(CASES))
-def test_samples_match_the_exact_distribution_compiled_and_not(case, vocab):
-    params = CASES[case]
-    row = _logits(vocab, seed=vocab + len(case))
-    expected = reference_probs(
+def _expected(row, params: dict) -> object:
+    """The exact float64 distribution a pipe with ``params`` samples from ``row``."""
+    return reference_probs(
         row,
         temperature=params["temperature"],
         min_p=params.get("min_p"),
@@ -83,6 +80,14 @@ def test_samples_match_the_exact_distribution_compiled_and_not(case, vocab):
         top_p=params.get("top_p"),
         joint=params.get("joint", False),
     )[0]
+
+
+@pytest.mark.parametrize("vocab", [50, 200])
+@pytest.mark.parametrize("case", list(CASES))
+def test_samples_match_the_exact_distribution_compiled_and_not(case, vocab):
+    params = CASES[case]
+    row = _logits(vocab, seed=vocab + len(case))
+    expected = _expected(row, params)
     compiled = LogitsPipe(_stages(params))
     plain = LogitsPipe(_stages(params), compile=False)
     a = _draw(compiled, row, params, seed=1)
