@@ -4,7 +4,12 @@ A logitscope processor is batch-level and functional: ``process(logits, ctx)``
 takes next-token logits ``[B, V]`` and a :class:`BatchContext` describing the
 rows, and returns logits of the same shape. Every processor is also callable
 in the transformers convention ``processor(input_ids, scores) -> scores``, so
-it can be handed to ``model.generate(logits_processor=[...])`` as it is.
+it can be handed to ``model.generate(logits_processor=[...])`` as it is; and
+the other way round, :func:`as_processor` takes any callable of that
+convention as a processor (:class:`FromTransformers`), which is how
+:class:`ProcessorList` accepts transformers processors. The adapters of the
+other conventions (vLLM, Dynamo, TensorRT-LLM) build on this module: see
+:mod:`processors.adapters`.
 
 Hosts that know more than transformers does (logitscope's ``Generator``) build
 the context themselves; hosts that pass only ``input_ids`` get a context whose
@@ -27,6 +32,8 @@ __all__ = [
     "ProcessorList",
     "ProcessorError",
     "check_logits",
+    "as_processor",
+    "FromTransformers",
 ]
 
 
@@ -139,7 +146,7 @@ class BatchContext:
         )
 
 
-class _PromptBoundary:
+class PromptBoundary:
     """Infers the prompt boundary for hosts that pass only ``input_ids``.
 
     The first call after a reset sees the whole prompt; an input that does not
@@ -273,7 +280,7 @@ class LogitsProcessor(abc.ABC):
         """The transformers convention: ``(input_ids [B, L], scores [B, V]) -> scores``."""
         boundary = self.__dict__.get("_host_boundary")
         if boundary is None:
-            boundary = self.__dict__["_host_boundary"] = _PromptBoundary()
+            boundary = self.__dict__["_host_boundary"] = PromptBoundary()
         length = int(input_ids.shape[1])
         if boundary.starts_new_generation(length):
             self.reset()
@@ -289,11 +296,64 @@ class LogitsProcessor(abc.ABC):
         return f"{self.name}()"
 
 
-def _as_processor(item: Any) -> LogitsProcessor:
-    # Local import: adapters import this module.
-    from processors.adapters import as_processor
+def callable_name(fn: Any) -> str:
+    """A name for a user's function or callable object (its ``__name__``, else its class name)."""
+    return getattr(fn, "__name__", None) or type(fn).__name__
 
-    return as_processor(item)
+
+def require_callable(fn: Any, adapter: str) -> None:
+    """Raise ``TypeError`` naming ``adapter`` unless ``fn`` is callable."""
+    if not callable(fn):
+        raise TypeError(f"{adapter}: fn must be callable, got {type(fn).__name__}")
+
+
+class FromTransformers(LogitsProcessor):
+    """A transformers-convention processor ``fn(input_ids, scores) -> scores``.
+
+    transformers processors may modify ``scores`` in place, so this adapter
+    says it may (``inplace = True``).
+    """
+
+    inplace = True
+
+    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        require_callable(fn, "from_transformers")
+        self.fn = fn
+
+    @property
+    def name(self) -> str:
+        return callable_name(self.fn)
+
+    def process(self, logits: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+        """``fn(ctx.input_ids, logits)``; synchronises only if ``fn`` does."""
+        return self.fn(ctx.input_ids, logits)
+
+    def reset(self) -> None:
+        reset = getattr(self.fn, "reset", None)
+        if callable(reset):
+            reset()
+
+    def __repr__(self) -> str:
+        return f"FromTransformers({self.name})"
+
+
+def as_processor(item: Any) -> LogitsProcessor:
+    """A logitscope processor for ``item``.
+
+    logitscope processors pass through. Any other callable is taken to be in
+    the transformers convention (``LogitsProcessorList`` accepts the same);
+    functions of other conventions must be wrapped explicitly with
+    :func:`~processors.from_vllm`, :func:`~processors.from_dynamo` or
+    :func:`~processors.from_trtllm`.
+    """
+    if isinstance(item, LogitsProcessor):
+        return item
+    if callable(item):
+        return FromTransformers(item)
+    raise TypeError(
+        f"a logits processor must be a processors.LogitsProcessor or a callable "
+        f"(input_ids, scores) -> scores, got {type(item).__name__}"
+    )
 
 
 class ProcessorList(LogitsProcessor):
@@ -307,14 +367,14 @@ class ProcessorList(LogitsProcessor):
     """
 
     def __init__(self, processors: Iterable[Any] = ()) -> None:
-        self.processors: list[LogitsProcessor] = [_as_processor(p) for p in processors]
+        self.processors: list[LogitsProcessor] = [as_processor(p) for p in processors]
 
     @property
     def inplace(self) -> bool:  # type: ignore[override]
         return any(p.inplace for p in self.processors)
 
     def append(self, processor: Any) -> None:
-        self.processors.append(_as_processor(processor))
+        self.processors.append(as_processor(processor))
 
     def __len__(self) -> int:
         return len(self.processors)

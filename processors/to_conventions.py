@@ -1,0 +1,226 @@
+"""Adapters from logitscope's processor protocol to the conventions other hosts call.
+
+``to_vllm``, ``to_dynamo`` and ``to_trtllm`` turn a logitscope processor into
+a callable of that convention; ``to_transformers`` returns the processor
+itself, which follows that convention already. The table of conventions is in
+:mod:`processors.adapters`.
+
+Each call builds a one-row (or one-request) :class:`~processors.protocol.BatchContext`
+from the host's id lists, which copies them to the logits' device. The
+adapters read nothing back from the device, except the ids of a Dynamo host
+that passes them as a device tensor (one read per call); what the wrapped
+processor reads is said by its ``process``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections import OrderedDict
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from processors.protocol import BatchContext, LogitsProcessor, ProcessorError, PromptBoundary, as_processor
+
+__all__ = [
+    "to_transformers",
+    "to_vllm",
+    "to_dynamo",
+    "to_trtllm",
+    "VLLMProcessor",
+    "DynamoProcessor",
+    "TensorRTLLMProcessor",
+]
+
+
+@contextlib.contextmanager
+def _on_stream(stream_ptr: int | None, device: torch.device) -> Iterator[None]:
+    """Run on the CUDA stream a TensorRT-LLM host handed over, if any."""
+    if stream_ptr is None or device.type != "cuda":
+        yield
+        return
+    with torch.cuda.stream(torch.cuda.ExternalStream(stream_ptr, device=device)):
+        yield
+
+
+def _row_context(token_ids: Sequence[int], prompt_length: int, device: torch.device) -> BatchContext:
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=device).view(1, -1)
+    return BatchContext(input_ids=ids, prompt_length=prompt_length)
+
+
+def _apply_in_place(processor: LogitsProcessor, row: torch.Tensor, ctx: BatchContext) -> None:
+    batch = row.reshape(1, -1)
+    out = processor.process(batch, ctx)
+    if out.shape != batch.shape:
+        raise ProcessorError(
+            f"processor {processor.name} returned shape {tuple(out.shape)}, expected {tuple(batch.shape)}"
+        )
+    if out.data_ptr() != batch.data_ptr():
+        row.copy_(out.view_as(row))
+    elif batch.data_ptr() != row.data_ptr():  # reshape had to copy
+        row.copy_(batch.view_as(row))
+
+
+def to_transformers(processor: Any) -> LogitsProcessor:
+    """A processor usable in ``model.generate(logits_processor=[...])``.
+
+    logitscope processors follow that convention already; this returns the
+    processor itself (adapting a plain callable first).
+    """
+    return as_processor(processor)
+
+
+class VLLMProcessor:
+    """A logitscope processor as a vLLM per-request callable.
+
+    ``__call__(output_ids, logits)`` or, with ``with_prompt=True``,
+    ``__call__(prompt_ids, output_ids, logits)``; returns the processed row.
+    vLLM makes one callable per request; when one instance sees a request
+    start again (no output yet, or fewer outputs than last time) it resets the
+    processor.
+    """
+
+    def __init__(self, processor: Any, *, with_prompt: bool = False) -> None:
+        self.processor = as_processor(processor)
+        self.with_prompt = bool(with_prompt)
+        self._last_outputs: int | None = None
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        """The processed row (no synchronisation of its own; see the module docstring)."""
+        expected = 3 if self.with_prompt else 2
+        if len(args) != expected:
+            form = "(prompt_ids, output_ids, logits)" if self.with_prompt else "(output_ids, logits)"
+            raise TypeError(f"this vLLM processor takes {form}, got {len(args)} arguments")
+        if self.with_prompt:
+            prompt_ids, output_ids, logits = args
+        else:
+            prompt_ids, (output_ids, logits) = (), args
+        n_out = len(output_ids)
+        if self._last_outputs is not None and n_out <= self._last_outputs:
+            self.processor.reset()
+        self._last_outputs = n_out
+        ids = list(prompt_ids) + list(output_ids)
+        ctx = _row_context(ids, len(prompt_ids), logits.device)
+        out = self.processor.process(logits.reshape(1, -1), ctx)
+        return out.view_as(logits)
+
+
+class DynamoProcessor:
+    """A logitscope processor as a Dynamo-style in-place callable.
+
+    ``__call__(input_ids, logits)`` modifies the row ``logits [V]`` in place
+    and returns None. The first call after a reset (or an input that does not
+    grow) marks the prompt.
+    """
+
+    def __init__(self, processor: Any) -> None:
+        self.processor = as_processor(processor)
+        self._boundary = PromptBoundary()
+
+    def reset(self) -> None:
+        self._boundary.clear()
+        self.processor.reset()
+
+    def __call__(self, input_ids: Sequence[int], logits: torch.Tensor) -> None:
+        """Process the row in place (synchronises only to read ``input_ids`` given as a device tensor)."""
+        ids = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else list(input_ids)
+        if self._boundary.starts_new_generation(len(ids)):
+            self.reset()
+        ctx = _row_context(ids, self._boundary.observe(len(ids)), logits.device)
+        _apply_in_place(self.processor, logits, ctx)
+        return None
+
+
+class TensorRTLLMProcessor:
+    """A logitscope processor as a TensorRT-LLM-style in-place callable.
+
+    ``__call__(req_id, logits [beam, 1, V], token_ids [[...] per beam],
+    stream_ptr, client_id) -> None``. Each request gets its own copy of the
+    processor (so per-sequence state never mixes requests), made when the
+    request is first seen; the ``max_requests`` most recent are kept. On a GPU
+    the work runs on the host's stream ``stream_ptr``.
+    """
+
+    def __init__(self, processor: Any, *, max_requests: int = 1024) -> None:
+        if max_requests < 1:
+            raise ValueError(f"max_requests must be >= 1, got {max_requests}")
+        self.processor = as_processor(processor)
+        self.max_requests = int(max_requests)
+        self._requests: OrderedDict[Any, tuple[LogitsProcessor, PromptBoundary]] = OrderedDict()
+
+    def _state(self, req_id: Any) -> tuple[LogitsProcessor, PromptBoundary]:
+        state = self._requests.get(req_id)
+        if state is None:
+            processor = copy.deepcopy(self.processor)
+            processor.reset()
+            state = self._requests[req_id] = (processor, PromptBoundary())
+            while len(self._requests) > self.max_requests:
+                self._requests.popitem(last=False)
+        else:
+            self._requests.move_to_end(req_id)
+        return state
+
+    def __call__(
+        self,
+        req_id: Any,
+        logits: torch.Tensor,
+        token_ids: Sequence[Sequence[int]],
+        stream_ptr: int | None = None,
+        client_id: Any = None,
+    ) -> None:
+        """Process the request's beams in place, on ``stream_ptr`` (no synchronisation of its own)."""
+        if logits.ndim != 3 or logits.shape[1] != 1:
+            raise ValueError(f"logits must be [beam, 1, vocab], got shape {tuple(logits.shape)}")
+        beams = logits.shape[0]
+        if len(token_ids) != beams:
+            raise ValueError(f"token_ids must have one list per beam ({beams}), got {len(token_ids)}")
+        lengths = {len(t) for t in token_ids}
+        if len(lengths) != 1:
+            raise ValueError(f"every beam's token_ids must have the same length, got lengths {sorted(lengths)}")
+        processor, boundary = self._state(req_id)
+        length = lengths.pop()
+        if boundary.starts_new_generation(length):
+            boundary.clear()
+            processor.reset()
+        ids = torch.as_tensor([list(t) for t in token_ids], dtype=torch.long, device=logits.device)
+        ctx = BatchContext(input_ids=ids, prompt_length=boundary.observe(length), request_ids=(req_id,) * beams)
+        with _on_stream(stream_ptr, logits.device):
+            batch = logits.view(beams, -1) if logits.is_contiguous() else logits.reshape(beams, -1)
+            out = processor.process(batch, ctx)
+            if out.data_ptr() != logits.data_ptr():
+                logits.copy_(out.view_as(logits))
+        return None
+
+    def batched(
+        self,
+        req_ids: Sequence[Any],
+        logits: Sequence[torch.Tensor],
+        token_ids: Sequence[Sequence[Sequence[int]]],
+        stream_ptr: int | None = None,
+        client_ids: Sequence[Any] | None = None,
+    ) -> None:
+        """TensorRT-LLM's batched form: lists with one entry per request."""
+        if not len(req_ids) == len(logits) == len(token_ids):
+            raise ValueError(
+                f"req_ids, logits and token_ids must have one entry per request, got lengths "
+                f"{len(req_ids)}, {len(logits)}, {len(token_ids)}"
+            )
+        clients = client_ids if client_ids is not None else [None] * len(req_ids)
+        for req_id, row, ids, client in zip(req_ids, logits, token_ids, clients):
+            self(req_id, row, ids, stream_ptr, client)
+
+
+def to_vllm(processor: Any, *, with_prompt: bool = False) -> VLLMProcessor:
+    """A vLLM per-request callable (make one per request, as vLLM expects)."""
+    return VLLMProcessor(processor, with_prompt=with_prompt)
+
+
+def to_dynamo(processor: Any) -> DynamoProcessor:
+    """A Dynamo-style in-place callable ``(input_ids, logits_row) -> None``."""
+    return DynamoProcessor(processor)
+
+
+def to_trtllm(processor: Any, *, max_requests: int = 1024) -> TensorRTLLMProcessor:
+    """A TensorRT-LLM-style in-place callable; ``.batched`` is the list form."""
+    return TensorRTLLMProcessor(processor, max_requests=max_requests)
