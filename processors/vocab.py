@@ -3,8 +3,10 @@
 This is the project's one vocabulary module. Processors read it (text-level
 bad words, forced text, bias keys), the Generator decodes its outputs with
 it, the tracker stores it in every run, and the dashboard shows tokens with
-it. It imports no torch and nothing of ours beyond the argument checks
-(numpy; pyarrow only to serialise), so that a run's vocabulary can be read back without a model.
+it. It and what it imports (:mod:`processors.vocab_build`,
+:mod:`processors.vocab_text`, :mod:`processors.checks`) load no torch,
+transformers or llguidance (numpy; pyarrow only to serialise), so that a
+run's vocabulary can be read back without a model.
 
 Where it lives: ``processors/`` is the lowest layer, and DESIGN.md lets
 ``tracker/`` import only the protocol from it. This module counts as part of
@@ -12,21 +14,11 @@ that shared protocol layer (like :mod:`processors.protocol`): it is what
 "token id" means for every processor and every run. ``tracker/`` re-exports
 :class:`Vocabulary`; ``dashboard/`` reaches it through ``tracker``.
 
-What a token's bytes are: the bytes the token adds to the text **in the
-middle of a text**, the way the tokenizer's own decoder joins it to what
-came before (``"▁Paris"`` spells ``b" Paris"`` even where the decoder would
-strip the space at the very start). Special tokens (EOS, padding, BOS) spell
-nothing; ids beyond the tokenizer (padded logits) spell nothing. Every
-decoder family is read from the tokenizer's own token table in one pass,
-never by decoding one id at a time: byte-level BPE, Metaspace (with or
-without prepend) and ``<0xNN>`` byte fallback, WordPiece, and a ``Sequence``
-of these.
-
-Text is decoded from bytes with one rule everywhere (:func:`decode_text`):
-invalid or incomplete UTF-8 becomes one ``�`` per broken piece, as
-``tokenizer.decode`` does. A single token is shown with :func:`display_bytes`:
-a byte that is not (yet) a character is shown as ``⟨F0⟩``, unambiguous
-against tokens that spell a literal ``\\x``.
+What a token's bytes are (the bytes it adds in the middle of a text) and how
+they are read from each decoder family is :mod:`processors.vocab_build`'s job;
+how bytes become text (:func:`decode_text`, :func:`display_bytes`) is
+:mod:`processors.vocab_text`'s. This module holds the table itself: built
+from a tokenizer and cached (:func:`vocab_for`), decoded, and stored in a run.
 
 >>> vocab = vocab_for(tokenizer)
 >>> vocab.decode(ids)                       # the text, in context
@@ -37,8 +29,6 @@ from __future__ import annotations
 
 import base64
 import codecs
-import json
-import re
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -47,7 +37,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from processors.checks import check_token_ids
+from processors.vocab_build import byte_level_alphabet, eos_token_ids, hf_tokenizer, read_tokenizer
+from processors.vocab_text import decode_text, display_bytes
 
 __all__ = [
     "Fragment",
@@ -59,84 +50,6 @@ __all__ = [
     "hf_tokenizer",
     "vocab_for",
 ]
-
-_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
-_ANGLE_ERRORS = "logitscope-angle-bytes"
-
-
-def _angle_bytes(error: UnicodeError) -> tuple[str, int]:
-    if not isinstance(error, UnicodeDecodeError):
-        raise error
-    broken = error.object[error.start : error.end]
-    return "".join(f"⟨{b:02X}⟩" for b in broken), error.end
-
-
-codecs.register_error(_ANGLE_ERRORS, _angle_bytes)
-
-
-def display_bytes(piece: bytes) -> str:
-    """One token's bytes as display text: UTF-8, each byte that is no character shown as ``⟨F0⟩``."""
-    return piece.decode("utf-8", _ANGLE_ERRORS)
-
-
-def decode_text(data: bytes) -> str:
-    """Bytes as text, the same way everywhere: broken or unfinished UTF-8 becomes one ``�`` per piece."""
-    return data.decode("utf-8", "replace")
-
-
-def byte_level_alphabet() -> dict[int, str]:
-    """GPT-2's byte-level alphabet: byte value -> the printable character standing for it."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars)}
-
-
-_FROM_BYTE_LEVEL = {ord(ch): chr(b) for b, ch in byte_level_alphabet().items()}
-
-
-def hf_tokenizer(tokenizer: Any) -> Any:
-    """The Hugging Face tokenizer inside ``tokenizer`` (a host's wrapper, e.g. Outlines'), or ``tokenizer``.
-
-    Follows ``.tokenizer`` a few levels down to the first object with a token
-    table (``convert_ids_to_tokens``); a wrapper's own ``decode`` is never
-    used, since hosts' wrappers return other shapes (Outlines' returns a list).
-    """
-    obj = tokenizer
-    for _ in range(4):
-        if obj is None:
-            break
-        if hasattr(obj, "convert_ids_to_tokens"):
-            return obj
-        obj = getattr(obj, "tokenizer", None)
-    return tokenizer
-
-
-def _int_ids(name: str, value: Any) -> tuple[int, ...]:
-    items = list(value) if isinstance(value, (list, tuple, set, frozenset)) else [value]
-    return tuple(dict.fromkeys(check_token_ids(name, items, None)))
-
-
-def eos_token_ids(tokenizer: Any = None, eos_token_id: Any = None, *, generation_config: Any = None) -> tuple[int, ...]:
-    """The end-of-sequence ids: ``eos_token_id`` if given, else the generation config's, else the tokenizer's.
-
-    Each source may hold one id or a list. Returns ``()`` when no source has
-    one; a value that is not a token id raises ``ValueError`` naming it.
-    """
-    if eos_token_id is not None:
-        return _int_ids("eos_token_id", eos_token_id)
-    config_ids = getattr(generation_config, "eos_token_id", None)
-    if config_ids is not None:
-        return _int_ids("generation_config.eos_token_id", config_ids)
-    ids = getattr(tokenizer, "eos_token_id", None)
-    if ids is None and tokenizer is not None:
-        ids = getattr(hf_tokenizer(tokenizer), "eos_token_id", None)
-    return () if ids is None else _int_ids("tokenizer.eos_token_id", ids)
 
 
 @dataclass(frozen=True)
@@ -155,121 +68,6 @@ class Fragment:
     text: str
     ids: tuple[int, ...]
     exact: bool
-
-
-# ---------------------------------------------------------------- decoder families
-
-
-def _decoder_specs(tokenizer: Any) -> list[dict[str, Any]]:
-    """The fast tokenizer's decoders, a ``Sequence`` flattened; ``[]`` when there is no decoder table."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    decoder = getattr(backend, "decoder", None) if backend is not None else None
-    if decoder is None:
-        return []
-    try:
-        spec = json.loads(decoder.__getstate__())
-    except (TypeError, ValueError, AttributeError):
-        return []
-
-    def flatten(node: dict[str, Any]) -> list[dict[str, Any]]:
-        if node.get("type") == "Sequence":
-            return [d for child in node.get("decoders", []) for d in flatten(child)]
-        return [node]
-
-    return flatten(spec) if isinstance(spec, dict) else []
-
-
-def _pieces_from_tokens(tokens: list[str], specs: list[dict[str, Any]]) -> list[bytes] | None:
-    """Each token's bytes from its string form, following the decoders; None for a family not known here."""
-    types = [d.get("type") for d in specs]
-    if "ByteLevel" in types:
-        return _pieces_byte_level(tokens)
-    if "WordPiece" in types:
-        spec = specs[types.index("WordPiece")]
-        return _pieces_wordpiece(tokens, spec.get("prefix", "##"), bool(spec.get("cleanup", True)))
-    if any(t in ("Metaspace", "ByteFallback", "Replace") for t in types):
-        return _pieces_sentencepiece(tokens, specs)
-    return None
-
-
-def _pieces_byte_level(tokens: list[str]) -> list[bytes]:
-    """GPT-2 style: every character stands for one byte (tokens outside the alphabet are their UTF-8)."""
-    joined = "".join(tokens)
-    if not set(joined) - set(_FROM_BYTE_LEVEL_CHARS):
-        blob = joined.translate(_FROM_BYTE_LEVEL).encode("latin-1")
-        lengths = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
-        ends = np.cumsum(lengths)
-        return [blob[s:e] for s, e in zip((ends - lengths).tolist(), ends.tolist())]
-    return [
-        t.translate(_FROM_BYTE_LEVEL).encode("latin-1") if not set(t) - set(_FROM_BYTE_LEVEL_CHARS) else t.encode("utf-8")
-        for t in tokens
-    ]
-
-
-_FROM_BYTE_LEVEL_CHARS = frozenset(chr(c) for c in _FROM_BYTE_LEVEL)
-
-
-def _pieces_sentencepiece(tokens: list[str], specs: list[dict[str, Any]]) -> list[bytes]:
-    """Metaspace / ``Replace("▁", " ")`` for spaces, ``<0xNN>`` pieces for bytes when ``ByteFallback`` is on."""
-    replacements: list[tuple[str, str]] = []
-    for spec in specs:
-        if spec.get("type") == "Metaspace":
-            replacements.append((spec.get("replacement", "▁"), " "))
-        elif spec.get("type") == "Replace":
-            pattern = spec.get("pattern", {})
-            source = pattern.get("String") if isinstance(pattern, dict) else None
-            if source:
-                replacements.append((source, spec.get("content", "")))
-    byte_fallback = any(spec.get("type") == "ByteFallback" for spec in specs)
-    out = []
-    for t in tokens:
-        match = _BYTE_FALLBACK.match(t) if byte_fallback and t.startswith("<0x") else None
-        if match:
-            out.append(bytes([int(match.group(1), 16)]))
-            continue
-        for source, target in replacements:
-            t = t.replace(source, target)
-        out.append(t.encode("utf-8"))
-    return out
-
-
-_GLUED_LEFT = {".", ",", "!", "?", "n't", "'m", "'s", "'ve", "'re"}
-
-
-def _pieces_wordpiece(tokens: list[str], prefix: str, cleanup: bool) -> list[bytes]:
-    """WordPiece: ``##`` pieces continue a word, others start one after a space (cleanup glues punctuation)."""
-    out = []
-    for t in tokens:
-        if t.startswith(prefix):
-            out.append(t[len(prefix) :].encode("utf-8"))
-        elif cleanup and t in _GLUED_LEFT:
-            out.append(t.encode("utf-8"))
-        else:
-            out.append((" " + t).encode("utf-8"))
-    return out
-
-
-def _pieces_by_decoding(tokenizer: Any, n: int) -> list[bytes]:
-    """A tokenizer with no decoder table known here: one batched decode (else one ``decode`` per id)."""
-    batch = getattr(tokenizer, "batch_decode", None)
-    if callable(batch):
-        texts = batch([[i] for i in range(n)])
-    elif callable(getattr(tokenizer, "decode", None)):
-        texts = [tokenizer.decode([i]) for i in range(n)]
-    else:
-        raise TypeError(
-            f"tokenizer must have convert_ids_to_tokens, batch_decode or decode, got {type(tokenizer).__name__}"
-        )
-    return [str(t).encode("utf-8") for t in texts]
-
-
-def _slow_specs(tokens: list[str]) -> list[dict[str, Any]]:
-    """For a tokenizer with no decoder table: guess the family from its token strings."""
-    if any(t.startswith("▁") for t in tokens):
-        return [{"type": "Metaspace", "replacement": "▁"}, {"type": "ByteFallback"}]
-    if any(t.startswith("Ġ") for t in tokens):
-        return [{"type": "ByteLevel"}]
-    return []
 
 
 # ---------------------------------------------------------------- the vocabulary
@@ -372,42 +170,9 @@ class Vocabulary:
         their output layer) spell nothing and show as ``<id>``. Prefer
         :func:`vocab_for`, which caches the result per tokenizer.
         """
-        tok = hf_tokenizer(tokenizer)
-        known = len(tok) if hasattr(tok, "__len__") else getattr(tok, "vocab_size", None)
-        if known is None and vocab_size is None:
-            raise TypeError(f"tokenizer must have len() or vocab_size, got {type(tok).__name__}")
-        width = int(known) if vocab_size is None else int(vocab_size)
-        if width < 1:
-            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-        n = min(int(known if known is not None else width), width)
-        added = {int(i): t for i, t in (getattr(tok, "added_tokens_decoder", None) or {}).items() if 0 <= int(i) < n}
-        special_ids = {int(i) for i in getattr(tok, "all_special_ids", []) or [] if 0 <= int(i) < n}
-        special_ids |= {i for i, t in added.items() if getattr(t, "special", False)}
-        eos = eos_token_ids(tok)
-        special_ids |= {i for i in eos if i < n}
-
-        pieces: list[bytes] | None = None
-        names: list[str] | None = None
-        if hasattr(tok, "convert_ids_to_tokens"):
-            raw = tok.convert_ids_to_tokens(list(range(n)))
-            names = ["" if t is None else str(t) for t in raw]
-            specs = _decoder_specs(tok) if hasattr(tok, "backend_tokenizer") else _slow_specs(names)
-            table = [("" if i in added else t) for i, t in enumerate(names)]
-            pieces = _pieces_from_tokens(table, specs)
-        if pieces is None:
-            pieces = _pieces_by_decoding(tok, n)
-        for i, token in added.items():
-            pieces[i] = str(getattr(token, "content", token)).encode("utf-8")
-        display = [display_bytes(p) for p in pieces]
-        for i in special_ids:
-            display[i] = names[i] if names is not None and names[i] else display_bytes(pieces[i])
-            pieces[i] = b""
-        pieces += [b""] * (width - n)
-        display += [f"<{i}>" for i in range(n, width)]
-        special = np.zeros(width, dtype=bool)
-        special[sorted(special_ids)] = True
-        special[n:] = True
-        vocab = cls.from_parts(pieces, special, display=display, eos_token_ids=eos)
+        table = read_tokenizer(tokenizer, vocab_size)
+        vocab = cls.from_parts(table.pieces, table.special, display=table.display, eos_token_ids=table.eos_token_ids)
+        tok = table.tokenizer
         object.__setattr__(vocab, "tokenizer_ref", weakref.ref(tok) if _weakrefable(tok) else (lambda: tok))
         return vocab
 
