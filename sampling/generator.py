@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import inspect
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -26,7 +25,8 @@ from processors import BatchContext, LogitsProcessor, ProcessorList
 from processors.device import tensor_on
 from processors.protocol import check_logits
 from processors.vocab import decode_text, eos_token_ids, vocab_for
-from sampling.functional import RowParams, row_keys, sample, uniforms
+from sampling.decode_state import DeviceBatch, Prompt, Row, RowDraws, Stopping, prompt_list
+from sampling.functional import sample
 from sampling.outputs import Completion, RequestOutput
 from sampling.params import SamplingParams
 from sampling.pipe import TaggedTensor
@@ -34,9 +34,6 @@ from sampling.pipe.pipeline import dead_row_error
 from sampling.step_copy import StepCopy
 
 __all__ = ["Generator", "load_model"]
-
-Prompt = str | Sequence[int]
-
 
 def load_model(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
     """Load a causal LM and its tokenizer from a local folder, never from the network.
@@ -57,20 +54,6 @@ def load_model(path: str | os.PathLike[str], *, device: str | torch.device = "cp
     model = AutoModelForCausalLM.from_pretrained(folder, **kwargs).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return model, tokenizer
-
-
-@dataclass
-class _Row:
-    """Book-keeping for one sequence of the batch."""
-
-    request: int
-    sample: int
-    params: SamplingParams
-    tokens: list[int]
-    logprobs: list[float]
-    raw_logprobs: list[float]
-    finish_reason: str | None = None
-    stop_reason: str | None = None
 
 
 class Generator:
@@ -172,15 +155,19 @@ class Generator:
 
     # ------------------------------------------------------------------ decode
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache, prefill=None):
-        """The last position's float32 logits and the cache; ``prefill`` (a context) hears every position's first."""
+    def _forward(self, batch: DeviceBatch, cache: Any, prefill: BatchContext | None = None):
+        """Queue the model on the batch's next input; the last position's float32 logits and the cache.
+
+        ``prefill`` (the prompts' context) hears every position's logits first.
+        No synchronisation of its own (see :meth:`_model_mask`).
+        """
         kwargs: dict[str, Any] = {}
         if self._keeps_last_logits:
             kwargs["logits_to_keep"] = 0 if prefill is not None else 1
         out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
+            input_ids=batch.step_input,
+            attention_mask=self._model_mask(batch.keep, batch.step_input.shape[1]),
+            position_ids=batch.step_positions,
             past_key_values=cache,
             use_cache=True,
             **kwargs,
@@ -233,84 +220,61 @@ class Generator:
         and validity flags reach the host together (:class:`StepCopy`); every
         decision in between is taken from host-side state.
         """
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
-        if not prompts:
-            raise ValueError("prompts must hold at least one prompt, got an empty list")
+        # the requests: prompts as ids, each with its parameters and one row per sample
+        prompts = prompt_list(prompts)
         encoded = self._encode(prompts)
         per_request = self._params_per_request(params, len(prompts), sampling)
-        rows = [
-            _Row(r, j, p, [], [], [])
-            for r, p in enumerate(per_request)
-            for j in range(p.n)
-        ]
+        rows = [Row(r, j, p) for r, p in enumerate(per_request) for j in range(p.n)]
+        # the batch on the device, left-padded. No mask for the model when nothing is padded, unless it knows
+        # a pad id: given no mask, transformers then looks for that id in the input (a device read per step).
         device = self.device
-        batch = len(rows)
-
-        # Left-pad the prompts; positions count from each row's first real token.
-        width = max(len(ids) for ids in encoded)
-        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((batch, width), dtype=torch.long)
-        for b, row in enumerate(rows):
-            ids = encoded[row.request]
-            input_ids[b, width - len(ids) :] = torch.tensor(ids)
-            attention_mask[b, width - len(ids) :] = 1
-        padded = any(len(encoded[r.request]) < width for r in rows)
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        position_ids = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-        # No mask when nothing is padded, unless the model knows a pad id: given no mask, transformers then
-        # looks for that id in the input (its padding warning), a read of the device at every step.
-        masked = padded or getattr(self.model.config, "pad_token_id", None) is not None
-        keep = attention_mask.bool() if masked else None
-
-        row_params = RowParams.build([r.params for r in rows], device)
-        # greedy rows ignore their uniform numbers: an all-greedy batch skips the hash
-        all_greedy = all(r.params.is_greedy for r in rows)
-        no_draws = torch.zeros(batch, dtype=torch.float64, device=device)
-        seeds = [
-            p.seed if p.seed is not None else int(torch.randint(0, 2**62, ()).item()) for p in per_request
-        ]
-        keys = row_keys(
-            torch.tensor([seeds[r.request] for r in rows], device=device),
-            torch.tensor([r.sample for r in rows], device=device),
+        batch = DeviceBatch.left_padded(
+            [encoded[r.request] for r in rows],
+            self.pad_token_id,
+            device,
+            mask_unpadded=getattr(self.model.config, "pad_token_id", None) is not None,
         )
-        limits = [r.params.max_new_tokens for r in rows]
-        eos = set(self.eos_token_ids)
-        stops = [r.params.stop for r in rows]
-        stop_tail = [max((len(s.encode()) for s in st), default=0) + 1 for st in stops]
-        live = list(range(batch))
-        fed: list[list[int]] = [[] for _ in rows]  # the host's copy of input_ids[:, width:]
-        copy = StepCopy(batch, device)
+        # each row's random stream, from its request's seed and its sample index
+        seeds = self._seeds(per_request)
+        draws = RowDraws.build(rows, seeds, device)
+        # the loop, then the outputs
+        self._start_processors(rows, seeds)
+        self._decode(batch, rows, draws)
+        return self._outputs(prompts, encoded, per_request, rows)
 
+    @staticmethod
+    def _seeds(per_request: list[SamplingParams]) -> list[int]:
+        """Each request's seed: its own, or a fresh random one."""
+        return [p.seed if p.seed is not None else int(torch.randint(0, 2**62, ()).item()) for p in per_request]
+
+    def _start_processors(self, rows: list[Row], seeds: list[int]) -> None:
+        """Reset the processors and tell them how each row will be sampled."""
         self.logits_processor.reset()
         self.logits_processor.on_generation_start(
             [{**r.params.to_dict(), "seed": seeds[r.request], "request": r.request, "sample": r.sample} for r in rows]
         )
-        cache = None
+
+    def _decode(self, batch: DeviceBatch, rows: list[Row], draws: RowDraws) -> None:
+        """The decode loop: fills each row's tokens, log-probabilities and finish reason.
+
+        Synchronises once per step (:meth:`StepCopy.fetch`); the stopping
+        rules and the book-keeping read only the host's copy of the step.
+        """
+        stopping = Stopping(rows, self.eos_token_ids, self.tokenizer)
+        fed: list[list[int]] = [[] for _ in rows]  # the host's copy of input_ids[:, width:]
+        copy = StepCopy(len(rows), batch.input_ids.device)
+        live = list(range(len(rows)))
         finished: torch.Tensor | None = None  # rows that ended, fed padding from then on
-        step_input, step_positions = input_ids, position_ids
-        prefill = None
-        if self.logits_processor.wants_prefill_logits:
-            prefill = BatchContext(input_ids=input_ids, prompt_length=width, attention_mask=attention_mask)
-        for step in range(max(limits)):
+        cache = None
+        prefill = batch.prompt_context() if self.logits_processor.wants_prefill_logits else None
+        for step in range(stopping.max_steps):
             # 1. the model's next-token logits (queued on the device; the host does not wait)
-            mask = self._model_mask(keep, step_input.shape[1])
-            raw, cache = self._forward(step_input, mask, step_positions, cache, prefill if step == 0 else None)
+            raw, cache = self._forward(batch, cache, prefill if step == 0 else None)
             # 2. the processors, told the tokens so far from the host's copy
-            # (unpadded rows need no mask after the first step, which tells a tracker where prompts start)
-            ctx_mask = attention_mask if padded or step == 0 else None
-            ctx = BatchContext(input_ids=input_ids, prompt_length=width, attention_mask=ctx_mask, generated=fed)
-            given = raw.clone() if self.logits_processor.inplace else raw
-            logits = check_logits("logits_processor", self.logits_processor.process(given, ctx), raw)
+            ctx = batch.context(step, fed)
+            logits = self._process(raw, ctx)
             # 3. one token per row, each with its request's parameters and random stream
-            u = no_draws if all_greedy else uniforms(keys, step)
-            drawn = sample(logits, row_params, u, taps=self.sample_taps, on_dead="flag", algorithm=self.sampling_algorithm)
-            tokens = drawn.tokens if finished is None else drawn.tokens.masked_fill(finished, self.pad_token_id)
-            # (a dead row's token is -1: its values are meaningless, and raised after the copy)
-            raw_lp = raw.gather(1, tokens.clamp(min=0)[:, None]).squeeze(1) - torch.logsumexp(raw, dim=-1)
+            drawn, tokens, raw_lp = self._sample(raw, logits, draws, step, finished)
             # 4. the step's one synchronisation: ids, log-probabilities and validity reach the host
             host = copy.fetch(tokens, drawn.logprobs, raw_lp, drawn.valid)
             _check_alive(host.valid, live, logits)
@@ -318,42 +282,39 @@ class Generator:
             # 5. book-keeping on the host: append, then stop rows on EOS, stop strings or length
             for b, row_fed in enumerate(fed):
                 row_fed.append(host.tokens[b])
-            for b in live:
-                row = rows[b]
-                token = host.tokens[b]
-                row.tokens.append(token)
-                row.logprobs.append(host.logprobs[b])
-                row.raw_logprobs.append(host.raw_logprobs[b])
-                if token in eos and not row.params.ignore_eos:
-                    row.finish_reason = "stop"
-                elif stops[b] and (hit := self._stop_hit(row.tokens, stops[b], stop_tail[b])):
-                    row.finish_reason, row.stop_reason = "stop", hit
-                elif len(row.tokens) >= limits[b]:
-                    row.finish_reason = "length"
-            still = [b for b in live if rows[b].finish_reason is None]
+            still = stopping.record(host, live)
             if len(still) < len(live):  # the device's copy of the finished rows changes only here
-                finished = tensor_on([r.finish_reason is not None for r in rows], torch.bool, device)
+                finished = tensor_on([r.finish_reason is not None for r in rows], torch.bool, batch.input_ids.device)
             live = still
             if not live:
                 break
             # 6. feed the tokens back: one new column of ids, mask and positions, all on the device
-            input_ids = torch.cat([input_ids, tokens[:, None]], dim=1)
-            if padded:
-                attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], dim=1)
-            if keep is not None:
-                keep = torch.cat([keep, keep.new_ones((batch, 1))], dim=1)
-            step_input, step_positions = tokens[:, None], step_positions[:, -1:] + 1
-        return self._outputs(prompts, encoded, per_request, rows)
+            batch.feed(tokens)
 
-    def _stop_hit(self, tokens: list[int], stop: tuple[str, ...], tail: int) -> str | None:
-        """The first stop string the last ``tail`` tokens spell (matched on the text's bytes, in context)."""
-        spelled = vocab_for(self.tokenizer).decode_bytes(tokens[-tail:])
-        for s in stop:
-            if s.encode("utf-8") in spelled:
-                return s
-        return None
+    def _process(self, raw: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+        """The processors' logits, checked (the raw logits are kept intact for in-place processors).
 
-    def _outputs(self, prompts, encoded, per_request, rows: list[_Row]) -> list[RequestOutput]:
+        Synchronises only where a processor does (each processor's ``process`` says).
+        """
+        given = raw.clone() if self.logits_processor.inplace else raw
+        return check_logits("logits_processor", self.logits_processor.process(given, ctx), raw)
+
+    def _sample(self, raw: torch.Tensor, logits: torch.Tensor, draws: RowDraws, step: int, finished: Any):
+        """One token per row from ``logits``, with the rows' draws of ``step``; ``finished`` rows get the pad id.
+
+        Returns the draw, the tokens ``[B]`` (-1 for a row with nothing to
+        sample: its values are meaningless, and raised after the step's copy)
+        and each token's log-probability under the raw logits. No
+        synchronisation on a GPU: all of it stays on the device.
+        """
+        u = draws.uniforms(step)
+        algorithm = self.sampling_algorithm
+        drawn = sample(logits, draws.params, u, taps=self.sample_taps, on_dead="flag", algorithm=algorithm)
+        tokens = drawn.tokens if finished is None else drawn.tokens.masked_fill(finished, self.pad_token_id)
+        raw_lp = raw.gather(1, tokens.clamp(min=0)[:, None]).squeeze(1) - torch.logsumexp(raw, dim=-1)
+        return drawn, tokens, raw_lp
+
+    def _outputs(self, prompts, encoded, per_request, rows: list[Row]) -> list[RequestOutput]:
         completions: list[list[Completion]] = [[] for _ in prompts]
         vocab = vocab_for(self.tokenizer)
         for row in rows:
