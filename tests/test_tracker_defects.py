@@ -1,4 +1,9 @@
-"""One test per known defect of the tracker users know (shared/reference/tracking-api.md), proving it is gone."""
+"""One test per known defect of the logits tracker users had before, proving it is gone here.
+
+Each test's number is the defect's; its name says what the defect was, e.g.
+``test_1_clear_resets_everything...``: ``clear()`` used to leave the next
+generation recording the last prompt token as its first choice.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,6 @@ import pytest
 import torch
 from test_tracker_support import byte_tokenizer
 
-import tracker.analysis as analysis_module
-import tracker.compute as compute_module
 from processors import LogitsProcessor
 from tracker import LogitTrackingProcessor, Vocabulary
 
@@ -132,27 +135,37 @@ def test_6_top_k_lists_never_include_masked_tokens():
     assert probs == sorted(probs, reverse=True)
 
 
-def test_7_probabilities_are_computed_once_and_cached(monkeypatch):
+def test_7_probabilities_are_computed_once_and_cached():
+    """Asking again hands back the answer computed the first time; a new step or clear_cache() computes afresh."""
     tracker = LogitTrackingProcessor(MaskBelow(8))
-    drive(tracker, 6)
-    calls = {"lse": 0}
-    for name in ("logsumexp_rows",):
-        original = getattr(compute_module, name)
-
-        def counting(*args, _original=original, **kwargs):
-            calls["lse"] += 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(analysis_module.compute, name, counting)
-    first = tracker.get_top_tokens(k=5)
-    stats = tracker.stats()
-    after_first = calls["lse"]
+    ids, seen = drive(tracker, 6)
+    probs, logits = tracker.get_probabilities(), tracker.get_logits()
+    first, stats = tracker.get_top_tokens(k=5), tracker.stats()
+    frame = tracker.to_dataframe(min_value=0.01)
+    expected = torch.softmax(torch.stack([s[0] for s in seen]).double(), dim=-1).numpy()
+    np.testing.assert_allclose(probs["unstructured"], expected, rtol=1e-5, atol=1e-7)
     for _ in range(3):
+        # the very arrays of the first answer, not a recomputation of them
+        assert tracker.get_probabilities() is probs
+        assert tracker.get_logits() is logits
         assert tracker.get_top_tokens(k=5) == first
         assert tracker.stats().equals(stats)
-        tracker.to_dataframe(min_value=0.01)
-        tracker.get_probabilities()
-    assert calls["lse"] == after_first
+        assert tracker.to_dataframe(min_value=0.01).equals(frame)
+
+    # dropping the cache computes the same answer again, as new arrays
+    tracker.run.clear_cache()
+    again = tracker.get_probabilities()
+    assert again is not probs
+    for key in probs:
+        assert np.array_equal(again[key], probs[key])
+
+    # a new step is never answered from the old cache
+    logits_7 = torch.randn(1, V, generator=torch.Generator().manual_seed(7)) * 3
+    tracker(ids, logits_7)
+    grown = tracker.get_probabilities()["unstructured"]
+    assert grown.shape[0] == probs["unstructured"].shape[0] + 1
+    assert np.array_equal(grown[:-1], probs["unstructured"])
+    np.testing.assert_allclose(grown[-1], torch.softmax(logits_7[0].double(), dim=-1).numpy(), rtol=1e-5, atol=1e-7)
 
 
 def test_8_batches_work_and_no_per_step_host_copy_through_cpu(monkeypatch):
