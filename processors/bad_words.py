@@ -127,7 +127,13 @@ class BadWordsLogitsProcessor(LogitsProcessor):
         return clone
 
     def process(self, logits: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
-        """Set to -inf, in place, the logits of tokens that would produce a banned word."""
+        """Set to -inf, in place, the logits of tokens that would produce a banned word.
+
+        Token-level words never synchronise. Text-level words advance each
+        row's automaton on the host: from the host's copy of the tokens
+        (``ctx.generated``, logitscope's ``Generator``) without synchronising,
+        else reading the new tokens once per step (see :mod:`processors.token_feed`).
+        """
         if self._automaton is not None:
             return self._process_text(logits, ctx)
         return self._process_tokens(logits, ctx)

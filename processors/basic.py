@@ -27,7 +27,7 @@ class TemperatureLogitsProcessor(LogitsProcessor):
         self.temperature = check_number("temperature", temperature, low=0.0, low_open=True)
 
     def process(self, logits: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
-        """Divide ``logits`` by the temperature, in place."""
+        """Divide ``logits`` by the temperature, in place. No synchronisation."""
         if self.temperature != 1.0:
             logits.div_(self.temperature)
         return logits
@@ -62,7 +62,10 @@ class MinNewTokensLogitsProcessor(LogitsProcessor):
         return eos
 
     def process(self, logits: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
-        """Set the EOS logits to -inf (in place) while fewer than ``min_new_tokens`` were generated."""
+        """Set the EOS logits to -inf (in place) while fewer than ``min_new_tokens`` were generated.
+
+        No synchronisation: the count comes from the context's shape.
+        """
         if ctx.num_generated < self.min_new_tokens:
             check_width(self.name, max(self.eos_token_ids), logits.shape[1])
             logits.index_fill_(1, self._eos_on(logits.device), float("-inf"))
@@ -99,7 +102,7 @@ class AllowedTokenIdsLogitsProcessor(LogitsProcessor):
         return mask
 
     def process(self, logits: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
-        """Set every logit outside ``token_ids`` to -inf, in place."""
+        """Set every logit outside ``token_ids`` to -inf, in place. No synchronisation."""
         return logits.masked_fill_(self._banned_mask(logits.shape[1], logits.device), float("-inf"))
 
     def __repr__(self) -> str:

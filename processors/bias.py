@@ -84,7 +84,7 @@ class LogitBiasLogitsProcessor(LogitsProcessor):
         return pair
 
     def process(self, logits: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
-        """Add the biases to the listed tokens' logits, in place."""
+        """Add the biases to the listed tokens' logits, in place. No synchronisation."""
         ids, values = self._tensors(logits)
         logits.index_add_(1, ids, values.expand(logits.shape[0], -1))
         return logits

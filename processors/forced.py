@@ -64,7 +64,10 @@ class ForcedTextLogitsProcessor(LogitsProcessor):
         return self.token_ids[position] if position < len(self.token_ids) else self.eos_token_id
 
     def process(self, logits: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
-        """Set every logit but the forced token's to -inf, in place."""
+        """Set every logit but the forced token's to -inf, in place.
+
+        No synchronisation: the forced token follows from the context's shape.
+        """
         check_width(self.name, self._largest, logits.shape[1])
         token = self.next_token(ctx.num_generated)
         kept = logits[:, token].clone()

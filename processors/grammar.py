@@ -276,6 +276,8 @@ class GrammarLogitsProcessor(LogitsProcessor):
     def on_sampled(self, tokens: torch.Tensor, ctx: BatchContext) -> None:
         """Start computing the next step's masks on a worker thread, from tokens already on the host.
 
+        No synchronisation: tokens on a device are not read here.
+
         The worker advances each row's matcher and fills the next mask while
         the host queues the next forward pass; :meth:`process` then only waits
         for it. Tokens on a device, or that do not follow the step this

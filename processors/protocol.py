@@ -175,7 +175,7 @@ class PromptBoundary:
 
 
 def check_logits(name: str, out: Any, like: torch.Tensor) -> torch.Tensor:
-    """Return ``out`` if it is a tensor shaped, typed and placed like ``like``.
+    """Return ``out`` if it is a tensor shaped, typed and placed like ``like`` (no synchronisation).
 
     Otherwise raise :class:`ProcessorError` naming the processor, what it
     returned and what was expected.
@@ -210,7 +210,9 @@ class LogitsProcessor(abc.ABC):
 
     Subclasses implement :meth:`process`. Processors that keep state per
     sequence override :meth:`reset`. A processor that modifies the logits it
-    is given sets ``inplace = True`` and says so in its docstring.
+    is given sets ``inplace = True`` and says so in its docstring, and its
+    :meth:`process` says whether it synchronises with the device (hosts call
+    it every step: one read of a device value makes the host wait).
     """
 
     inplace: ClassVar[bool] = False
@@ -233,7 +235,7 @@ class LogitsProcessor(abc.ABC):
 
     @abc.abstractmethod
     def process(self, logits: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
-        """Return processed logits ``[B, V]`` for the rows described by ``ctx``."""
+        """Return processed logits ``[B, V]`` for the rows described by ``ctx`` (say whether it synchronises)."""
 
     def reset(self) -> None:
         """Forget per-generation state. Hosts call it before each generation."""
@@ -257,7 +259,8 @@ class LogitsProcessor(abc.ABC):
         may start preparing its next step here (grammar processors compute
         their next masks on a worker thread). Hosts such as
         ``model.generate`` do not call it, and processors learn the chosen
-        tokens from the next call's ``input_ids`` instead.
+        tokens from the next call's ``input_ids`` instead. Must not
+        synchronise (the default does nothing).
         """
 
     @property
@@ -277,7 +280,10 @@ class LogitsProcessor(abc.ABC):
         return type(self).__name__
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """The transformers convention: ``(input_ids [B, L], scores [B, V]) -> scores``."""
+        """The transformers convention: ``(input_ids [B, L], scores [B, V]) -> scores``.
+
+        Synchronises only where :meth:`process` does (the prompt boundary comes from shapes).
+        """
         boundary = self.__dict__.get("_host_boundary")
         if boundary is None:
             boundary = self.__dict__["_host_boundary"] = PromptBoundary()
@@ -386,12 +392,16 @@ class ProcessorList(LogitsProcessor):
         return self.processors[index]
 
     def process(self, logits: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+        """Each processor in order, its output checked; synchronises only where one of them does."""
         return self.apply(logits, ctx)
 
     def apply(
         self, logits: torch.Tensor, ctx: BatchContext, each: Callable[[int, torch.Tensor], None] | None = None
     ) -> torch.Tensor:
-        """:meth:`process`, handing each processor's checked output to ``each(position, out)`` (a tracker records it)."""
+        """:meth:`process`, handing each processor's checked output to ``each(position, out)`` (a tracker records it).
+
+        The checks read shapes, dtypes and devices only: no synchronisation of their own.
+        """
         for position, processor in enumerate(self.processors):
             label = f"{position} ({processor.name})"
             try:
@@ -414,6 +424,7 @@ class ProcessorList(LogitsProcessor):
             processor.on_generation_start(sampling)
 
     def on_sampled(self, tokens: torch.Tensor, ctx: BatchContext) -> None:
+        """Tell each processor the step's tokens (no synchronisation of its own)."""
         for processor in self.processors:
             processor.on_sampled(tokens, ctx)
 
