@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from dashboard.threads import one_torch_thread
 from processors import (
     BadWordsLogitsProcessor,
     CFGLogitsProcessor,
@@ -22,7 +23,6 @@ from processors import (
     RegexLogitsProcessor,
 )
 from sampling import Generator, SamplingParams
-from dashboard.threads import one_torch_thread
 from tracker import add_tracking
 
 __all__ = ["Recipe", "RECIPES", "Recorded", "record"]

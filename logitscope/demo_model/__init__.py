@@ -54,7 +54,6 @@ def load_demo_model(
         )
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from transformers.utils import logging as hf_logging
 
     progress_bar = hf_logging.is_progress_bar_enabled()
