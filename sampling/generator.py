@@ -35,6 +35,7 @@ from sampling.step_copy import StepCopy
 
 __all__ = ["Generator", "load_model"]
 
+
 def load_model(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
     """Load a causal LM and its tokenizer from a local folder, never from the network.
 
