@@ -1,0 +1,106 @@
+"""Reading runs needs pyarrow and numpy only: the dashboard and Run.load work where torch,
+transformers and llguidance are not installed (simulated by an import hook that refuses them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from dashboard.synthetic import hand_made_run
+from tracker import Run
+
+REPO = Path(__file__).resolve().parent.parent
+BLOCKED = ("torch", "transformers", "llguidance")
+
+#: Refuse the generation stack's packages, as an environment without them would.
+NO_TORCH = f"""
+import importlib.abc, sys
+
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {BLOCKED!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (refused by the test)", name=name)
+        return None
+
+sys.meta_path.insert(0, Refuse())
+"""
+
+VIEWER = """
+import json, sys
+from pathlib import Path
+
+import dashboard.reader
+from streamlit.testing.v1 import AppTest
+from dashboard.paths import APP
+from tracker import Run
+
+root, out = Path(sys.argv[1]), Path(sys.argv[2])
+results = {}
+for path in sorted(root.glob("*.parquet")):
+    run = Run.load(path)
+    results[path.name] = run.get_top_tokens(k=3)
+    run.to_dataframe().to_parquet(out / f"{path.stem}.frame.parquet")
+shown = {}
+for page in (None, "overview", "replay", "compare"):
+    at = AppTest.from_file(str(APP), default_timeout=120)
+    at.session_state["root"] = str(root)
+    if page is not None:
+        at.switch_page(f"app_pages/{page}.py")
+    at.run()
+    if at.exception:
+        raise SystemExit(f"page {page}: {at.exception[0].message}")
+    shown[page or "runs"] = {"errors": [e.value for e in at.error], "charts": len(at.get("plotly_chart")),
+                              "titles": [t.value for t in at.title] + [s.value for s in at.subheader]}
+results["pages"] = shown
+results["loaded"] = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "transformers", "llguidance"})
+(out / "results.json").write_text(json.dumps(results))
+"""
+
+
+def _python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_importing_the_run_reader_loads_no_generation_stack():
+    done = _python("import json, sys, dashboard.reader, tracker.layout, tracker.schema; print(json.dumps(sorted(sys.modules)))")
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = {name.split(".")[0] for name in json.loads(done.stdout)}
+    assert not loaded & set(BLOCKED), f"importing dashboard.reader loaded {sorted(loaded & set(BLOCKED))}"
+
+
+def test_the_dashboard_and_run_load_work_without_torch_transformers_and_llguidance(tmp_path):
+    root = tmp_path / "runs"
+    root.mkdir()
+    for name in ("greedy.parquet", "hot.parquet"):  # recorded by the demo model, float16
+        shutil.copy(REPO / "sample_runs" / name, root / name)
+    rng = np.random.default_rng(3)
+    natural = rng.normal(size=(1, 1, 5, 12)).astype(np.float32)
+    constrained = np.where(rng.random(natural.shape) < 0.4, -np.inf, natural).astype(np.float32)
+    chosen = np.argmax(constrained, axis=-1)
+    tokens = [f"t{i}" for i in range(12)]
+    hand_made_run(natural, chosen, tokens, constrained=constrained, storage="topk", top_k=4, title="top-k").to_parquet(
+        root / "topk.parquet"
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    done = _python(NO_TORCH + VIEWER, str(root), str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results.pop("loaded") == []
+    pages = results.pop("pages")
+    for page, shown in pages.items():
+        assert shown["errors"] == [], (page, shown["errors"])
+    assert "Overview · Greedy" in " ".join(pages["overview"]["titles"]).replace("\\", "")
+    assert pages["overview"]["charts"] >= 2 and pages["replay"]["charts"] >= 1 and pages["compare"]["charts"] >= 1
+    for path in sorted(root.glob("*.parquet")):
+        run = Run.load(path)  # here, with torch: the reference
+        assert results[path.name] == json.loads(json.dumps(run.get_top_tokens(k=3))), path.name
+        pd.testing.assert_frame_equal(pd.read_parquet(out / f"{path.stem}.frame.parquet"), run.to_dataframe())
