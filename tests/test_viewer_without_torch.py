@@ -1,32 +1,37 @@
-"""Reading runs needs pyarrow and numpy only: the dashboard and Run.load work where torch,
-transformers and llguidance are not installed (simulated by an import hook that refuses them)."""
+"""Reading runs needs pyarrow and numpy, not the generation stack: the dashboard and Run.load work in a
+process that can import only what the README's viewer install gives (torch, transformers, llguidance and
+every other distribution outside it refused by an import hook)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pytest
+from packaging.requirements import Requirement
 
 from dashboard.synthetic import hand_made_run
 from tracker import Run
 
 REPO = Path(__file__).resolve().parent.parent
-BLOCKED = ("torch", "transformers", "llguidance")
+STACK = ("torch", "transformers", "llguidance")
 
-#: Refuse the generation stack's packages, as an environment without them would.
-NO_TORCH = f"""
+#: Refuses the top-level modules named in ``REFUSED`` (and their submodules), as an environment without them would.
+REFUSE = """
 import importlib.abc, sys
 
 class Refuse(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {BLOCKED!r}:
-            raise ModuleNotFoundError(f"No module named {{name!r}} (refused by the test)", name=name)
+        if name.split(".")[0] in REFUSED:
+            raise ModuleNotFoundError(f"No module named {name!r} (refused by the test)", name=name)
         return None
 
 sys.meta_path.insert(0, Refuse())
@@ -59,9 +64,43 @@ for page in (None, "overview", "replay", "compare"):
     shown[page or "runs"] = {"errors": [e.value for e in at.error], "charts": len(at.get("plotly_chart")),
                               "titles": [t.value for t in at.title] + [s.value for s in at.subheader]}
 results["pages"] = shown
-results["loaded"] = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "transformers", "llguidance"})
+results["loaded"] = sorted({m.split(".")[0] for m in sys.modules} & set(STACK))
 (out / "results.json").write_text(json.dumps(results))
 """
+
+
+def _key(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _viewer_requirements() -> list[str]:
+    """The packages the README's viewer install line names (``pip install "numpy>=1.26" ...``)."""
+    line = next(line for line in (REPO / "README.md").read_text().splitlines() if "pip install --no-deps -e ." in line)
+    return re.findall(r'"([^"]+)"', line)
+
+
+def _with_dependencies(names: list[str]) -> set[str]:
+    """``names`` and every distribution they require, as installed here (extras left out)."""
+    seen: set[str] = set()
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        if _key(name) in seen:
+            continue
+        seen.add(_key(name))
+        try:
+            requires = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        todo += [r.name for r in map(Requirement, requires) if r.marker is None or r.marker.evaluate({"extra": ""})]
+    return seen
+
+
+def _outside_the_viewer_install() -> set[str]:
+    """Top-level modules installed here that no distribution of the viewer install (or logitscope) provides."""
+    allowed = _with_dependencies([Requirement(r).name for r in _viewer_requirements()]) | {"logitscope"}
+    provided = metadata.packages_distributions()
+    return {module for module, dists in provided.items() if not {_key(d) for d in dists} & allowed} | set(STACK)
 
 
 def _python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -73,10 +112,20 @@ def test_importing_the_run_reader_loads_no_generation_stack():
     done = _python("import json, sys, dashboard.reader, tracker.layout, tracker.schema; print(json.dumps(sorted(sys.modules)))")
     assert done.returncode == 0, done.stderr[-3000:]
     loaded = {name.split(".")[0] for name in json.loads(done.stdout)}
-    assert not loaded & set(BLOCKED), f"importing dashboard.reader loaded {sorted(loaded & set(BLOCKED))}"
+    assert not loaded & set(STACK), f"importing dashboard.reader loaded {sorted(loaded & set(STACK))}"
 
 
-def test_the_dashboard_and_run_load_work_without_torch_transformers_and_llguidance(tmp_path):
+def test_the_readme_viewer_install_asks_for_the_projects_bounds():
+    tomllib = pytest.importorskip("tomllib")
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    by_name = {_key(Requirement(r).name): r for r in declared}
+    wanted = _viewer_requirements()
+    assert {"numpy", "pyarrow", "streamlit"} <= {_key(Requirement(r).name) for r in wanted}
+    assert not {_key(Requirement(r).name) for r in wanted} & set(STACK)
+    assert [by_name.get(_key(Requirement(r).name)) for r in wanted] == wanted
+
+
+def test_the_dashboard_and_run_load_work_with_only_the_viewer_install(tmp_path):
     root = tmp_path / "runs"
     root.mkdir()
     for name in ("greedy.parquet", "hot.parquet"):  # recorded by the demo model, float16
@@ -91,7 +140,8 @@ def test_the_dashboard_and_run_load_work_without_torch_transformers_and_llguidan
     )
     out = tmp_path / "out"
     out.mkdir()
-    done = _python(NO_TORCH + VIEWER, str(root), str(out))
+    prelude = f"REFUSED = {sorted(_outside_the_viewer_install())!r}\nSTACK = {STACK!r}\n"
+    done = _python(prelude + REFUSE + VIEWER, str(root), str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results.pop("loaded") == []

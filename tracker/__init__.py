@@ -12,10 +12,15 @@ Modules: :mod:`~tracker.processor` (the tracker), :mod:`~tracker.integrate`
 :mod:`~tracker.buffers` (reused host and pinned memory), :mod:`~tracker.schema`
 (the Arrow schema and run metadata), :class:`Vocabulary` (token texts, from :mod:`processors.vocab`),
 :mod:`~tracker.compute` (the maths), :mod:`~tracker.analysis` (the query API),
-:mod:`~tracker.run` (``Run`` and Parquet), :mod:`~tracker.spill` (IPC files),
+:mod:`~tracker.run` (``Run`` and Parquet), :mod:`~tracker.layout` (every on-disk
+layout of a run, opened one way), :mod:`~tracker.spill` (IPC files),
 :mod:`~tracker.stages` (a stage per processor), :mod:`~tracker.prompt` (prompt
 log-probabilities), :mod:`~tracker.compare` (two runs), :mod:`~tracker.display`
 (notebook HTML).
+
+The names below are imported on first use: reading runs (``tracker.schema``,
+``tracker.layout``, ``Run.load``, the dashboard) needs pyarrow and numpy, not
+the recorder's torch.
 """
 
 from __future__ import annotations
