@@ -19,6 +19,7 @@ pyarrow and numpy only.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -31,13 +32,15 @@ from processors.vocab import Vocabulary
 from tracker.schema import (
     GENERATIONS_COLUMN,
     ID_SCHEMA,
+    MAX_METADATA_BYTES,
     META_RUN,
     META_VOCAB,
     RunMetadata,
     check_columns,
+    generations_column,
     generations_from_column,
 )
-from tracker.spill import CHUNK_GLOB, RUN_JSON, VOCAB_FILE, read_ipc
+from tracker.spill import CHUNK_GLOB, RUN_JSON, VOCAB_FILE, atomic_path, remove_orphans
 
 __all__ = [
     "IPC_SUFFIXES",
@@ -52,9 +55,12 @@ __all__ = [
     "arrow_reason",
     "metadata_from",
     "vocabulary_from",
+    "write_parquet",
 ]
 
 IPC_SUFFIXES = (".arrow", ".feather", ".ipc")
+#: Bytes of values per Parquet row group: reading one step back reads about this much.
+ROW_GROUP_BYTES = 8 << 20
 PARQUET_SUFFIXES = (".parquet", ".pq")
 ID_COLUMNS: tuple[str, ...] = tuple(ID_SCHEMA.names)
 
@@ -192,7 +198,7 @@ class _IpcPart:
         return pa.Table.from_batches([batch]), int(batch.nbytes)
 
     def read_all(self) -> pa.Table:
-        table = read_ipc(self.path)
+        table = self.reader.read_all()
         return table.drop_columns([GENERATIONS_COLUMN]) if GENERATIONS_COLUMN in table.schema.names else table
 
     def generations(self) -> list[dict]:
@@ -296,6 +302,7 @@ def _check(layout: RunLayout) -> None:
         except ValueError as exc:
             raise RunFileError(layout.parts[0].path, str(exc)) from exc
 
+
 def _dataset_member(root: Path, runs: list[Path], run_id: str | None) -> Path:
     """The ``run_id=...`` folder of a dataset root that ``run_id`` names (the only one when it is None)."""
     if run_id is None:
@@ -312,7 +319,8 @@ def _dataset_member(root: Path, runs: list[Path], run_id: str | None) -> Path:
 def open_layout(path: str | os.PathLike[str], run_id: str | None = None) -> RunLayout:
     """Open the run at ``path`` (any layout of the module docstring) by its metadata and schemas.
 
-    Reads no values: :meth:`RunLayout.batches` or the parts' blocks do.
+    Reads no values (only the small ``generation_meta`` column): :meth:`RunLayout.batches`
+    or the parts' blocks do.
     Raises :class:`NoRunError` when nothing is there, :class:`RunFileError`
     for a file or folder that is not a readable run, and ValueError when a
     dataset root holds several runs and ``run_id`` names none of them.
@@ -345,3 +353,72 @@ def open_layout(path: str | os.PathLike[str], run_id: str | None = None) -> RunL
     _check(layout)
     return layout
 
+
+# ---------------------------------------------------------------- writing a Parquet run file
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file (or a folder's entries) to the disk."""
+    flags = os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() and hasattr(os, "O_DIRECTORY") else 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return  # a folder that cannot be opened (some platforms): nothing more to flush
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not path.is_dir():
+            raise
+    finally:
+        os.close(fd)
+
+
+def _footer(metadata: RunMetadata, with_rows: bool) -> bytes:
+    """The run metadata a Parquet footer keeps (generations go in their column when there are rows to hold
+    them); ValueError past :data:`MAX_METADATA_BYTES`, naming the largest fields."""
+    footer = replace(metadata, generations=[]).to_json() if with_rows else metadata.to_json()
+    if len(footer) > MAX_METADATA_BYTES:
+        sizes = {k: len(json.dumps(v)) for k, v in json.loads(footer).items()}
+        largest = sorted(sizes, key=sizes.get, reverse=True)[:3]  # type: ignore[arg-type]
+        raise ValueError(
+            f"run metadata is {len(footer):,} bytes, over the {MAX_METADATA_BYTES:,} a run file keeps in its "
+            f"footer (largest fields: {', '.join(f'{k} {sizes[k]:,}' for k in largest)}); keep what "
+            "annotate() adds small, and store large data beside the run"
+        )
+    return footer
+
+
+def write_parquet(
+    table: pa.Table, path: str | os.PathLike[str], metadata: RunMetadata, *, compression: str | None = "zstd"
+) -> Path:
+    """Write a run's table (the run schema, with its vocabulary in the schema metadata) as one Parquet file.
+
+    The generations' metadata goes in :data:`GENERATIONS_COLUMN`, the rest of
+    ``metadata`` in the footer; row groups hold about :data:`ROW_GROUP_BYTES`;
+    only the id columns get dictionaries and statistics; every page carries a
+    checksum. Written atomically (a temporary file flushed to disk, then
+    renamed), after removing temporary files a killed writer left beside
+    ``path``. Returns the path.
+    """
+    target = Path(path)
+    footer = _footer(metadata, table.num_rows > 0)
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}), META_RUN: footer})
+    if table.num_rows:
+        generation = table.column("generation").to_numpy()
+        table = table.append_column(GENERATIONS_COLUMN, generations_column(generation, metadata.generations))
+    width = metadata.top_k if metadata.storage == "topk" else metadata.vocab_size
+    row_bytes = max(1, width * 4 * max(1, len(metadata.stages)))
+    remove_orphans(target.parent, target.name)
+    with atomic_path(target) as tmp:
+        pq.write_table(
+            table,
+            tmp,
+            compression=compression,
+            row_group_size=max(1, ROW_GROUP_BYTES // row_bytes),
+            use_dictionary=["generation", "sequence"],
+            write_statistics=["generation", "sequence", "step", "chosen"],
+            write_page_checksum=True,
+        )
+        _fsync(tmp)
+    _fsync(target.parent)
+    return target

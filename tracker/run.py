@@ -17,12 +17,12 @@ past :data:`~tracker.schema.MAX_METADATA_BYTES`. Pages carry CRC checksums,
 checked on every read; the file is flushed to disk before it is renamed into
 place, and temporary files that a killed export left in the folder are
 removed by the next export there. A damaged file raises :class:`RunFileError`
-naming the file and what is wrong with it.
+naming the file and what is wrong with it. Files are read and written through
+:mod:`tracker.layout`, which the dashboard reads runs with too.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -30,47 +30,30 @@ from typing import Callable
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from processors.vocab import Vocabulary
 from tracker.analysis import Analysis, stage_matrix
 from tracker.compute import nonfinite_rows
 from tracker.insight import Insight
-from tracker.layout import RunFileError, metadata_from, open_layout, vocabulary_from
+from tracker.layout import (
+    RunFileError,
+    metadata_from,
+    open_layout,
+    vocabulary_from,
+    write_parquet,
+)
 from tracker.schema import (
     GENERATIONS_COLUMN,
-    MAX_METADATA_BYTES,
     META_RUN,
     META_VOCAB,
     RunMetadata,
     check_columns,
     flag_column,
-    generations_column,
     generations_from_column,
     run_schema,
 )
-from tracker.spill import atomic_path, remove_orphans
 
 __all__ = ["Run", "RunFileError", "check_columns", "generations_from_column"]
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file (or a folder's entries) to the disk."""
-    flags = os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() and hasattr(os, "O_DIRECTORY") else 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError:
-        return  # a folder that cannot be opened (some platforms): nothing more to flush
-    try:
-        os.fsync(fd)
-    except OSError:
-        if not path.is_dir():
-            raise
-    finally:
-        os.close(fd)
-
-
-_ROW_GROUP_BYTES = 8 << 20
 
 
 class Run(Insight, Analysis):
@@ -172,12 +155,6 @@ class Run(Insight, Analysis):
 
     # ---------------------------------------------------------------- writing
 
-    def _row_group_rows(self) -> int:
-        m = self.metadata
-        width = m.top_k if m.storage == "topk" else m.vocab_size
-        per_row = max(1, width * 4 * max(1, len(m.stages)))
-        return max(1, _ROW_GROUP_BYTES // per_row)
-
     def to_parquet(self, path: str | os.PathLike[str], *, compression: str | None = "zstd") -> Path:
         """Write the run as one Parquet file, atomically (temporary file, flushed to disk, then renamed).
 
@@ -187,39 +164,9 @@ class Run(Insight, Analysis):
         column; the rest of the run metadata must fit
         :data:`~tracker.schema.MAX_METADATA_BYTES` (ValueError otherwise).
         Temporary files a killed export left beside ``path`` are removed
-        first. Returns the path.
+        first. Returns the path. (The file's layout: :func:`tracker.layout.write_parquet`.)
         """
-        target = Path(path)
-        if self.num_rows:
-            footer = replace(self.metadata, generations=[]).to_json()
-            table = self._table(self.schema(footer))
-            generation = table.column("generation").to_numpy()
-            table = table.append_column(GENERATIONS_COLUMN, generations_column(generation, self.metadata.generations))
-        else:
-            footer = self.metadata.to_json()
-            table = self._table(self.schema(footer))
-        if len(footer) > MAX_METADATA_BYTES:
-            sizes = {k: len(json.dumps(v)) for k, v in json.loads(footer).items()}
-            largest = sorted(sizes, key=sizes.get, reverse=True)[:3]
-            raise ValueError(
-                f"run metadata is {len(footer):,} bytes, over the {MAX_METADATA_BYTES:,} a run file keeps in its "
-                f"footer (largest fields: {', '.join(f'{k} {sizes[k]:,}' for k in largest)}); keep what "
-                "annotate() adds small, and store large data beside the run"
-            )
-        remove_orphans(target.parent, target.name)
-        with atomic_path(target) as tmp:
-            pq.write_table(
-                table,
-                tmp,
-                compression=compression,
-                row_group_size=self._row_group_rows(),
-                use_dictionary=["generation", "sequence"],
-                write_statistics=["generation", "sequence", "step", "chosen"],
-                write_page_checksum=True,
-            )
-            _fsync(tmp)
-        _fsync(target.parent)
-        return target
+        return write_parquet(self.to_arrow(), path, self.metadata, compression=compression)
 
     def to_dataset(self, root: str | os.PathLike[str], *, compression: str | None = "zstd") -> Path:
         """Write the run into a Hive-partitioned folder: ``root/run_id=<id>/part-00000.parquet``.
