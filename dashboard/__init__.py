@@ -18,6 +18,7 @@ dashboard [PATH]``), :mod:`logitscope.samples` records the sample runs
 (``python -m logitscope.make_sample_runs`` rebuilds ``sample_runs/``;
 ``logitscope demo`` records them afresh), :mod:`dashboard.synthetic` makes
 runs without a model for tests and benchmarks, :mod:`dashboard.paths` says
-where things are, and :mod:`dashboard.threads` keeps torch on one thread for
-the dashboard's small computations.
+where things are, and :mod:`dashboard.threads` keeps torch, where it is
+loaded, on one thread for the dashboard's small computations. Viewing runs
+needs no torch: the pages read runs through :mod:`tracker.layout`.
 """

@@ -16,8 +16,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from dashboard.views import token_label
 from dashboard.text import plot_text
+from dashboard.views import token_label
 
 __all__ = [
     "MASKED_NAMES",

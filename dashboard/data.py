@@ -21,9 +21,16 @@ import streamlit as st
 
 from dashboard.discover import MAX_DEPTH, RunSummary, find_runs, summary_of
 from dashboard.reader import BadRunError, RunReader, Track
+from dashboard.views import (
+    StepSummary,
+    WindowView,
+    step_summary,
+    step_table,
+    token_pieces,
+    window_view,
+)
 from tracker.compare import Comparison, compare
 from tracker.prompt import perplexity
-from dashboard.views import StepSummary, WindowView, step_summary, step_table, token_pieces, window_view
 
 __all__ = [
     "WINDOW_BYTES",

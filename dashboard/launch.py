@@ -1,8 +1,8 @@
 """``python -m dashboard.launch run APP ...``: Streamlit's command line, with the app's heavy imports done early.
 
-The first page of a new session otherwise pays for importing torch, pandas,
-pyarrow and plotly (through ``tracker`` and the chart and view modules) inside
-the script run. Here they are imported before the server starts, so that the
+The first page of a new session otherwise pays for importing pandas, pyarrow
+and plotly (through ``tracker.run`` and the chart and view modules) inside the
+script run. Here they are imported before the server starts, so that the
 first visitor finds them loaded. (Not on a background thread beside the
 server: a session's script importing the same packages at the same moment
 could see a module half initialised.) Only modules free of Streamlit calls
@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 
 #: Imported before the server starts (none of them calls Streamlit).
-EARLY = ("tracker", "dashboard.reader", "dashboard.discover", "dashboard.views", "dashboard.charts", "dashboard.text")
+EARLY = ("tracker.run", "tracker.compare", "dashboard.reader", "dashboard.discover", "dashboard.views", "dashboard.charts", "dashboard.text")
 
 
 def warm() -> None:

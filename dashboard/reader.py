@@ -11,42 +11,39 @@ least-recently-used cache, so moving back and forth between nearby steps
 reads nothing twice. ``blocks_read`` and ``bytes_read`` count what was read,
 for tests and benchmarks.
 
-Readable layouts (as written by :mod:`tracker.run` and :mod:`tracker.spill`):
-a ``.parquet`` file, an Arrow IPC file (``.arrow``, ``.feather``, ``.ipc``), a
-folder of Parquet parts (a ``run_id=...`` dataset partition), and a spill
-folder (``_run.json``, ``_vocab.arrow``, ``chunk-*.arrow``). Anything else,
-a truncated file, or a run written with a newer schema raises
-:class:`BadRunError` with a message meant for the person looking at the page.
+Readable layouts are those :mod:`tracker.layout` opens (the same reader as
+``tracker.Run.load``): a ``.parquet`` or Arrow IPC file, a folder of Parquet
+parts (a ``run_id=...`` dataset partition), a dataset root holding one run,
+and a spill folder. Anything else, a truncated file, or a run written with a
+newer schema raises :class:`BadRunError` with a message meant for the person
+looking at the page.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 import tracker
-from tracker.run import check_columns, generations_from_column
-from tracker.schema import (
-    FIELD_DTYPE,
-    GENERATIONS_COLUMN,
-    ID_SCHEMA,
-    META_RUN,
-    META_VOCAB,
-    SCHEMA_VERSION,
-    RunMetadata,
-    run_schema,
+from processors.vocab import Vocabulary
+from tracker.layout import (
+    ID_COLUMNS,
+    IPC_SUFFIXES,
+    PARQUET_SUFFIXES,
+    NoRunError,
+    Part,
+    RunFileError,
+    RunLayout,
+    arrow_reason,
+    open_layout,
 )
-from tracker.spill import CHUNK_GLOB, RUN_JSON, VOCAB_FILE
-from tracker import Vocabulary
+from tracker.schema import FIELD_DTYPE, META_RUN, RunMetadata, as_float32, run_schema
 
 __all__ = [
     "BadRunError",
@@ -58,9 +55,6 @@ __all__ = [
     "PARQUET_SUFFIXES",
 ]
 
-IPC_SUFFIXES = (".arrow", ".feather", ".ipc")
-PARQUET_SUFFIXES = (".parquet", ".pq")
-ID_COLUMNS: tuple[str, ...] = tuple(ID_SCHEMA.names)
 _CACHE_BYTES = 256 << 20
 
 
@@ -140,113 +134,6 @@ class StepRow:
     stages: dict[str, StageRow]
 
 
-class _Part(Protocol):
-    """One file of a run, read in blocks (row groups or record batches)."""
-
-    path: Path
-
-    def block_sizes(self) -> list[int]: ...
-
-    def read_ids(self) -> pa.Table: ...
-
-    def read_block(self, block: int, columns: tuple[str, ...]) -> tuple[pa.Table, int]: ...
-
-
-class _ParquetPart:
-    """A Parquet file: blocks are row groups; only the requested column chunks are read."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.file = pq.ParquetFile(path, memory_map=True, page_checksum_verification=True)
-        self._names = self.file.schema_arrow.names
-
-    @property
-    def schema(self) -> pa.Schema:
-        return self.file.schema_arrow
-
-    def block_sizes(self) -> list[int]:
-        meta = self.file.metadata
-        return [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
-
-    def read_ids(self) -> pa.Table:
-        return self.file.read(columns=list(ID_COLUMNS), use_threads=True)
-
-    def read_block(self, block: int, columns: tuple[str, ...]) -> tuple[pa.Table, int]:
-        table = self.file.read_row_group(block, columns=list(columns), use_threads=True)
-        group = self.file.metadata.row_group(block)
-        wanted = set(columns)
-        nbytes = sum(
-            group.column(j).total_compressed_size
-            for j in range(group.num_columns)
-            if group.column(j).path_in_schema.split(".")[0] in wanted
-        )
-        return table, int(nbytes)
-
-
-class _IpcPart:
-    """An Arrow IPC file through a memory map: blocks are record batches, read without a copy."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
-
-    @property
-    def schema(self) -> pa.Schema:
-        return self.reader.schema
-
-    def block_sizes(self) -> list[int]:
-        return [self.reader.get_batch(i).num_rows for i in range(self.reader.num_record_batches)]
-
-    def read_ids(self) -> pa.Table:
-        batches = [self.reader.get_batch(i).select(list(ID_COLUMNS)) for i in range(self.reader.num_record_batches)]
-        schema = pa.schema([self.reader.schema.field(n) for n in ID_COLUMNS])
-        return pa.Table.from_batches(batches, schema=schema)
-
-    def read_block(self, block: int, columns: tuple[str, ...]) -> tuple[pa.Table, int]:
-        batch = self.reader.get_batch(block).select(list(columns))
-        return pa.Table.from_batches([batch]), int(batch.nbytes)
-
-
-def _describe_arrow_error(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if "magic" in text.lower() or "footer" in text.lower() or "not an arrow file" in text.lower():
-        return f"the file is truncated or is not a Parquet/Arrow file ({text})"
-    return f"the file could not be read ({type(exc).__name__}: {text})"
-
-
-def _open_part(path: Path) -> _ParquetPart | _IpcPart:
-    try:
-        if path.suffix in IPC_SUFFIXES:
-            return _IpcPart(path)
-        return _ParquetPart(path)
-    except (pa.ArrowException, OSError, ValueError) as exc:
-        raise BadRunError(path, _describe_arrow_error(exc)) from exc
-
-
-def _parse_metadata(path: Path, raw: bytes | None) -> RunMetadata:
-    if raw is None:
-        raise BadRunError(
-            path,
-            "it holds no logitscope run metadata (schema key 'logitscope.run'); it is a table, "
-            "but not one written by tracker's Run.to_parquet / to_dataset",
-        )
-    try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise BadRunError(path, f"its run metadata is not valid JSON ({exc})") from exc
-    version = str(data.get("schema_version", "")) if isinstance(data, dict) else ""
-    if version.split(".")[0] != SCHEMA_VERSION.split(".")[0]:
-        raise BadRunError(
-            path,
-            f"it was written with run schema version {version!r}, and this logitscope reads schema "
-            f"{SCHEMA_VERSION.split('.')[0]}.x; open it with the logitscope version that wrote it",
-        )
-    try:
-        return RunMetadata.from_json(raw)
-    except (TypeError, ValueError) as exc:
-        raise BadRunError(path, f"its run metadata is incomplete ({exc})") from exc
-
-
 class RunReader:
     """Read a run on disk by step; see the module docstring.
 
@@ -269,74 +156,24 @@ class RunReader:
         self._lock = threading.RLock()
         self.blocks_read = 0
         self.bytes_read = 0
-        self._parts, self.metadata, self._vocab_source = self._open(self.path)
-        self.metadata = self._with_generations(self.metadata)
-        self._check_columns()
+        self._layout = self._open(self.path)
+        self._parts: list[Part] = self._layout.parts
+        self.metadata: RunMetadata = self._layout.metadata
         self._index = self._read_index()
 
     # ---------------------------------------------------------------- opening
 
-    def _open(self, path: Path) -> tuple[list[_ParquetPart | _IpcPart], RunMetadata, object]:
-        if not path.exists():
-            raise BadRunError(path, "there is no file or folder at this path")
-        if path.is_file():
-            part = _open_part(path)
-            meta = part.schema.metadata or {}
-            return [part], _parse_metadata(path, meta.get(META_RUN)), meta.get(META_VOCAB)
-        if (path / RUN_JSON).is_file():
-            metadata = _parse_metadata(path, (path / RUN_JSON).read_bytes())
-            vocab_raw = None
-            if (path / VOCAB_FILE).is_file():
-                vocab_raw = (_open_part(path / VOCAB_FILE).schema.metadata or {}).get(META_VOCAB)
-            parts = [_open_part(p) for p in sorted(path.glob(CHUNK_GLOB))]
-            if not parts:
-                raise BadRunError(path, "the spill folder holds no chunk-*.arrow files yet")
-            return parts, metadata, vocab_raw
-        files = sorted(p for p in path.iterdir() if p.suffix in PARQUET_SUFFIXES and not p.name.startswith("."))
-        if not files:
-            raise BadRunError(path, "the folder holds no .parquet parts and no spill files (_run.json)")
-        parts = [_open_part(p) for p in files]
-        meta = parts[0].schema.metadata or {}
-        return parts, _parse_metadata(files[0], meta.get(META_RUN)), meta.get(META_VOCAB)
-
-    def _with_generations(self, metadata: RunMetadata) -> RunMetadata:
-        """The metadata with the generations a Parquet run keeps in its ``generation_meta`` column."""
-        entries = list(metadata.generations)
-        for part in self._parts:
-            if isinstance(part, _ParquetPart) and GENERATIONS_COLUMN in part.schema.names:
-                try:
-                    entries += generations_from_column(part.file.read(columns=[GENERATIONS_COLUMN]).column(0))
-                except (pa.ArrowException, OSError) as exc:
-                    raise BadRunError(part.path, _describe_arrow_error(exc)) from exc
-                except ValueError as exc:
-                    raise BadRunError(part.path, str(exc)) from exc
-        return metadata if len(entries) == len(metadata.generations) else replace(metadata, generations=entries)
-
-    def _check_columns(self) -> None:
-        """Every part has the id columns; every value column the metadata declares is in some part.
-
-        The ``_nonfinite`` flags are optional (spill chunks do not carry them),
-        and a stage added during a run is missing from the chunks before it.
-        """
-        m = self.metadata
-        expected = [n for n in run_schema(m.storage, m.stages, m.vocab_size, m.top_k).names if not n.endswith("_nonfinite")]
-        present: set[str] = set()
-        for part in self._parts:
-            names = set(part.schema.names)
-            lacking = [n for n in ID_COLUMNS if n not in names]
-            if lacking:
-                raise BadRunError(part.path, f"it lacks the id columns {lacking} every run has")
-            try:
-                check_columns(part.schema, m, complete=False)  # the types the metadata implies
-            except ValueError as exc:
-                raise BadRunError(part.path, str(exc)) from exc
-            present |= names
-        missing = [name for name in expected if name not in present]
-        if missing:
-            raise BadRunError(
-                self._parts[0].path,
-                f"its metadata declares storage {m.storage!r} with stages {m.stages}, but columns {missing} are missing",
-            )
+    @staticmethod
+    def _open(path: Path) -> RunLayout:
+        try:
+            layout = open_layout(path)
+        except (RunFileError, NoRunError) as exc:
+            raise BadRunError(exc.path, exc.reason) from exc
+        except ValueError as exc:  # a dataset root holding several runs
+            raise BadRunError(path, str(exc)) from exc
+        if not layout.parts:
+            raise BadRunError(path, "the spill folder holds no chunk-*.arrow files yet")
+        return layout
 
     def _read_index(self) -> dict[str, np.ndarray]:
         parts: dict[str, list[np.ndarray]] = {k: [] for k in ("generation", "sequence", "step", "chosen", "error", "part", "block", "local")}
@@ -345,7 +182,7 @@ class RunReader:
                 ids = part.read_ids()
                 sizes = part.block_sizes()
             except (pa.ArrowException, OSError) as exc:
-                raise BadRunError(part.path, _describe_arrow_error(exc)) from exc
+                raise BadRunError(part.path, arrow_reason(exc)) from exc
             if sum(sizes) != ids.num_rows:
                 raise BadRunError(part.path, f"its blocks hold {sum(sizes)} rows but its id columns {ids.num_rows}")
             parts["generation"].append(ids.column("generation").to_numpy())
@@ -363,13 +200,11 @@ class RunReader:
     @cached_property
     def vocab(self) -> Vocabulary:
         """The run's vocabulary (``<id>`` placeholders when the run carries none)."""
-        raw = self._vocab_source
-        if isinstance(raw, bytes):
-            try:
-                return Vocabulary.deserialize(raw)
-            except (pa.ArrowException, ValueError) as exc:
-                raise BadRunError(self.path, f"its vocabulary metadata is damaged ({exc})") from exc
-        return Vocabulary.placeholder(self.metadata.vocab_size)
+        try:
+            vocab = self._layout.vocabulary()
+        except RunFileError as exc:
+            raise BadRunError(exc.path, exc.reason) from exc
+        return vocab if vocab is not None else Vocabulary.placeholder(self.metadata.vocab_size)
 
     @property
     def num_rows(self) -> int:
@@ -447,7 +282,7 @@ class RunReader:
             try:
                 table, nbytes = source.read_block(block, ID_COLUMNS + self._value_columns(part))
             except (pa.ArrowException, OSError) as exc:
-                raise BadRunError(source.path, f"block {block} could not be read: {_describe_arrow_error(exc)}") from exc
+                raise BadRunError(source.path, f"block {block} could not be read: {arrow_reason(exc)}") from exc
             self.blocks_read += 1
             self.bytes_read += nbytes
             size = int(table.nbytes)
@@ -532,7 +367,7 @@ class RunReader:
             width = m.vocab_size
             child = column.values.slice((column.offset + local) * width, width)
             kind = (table.schema.field(f"{stage}_logits").metadata or {}).get(FIELD_DTYPE, b"float32")
-            logits = _as_float32(child.to_numpy(zero_copy_only=False), kind)
+            logits = as_float32(child.to_numpy(zero_copy_only=False), kind)
             finite = logits[logits > -np.inf]
             top = float(finite.max()) if finite.size else -np.inf
             lse = float(top + np.log(np.exp(finite - top).sum())) if finite.size else -np.inf
@@ -577,9 +412,3 @@ class RunReader:
 def _single(column: pa.ChunkedArray) -> pa.Array:
     return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
 
-
-def _as_float32(values: np.ndarray, kind: bytes) -> np.ndarray:
-    """A stored row as float32: float16 widened, bfloat16 (kept as uint16) shifted into the high half."""
-    if kind == b"bfloat16":
-        return (values.astype(np.uint32) << 16).view(np.float32)
-    return values.astype(np.float32, copy=False)

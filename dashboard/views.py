@@ -22,14 +22,17 @@ from typing import Literal, Sequence
 
 import numpy as np
 import pandas as pd
-import torch
 
 import tracker
 from dashboard.reader import StageRow, StepRow
 from dashboard.threads import one_torch_thread
-from tracker import Vocabulary
-from tracker.compare import first_divergence  # one definition, shared with tracker.compare
-from tracker.display import token_label  # one definition, shared with the notebook display
+from processors.vocab import Vocabulary
+from tracker.compare import (
+    first_divergence,  # one definition, shared with tracker.compare
+)
+from tracker.display import (
+    token_label,  # one definition, shared with the notebook display
+)
 
 __all__ = [
     "COLOR_METRICS",
@@ -245,11 +248,21 @@ class WindowView:
 
 
 def _top_ids(matrix: np.ndarray, n: int) -> np.ndarray:
-    """``[T, n]`` ids of each row's largest values, best first (NaN, a value not stored, counts as smallest)."""
-    values = torch.from_numpy(matrix)
-    if torch.isnan(values).any():
-        values = torch.nan_to_num(values, nan=-1.0)
-    return torch.topk(values, min(n, values.shape[1]), dim=1).indices.numpy()
+    """``[T, n]`` ids of each row's largest values, best first, the lower id first among equal values
+    (NaN, a value not stored, counts as smallest)."""
+    values = np.nan_to_num(matrix, nan=-1.0) if np.isnan(matrix).any() else matrix
+    n = min(n, values.shape[1])
+    if n == 0:
+        return np.zeros((values.shape[0], 0), np.int64)
+    kth = -np.partition(-values, n - 1, axis=1)[:, n - 1 : n]  # each row's n-th largest value
+    above = values > kth
+    # every value above the n-th, then the lowest ids among those equal to it, to n per row
+    room = n - above.sum(axis=1, keepdims=True)
+    ties = values == kth
+    take = above | (ties & (np.cumsum(ties, axis=1) <= room))
+    ids = np.nonzero(take)[1].reshape(values.shape[0], n)
+    order = np.argsort(-np.take_along_axis(values, ids, axis=1), axis=1, kind="stable")
+    return np.take_along_axis(ids, order, axis=1)
 
 
 def window_view(

@@ -23,9 +23,15 @@ import streamlit as st
 
 from dashboard import data
 from dashboard.discover import RunSummary
-from dashboard.paths import ANY_PATH_FLAG, APP, ENV_ANY_PATH, ENV_PATH, default_runs_path
-from dashboard.text import md_text
+from dashboard.paths import (
+    ANY_PATH_FLAG,
+    APP,
+    ENV_ANY_PATH,
+    ENV_PATH,
+    default_runs_path,
+)
 from dashboard.reader import BadRunError
+from dashboard.text import md_text
 
 __all__ = [
     "Selected",

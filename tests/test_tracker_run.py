@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_tracker_support import byte_tokenizer
 
-import tracker.run as run_module
+import tracker.layout as layout_module
 from processors import LogitsProcessor
 from tracker import LogitTrackingProcessor, Run, Vocabulary
 from tracker.schema import META_RUN, SCHEMA_VERSION, RunMetadata
@@ -79,7 +79,7 @@ def test_writes_are_atomic_a_failed_write_leaves_the_old_file(tmp_path, monkeypa
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(run_module.pq, "write_table", broken)
+    monkeypatch.setattr(layout_module.pq, "write_table", broken)
     with pytest.raises(OSError, match="disk full"):
         tracked(seed=1).to_parquet(path)
     assert path.read_bytes() == before

@@ -12,20 +12,33 @@ Modules: :mod:`~tracker.processor` (the tracker), :mod:`~tracker.integrate`
 :mod:`~tracker.buffers` (reused host and pinned memory), :mod:`~tracker.schema`
 (the Arrow schema and run metadata), :class:`Vocabulary` (token texts, from :mod:`processors.vocab`),
 :mod:`~tracker.compute` (the maths), :mod:`~tracker.analysis` (the query API),
-:mod:`~tracker.run` (``Run`` and Parquet), :mod:`~tracker.spill` (IPC files),
+:mod:`~tracker.run` (``Run`` and Parquet), :mod:`~tracker.layout` (every on-disk
+layout of a run, opened one way), :mod:`~tracker.spill` (IPC files),
 :mod:`~tracker.stages` (a stage per processor), :mod:`~tracker.prompt` (prompt
 log-probabilities), :mod:`~tracker.compare` (two runs), :mod:`~tracker.display`
 (notebook HTML).
+
+The names below are imported on first use: reading runs (``tracker.schema``,
+``tracker.layout``, ``Run.load``, the dashboard) needs pyarrow and numpy, not
+the recorder's torch.
 """
 
-from tracker.analysis import Continuation
-from tracker.compare import Comparison, compare
-from tracker.integrate import add_tracking
-from tracker.processor import LogitTrackingProcessor
-from tracker.recorder import Recorder, Storage
-from tracker.run import Run
-from tracker.schema import SCHEMA_VERSION, RunMetadata
-from processors.vocab import Vocabulary
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from processors.vocab import Vocabulary
+    from tracker.analysis import Continuation
+    from tracker.compare import Comparison, compare
+    from tracker.integrate import add_tracking
+    from tracker.processor import LogitTrackingProcessor
+    from tracker.recorder import Recorder, Storage
+    from tracker.run import Run
+    from tracker.schema import SCHEMA_VERSION, RunMetadata
 
 __all__ = [
     "LogitTrackingProcessor",
@@ -40,3 +53,45 @@ __all__ = [
     "Recorder",
     "SCHEMA_VERSION",
 ]
+
+#: Where each public name lives. Imported on first use (PEP 562), so that reading a run
+#: (``tracker.schema``, ``tracker.layout``, the dashboard) does not load the recorder and torch.
+_HOMES = {
+    "LogitTrackingProcessor": "tracker.processor",
+    "add_tracking": "tracker.integrate",
+    "Run": "tracker.run",
+    "RunMetadata": "tracker.schema",
+    "Continuation": "tracker.analysis",
+    "compare": "tracker.compare",
+    "Comparison": "tracker.compare",
+    "Vocabulary": "processors.vocab",
+    "Storage": "tracker.recorder",
+    "Recorder": "tracker.recorder",
+    "SCHEMA_VERSION": "tracker.schema",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'tracker' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """The package's module type: ``tracker.compare`` stays the function once the submodule of that name
+    is imported (the import system then sets the package attribute to the submodule)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "compare" and isinstance(value, types.ModuleType):
+            value = value.compare
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -24,7 +24,6 @@ from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
-import torch
 
 from tracker.display import token_label
 
@@ -99,33 +98,39 @@ def distances(p: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     Rows with unknown values are compared on the tokens both know plus one
     bucket holding each side's remaining mass (see the module docstring).
     """
-    p64, q64 = torch.from_numpy(np.asarray(p, dtype=np.float64)), torch.from_numpy(np.asarray(q, dtype=np.float64))
-    known = ~(torch.isnan(p64) | torch.isnan(q64))
-    exact = known.all(dim=1)
-    p64, q64 = torch.where(known, p64, 0.0), torch.where(known, q64, 0.0)
-    rest_p = torch.where(exact, 0.0, (1.0 - p64.sum(dim=1)).clamp(min=0.0))
-    rest_q = torch.where(exact, 0.0, (1.0 - q64.sum(dim=1)).clamp(min=0.0))
-    p64 = torch.cat([p64, rest_p[:, None]], dim=1)
-    q64 = torch.cat([q64, rest_q[:, None]], dim=1)
-    tv = 0.5 * (p64 - q64).abs().sum(dim=1)
+    p64, q64 = np.asarray(p, dtype=np.float64), np.asarray(q, dtype=np.float64)
+    known = ~(np.isnan(p64) | np.isnan(q64))
+    exact = known.all(axis=1)
+    p64, q64 = np.where(known, p64, 0.0), np.where(known, q64, 0.0)
+    rest_p = np.where(exact, 0.0, np.clip(1.0 - p64.sum(axis=1), 0.0, None))
+    rest_q = np.where(exact, 0.0, np.clip(1.0 - q64.sum(axis=1), 0.0, None))
+    p64 = np.concatenate([p64, rest_p[:, None]], axis=1)
+    q64 = np.concatenate([q64, rest_q[:, None]], axis=1)
+    tv = 0.5 * np.abs(p64 - q64).sum(axis=1)
     m = 0.5 * (p64 + q64)
     js = 0.5 * (_kl(p64, m) + _kl(q64, m))
-    return tv.numpy(), _kl(p64, q64).numpy(), js.clamp(min=0.0).numpy(), exact.numpy()
+    return tv, _kl(p64, q64), np.clip(js, 0.0, None), exact
 
 
-def _kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    terms = torch.where(p > 0, p * (torch.log(p) - torch.log(q)), 0.0)
-    return terms.sum(dim=1)
+def _kl(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """``Σ p log(p/q)`` per row; terms where ``p`` is 0 count 0, ``q`` 0 under ``p > 0`` gives ``inf``."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        terms = np.where(p > 0, p * (np.log(p) - np.log(q)), 0.0)
+    return terms.sum(axis=1)
 
 
 def _top_changes(p: np.ndarray, q: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(rows, ids, change)`` of the ``top`` largest ``|q - p|`` per row among known, changed tokens."""
-    change = torch.from_numpy(np.asarray(q, dtype=np.float64) - np.asarray(p, dtype=np.float64))
-    score = torch.where(torch.isnan(change), -1.0, change.abs())
-    best, ids = torch.topk(score, min(top, score.shape[1]), dim=1)
-    rows = torch.arange(score.shape[0])[:, None].expand_as(ids)
+    change = np.asarray(q, dtype=np.float64) - np.asarray(p, dtype=np.float64)
+    score = np.where(np.isnan(change), -1.0, np.abs(change))
+    k = min(top, score.shape[1])
+    ids = np.sort(np.argpartition(-score, k - 1, axis=1)[:, :k], axis=1) if k else np.zeros((score.shape[0], 0), np.int64)
+    best = np.take_along_axis(score, ids, axis=1)
+    order = np.argsort(-best, axis=1, kind="stable")  # ties: the lower id first
+    ids, best = np.take_along_axis(ids, order, axis=1), np.take_along_axis(best, order, axis=1)
+    rows = np.broadcast_to(np.arange(score.shape[0])[:, None], ids.shape)
     keep = best > 0
-    return rows[keep].numpy(), ids[keep].numpy(), change.gather(1, ids)[keep].numpy()
+    return rows[keep], ids[keep], np.take_along_axis(change, ids, axis=1)[keep]
 
 
 def compare(

@@ -19,8 +19,6 @@ from typing import Any
 
 import numpy as np
 
-from tracker.stages import step_probabilities
-
 __all__ = ["SequenceView", "StepView", "run_html", "sequence_html", "step_html", "step_svg", "token_label"]
 
 _STAGE_COLOURS = ("#4c78a8", "#f58518", "#54a24b", "#b279a2", "#e45756", "#72b7b2", "#9d755d")
@@ -98,6 +96,10 @@ def _compact_table(top: list[dict[str, Any]], chosen: list[str | None], probs: n
 
 def _step_rows(run: Any, position: int, generation: int, sequence: int, k: int):
     """The k tokens with the highest probability in any stage at one step: ids and ``{stage: probs}``."""
+    # imported here: tracker.stages also wraps processors (the recording side), which token_label's users
+    # (the dashboard, tracker.compare) have no need to load
+    from tracker.stages import step_probabilities
+
     rows, chosen, i = step_probabilities(run, position, sequence=sequence, generation=generation)
     best = np.nanmax(np.stack(list(rows.values())), axis=0)
     best = np.where(np.isnan(best), -1.0, best)

@@ -13,15 +13,20 @@ pass.
 
 Perplexity is ``exp`` of the mean negative log-probability; a token's
 surprisal is its negative log-probability (nats).
+
+Scoring takes a model's logits, so it needs torch; the module imports it when
+it scores, so that :func:`perplexity` serves a reader of runs without torch.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["prompt_logprobs", "score_prompt", "perplexity"]
 
@@ -44,6 +49,8 @@ def prompt_logprobs(
             f"logits must be [batch, length, vocab] and input_ids [batch, length] with the same batch and length, "
             f"got {tuple(logits.shape)} and {tuple(input_ids.shape)}"
         )
+    import torch
+
     batch, length, vocab = logits.shape
     ids = input_ids.to(logits.device)
     scores = torch.empty(batch, max(length - 1, 0), dtype=torch.float64, device=logits.device)
@@ -64,17 +71,19 @@ def prompt_logprobs(
     return out
 
 
-@torch.inference_mode()
 def score_prompt(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[list[float | None]]:
     """:func:`prompt_logprobs` from one forward pass of ``model`` over the prompts (for hosts without ``on_prefill``)."""
+    import torch
+
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
         raise ValueError(f"input_ids must be a [batch, length] tensor, got {type(input_ids).__name__}")
     kwargs: dict[str, Any] = {}
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask
         kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, **kwargs).logits
-    return prompt_logprobs(logits, input_ids, attention_mask)
+    with torch.inference_mode():
+        logits = model(input_ids=input_ids, **kwargs).logits
+        return prompt_logprobs(logits, input_ids, attention_mask)
 
 
 def perplexity(logprobs: Sequence[float | None] | np.ndarray) -> float:

@@ -59,8 +59,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Collection, Literal
 
+import numpy as np
 import pyarrow as pa
 
 __all__ = [
@@ -80,6 +81,10 @@ __all__ = [
     "MAX_METADATA_BYTES",
     "STAT_COLUMNS",
     "stat_names",
+    "as_float32",
+    "check_columns",
+    "generations_column",
+    "generations_from_column",
 ]
 
 #: Bumped when a column changes meaning or type; readers check the major part.
@@ -128,6 +133,14 @@ def stat_names(stage: str) -> list[str]:
 
 
 _FULL_TYPES = {"float32": pa.float32(), "float16": pa.float16(), "bfloat16": pa.uint16()}
+
+
+def as_float32(values: np.ndarray, dtype: bytes) -> np.ndarray:
+    """Stored values (``dtype``: a value column's :data:`FIELD_DTYPE`) as float32: float16 widened,
+    bfloat16 (kept as uint16) shifted into the high half; float32 is returned as it is."""
+    if dtype == b"bfloat16":
+        return (values.astype(np.uint32) << 16).view(np.float32)
+    return values.astype(np.float32, copy=False)
 
 
 def value_column(stage: str, storage: str) -> str:
@@ -256,8 +269,8 @@ class RunMetadata:
         version = str(data.get("schema_version", ""))
         if version.split(".")[0] != SCHEMA_VERSION.split(".")[0]:
             raise ValueError(
-                f"run schema version {version!r} cannot be read by this logitscope "
-                f"(schema {SCHEMA_VERSION}); read it with the version that wrote it"
+                f"run schema version {version!r} cannot be read by this logitscope (it reads schema "
+                f"{SCHEMA_VERSION.split('.')[0]}.x, up to {SCHEMA_VERSION}); open it with the logitscope version that wrote it"
             )
         for name, kinds, allowed in _METADATA_FIELDS:
             if name not in data:
@@ -301,3 +314,67 @@ _METADATA_FIELDS: tuple[tuple[str, tuple[type, ...], str], ...] = (
     ("extra", (dict,), "an object"),
     ("stage_aliases", (dict,), "an object mapping stage names"),
 )
+
+
+# ---------------------------------------------------------------- the columns a run's metadata implies
+
+
+def check_columns(
+    schema: pa.Schema, metadata: RunMetadata, *, complete: bool = True, present: Collection[str] | None = None
+) -> None:
+    """Every column the metadata implies is there with its type.
+
+    ``_nonfinite`` flags may be absent; with ``complete=False`` (a spill chunk
+    written before a stage was added) any column may be. ``present``: the
+    columns that count as there (default: the schema's; a run of several
+    files passes the union of theirs). ValueError saying which column is
+    missing or of which wrong type.
+    """
+    try:
+        expected = run_schema(metadata.storage, metadata.stages, metadata.vocab_size, metadata.top_k)
+    except (ValueError, TypeError, OverflowError, pa.ArrowException) as exc:
+        raise ValueError(f"its metadata describes no valid run schema ({exc})") from exc
+    there = set(schema.names if present is None else present)
+    missing = [f.name for f in expected if f.name not in there and not f.name.endswith("_nonfinite")]
+    if missing and complete:
+        raise ValueError(
+            f"its metadata declares storage {metadata.storage!r} with stages {metadata.stages} "
+            f"(vocabulary {metadata.vocab_size}), but columns {missing} are missing"
+        )
+    names = set(schema.names)
+    for expected_field in expected:
+        if expected_field.name in names:
+            actual = schema.field(expected_field.name).type
+            if actual != expected_field.type:
+                raise ValueError(
+                    f"column {expected_field.name!r} has type {actual}, a run with this metadata has {expected_field.type}"
+                )
+
+
+def generations_column(generation: np.ndarray, generations: list[dict[str, Any]]) -> pa.Array:
+    """The :data:`GENERATIONS_COLUMN` of rows whose generation ids are ``generation``: each generation's
+    metadata entry as a JSON list on its first row (null elsewhere); entries of generations without rows
+    go on row 0."""
+    values: list[list[dict[str, Any]] | None] = [None] * len(generation)
+    unique, first = np.unique(generation, return_index=True)
+    where = dict(zip(unique.tolist(), first.tolist()))
+    for entry in generations:
+        row = where.get(int(entry.get("generation", -1)), 0)
+        values[row] = (values[row] or []) + [entry]
+    return pa.array([None if v is None else json.dumps(v, separators=(",", ":")) for v in values], pa.string())
+
+
+def generations_from_column(column: pa.ChunkedArray | pa.Array) -> list[dict[str, Any]]:
+    """The generations' metadata entries held in a :data:`GENERATIONS_COLUMN`, in generation order."""
+    if not pa.types.is_string(column.type) and not pa.types.is_large_string(column.type):
+        raise ValueError(f"column {GENERATIONS_COLUMN!r} has type {column.type}, expected string (JSON)")
+    entries: list[dict[str, Any]] = []
+    for raw in column.drop_null().to_pylist():
+        try:
+            value = json.loads(raw)
+        except ValueError as exc:
+            raise ValueError(f"column {GENERATIONS_COLUMN!r} holds text that is not JSON ({exc})") from exc
+        if not isinstance(value, list) or not all(isinstance(e, dict) for e in value):
+            raise ValueError(f"column {GENERATIONS_COLUMN!r} must hold JSON lists of objects, got {raw[:80]!r}")
+        entries.extend(value)
+    return sorted(entries, key=lambda e: e.get("generation", -1) if isinstance(e.get("generation"), int) else -1)

@@ -1,0 +1,424 @@
+"""Every on-disk layout of a run, opened one way: what :meth:`tracker.Run.load` and the dashboard read.
+
+Layouts (as :mod:`tracker.run` and :mod:`tracker.spill` write them):
+
+- a Parquet file (``.parquet``, ``.pq``) or an Arrow IPC file (``.arrow``, ``.feather``, ``.ipc``);
+- a folder of Parquet parts (a ``run_id=...`` dataset partition);
+- a dataset root holding ``run_id=...`` folders (one of them picked by ``run_id``);
+- a spill folder: ``_run.json``, ``_vocab.arrow`` and ``chunk-*.arrow`` files.
+
+:func:`open_layout` reads the metadata (the generations a Parquet file keeps
+in its ``generation_meta`` column put back), checks every part's columns
+against it and returns a :class:`RunLayout`: its parts, read whole
+(:meth:`RunLayout.batches`) or block by block (a Parquet row group, a record
+batch of a memory-mapped IPC file: :meth:`Part.read_block`). A damaged file
+raises :class:`RunFileError` naming the file and what is wrong with it;
+Parquet pages are checked against their checksums on every read. Needs
+pyarrow and numpy only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Literal, Protocol
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from processors.vocab import Vocabulary
+from tracker.schema import (
+    GENERATIONS_COLUMN,
+    ID_SCHEMA,
+    MAX_METADATA_BYTES,
+    META_RUN,
+    META_VOCAB,
+    RunMetadata,
+    check_columns,
+    generations_column,
+    generations_from_column,
+)
+from tracker.spill import CHUNK_GLOB, RUN_JSON, VOCAB_FILE, atomic_path, remove_orphans
+
+__all__ = [
+    "IPC_SUFFIXES",
+    "PARQUET_SUFFIXES",
+    "ID_COLUMNS",
+    "RunFileError",
+    "NoRunError",
+    "Part",
+    "RunLayout",
+    "open_layout",
+    "open_part",
+    "arrow_reason",
+    "metadata_from",
+    "vocabulary_from",
+    "write_parquet",
+]
+
+IPC_SUFFIXES = (".arrow", ".feather", ".ipc")
+#: Bytes of values per Parquet row group: reading one step back reads about this much.
+ROW_GROUP_BYTES = 8 << 20
+PARQUET_SUFFIXES = (".parquet", ".pq")
+ID_COLUMNS: tuple[str, ...] = tuple(ID_SCHEMA.names)
+
+
+class RunFileError(ValueError):
+    """A file or folder that cannot be read as a run; the message names it and what is wrong."""
+
+    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"'{path}' cannot be read as a logitscope run: {reason}")
+
+
+class NoRunError(FileNotFoundError):
+    """Nothing to read at a path (no file, or a folder holding no run); ``reason`` says which."""
+
+    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"path: no run at '{path}' ({reason})")
+
+
+def arrow_reason(exc: BaseException) -> str:
+    """What an Arrow or OS error reading a run file means, in words."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    lowered = text.lower()
+    if "checksum" in lowered or "crc" in lowered:
+        return f"a data page fails its checksum: the file is damaged ({text})"
+    if "magic" in lowered or "footer" in lowered or "not an arrow file" in lowered:
+        return f"the file is truncated or is not a Parquet/Arrow file ({text})"
+    return f"the file could not be read ({type(exc).__name__}: {text})"
+
+
+def metadata_from(raw: bytes | None) -> RunMetadata:
+    """Run metadata from its JSON (a schema's :data:`META_RUN` value); ValueError saying what is wrong."""
+    if raw is None:
+        raise ValueError(
+            "it holds no logitscope run metadata (schema key 'logitscope.run'); it is a table, but not one "
+            "written by tracker's Run.to_arrow / to_parquet / to_dataset"
+        )
+    return RunMetadata.from_json(raw)
+
+
+def vocabulary_from(raw: bytes | None) -> Vocabulary | None:
+    """A vocabulary from its serialised form (a schema's :data:`META_VOCAB` value), None when there is none."""
+    if raw is None:
+        return None
+    try:
+        return Vocabulary.deserialize(raw)
+    except Exception as exc:  # base64, Arrow or layout errors: all mean a damaged vocabulary
+        raise ValueError(f"its vocabulary (schema key 'logitscope.vocab') is damaged ({type(exc).__name__}: {exc})") from exc
+
+
+# ---------------------------------------------------------------- parts: the files of a run
+
+
+class Part(Protocol):
+    """One file of a run, read whole or in blocks (row groups or record batches)."""
+
+    path: Path
+
+    @property
+    def schema(self) -> pa.Schema: ...
+
+    def block_sizes(self) -> list[int]: ...
+
+    def read_ids(self) -> pa.Table: ...
+
+    def read_block(self, block: int, columns: tuple[str, ...]) -> tuple[pa.Table, int]: ...
+
+    def read_all(self) -> pa.Table: ...
+
+    def generations(self) -> list[dict]: ...
+
+
+class _ParquetPart:
+    """A Parquet file: blocks are row groups; only the requested column chunks are read."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.file = pq.ParquetFile(path, memory_map=True, page_checksum_verification=True)
+
+    @property
+    def schema(self) -> pa.Schema:
+        return self.file.schema_arrow
+
+    def block_sizes(self) -> list[int]:
+        meta = self.file.metadata
+        return [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+
+    def read_ids(self) -> pa.Table:
+        return self.file.read(columns=list(ID_COLUMNS), use_threads=True)
+
+    def read_block(self, block: int, columns: tuple[str, ...]) -> tuple[pa.Table, int]:
+        table = self.file.read_row_group(block, columns=list(columns), use_threads=True)
+        group = self.file.metadata.row_group(block)
+        wanted = set(columns)
+        nbytes = sum(
+            group.column(j).total_compressed_size
+            for j in range(group.num_columns)
+            if group.column(j).path_in_schema.split(".")[0] in wanted
+        )
+        return table, int(nbytes)
+
+    def read_all(self) -> pa.Table:
+        """Every row and column but the generations' metadata."""
+        return self.file.read(columns=[n for n in self.schema.names if n != GENERATIONS_COLUMN], use_threads=True)
+
+    def generations(self) -> list[dict]:
+        if GENERATIONS_COLUMN not in self.schema.names:
+            return []
+        return generations_from_column(self.file.read(columns=[GENERATIONS_COLUMN]).column(0))
+
+
+class _IpcPart:
+    """An Arrow IPC file through a memory map: blocks are record batches, read without a copy."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
+
+    @property
+    def schema(self) -> pa.Schema:
+        return self.reader.schema
+
+    def block_sizes(self) -> list[int]:
+        return [self.reader.get_batch(i).num_rows for i in range(self.reader.num_record_batches)]
+
+    def read_ids(self) -> pa.Table:
+        batches = [self.reader.get_batch(i).select(list(ID_COLUMNS)) for i in range(self.reader.num_record_batches)]
+        return pa.Table.from_batches(batches, schema=pa.schema([self.reader.schema.field(n) for n in ID_COLUMNS]))
+
+    def read_block(self, block: int, columns: tuple[str, ...]) -> tuple[pa.Table, int]:
+        batch = self.reader.get_batch(block).select(list(columns))
+        return pa.Table.from_batches([batch]), int(batch.nbytes)
+
+    def read_all(self) -> pa.Table:
+        table = self.reader.read_all()
+        return table.drop_columns([GENERATIONS_COLUMN]) if GENERATIONS_COLUMN in table.schema.names else table
+
+    def generations(self) -> list[dict]:
+        if GENERATIONS_COLUMN not in self.schema.names:
+            return []
+        return generations_from_column(self.reader.read_all().column(GENERATIONS_COLUMN))
+
+
+def open_part(path: Path) -> Part:
+    """Open one run file by its suffix (IPC or Parquet); RunFileError naming it when it cannot be read."""
+    try:
+        if path.suffix in IPC_SUFFIXES:
+            return _IpcPart(path)
+        return _ParquetPart(path)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        if isinstance(exc, (FileNotFoundError, PermissionError)):
+            raise
+        raise RunFileError(path, arrow_reason(exc)) from exc
+
+
+# ---------------------------------------------------------------- a run's layout
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """An opened run on disk.
+
+    Attributes:
+        path: the run's file or folder.
+        kind: ``"file"``, ``"parts"`` (a folder of Parquet parts) or ``"spill"``.
+        parts: its files, in row order (a spill folder may have none yet).
+        metadata: the run metadata, generations included.
+        vocab_raw: the serialised vocabulary (None when the run carries none).
+        vocab_path: the file it came from, for errors.
+    """
+
+    path: Path
+    kind: Literal["file", "parts", "spill"]
+    parts: list[Part]
+    metadata: RunMetadata
+    vocab_raw: bytes | None
+    vocab_path: Path
+
+    def vocabulary(self) -> Vocabulary | None:
+        """The run's vocabulary (None when it carries none); RunFileError when it is damaged."""
+        try:
+            return vocabulary_from(self.vocab_raw)
+        except ValueError as exc:
+            raise RunFileError(self.vocab_path, str(exc)) from exc
+
+    def batches(self) -> list[pa.RecordBatch]:
+        """Every row of the run (a spill chunk keeps the columns it was written with); RunFileError naming
+        a damaged file."""
+        batches: list[pa.RecordBatch] = []
+        for part in self.parts:
+            try:
+                batches += part.read_all().to_batches()
+            except (pa.ArrowException, OSError) as exc:
+                if isinstance(exc, (FileNotFoundError, PermissionError)):
+                    raise
+                raise RunFileError(part.path, arrow_reason(exc)) from exc
+        return batches
+
+
+def _metadata(path: Path, raw: bytes | None) -> RunMetadata:
+    try:
+        return metadata_from(raw)
+    except ValueError as exc:
+        raise RunFileError(path, str(exc)) from exc
+
+
+def _with_generations(metadata: RunMetadata, parts: list[Part]) -> RunMetadata:
+    entries = list(metadata.generations)
+    for part in parts:
+        try:
+            entries += part.generations()
+        except (pa.ArrowException, OSError) as exc:
+            raise RunFileError(part.path, arrow_reason(exc)) from exc
+        except ValueError as exc:
+            raise RunFileError(part.path, str(exc)) from exc
+    return metadata if len(entries) == len(metadata.generations) else replace(metadata, generations=entries)
+
+
+def _check(layout: RunLayout) -> None:
+    """Every part has the id columns and the types the metadata implies; outside a spill folder (whose
+    chunks may predate a stage) every declared column is in some part (``_nonfinite`` flags may be absent)."""
+    present: set[str] = set()
+    for part in layout.parts:
+        names = set(part.schema.names)
+        lacking = [n for n in ID_COLUMNS if n not in names]
+        if lacking:
+            raise RunFileError(part.path, f"it lacks the id columns {lacking} every run has")
+        try:
+            check_columns(part.schema, layout.metadata, complete=False)
+        except ValueError as exc:
+            raise RunFileError(part.path, str(exc)) from exc
+        present |= names
+    if layout.kind != "spill" and layout.parts:
+        try:
+            check_columns(layout.parts[0].schema, layout.metadata, present=present)
+        except ValueError as exc:
+            raise RunFileError(layout.parts[0].path, str(exc)) from exc
+
+
+def _dataset_member(root: Path, runs: list[Path], run_id: str | None) -> Path:
+    """The ``run_id=...`` folder of a dataset root that ``run_id`` names (the only one when it is None)."""
+    if run_id is None:
+        if len(runs) > 1:
+            names = [p.name.split("=", 1)[1] for p in runs]
+            raise ValueError(f"'{root}' holds {len(runs)} runs; pass run_id= one of {names}")
+        return runs[0]
+    folder = root / f"run_id={run_id}"
+    if not folder.is_dir():
+        raise ValueError(f"run_id={run_id!r} is not in '{root}'")
+    return folder
+
+
+def open_layout(path: str | os.PathLike[str], run_id: str | None = None) -> RunLayout:
+    """Open the run at ``path`` (any layout of the module docstring) by its metadata and schemas.
+
+    Reads no values (only the small ``generation_meta`` column): :meth:`RunLayout.batches`
+    or the parts' blocks do.
+    Raises :class:`NoRunError` when nothing is there, :class:`RunFileError`
+    for a file or folder that is not a readable run, and ValueError when a
+    dataset root holds several runs and ``run_id`` names none of them.
+    """
+    source = Path(path)
+    if not source.exists():
+        raise NoRunError(source, "there is no file or folder at this path")
+    if source.is_file():
+        part = open_part(source)
+        meta = part.schema.metadata or {}
+        layout = RunLayout(source, "file", [part], _metadata(source, meta.get(META_RUN)), meta.get(META_VOCAB), source)
+    elif (source / RUN_JSON).is_file():
+        metadata = _metadata(source / RUN_JSON, (source / RUN_JSON).read_bytes())
+        vocab_raw = None
+        if (source / VOCAB_FILE).is_file():
+            vocab_raw = (open_part(source / VOCAB_FILE).schema.metadata or {}).get(META_VOCAB)
+        parts = [open_part(p) for p in sorted(source.glob(CHUNK_GLOB))]
+        layout = RunLayout(source, "spill", parts, metadata, vocab_raw, source / VOCAB_FILE)
+    else:
+        runs = sorted(p for p in source.iterdir() if p.is_dir() and p.name.startswith("run_id="))
+        if runs:
+            return open_layout(_dataset_member(source, runs, run_id))
+        files = sorted(p for p in source.iterdir() if p.suffix in PARQUET_SUFFIXES and not p.name.startswith("."))
+        if not files:
+            raise NoRunError(source, "the folder holds no .parquet parts and no spill files (_run.json)")
+        parts = [open_part(p) for p in files]
+        meta = parts[0].schema.metadata or {}
+        layout = RunLayout(source, "parts", parts, _metadata(files[0], meta.get(META_RUN)), meta.get(META_VOCAB), files[0])
+    layout = replace(layout, metadata=_with_generations(layout.metadata, layout.parts))
+    _check(layout)
+    return layout
+
+
+# ---------------------------------------------------------------- writing a Parquet run file
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file (or a folder's entries) to the disk."""
+    flags = os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() and hasattr(os, "O_DIRECTORY") else 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return  # a folder that cannot be opened (some platforms): nothing more to flush
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not path.is_dir():
+            raise
+    finally:
+        os.close(fd)
+
+
+def _footer(metadata: RunMetadata, with_rows: bool) -> bytes:
+    """The run metadata a Parquet footer keeps (generations go in their column when there are rows to hold
+    them); ValueError past :data:`MAX_METADATA_BYTES`, naming the largest fields."""
+    footer = replace(metadata, generations=[]).to_json() if with_rows else metadata.to_json()
+    if len(footer) > MAX_METADATA_BYTES:
+        sizes = {k: len(json.dumps(v)) for k, v in json.loads(footer).items()}
+        largest = sorted(sizes, key=sizes.get, reverse=True)[:3]  # type: ignore[arg-type]
+        raise ValueError(
+            f"run metadata is {len(footer):,} bytes, over the {MAX_METADATA_BYTES:,} a run file keeps in its "
+            f"footer (largest fields: {', '.join(f'{k} {sizes[k]:,}' for k in largest)}); keep what "
+            "annotate() adds small, and store large data beside the run"
+        )
+    return footer
+
+
+def write_parquet(
+    table: pa.Table, path: str | os.PathLike[str], metadata: RunMetadata, *, compression: str | None = "zstd"
+) -> Path:
+    """Write a run's table (the run schema, with its vocabulary in the schema metadata) as one Parquet file.
+
+    The generations' metadata goes in :data:`GENERATIONS_COLUMN`, the rest of
+    ``metadata`` in the footer; row groups hold about :data:`ROW_GROUP_BYTES`;
+    only the id columns get dictionaries and statistics; every page carries a
+    checksum. Written atomically (a temporary file flushed to disk, then
+    renamed), after removing temporary files a killed writer left beside
+    ``path``. Returns the path.
+    """
+    target = Path(path)
+    footer = _footer(metadata, table.num_rows > 0)
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}), META_RUN: footer})
+    if table.num_rows:
+        generation = table.column("generation").to_numpy()
+        table = table.append_column(GENERATIONS_COLUMN, generations_column(generation, metadata.generations))
+    width = metadata.top_k if metadata.storage == "topk" else metadata.vocab_size
+    row_bytes = max(1, width * 4 * max(1, len(metadata.stages)))
+    remove_orphans(target.parent, target.name)
+    with atomic_path(target) as tmp:
+        pq.write_table(
+            table,
+            tmp,
+            compression=compression,
+            row_group_size=max(1, ROW_GROUP_BYTES // row_bytes),
+            use_dictionary=["generation", "sequence"],
+            write_statistics=["generation", "sequence", "step", "chosen"],
+            write_page_checksum=True,
+        )
+        _fsync(tmp)
+    _fsync(target.parent)
+    return target
