@@ -98,6 +98,7 @@ def test_a_crashed_run_leaves_its_spilled_chunks_readable(tmp_path):
         seen.append(logits)
         ids = torch.cat([ids, tracker(ids, logits).argmax(1, keepdim=True)], 1)
     folder = tmp_path / tracker.run_id
+    tracker.recorder.flush()  # the chunks queued for the disk are written (else the writer may be mid-file)
     del tracker  # the process "dies": only what reached the disk is left
     run = Run.load(folder)
     n = run.num_rows

@@ -38,6 +38,7 @@ class ChunkMemory:
         self.ring_slots = int(ring_slots)
         self._rings: dict[torch.device, PinnedRing] = {}
         self._owned: list[HostBuffer] = []  # host buffers held by the recorder's chunks
+        self._given: weakref.WeakSet[HostBuffer] = weakref.WeakSet()  # given back, maybe idle in the pool
         weakref.finalize(self, pool.give_all, self._owned)
 
     def host(self, layout: Layout) -> tuple[dict[str, torch.Tensor], list[HostBuffer]]:
@@ -47,6 +48,7 @@ class ChunkMemory:
         for name, (shape, dtype) in layout.items():
             nbytes = int(np.prod(shape, dtype=np.int64)) * torch.tensor([], dtype=dtype).element_size()
             buf = self.pool.take(max(nbytes, 1))
+            self._given.discard(buf)
             host.append(buf)
             self._owned.append(buf)
             tensors[name] = buf.tensor(shape, dtype)
@@ -97,17 +99,39 @@ class ChunkMemory:
         chunk.events.clear()
         chunk.version += 1
 
-    def release(self, chunk: Chunk) -> None:
+    def release(self, chunk: Chunk, spare: int | None = None) -> None:
         """Give a chunk's buffers back: host buffers to the pool, a staging slot to its ring (after waiting
-        for its copies: a chunk still staging synchronises with its events)."""
+        for its copies: a chunk still staging synchronises with its events).
+
+        ``spare``: at most this many bytes of the buffers this recorder gave
+        back stay idle (resident) in the pool for its next chunks; older ones
+        are let go. A run that spills then holds its rows and one spare chunk,
+        not every chunk written since its last new chunk. ``None`` keeps them
+        all (for the next tracker, after ``clear()``).
+        """
         if chunk.staging:
             chunk.wait()
             self._rings[chunk.device].give(chunk.ring_key, chunk.buffers)
         for buf in chunk.host or ():
             self._owned.remove(buf)
             self.pool.give(buf)
+            self._given.add(buf)
         chunk.buffers = {}
         chunk.arrays = {}
         chunk.host = []
         chunk.cached = None
         chunk.events.clear()
+        if spare is not None:
+            self._let_go(spare)
+
+    def _let_go(self, spare: int) -> None:
+        """Drop this recorder's oldest idle buffers from the pool until at most ``spare`` bytes stay."""
+        with self.pool.lock:
+            idle = [buf for buf in self.pool.free if buf in self._given]
+            extra = sum(buf.nbytes for buf in idle) - spare
+            for buf in idle:
+                if extra <= 0:
+                    break
+                self.pool.free.remove(buf)
+                self._given.discard(buf)
+                extra -= buf.nbytes

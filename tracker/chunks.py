@@ -122,6 +122,14 @@ class Chunk:
         pending = ~self.chosen_set[rows]
         return not pending.any() or bool(np.isin(self.generation[rows][pending], list(ended)).all())
 
+    def check_writable(self, what: str) -> None:
+        """Refuse to change rows that are on disk or on their way there."""
+        if self.on_disk:
+            raise RuntimeError(
+                f"{what}: rows of generation {int(self.generation[0])} already spilled to disk; "
+                "tell the tracker the chosen tokens before the next generation starts"
+            )
+
     def note_stream(self) -> None:
         """After a step's copies into a staging slot: record an event (every step; no synchronisation)."""
         if self.transfer is not None:

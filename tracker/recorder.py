@@ -120,6 +120,7 @@ class Recorder:
         self._ended: set[int] = set()
         self._lock = threading.RLock()
         self._handoff = SpillHandoff(Path(spill_dir) if spill_dir is not None else None, spill_queue)
+        self._spill_queue = int(spill_queue)
         self._steps = 0
         self._next_index = 0
         self._arange = np.arange(64, dtype=np.int32)
@@ -231,10 +232,9 @@ class Recorder:
             return StepRows(chunk, start, batch, generation, step)
 
     def _row_ids(self, batch: int) -> np.ndarray:
-        ids = self._arange
-        if ids.shape[0] < batch:
-            ids = self._arange = np.arange(max(batch, 2 * ids.shape[0]), dtype=np.int32)
-        return ids[:batch]
+        if self._arange.shape[0] < batch:
+            self._arange = np.arange(max(batch, 2 * self._arange.shape[0]), dtype=np.int32)
+        return self._arange[:batch]
 
     def write(self, rows: StepRows, stage: str, values: torch.Tensor, natural: torch.Tensor | None = None) -> None:
         """Record ``values [count, V]`` as ``stage`` for the reserved rows, with their statistics.
@@ -264,7 +264,7 @@ class Recorder:
         written = chunk.written.get(stage)
         if written is None:
             return  # the stage was added after this chunk began; later chunks carry it
-        self._check_writable(chunk, "write")
+        chunk.check_writable("write")
         shape = values.shape
         if len(shape) != 2 or shape[0] != rows.count or shape[1] != self.vocab_size:
             raise ValueError(f"{stage} values must have shape {(rows.count, self.vocab_size)}, got {tuple(shape)}")
@@ -327,7 +327,7 @@ class Recorder:
 
     def _set_chosen(self, rows: StepRows, tokens: torch.Tensor | Sequence[int]) -> None:
         chunk = rows.chunk
-        self._check_writable(chunk, "set_chosen")
+        chunk.check_writable("set_chosen")
         if isinstance(tokens, torch.Tensor):
             src = tokens.detach().reshape(-1)
         else:
@@ -395,13 +395,6 @@ class Recorder:
 
     # ---------------------------------------------------------------- internals
 
-    def _check_writable(self, chunk: Chunk, what: str) -> None:
-        if chunk.on_disk:
-            raise RuntimeError(
-                f"{what}: rows of generation {int(chunk.generation[0])} already spilled to disk; "
-                "tell the tracker the chosen tokens before the next generation starts"
-            )
-
     def _layout(self, capacity: int) -> Layout:
         vocab = self.vocab_size or 0
         layout: Layout = {"chosen": ((capacity,), torch.int64)}
@@ -459,13 +452,17 @@ class Recorder:
 
         Each chunk is queued once (chunks on disk or on their way are never
         considered again), so the work is linear in the run's length.
+        Chunks on their way stay in memory until written, and the buffers of
+        one written chunk wait for the next chunk: the rows kept are the bound
+        less room for those, so that everything resident stays within it.
         """
         self._collect()
         if self.memory_limit is None:
             return
-        # Room for the chunk about to be filled too, so rows in memory stay within the bound plus one chunk.
         sizes = [c.nbytes for c in self._chunks if c.nbytes]
-        excess = self.host_bytes + (sizes[-1] if sizes else 0) - self.memory_limit
+        on_the_way = sum(c.nbytes for c in self._chunks if c.spilling)
+        room = (sizes[-1] if sizes else 0) * (self._spill_queue + 3)  # next, queued, being written, spare
+        excess = self.host_bytes - on_the_way + room - self.memory_limit
         for chunk in list(self._chunks):
             if excess <= 0:
                 break
@@ -483,7 +480,7 @@ class Recorder:
     def _collect(self) -> None:
         """Map the chunks the writer finished and give their buffers back."""
         for chunk in self._handoff.collect(lambda c: c in self._chunks, self.schema):
-            self._memory.release(chunk)
+            self._memory.release(chunk, spare=chunk.nbytes)  # one chunk's buffers wait for the next chunk
             self._handoff.notice(self.storage, self.stages, self.vocab_size or 0, self.rows / max(1, self._steps),
                                  self.memory_limit or 0)
 
