@@ -74,7 +74,9 @@ def test_each_spilled_chunk_is_written_once_and_spilled_bytes_is_what_is_on_disk
     assert sum(b.num_rows for b in table) == steps * 2
 
 
-def test_a_full_spill_queue_makes_recording_wait_for_the_disk_not_fail(tmp_path, monkeypatch):
+@pytest.fixture
+def slow_disk(monkeypatch):
+    """Spill files take 20 ms each to write."""
     import tracker.spill as spill
 
     original = spill.write_ipc
@@ -84,6 +86,9 @@ def test_a_full_spill_queue_makes_recording_wait_for_the_disk_not_fail(tmp_path,
         return original(*args, **kwargs)
 
     monkeypatch.setattr(spill, "write_ipc", slow_write)
+
+
+def test_a_full_spill_queue_makes_recording_wait_for_the_disk_not_fail(tmp_path, slow_disk):
     recorder = Recorder(
         Storage.parse("float32"), ["natural"], chunk_bytes=8 << 10, memory_limit=0, spill_dir=tmp_path, run_id="r",
         spill_queue=1,
@@ -97,16 +102,7 @@ def test_a_full_spill_queue_makes_recording_wait_for_the_disk_not_fail(tmp_path,
     assert got.shape == (60,)
 
 
-def test_rows_on_their_way_to_a_slow_disk_stay_within_the_memory_bound(tmp_path, monkeypatch):
-    import tracker.spill as spill
-
-    original = spill.write_ipc
-
-    def slow_write(*args, **kwargs):
-        time.sleep(0.01)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(spill, "write_ipc", slow_write)
+def test_rows_on_their_way_to_a_slow_disk_stay_within_the_memory_bound(tmp_path, slow_disk):
     bound = 256 << 10
     recorder = Recorder(
         Storage.parse("float32"), ["natural"], chunk_bytes=16 << 10, memory_limit=bound, spill_dir=tmp_path, run_id="r",
