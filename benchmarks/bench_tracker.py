@@ -333,7 +333,7 @@ def long_run(vocab: int, steps: int) -> None:
           f"({'within' if peak <= limit else 'OVER'})")
     print(f"rows held in memory at most {rows_peak / 2**30:.3f} GiB (sampled every 16 steps; "
           f"bound + 2 chunks {limit / 2**30:.3f} GiB); the rest of the RSS "
-          "is the process's own (the vocabulary written beside the spill files, allocator caches)")
+          "is the process's own (the logits pool, the spill writer's batches, allocator caches)")
     for warning in caught[:1]:
         print(f"notice: {warning.message}")
     tracker.clear()

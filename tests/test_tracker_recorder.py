@@ -98,12 +98,31 @@ def test_a_crashed_run_leaves_its_spilled_chunks_readable(tmp_path):
         seen.append(logits)
         ids = torch.cat([ids, tracker(ids, logits).argmax(1, keepdim=True)], 1)
     folder = tmp_path / tracker.run_id
+    tracker.recorder.flush()  # the chunks queued for the disk are written (else the writer may be mid-file)
     del tracker  # the process "dies": only what reached the disk is left
     run = Run.load(folder)
     n = run.num_rows
     assert 0 < n < 20
     np.testing.assert_array_equal(run.get_logits(include_finished=True)["unstructured"], torch.cat(seen[:n]).numpy())
     assert run.stats()["chosen_id"].tolist() == ids[0, 2 : 2 + n].tolist()
+    # no tokenizer: the folder carries no vocabulary table (nothing a placeholder would add), tokens read as <id>
+    assert not (folder / "_vocab.arrow").exists()
+    assert run.get_top_tokens(k=1, positions=0)[0]["tokens"][0]["token"] == f"<{int(seen[0].argmax())}>"
+
+
+def test_a_spilled_run_carries_its_tokenizers_vocabulary(tmp_path, char_tokenizer):
+    from tracker import LogitTrackingProcessor
+
+    tracker = LogitTrackingProcessor(None, tokenizer=char_tokenizer, memory_limit=0, chunk_bytes=2048, spill_dir=tmp_path)
+    logits = torch.full((1, 128), -5.0)
+    logits[0, ord("q")] = 5.0
+    ids = torch.tensor([[ord("a")]])
+    for _ in range(8):
+        ids = torch.cat([ids, tracker(ids, logits).argmax(1, keepdim=True)], 1)
+    tracker.recorder.flush()
+    run = Run.load(tmp_path / tracker.run_id)
+    assert run.num_rows >= 1
+    assert run.get_top_tokens(k=1, positions=0)[0]["tokens"][0]["token"] == "q"
 
 
 def test_buffers_are_reused_after_clear_but_never_under_a_table_someone_holds():

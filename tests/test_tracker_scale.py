@@ -74,7 +74,9 @@ def test_each_spilled_chunk_is_written_once_and_spilled_bytes_is_what_is_on_disk
     assert sum(b.num_rows for b in table) == steps * 2
 
 
-def test_a_full_spill_queue_makes_recording_wait_for_the_disk_not_fail(tmp_path, monkeypatch):
+@pytest.fixture
+def slow_disk(monkeypatch):
+    """Spill files take 20 ms each to write."""
     import tracker.spill as spill
 
     original = spill.write_ipc
@@ -84,6 +86,9 @@ def test_a_full_spill_queue_makes_recording_wait_for_the_disk_not_fail(tmp_path,
         return original(*args, **kwargs)
 
     monkeypatch.setattr(spill, "write_ipc", slow_write)
+
+
+def test_a_full_spill_queue_makes_recording_wait_for_the_disk_not_fail(tmp_path, slow_disk):
     recorder = Recorder(
         Storage.parse("float32"), ["natural"], chunk_bytes=8 << 10, memory_limit=0, spill_dir=tmp_path, run_id="r",
         spill_queue=1,
@@ -95,6 +100,27 @@ def test_a_full_spill_queue_makes_recording_wait_for_the_disk_not_fail(tmp_path,
     assert recorder.chunk_writes == len(list((tmp_path / "r").glob("chunk-*.arrow")))
     got = np.concatenate([b.column("chosen").to_numpy() for b in recorder.batches()])
     assert got.shape == (60,)
+
+
+def test_rows_on_their_way_to_a_slow_disk_stay_within_the_memory_bound(tmp_path, slow_disk):
+    bound = 256 << 10
+    recorder = Recorder(
+        Storage.parse("float32"), ["natural"], chunk_bytes=16 << 10, memory_limit=bound, spill_dir=tmp_path, run_id="r",
+    )
+    gen = torch.Generator().manual_seed(3)
+    held = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SpillWarning)
+        for t in range(300):
+            rows = recorder.begin_step(0, t, 2, 1024, CPU)
+            x = torch.randn(2, 1024, generator=gen)
+            recorder.write(rows, "natural", x)
+            recorder.set_chosen(rows, x.argmax(1))
+            held.append(recorder.host_bytes)  # chunks queued for the disk are still in memory: counted
+        recorder.flush()
+    assert recorder.chunk_writes > 10, "the run should have spilled"
+    assert max(held) <= bound, f"rows in memory reached {max(held):,} bytes, over the bound of {bound:,}"
+    assert sum(b.num_rows for b in recorder.batches()) == 600  # every row kept, in memory or on disk
 
 
 # ---------------------------------------------------------------- exact statistics in every mode

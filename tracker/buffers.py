@@ -163,7 +163,11 @@ class PinnedRing:
     outstanding: int = 0
 
     def take(self, layout: Any, make: Any) -> dict[str, torch.Tensor] | None:
-        """A free slot for ``layout`` (made with ``make()`` while under ``slots``), or None when all are busy."""
+        """A free slot for ``layout`` (made with ``make()`` while under ``slots``), or None when all are busy.
+
+        Once per chunk; host bookkeeping only (no synchronisation: the caller
+        waits for a slot's copies before giving it back).
+        """
         if layout != self.layout:
             self.layout, self.free, self.outstanding = layout, [], 0
         if self.free:
@@ -175,6 +179,7 @@ class PinnedRing:
         return None
 
     def give(self, layout: Any, slot: dict[str, torch.Tensor]) -> None:
+        """Take a slot back for reuse (its copies have landed; host bookkeeping only, no synchronisation)."""
         if layout == self.layout:
             self.outstanding -= 1
             self.free.append(slot)

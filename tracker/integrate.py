@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 from processors import ProcessorList
-from tracker.processor import LogitTrackingProcessor, find_tokenizer
+from tracker.hosts import find_tokenizer
+from tracker.processor import LogitTrackingProcessor
 
 __all__ = ["add_tracking"]
 

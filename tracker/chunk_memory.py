@@ -1,0 +1,137 @@
+"""Where a recorder's chunk buffers come from and go back to.
+
+Host buffers come from a :class:`~tracker.buffers.BufferPool` (memory touched
+before, reused once nothing views it); on CUDA a chunk first lives in a
+pinned staging slot of a :class:`~tracker.buffers.PinnedRing` per device,
+filled by ``non_blocking`` copies, and moves into host buffers when its slot
+is needed or its rows are read (:meth:`ChunkMemory.to_host`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import numpy as np
+import torch
+
+from tracker.buffers import BufferPool, HostBuffer, PinnedRing
+from tracker.chunks import Chunk, CudaStaging, numpy_view
+
+__all__ = ["ChunkMemory", "Layout"]
+
+#: Buffer name -> (shape, dtype) of a whole chunk's buffer.
+Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+class ChunkMemory:
+    """The host buffers and pinned slots of one recorder's chunks.
+
+    Args:
+        pool: where host buffers come from; the buffers this recorder still
+            holds go back to it when this object is collected.
+        ring_slots: pinned staging slots per CUDA device.
+    """
+
+    def __init__(self, pool: BufferPool, ring_slots: int) -> None:
+        self.pool = pool
+        self.ring_slots = int(ring_slots)
+        self._rings: dict[torch.device, PinnedRing] = {}
+        self._owned: list[HostBuffer] = []  # host buffers held by the recorder's chunks
+        self._given: weakref.WeakSet[HostBuffer] = weakref.WeakSet()  # given back, maybe idle in the pool
+        weakref.finalize(self, pool.give_all, self._owned)
+
+    def host(self, layout: Layout) -> tuple[dict[str, torch.Tensor], list[HostBuffer]]:
+        """Host tensors for ``layout`` (from the pool), and the buffers under them."""
+        host: list[HostBuffer] = []
+        tensors: dict[str, torch.Tensor] = {}
+        for name, (shape, dtype) in layout.items():
+            nbytes = int(np.prod(shape, dtype=np.int64)) * torch.tensor([], dtype=dtype).element_size()
+            buf = self.pool.take(max(nbytes, 1))
+            self._given.discard(buf)
+            host.append(buf)
+            self._owned.append(buf)
+            tensors[name] = buf.tensor(shape, dtype)
+        return tensors, host
+
+    def staged_capacity(self, device: torch.device, capacity: int) -> int:
+        """Rows a staging chunk on ``device`` holds: ``capacity``, or the ring's slots' if larger.
+
+        A ring whose slots are smaller than ``capacity`` is replaced (its
+        slots in flight are let go when their chunks drain).
+        """
+        ring = self._rings.get(device)
+        if ring is None or (ring.layout is not None and ring.layout[0] < capacity):
+            ring = self._rings[device] = PinnedRing(self.ring_slots)
+        return max(capacity, ring.layout[0] if ring.layout is not None else 0)
+
+    def slot(self, device: torch.device, capacity: int, layout: Layout, transfer: CudaStaging,
+             drain_one: Callable[[], bool]) -> tuple[dict[str, torch.Tensor], tuple]:
+        """A pinned slot for ``layout`` and its ring key. When every slot is in flight, ``drain_one()``
+        moves the oldest staging chunk to host memory (its copies are long done); if none can move,
+        a slot beyond the ring is made."""
+        ring = self._rings[device]
+        key = (capacity, tuple((k, v[0], str(v[1])) for k, v in layout.items()))
+
+        def make() -> dict[str, torch.Tensor]:
+            return {name: transfer.empty(shape, dtype) for name, (shape, dtype) in layout.items()}
+
+        slot = ring.take(key, make)
+        if slot is None:
+            slot = ring.take(key, make) if drain_one() else None
+            slot = slot if slot is not None else make()
+        return slot, key
+
+    def to_host(self, chunk: Chunk) -> None:
+        """Move a staging chunk's rows into host buffers and give its slot back.
+
+        Synchronises with the chunk's copies (their events), so it runs only
+        when every pinned slot is in flight or the rows are read, not per step.
+        """
+        chunk.wait()
+        layout = {name: (tuple(t.shape), t.dtype) for name, t in chunk.buffers.items()}
+        tensors, host = self.host(layout)
+        for name, tensor in tensors.items():
+            tensor[: chunk.n].copy_(chunk.buffers[name][: chunk.n])
+        self._rings[chunk.device].give(chunk.ring_key, chunk.buffers)
+        chunk.buffers, chunk.host = tensors, host
+        chunk.arrays = {name: numpy_view(t) for name, t in tensors.items()}
+        chunk.events.clear()
+        chunk.version += 1
+
+    def release(self, chunk: Chunk, spare: int | None = None) -> None:
+        """Give a chunk's buffers back: host buffers to the pool, a staging slot to its ring (after waiting
+        for its copies: a chunk still staging synchronises with its events).
+
+        ``spare``: at most this many bytes of the buffers this recorder gave
+        back stay idle (resident) in the pool for its next chunks; older ones
+        are let go. A run that spills then holds its rows and one spare chunk,
+        not every chunk written since its last new chunk. ``None`` keeps them
+        all (for the next tracker, after ``clear()``).
+        """
+        if chunk.staging:
+            chunk.wait()
+            self._rings[chunk.device].give(chunk.ring_key, chunk.buffers)
+        for buf in chunk.host or ():
+            self._owned.remove(buf)
+            self.pool.give(buf)
+            self._given.add(buf)
+        chunk.buffers = {}
+        chunk.arrays = {}
+        chunk.host = []
+        chunk.cached = None
+        chunk.events.clear()
+        if spare is not None:
+            self._let_go(spare)
+
+    def _let_go(self, spare: int) -> None:
+        """Drop this recorder's oldest idle buffers from the pool until at most ``spare`` bytes stay."""
+        with self.pool.lock:
+            idle = [buf for buf in self.pool.free if buf in self._given]
+            extra = sum(buf.nbytes for buf in idle) - spare
+            for buf in idle:
+                if extra <= 0:
+                    break
+                self.pool.free.remove(buf)
+                self._given.discard(buf)
+                extra -= buf.nbytes

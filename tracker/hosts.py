@@ -1,0 +1,240 @@
+"""Where each host's quirks live: how the tracker learns prompts, steps and chosen tokens from its host.
+
+- transformers' ``model.generate`` and Outlines 1.x call a processor as
+  ``(input_ids [B, L], scores [B, V]) -> scores`` and never say which token
+  was chosen: :class:`TransformersHost` marks the prompt at a generation's
+  first call, starts a new generation when the input is not the next step of
+  the last one, reads each step's token from the next call's ``input_ids``,
+  and the last step's from :meth:`~TransformersHost.stopping_criteria` or
+  from the output given to :meth:`~TransformersHost.finish`. Outlines'
+  tokenizer wrappers are unwrapped by :func:`find_tokenizer`.
+- logitscope's ``Generator`` says everything itself (``on_generation_start``,
+  ``on_prefill``, ``on_sampled``, sampling taps): see
+  :class:`~tracker.LogitTrackingProcessor`.
+- vLLM, Dynamo and TensorRT-LLM conventions reach the tracker through
+  ``processors.to_vllm/to_dynamo/to_trtllm(tracker)``; TensorRT-LLM's
+  adapter copies the processor per request, and such copies share the
+  tracker's recording (``LogitTrackingProcessor.__deepcopy__``).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from processors import BatchContext
+from processors.vocab import hf_tokenizer
+from tracker.recorder import Recorder
+from tracker.run import Run
+from tracker.run_metadata import Generation
+
+__all__ = ["BEAMS", "HostState", "TransformersHost", "check_chosen", "find_tokenizer"]
+
+BEAMS = (
+    "beam search (num_beams > 1) is not tracked: the tracker records rows by position and beam search reorders "
+    "its beams at every step, so the recorded rows are not sequences. Track greedy or sampled generation "
+    "(num_beams=1); for several candidates per prompt use do_sample=True with num_return_sequences"
+)
+
+
+def find_tokenizer(*candidates: Any) -> Any:
+    """The first tokenizer found on the candidates (or their ``.tokenizer`` chains).
+
+    A host's wrapper (Outlines' ``TransformerTokenizer``) is unwrapped to the
+    Hugging Face tokenizer inside it: token texts come from the vocabulary's
+    bytes, never from a wrapper's ``decode``.
+    """
+    for candidate in candidates:
+        seen = 0
+        obj = candidate
+        while obj is not None and seen < 4:
+            if hasattr(obj, "convert_ids_to_tokens") or (hasattr(obj, "decode") and hasattr(obj, "eos_token_id")):
+                return hf_tokenizer(obj)
+            obj = getattr(obj, "tokenizer", None)
+            seen += 1
+    return None
+
+
+def check_chosen(tokens: Any, vocab_size: int, where: str) -> None:
+    """Refuse chosen ids outside ``[0, vocab_size)``, naming the row, the id and the range.
+
+    Checks host values (a CPU tensor, a list); a tensor on an accelerator is
+    not read here (that would synchronise every step) and is checked when the
+    run is built. Runs every step; does not synchronise with the device.
+    """
+    if isinstance(tokens, torch.Tensor):
+        if tokens.device.type != "cpu":
+            return
+        values = tokens.detach().reshape(-1).to(torch.int64).numpy()
+    else:
+        values = np.asarray(list(tokens), dtype=np.int64).reshape(-1)
+    if vocab_size <= 0 or values.size == 0:
+        return
+    bad = np.flatnonzero((values < 0) | (values >= vocab_size))
+    if bad.size:
+        row = int(bad[0])
+        raise ValueError(
+            f"{where}: chosen token of row {row} is {int(values[row])}, outside the vocabulary [0, {vocab_size})"
+            + (f" ({bad.size} rows out of range)" if bad.size > 1 else "")
+        )
+
+
+@dataclass
+class HostState:
+    """What a transformers-style host showed this thread last: where its prompt ends, its last input."""
+
+    prompt_length: int = 0
+    last_ids: torch.Tensor | None = None
+
+
+def continues(input_ids: torch.Tensor, last: torch.Tensor) -> bool:
+    """Whether ``input_ids`` is the step after ``last``: same rows, one token longer, same first columns.
+
+    The columns are compared only for tensors on the CPU (free there); on an
+    accelerator that would read the device every step, so batch and length
+    decide. Does not synchronise with the device.
+    """
+    if input_ids.shape[0] != last.shape[0] or input_ids.shape[1] != last.shape[1] + 1:
+        return False
+    if input_ids.device.type != "cpu" or last.device.type != "cpu":
+        return True
+    return bool(torch.equal(input_ids[:, :-1], last))
+
+
+def last_tokens(output: Any, gen: Generation) -> torch.Tensor | list[int]:
+    """The tokens chosen at ``gen``'s last step, read from what the host's generate returned.
+
+    ``output``: a ``[B, L]`` tensor or array of sequences, an object with
+    ``.sequences``, or a list of ``RequestOutput`` (logitscope's Generator).
+    """
+    if isinstance(output, (list, tuple)) and output and hasattr(output[0], "outputs"):
+        rows = [c.token_ids for request in output for c in request.outputs]
+        if len(rows) != gen.batch:
+            raise ValueError(f"output holds {len(rows)} completions, the tracked batch had {gen.batch} rows")
+        return [int(r[gen.last_step]) if len(r) > gen.last_step else -1 for r in rows]
+    if getattr(output, "beam_indices", None) is not None:
+        raise ValueError(f"finish(output): {BEAMS}")
+    sequences = getattr(output, "sequences", output)
+    if isinstance(sequences, np.ndarray):
+        sequences = torch.from_numpy(sequences)
+    if not isinstance(sequences, torch.Tensor) or sequences.ndim != 2:
+        raise TypeError(
+            "output must be a [batch, length] tensor of sequences, an object with .sequences, "
+            f"or a list of RequestOutput; got {type(output).__name__}"
+        )
+    column = gen.prompt_length + gen.last_step
+    if sequences.shape[0] != gen.batch or sequences.shape[1] <= column:
+        raise ValueError(
+            f"output sequences have shape {tuple(sequences.shape)}, but the tracked generation has "
+            f"{gen.batch} rows and its last step {gen.last_step} is column {column} (prompt length "
+            f"{gen.prompt_length}); pass the output of the generate() call that was tracked"
+            + (f" (if it ran with num_beams > 1: {BEAMS})" if sequences.shape[0] < gen.batch else "")
+        )
+    return sequences[:, column]
+
+
+class TransformersHost:
+    """The transformers convention of :class:`~tracker.LogitTrackingProcessor` (``model.generate``, Outlines).
+
+    A mixin: besides the attributes below, the tracker gives it ``process``,
+    ``reset``, ``run``, ``_current()`` (this thread's :class:`Generation`)
+    and ``_end_generation()``.
+    """
+
+    recorder: Recorder
+    _local: threading.local
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """The transformers convention: ``(input_ids [B, L], scores [B, V]) -> scores``.
+
+        The first call of a generation marks the prompt; a call that is not
+        the next step of this thread's last one (see :mod:`tracker.processor`)
+        resets the tracker and the wrapped processor and starts a new
+        generation. Runs every step; reads no device value (does not
+        synchronise).
+        """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise ValueError(f"input_ids must be a 2-D [batch, length] tensor, got {shape}")
+        host = self._host()
+        if host.last_ids is not None and not continues(input_ids, host.last_ids):
+            self.reset()
+            host = self._host()
+        if host.last_ids is None:
+            host.prompt_length = int(input_ids.shape[1])
+        host.last_ids = input_ids
+        return self.process(scores, BatchContext(input_ids=input_ids, prompt_length=host.prompt_length))
+
+    def _chosen_from_input(self, gen: Generation, ctx: BatchContext, vocab_size: int, step: int) -> None:
+        """At the step after ``gen``'s last, its chosen tokens are the input's last column (unless a host said).
+
+        Runs every step; the column stays on its device (no synchronisation).
+        """
+        if gen.last_rows is not None and not gen.chosen_known and step == gen.last_step + 1:
+            last = ctx.input_ids[:, -1]
+            check_chosen(last, vocab_size, f"input_ids (generation {gen.id}, step {gen.last_step})")
+            self.recorder.set_chosen(gen.last_rows, last)
+
+    def stopping_criteria(self) -> Any:
+        """A transformers ``StoppingCriteria`` that never stops and tells the tracker each step's token.
+
+        Pass it as ``model.generate(..., stopping_criteria=StoppingCriteriaList([tracker.stopping_criteria()]))``
+        so that the last step's token is recorded without calling :meth:`finish`.
+        """
+        from transformers import StoppingCriteria
+
+        tracker = self
+
+        class TrackerChosenTokens(StoppingCriteria):
+            def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+                tracker._observe_sequences(input_ids)
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+        return TrackerChosenTokens()
+
+    def finish(self, output: Any = None) -> Run:
+        """End the generation in progress; with the host's output, record the last step's tokens.
+
+        ``output`` is what the tracked generation returned: a ``[B, L]``
+        tensor of sequences (prompt and generated tokens), an object with
+        ``.sequences`` (transformers' ``generate`` with
+        ``return_dict_in_generate=True``), or logitscope's list of
+        ``RequestOutput``. Returns the recorded run.
+        """
+        gen = self._current()
+        if output is not None:
+            if gen is None or gen.last_rows is None:
+                raise ValueError("finish(output): no generation in progress; call it right after the tracked generate()")
+            tokens = last_tokens(output, gen)
+            if isinstance(tokens, torch.Tensor):
+                check_chosen(tokens, self.recorder.vocab_size or 0, f"finish(output) (generation {gen.id}, step {gen.last_step})")
+            self.recorder.set_chosen(gen.last_rows, tokens)
+            gen.chosen_known = True
+        self._end_generation()
+        self._forget_host()
+        return self.run
+
+    def _observe_sequences(self, input_ids: torch.Tensor) -> None:
+        """The stopping criteria's view of a step: its last column is the token just chosen (no synchronisation)."""
+        gen = self._current()
+        if gen is None or gen.last_rows is None or gen.chosen_known:
+            return
+        if input_ids.shape[0] == gen.batch and input_ids.shape[1] == gen.prompt_length + gen.last_step + 1:
+            last = input_ids[:, -1]
+            check_chosen(last, self.recorder.vocab_size or 0, f"stopping_criteria (generation {gen.id}, step {gen.last_step})")
+            self.recorder.set_chosen(gen.last_rows, last)
+            gen.chosen_known = True
+
+    def _host(self) -> HostState:
+        """What a transformers-style host showed this thread last."""
+        host = getattr(self._local, "host", None)
+        if host is None:
+            host = self._local.host = HostState()
+        return host
+
+    def _forget_host(self) -> None:
+        self._local.host = None

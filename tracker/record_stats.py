@@ -1,0 +1,215 @@
+"""Statistics of each recorded row, computed on the row's device as it is recorded (torch, any device).
+
+Per stage and row the recorder keeps a few values beside (or instead of) the
+row itself, so that every storage mode answers the per-step statistics
+exactly: :func:`row_stats` (log-sum-exp, allowed count, maximum, entropy, NaN
+count, EOS probability, and against the natural row the removed mass and
+margin), :func:`chosen_stats` once the chosen token is known (its logit,
+probability and rank), and :func:`summarise_topk` for top-k storage.
+
+These run once per recorded stage and step. None of them synchronises with
+the device: whole-row kernels whose small results are copied to the host
+with the rows (on a CPU, numpy passes on the row itself). The read side
+(:mod:`tracker.compute`, :mod:`tracker.analysis`) reads the packed values
+by the names in :data:`ROW_STATS` and :data:`CHOSEN_STATS`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+__all__ = ["CHOSEN_STATS", "ROW_STATS", "chosen_stats", "pair_stats", "probability", "row_stats", "summarise_topk"]
+
+NEG_INF = float("-inf")
+_FLOAT_MAX = float(np.finfo(np.float32).max)
+_EXP_FLOOR = -80.0  # exp(-80) ~ 1.8e-35: below the rounding of a float32 sum whose largest term is 1
+
+#: Order of the values :func:`row_stats` packs per row (the schema's statistics columns up to the margin).
+ROW_STATS = ("lse", "allowed", "max", "entropy", "nan", "p_eos", "removed_mass", "margin")
+#: Order of the values :func:`chosen_stats` packs per row.
+CHOSEN_STATS = ("chosen_logit", "p_chosen", "rank_chosen")
+
+
+def probability(logit: torch.Tensor, lse: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """``exp(logit - lse)`` with the record's rules: NaN entries weigh 0, a ``+inf`` row is a one-hot.
+
+    ``lse`` and ``allowed`` broadcast against ``logit`` (a ``+inf`` row has
+    ``lse = +inf`` and ``allowed`` = its count of ``+inf`` tokens). Kernels
+    on the inputs' device; no synchronisation.
+    """
+    p = torch.exp(logit - lse)
+    one_hot = (logit == math.inf).to(p.dtype) / allowed.clamp(min=1).to(p.dtype)
+    p = torch.where(lse == math.inf, one_hot, p)
+    return torch.nan_to_num(p, nan=0.0)
+
+
+def row_stats(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, 8]`` float32 statistics of rows ``x [B, V]`` on their device, in :data:`ROW_STATS` order.
+
+    NaN entries are left out of the distribution (and counted); a row with
+    ``+inf`` is a one-hot on its ``+inf`` tokens. ``eos`` (int64 ids on the
+    same device) gives ``p_eos`` (NaN without). With ``natural`` (the rows
+    before the processor), ``removed_mass`` and ``margin`` say what ``x``
+    masked of them; without, they are NaN. Whole-row kernels only: no host
+    read, no synchronisation.
+    """
+    if x.device.type == "cpu":
+        return _row_stats_cpu(x, eos, natural)
+    return _row_stats_general(x, eos, natural)
+
+
+def _row_stats_general(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`row_stats` with torch kernels, for any device and any row."""
+    x = x.float()
+    isnan = torch.isnan(x)
+    nan = isnan.sum(dim=1, dtype=torch.float32)
+    xs = x.masked_fill(isnan, NEG_INF)
+    top = xs.amax(dim=1)
+    posinf = top == math.inf
+    shift = torch.where(torch.isfinite(top), top, 0.0)
+    z = (xs - shift[:, None]).clamp_(min=_EXP_FLOOR)
+    e = torch.exp(z)
+    total = e.sum(dim=1)
+    log_total = torch.log(total)
+    entropy = log_total - (e * z).sum(dim=1) / total
+    count_inf = torch.isposinf(xs).sum(dim=1, dtype=torch.float32)
+    allowed = torch.where(posinf, count_inf, (xs > NEG_INF).sum(dim=1, dtype=torch.float32))
+    nothing = top == NEG_INF
+    lse = torch.where(nothing, NEG_INF, torch.where(posinf, math.inf, shift + log_total))
+    entropy = torch.where(nothing, math.nan, torch.where(posinf, torch.log(count_inf.clamp(min=1)), entropy))
+    if eos is not None and eos.numel():
+        p_eos = probability(xs.index_select(1, eos), lse[:, None], allowed[:, None]).sum(dim=1)
+    else:
+        p_eos = torch.full_like(lse, math.nan)
+    if natural is not None:
+        removed, margin = pair_stats(natural, xs)
+    else:
+        removed = margin = torch.full_like(lse, math.nan)
+    return torch.stack([lse, allowed, top, entropy, nan, p_eos, removed, margin], dim=1)
+
+
+def _row_stats_cpu(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Tensor | None) -> torch.Tensor:
+    """:func:`row_stats` on the CPU: numpy passes (one thread, a fast ``exp``) for rows without NaN or
+    ``+inf`` (a row's sum tells), the general kernels for the others."""
+    rows = x.detach().float().numpy()
+    sums = rows.sum(axis=1)
+    plain = np.isfinite(sums) | (sums == NEG_INF)
+    if not plain.all():
+        out = torch.empty(rows.shape[0], len(ROW_STATS))
+        special = torch.from_numpy(np.nonzero(~plain)[0])
+        out[special] = _row_stats_general(x[special], eos, None if natural is None else natural[special])
+        if plain.any():
+            keep = torch.from_numpy(np.nonzero(plain)[0])
+            out[keep] = _row_stats_cpu(x[keep], eos, None if natural is None else natural[keep])
+        return out
+    top = rows.max(axis=1)
+    nothing = top == NEG_INF
+    shift = np.where(nothing, 0.0, top).astype(np.float32)
+    z = rows - shift[:, None]
+    np.maximum(z, _EXP_FLOOR, out=z)
+    e = np.exp(z)
+    total = e.sum(axis=1, dtype=np.float32)
+    log_total = np.log(total)
+    entropy = log_total - np.einsum("ij,ij->i", e, z) / total
+    allowed = rows.shape[1] - np.count_nonzero(rows == NEG_INF, axis=1)
+    lse = np.where(nothing, NEG_INF, shift + log_total)
+    entropy = np.where(nothing, np.nan, entropy)
+    if eos is not None and eos.numel():
+        p_eos = np.exp(rows[:, eos.numpy()] - lse[:, None]).sum(axis=1)
+    else:
+        p_eos = np.full(rows.shape[0], np.nan)
+    if natural is not None:
+        removed, margin = _pair_stats_cpu(natural, x)
+    else:
+        removed = margin = np.full(rows.shape[0], np.nan)
+    nan = np.zeros(rows.shape[0])
+    packed = np.stack([lse, allowed, top, entropy, nan, p_eos, removed, margin], axis=1).astype(np.float32)
+    return torch.from_numpy(packed)
+
+
+def _pair_stats_cpu(natural: torch.Tensor, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`pair_stats` in numpy passes when the natural rows hold no NaN or ``+inf``."""
+    nat = natural.detach().float().numpy()
+    sums = nat.sum(axis=1)
+    if not (np.isfinite(sums) | (sums == NEG_INF)).all():
+        removed, margin = pair_stats(natural, x)
+        return removed.numpy(), margin.numpy()
+    # natural where x allows the token, -inf where it masked it: x - max(x, -FLT_MAX) is 0 or -inf
+    # (three cheap passes instead of a boolean select)
+    con = x.detach().float().numpy()
+    kept = np.maximum(con, -_FLOAT_MAX)
+    np.subtract(con, kept, out=kept)
+    np.add(kept, nat, out=kept)
+    removed = np.nan_to_num(np.clip(1.0 - np.exp(_logsumexp(kept) - _logsumexp(nat)), 0.0, 1.0), nan=0.0)
+    margin = nat.max(axis=1) - kept.max(axis=1)
+    return removed, margin
+
+
+def _logsumexp(rows: np.ndarray) -> np.ndarray:
+    """Log-sum-exp of float32 rows without NaN or ``+inf`` (``-inf`` for a row with nothing allowed)."""
+    shift = rows.max(axis=1)
+    nothing = shift == NEG_INF
+    shift = np.where(nothing, 0.0, shift).astype(np.float32)
+    terms = rows - shift[:, None]
+    np.maximum(terms, _EXP_FLOOR, out=terms)
+    np.exp(terms, out=terms)
+    return np.where(nothing, NEG_INF, np.log(terms.sum(axis=1, dtype=np.float32)) + shift)
+
+
+def pair_stats(natural: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(removed_mass, margin)`` of a stage ``x`` against ``natural`` (both ``[B, V]``, any device).
+
+    ``removed_mass``: natural probability of the tokens ``x`` masked (``-inf``
+    or NaN); ``margin``: the best natural logit minus the best natural logit
+    ``x`` still allows (``inf`` when it allows nothing). Whole-row kernels on
+    the rows' device; no synchronisation.
+    """
+    nat = natural.float()
+    nat = nat.masked_fill(torch.isnan(nat), NEG_INF)
+    kept = nat.masked_fill(~(x > NEG_INF), NEG_INF)
+    lse_nat, lse_kept = torch.logsumexp(nat, dim=1), torch.logsumexp(kept, dim=1)
+    removed = (1.0 - torch.exp(lse_kept - lse_nat)).clamp_(0.0, 1.0)
+    margin = nat.amax(dim=1) - kept.amax(dim=1)
+    return torch.nan_to_num(removed, nan=0.0), margin
+
+
+def chosen_stats(x: torch.Tensor, chosen: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+    """``[B, 3]`` float32: the chosen token's logit, probability and rank (0 = best) in rows ``x``.
+
+    ``stats`` are the rows' :func:`row_stats`; ``chosen`` holds one id per
+    row (out-of-range ids give NaN). Same device as ``x``, no synchronisation.
+    """
+    vocab = x.shape[1]
+    ids = chosen.reshape(-1, 1).to(device=x.device, dtype=torch.int64)
+    valid = (ids[:, 0] >= 0) & (ids[:, 0] < vocab)
+    value = x.gather(1, ids.clamp(0, vocab - 1))
+    if x.device.type == "cpu":  # a numpy count: torch's sum of a boolean row is slow on the CPU
+        rows = x.detach().numpy() if x.dtype in (torch.float32, torch.float16) else x.detach().float().numpy()
+        bound = value.detach().to(torch.float32).numpy().astype(rows.dtype)
+        rank = torch.from_numpy(np.count_nonzero(rows > bound, axis=1).astype(np.float32))
+    else:
+        rank = (x > value).sum(dim=1, dtype=torch.float32)
+    logit = value[:, 0].float()
+    logit = logit.masked_fill(torch.isnan(logit), NEG_INF)
+    prob = probability(logit, stats[:, 0], stats[:, 1])
+    out = torch.stack([logit, prob, rank], dim=1)
+    return out.masked_fill(~valid[:, None], math.nan)
+
+
+def summarise_topk(x: torch.Tensor, k: int, natural: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Top-k storage of rows ``x [B, V]`` on their device: the ``k`` largest logits and their ids.
+
+    NaN entries are never selected (they count as ``-inf``). ``natural`` (the
+    rows before the processor) gives the natural logits at the same ids, so a
+    constrained top-k row still knows what the model wanted. No synchronisation.
+    """
+    x = x.float()
+    x = x.masked_fill(torch.isnan(x), float("-inf"))
+    values, ids = torch.topk(x, k, dim=1)
+    out = {"ids": ids.to(torch.int32), "logits": values}
+    if natural is not None:
+        out["natural"] = natural.float().gather(1, ids)
+    return out
