@@ -23,7 +23,7 @@ from sampling.pipe import (
     TopP,
 )
 from sampling.pipe.ops import ProbsSampleOp, SoftmaxOp, TemperatureOp
-from sampling.pipe.validators import check_nothing_after_indices, check_single_softmax, check_types
+from sampling.pipe.fusion import check_nothing_after_indices, check_single_softmax, check_types
 
 LOGITS, PROBS, INDICES = TensorType.LOGITS, TensorType.PROBS, TensorType.INDICES
 

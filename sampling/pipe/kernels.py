@@ -50,36 +50,10 @@ from typing import Literal, NamedTuple, Union
 
 import torch
 
-__all__ = [
-    "Param",
-    "Algorithm",
-    "ALGORITHMS",
-    "resolve_algorithm",
-    "sync_free_candidates",
-    "nth_equal_scan",
-    "Crossing",
-    "Cut",
-    "as_column",
-    "top_k_candidates",
-    "top_k_column",
-    "top_k_mask",
-    "Radix",
-    "radix",
-    "SORT_BELOW",
-    "mass_crossing",
-    "top_p_cut",
-    "nth_equal",
-    "cut_mask",
-    "shorter",
-    "sample_weights",
-    "candidate_masses",
-    "Length",
-    "prefix_mass",
-    "shorten",
-    "min_p_length",
-    "top_p_length",
-    "sample_prefix",
-]
+__all__ = ["Param", "Algorithm", "ALGORITHMS", "resolve_algorithm", "as_column", "SORT_BELOW", "Crossing", "Cut"]
+__all__ += ["top_k_candidates", "top_k_column", "sync_free_candidates", "nth_equal_scan", "nth_equal", "Radix"]
+__all__ += ["radix", "mass_crossing", "top_p_cut", "cut_mask", "shorter", "sample_weights", "candidate_masses"]
+__all__ += ["Length", "prefix_mass", "shorten", "min_p_length", "top_p_length", "sample_prefix"]
 
 Param = Union[float, int, torch.Tensor]
 """A runtime parameter: one value for every row, or a ``[B]`` tensor."""
@@ -193,29 +167,6 @@ def top_k_column(
             return width, column.clamp(max=width)
         return (vocab if sync_free else int(column.max())), column
     return (min(int(k), vocab) if k > 0 else vocab), None
-
-
-def top_k_mask(
-    x: torch.Tensor, k: Param, floor: float, *, sync_free: bool = False, bound: int | None = None
-) -> torch.Tensor:
-    """``bool [B, V]``: exactly ``k`` tokens per row, the first of the order (ties: lower id).
-
-    ``sync_free``: from the k-th largest value alone (every token above it,
-    then the lowest ids equal to it), without reading the device.
-    """
-    batch, vocab = x.shape
-    width, column = top_k_column(k, batch, vocab, x.device, bound, sync_free)
-    if sync_free:
-        values = torch.topk(x, width, dim=-1).values
-        kth = values[:, width - 1 :] if column is None else values.gather(1, column - 1)
-        count = (width if column is None else column) - (values > kth).sum(-1, keepdim=True)
-        equal = x == kth
-        rank = equal.cumsum(-1, dtype=torch.int32)
-        return (x > floor) & ((x > kth) | (equal & (rank <= count)))
-    _, ids = top_k_candidates(x, width, floor)
-    rank = torch.arange(width, device=x.device).expand(batch, width)
-    keep = rank < (width if column is None else column)
-    return torch.zeros_like(x, dtype=torch.bool).scatter_(1, ids, keep)
 
 
 def sync_free_candidates(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
