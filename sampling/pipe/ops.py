@@ -81,7 +81,8 @@ class Chain:
     """Softmax (with temperature) for logits, then ``filters`` in order, evaluated on one call's input.
 
     Then :meth:`keep` says which tokens survive and :meth:`sample` draws one
-    per row. Does not synchronise under a sync-free algorithm.
+    per row. Does not synchronise under a sync-free algorithm; under ``"cpu"``
+    reads the device as the kernels it calls say.
     """
 
     def __init__(
@@ -225,7 +226,7 @@ class Chain:
 
 
 class TemperatureOp(Op):
-    """``logits / temperature``."""
+    """``logits / temperature``. Does not synchronise."""
 
     IN, OUT, PARAMS = LOGITS, LOGITS, ("temperature",)
 
@@ -234,7 +235,7 @@ class TemperatureOp(Op):
 
 
 class SoftmaxOp(Op):
-    """Logits to probabilities (float32)."""
+    """Logits to probabilities (float32). Does not synchronise."""
 
     IN, OUT = LOGITS, PROBS
 
@@ -261,7 +262,7 @@ class _FusedOp(Op):
 
 
 class TemperatureSoftmaxOp(_FusedOp):
-    """``softmax(logits / temperature)`` in one op."""
+    """``softmax(logits / temperature)`` in one op. Does not synchronise."""
 
     IN, OUT, PARAMS = LOGITS, PROBS, ("temperature",)
 
@@ -278,7 +279,7 @@ class TemperatureSoftmaxOp(_FusedOp):
 
 
 class LogitsTopKOp(Op):
-    """Keep exactly ``top_k`` logits per row (ties: lower id), the rest -inf."""
+    """Keep exactly ``top_k`` logits per row (ties: lower id), the rest -inf. Synchronises as :class:`Chain`."""
 
     IN, OUT, PARAMS = LOGITS, LOGITS, ("top_k",)
 
@@ -288,7 +289,10 @@ class LogitsTopKOp(Op):
 
 
 class ProbsFilterOp(Op):
-    """A filter on probabilities: the tokens its chain of one keeps, renormalised unless ``renormalize`` is off."""
+    """A filter on probabilities: the tokens its chain of one keeps, renormalised unless ``renormalize`` is off.
+
+    Synchronises as :class:`Chain` does (only under the ``"cpu"`` algorithm).
+    """
 
     IN, OUT = PROBS, PROBS
     KIND: Literal["top_k", "top_p", "min_p"]
@@ -330,7 +334,7 @@ class ProbsMinPOp(ProbsFilterOp):
 
 
 class ProbsSampleOp(Op):
-    """Draw a token per row from probabilities (renormalised), by the CDF in the order."""
+    """Draw a token per row from probabilities (renormalised), by the CDF in the order. Synchronises as :class:`Chain`."""
 
     IN, OUT = PROBS, INDICES
 
@@ -339,7 +343,7 @@ class ProbsSampleOp(Op):
 
 
 class LogitsSampleOp(Op):
-    """Draw a token per row from ``softmax(logits)``, by the CDF in the order."""
+    """Draw a token per row from ``softmax(logits)``, by the CDF in the order. Synchronises as :class:`Chain`."""
 
     IN, OUT = LOGITS, INDICES
 
@@ -352,7 +356,7 @@ class FusedSampleOp(_FusedOp):
 
     ``filters`` describe the chain in order; ``from_logits`` says whether the
     input is LOGITS (the softmax is part of the op) and ``temperature`` is the
-    op holding the temperature default, if any.
+    op holding the temperature default, if any. Synchronises as :class:`Chain` does.
     """
 
     OUT = INDICES
@@ -380,7 +384,7 @@ def _greedy(x: torch.Tensor, log_total: torch.Tensor, rt: Runtime, log: bool) ->
 
 
 class LogitsGreedyOp(Op):
-    """The arg-max (lowest id among ties); its log-probability under ``softmax(logits)``."""
+    """The arg-max (lowest id among ties); its log-probability under ``softmax(logits)``. Does not synchronise."""
 
     IN, OUT = LOGITS, INDICES
 
@@ -390,7 +394,7 @@ class LogitsGreedyOp(Op):
 
 
 class ProbsGreedyOp(Op):
-    """The arg-max (lowest id among ties); its probability renormalised."""
+    """The arg-max (lowest id among ties); its probability renormalised. Does not synchronise."""
 
     IN, OUT = PROBS, INDICES
 
@@ -400,7 +404,7 @@ class ProbsGreedyOp(Op):
 
 
 class FunctionOp(Op):
-    """A user's function ``fn(tensor) -> tensor`` from one tensor type to another."""
+    """A user's function ``fn(tensor) -> tensor`` from one tensor type to another (synchronises if ``fn`` does)."""
 
     def __init__(
         self, fn: Callable[[torch.Tensor], torch.Tensor], accepts: TensorType, returns: TensorType, stage: str = ""

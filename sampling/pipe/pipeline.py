@@ -1,8 +1,7 @@
 """``LogitsPipe``: a declarative list of processors, legalized into ops, checked, fused, and run.
 
->>> pipe = LogitsPipe([TopK(), Sample()])
->>> pipe
-LogitsPipe([TopK -> Sample], ops=[LogitsTopKOp -> LogitsSampleOp], compiled=[FusedTopKSampleOp])
+>>> LogitsPipe([TopK(50), Sample()])
+LogitsPipe([TopK(50) -> Sample], ops=[LogitsTopKOp -> LogitsSampleOp], compiled=[FusedTopKSampleOp])
 >>> pipe = LogitsPipe([Temperature(), Softmax(), TopK(), TopP(), Sample()])
 >>> tokens = pipe(logits, temperature=0.7, top_k=50, top_p=0.9)
 >>> result = pipe.sample(logits, temperature=0.7, top_k=50, top_p=0.9, top_logprobs=5)
@@ -15,15 +14,11 @@ comes from ``u`` (one float64 uniform in [0, 1) per row; the
 
 **Algorithms and synchronisation.** ``algorithm="auto"`` (the default) runs
 the CPU algorithms on CPU tensors and the sync-free ones (``"sort"``) on any
-other device; ``"sort"`` and ``"radix"`` may be forced anywhere, CPU tensors
-included (see :mod:`sampling.pipe.kernels`). Every algorithm samples the same
-distribution and maps the same uniform to the same token, so a seeded request
-gives the same tokens on a CPU and on a GPU (up to float rounding at a CDF
-boundary, and to the logits themselves differing between devices). A call
-with a sync-free algorithm reads nothing from the device when it cannot
-raise: ``sample(on_dead="flag")`` (or ``__call__(on_dead="flag")``), a
-per-row ``top_k`` tensor given with ``max_top_k`` (a host-side bound of its
-values) and ``u`` on the device.
+other device; ``"sort"`` and ``"radix"`` may be forced anywhere (see
+:mod:`sampling.pipe.kernels`). Every algorithm maps the same uniform to the
+same token. A call with a sync-free algorithm does not synchronise when it
+cannot raise: ``on_dead="flag"``, a per-row ``top_k`` tensor given with
+``max_top_k`` (a host-side bound of its values) and ``u`` on the device.
 """
 
 from __future__ import annotations
@@ -59,7 +54,10 @@ def _join(names: Iterable[str]) -> str:
 
 
 def dead_row_error(x: TaggedTensor, dead: torch.Tensor, rows: Sequence[int] | None = None) -> DeadRowError:
-    """A :class:`DeadRowError` naming the dead rows of ``x`` and why (``rows`` renames them)."""
+    """A :class:`DeadRowError` naming the dead rows of ``x`` and why (``rows`` renames them).
+
+    Synchronises: reads which rows are dead and whether they hold NaN (only once a call is to raise).
+    """
     index = dead.nonzero().flatten()
     names = [rows[i] for i in index.tolist()] if rows is not None else index.tolist()
     nan = torch.isnan(x.data.index_select(0, index)).any(-1).tolist()
@@ -76,7 +74,10 @@ def dead_row_error(x: TaggedTensor, dead: torch.Tensor, rows: Sequence[int] | No
 
 
 def group_taps(taps: Iterable[Tap] | None, allowed: Iterable[str]) -> Mapping[str, tuple[TapFn, ...]]:
-    """Taps grouped by stage; an unknown stage or a non-callable is an error naming what is allowed."""
+    """Taps grouped by stage; an unknown stage or a non-callable is an error naming what is allowed.
+
+    Does not synchronise.
+    """
     if not taps:
         return {}
     allowed = tuple(allowed)
@@ -343,7 +344,10 @@ class LogitsPipe:
 
     @staticmethod
     def _emit_hidden(op: Op, x: TaggedTensor, rt: Runtime) -> None:
-        """Give taps the stages a fused op skips, by running its plain parts on the side (only when tapped)."""
+        """Give taps the stages a fused op skips, by running its plain parts on the side (only when tapped).
+
+        Synchronises as those parts do (only under the ``"cpu"`` algorithm).
+        """
         inner = op.parts[:-1]
         wanted = [i for i, part in enumerate(inner) if part.ends_stage and rt.wants(part.stage)]
         if not wanted:
