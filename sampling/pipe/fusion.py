@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Sequence
 
+from sampling.pipe.chain import Filter, fusable
 from sampling.pipe.op import Op
 from sampling.pipe.ops import (
-    Filter,
     FusedSampleOp,
     LogitsSampleOp,
     LogitsTopKOp,
@@ -33,7 +33,6 @@ from sampling.pipe.ops import (
     SoftmaxOp,
     TemperatureOp,
     TemperatureSoftmaxOp,
-    fusable,
 )
 from sampling.pipe.types import CompileError, TensorType
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from sampling.pipe import ops as O
+import sampling.pipe.ops as O
 from sampling.pipe.op import Op, check_param
 from sampling.pipe.types import LegalizationError, TensorType
 
