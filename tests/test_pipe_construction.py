@@ -31,7 +31,8 @@ LOGITS, PROBS, INDICES = TensorType.LOGITS, TensorType.PROBS, TensorType.INDICES
 def test_repr_shows_each_processor_with_its_values_then_the_ops_then_what_runs():
     pipe = LogitsPipe([Temperature(0.7), Softmax(), TopK(50, joint=True), TopP(0.9, name="nucleus"), Sample()])
     text = repr(pipe)
-    stages = [text.index(s) for s in ("Temperature(0.7)", "Softmax", "TopK(50, joint=True)", "TopP(0.9, name='nucleus')", "Sample")]
+    shown = ("Temperature(0.7)", "Softmax", "TopK(50, joint=True)", "TopP(0.9, name='nucleus')", "Sample")
+    stages = [text.index(s) for s in shown]
     assert stages == sorted(stages), text  # in order, each with its values
     ops = [text.index(op.name, text.index("ops=")) for op in pipe.ops]
     assert ops == sorted(ops) and ops[0] > stages[-1], text

@@ -26,7 +26,8 @@ from test_pipe_reference import goodness_of_fit, reference_probs
             SamplingParams(top_k=50, top_p=0.9, joint_top_k_top_p=True),
             ["Temperature(1.0)", "Softmax", "TopK(50, joint=True)", "TopP(0.9)", "Sample"],
         ),
-        (SamplingParams(top_k=50, joint_top_k_top_p=True), ["Temperature(1.0)", "Softmax", "TopK(50)", "Sample"]),  # joint needs both
+        # the joint filter needs both top-k and top-p
+        (SamplingParams(top_k=50, joint_top_k_top_p=True), ["Temperature(1.0)", "Softmax", "TopK(50)", "Sample"]),
         (SamplingParams(top_p=1.0, temperature=0.9), ["Temperature(0.9)", "Softmax", "Sample"]),
     ],
 )

@@ -107,6 +107,7 @@ def raw_logprobs(x: TaggedTensor, tokens: torch.Tensor, top: int) -> RawLogprobs
     top_logprobs, top_ids = torch.topk(data, min(top, data.shape[-1]), dim=-1)
     return RawLogprobs(chosen.masked_fill(dead, float("nan")), ranks.masked_fill(dead, 0), top_ids, top_logprobs)
 
+
 class LogitsPipe:
     """A pipe of processors (:mod:`sampling.pipe.stages`) over ``[B, V]`` logits or probabilities.
 
@@ -122,7 +123,8 @@ class LogitsPipe:
             module docstring): ``"auto"`` picks by the input's device.
 
     Raises :class:`~sampling.pipe.types.PipeError` (a ``ValueError``) naming
-    the processor's position, class and the problem.
+    the processor's position, class and the problem. The repr shows the
+    processors with the values they carry, the ops, and the compiled ops.
     """
 
     def __init__(
