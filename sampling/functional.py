@@ -23,11 +23,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from sampling.params import SamplingParams, sampling_stages
-from sampling.pipe import Greedy, LogitsPipe, Tap, TaggedTensor
+from sampling.pipe import SAMPLED, DeadRowError, Greedy, LogitsPipe, SampleResult, Tap, TaggedTensor
 from sampling.pipe.kernels import Algorithm
 from sampling.pipe.pipeline import dead_row_error
-from sampling.pipe.taps import SAMPLED
-from sampling.pipe.types import DeadRowError
 
 __all__ = [
     "RowParams",
@@ -64,12 +62,12 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
 
 
 def row_keys(seeds: torch.Tensor, sample_index: torch.Tensor) -> torch.Tensor:
-    """One int64 key per row from the request's seed and the sample's index."""
+    """One int64 key per row from the request's seed and the sample's index. Does not synchronise."""
     return _splitmix64(_splitmix64(seeds.long()) ^ sample_index.long())
 
 
 def uniforms(keys: torch.Tensor, step: int) -> torch.Tensor:
-    """Uniform numbers in [0, 1) as float64, one per row, for this step."""
+    """Uniform numbers in [0, 1) as float64, one per row, for this step. Does not synchronise."""
     z = _splitmix64(keys + _wrap64((step + 1) * _GOLDEN))
     return _shr(z, 11).double() * (1.0 / (1 << 53))
 
@@ -183,11 +181,8 @@ class RowParams:
         return int(self.greedy.shape[0])
 
 
-@dataclass(frozen=True)
-class SampleOutput:
-    tokens: torch.Tensor  # int64 [B]
-    logprobs: torch.Tensor  # float32 [B]: log-probability in the distribution sampled from
-    valid: torch.Tensor  # bool [B]: False where the row was NaN or had nothing allowed (its token is meaningless)
+SampleOutput = SampleResult
+"""What :func:`sample` returns: ``tokens``, ``logprobs`` (in the distribution sampled from) and ``valid``."""
 
 
 def sample(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sampling.pipe import SAMPLED, LogitsPipe, MinP, PipeError, Sample, Softmax, Tap, Temperature, TensorType, TopK, TopP
+from sampling.pipe import SAMPLED, LogitsPipe, MinP, PipeError, Sample, Softmax, Tap, Temperature, TopK, TopP
 from sampling.pipe import kernels as K
 from test_pipe_statistics import CASES, _assert_fits, _draw, _expected, _logits, _stages
 

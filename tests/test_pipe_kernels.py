@@ -1,10 +1,11 @@
-"""The kernels against straightforward versions: the radix crossing against a sort, top-k candidates, nth_equal."""
+"""The kernels against straightforward versions: the radix crossing against a sort, top-k candidates, nth_equal, top-k."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from sampling.pipe import LogitsPipe, TensorType, TopK
 from sampling.pipe import kernels as K
 
 
@@ -76,16 +77,23 @@ def test_nth_equal_finds_the_nth_tied_token_by_id(scan):
     assert nth([3, 0, 256]) == [999, 700, 256]
 
 
-def test_sync_free_top_k_mask_keeps_exactly_k_with_lower_ids_among_ties():
+@pytest.mark.parametrize("input_type", [TensorType.LOGITS, TensorType.PROBS])
+def test_top_k_filter_keeps_exactly_k_with_lower_ids_among_ties_on_every_algorithm(input_type):
     g = torch.Generator().manual_seed(4)
     x = torch.randint(0, 6, (30, 3000), generator=g).float()  # many ties at every boundary
     x[3] = float("-inf")
     x[3, [9, 40]] = 1.0  # fewer live tokens than k
+    if input_type is TensorType.PROBS:
+        x = torch.softmax(x, -1)
     k = torch.randint(1, 60, (30,), generator=g)
-    for floor in (float("-inf"), 0.0):
-        live = x > floor  # tokens at the floor (logit -inf, probability 0) are gone whether "kept" or not
-        expected = K.top_k_mask(x, k, floor) & live
-        assert expected.sum(-1).tolist() == torch.minimum(k, live.sum(-1)).tolist()
-        assert torch.equal(K.top_k_mask(x, k, floor, sync_free=True, bound=59), expected)
-        assert torch.equal(K.top_k_mask(x, k, floor, sync_free=True), expected)  # no bound: the whole row
-        assert torch.equal(K.top_k_mask(x, 7, floor, sync_free=True), K.top_k_mask(x, 7, floor) & live)
+    order = torch.sort(x, dim=-1, descending=True, stable=True).indices
+    first_k = torch.arange(3000) < k[:, None]
+    live = x > (float("-inf") if input_type is TensorType.LOGITS else 0.0)
+    expected = torch.zeros_like(live).scatter_(1, order, first_k) & live
+    for algorithm in ("cpu", "sort", "radix"):
+        pipe = LogitsPipe([TopK(joint=input_type is TensorType.PROBS)], input_type=input_type, algorithm=algorithm)
+        for bound in (None, 59):  # no bound: the whole row is the candidates on the sync-free algorithms
+            kept = pipe(x, top_k=k, max_top_k=bound) > (float("-inf") if input_type is TensorType.LOGITS else 0.0)
+            assert torch.equal(kept, expected), (algorithm, bound)
+        kept = pipe(x, top_k=7) > (float("-inf") if input_type is TensorType.LOGITS else 0.0)
+        assert torch.equal(kept, torch.zeros_like(live).scatter_(1, order[:, :7], True) & live), algorithm

@@ -10,23 +10,31 @@ from test_pipe_reference import goodness_of_fit, reference_probs
 
 
 @pytest.mark.parametrize(
-    "params, compiled",
+    "params, stages",
     [
-        (SamplingParams(), "LogitsGreedyOp"),
-        (SamplingParams(temperature=0, top_k=5), "LogitsGreedyOp"),
-        (SamplingParams(top_k=1, temperature=2.0), "LogitsGreedyOp"),
-        (SamplingParams(top_p=0, min_p=0.3), "LogitsGreedyOp"),
-        (SamplingParams(temperature=0.7), "FusedTemperatureSoftmaxSampleOp"),
-        (SamplingParams(min_p=0.1), "FusedTemperatureSoftmaxMinPSampleOp"),
-        (SamplingParams(top_k=50, top_p=0.9, min_p=0.05), "FusedTemperatureSoftmaxMinPTopKTopPSampleOp"),
-        (SamplingParams(top_k=50, top_p=0.9, joint_top_k_top_p=True), "FusedTemperatureSoftmaxJointTopKTopPSampleOp"),
-        (SamplingParams(top_k=50, joint_top_k_top_p=True), "FusedTemperatureSoftmaxTopKSampleOp"),  # joint needs both
-        (SamplingParams(top_p=1.0, temperature=0.9), "FusedTemperatureSoftmaxSampleOp"),
+        (SamplingParams(), ["Greedy"]),
+        (SamplingParams(temperature=0, top_k=5), ["Greedy"]),
+        (SamplingParams(top_k=1, temperature=2.0), ["Greedy"]),
+        (SamplingParams(top_p=0, min_p=0.3), ["Greedy"]),
+        (SamplingParams(temperature=0.7), ["Temperature(0.7)", "Softmax", "Sample"]),
+        (SamplingParams(min_p=0.1), ["Temperature(1.0)", "Softmax", "MinP(0.1)", "Sample"]),
+        (
+            SamplingParams(top_k=50, top_p=0.9, min_p=0.05),
+            ["Temperature(1.0)", "Softmax", "MinP(0.05)", "TopK(50)", "TopP(0.9)", "Sample"],
+        ),
+        (
+            SamplingParams(top_k=50, top_p=0.9, joint_top_k_top_p=True),
+            ["Temperature(1.0)", "Softmax", "TopK(50, joint=True)", "TopP(0.9)", "Sample"],
+        ),
+        # the joint filter needs both top-k and top-p
+        (SamplingParams(top_k=50, joint_top_k_top_p=True), ["Temperature(1.0)", "Softmax", "TopK(50)", "Sample"]),
+        (SamplingParams(top_p=1.0, temperature=0.9), ["Temperature(0.9)", "Softmax", "Sample"]),
     ],
 )
-def test_to_pipe_builds_the_stages_that_are_on(params, compiled):
+def test_to_pipe_builds_the_stages_that_are_on(params, stages):
     pipe = params.to_pipe()
-    assert [op.name for op in pipe.compiled_ops] == [compiled]
+    assert [repr(p) for p in pipe.processors] == stages
+    assert pipe.compiled_ops is not None
 
 
 def test_to_pipe_samples_the_documented_distribution():

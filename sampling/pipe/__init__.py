@@ -6,26 +6,28 @@
 
 Processors (:mod:`~sampling.pipe.stages`) legalize into ops
 (:mod:`~sampling.pipe.ops`) for the tensor type they receive
-(:mod:`~sampling.pipe.types`); the compiler (:mod:`~sampling.pipe.compiler`)
-checks them (:mod:`~sampling.pipe.validators`) and fuses them
-(:mod:`~sampling.pipe.fusion`); the maths live in
+(:mod:`~sampling.pipe.types`); :mod:`~sampling.pipe.fusion` checks and fuses
+them; every filter and sampler runs one filter chain
+(:class:`~sampling.pipe.ops.Chain`) over the maths of
 :mod:`~sampling.pipe.kernels`, which also states the tie and boundary rules.
-Taps (:mod:`~sampling.pipe.taps`) observe any stage.
+Taps observe any stage.
 """
 
 from sampling.pipe.fusion import FusionRule, default_rules
-from sampling.pipe.op import Op
+from sampling.pipe.op import Op, Runtime
 from sampling.pipe.pipeline import LogitsPipe
-from sampling.pipe.results import RawLogprobs, SampleResult
-from sampling.pipe.runtime import Runtime
 from sampling.pipe.stages import Apply, Greedy, MinP, Sample, Softmax, Stage, Temperature, TopK, TopP
-from sampling.pipe.taps import INPUT, SAMPLED, Tap
 from sampling.pipe.types import (
+    INPUT,
+    SAMPLED,
     CompileError,
     DeadRowError,
     LegalizationError,
     PipeError,
+    RawLogprobs,
+    SampleResult,
     TaggedTensor,
+    Tap,
     TensorType,
 )
 

@@ -17,31 +17,19 @@ number ``u``: the token ``t`` with ``before(t) <= u * M < before(t) + p(t)``,
 ``M`` the mass kept. So every path (fused or not, partial selection or not)
 maps the same ``u`` to the same token, up to float rounding at a boundary.
 
-**Without sorting.** Top-p and sampling over the whole vocabulary need the
-token at which the running mass crosses a target. :func:`mass_crossing` finds
-it by a radix select on the float bits of the probabilities: three
-histograms of probability mass (11, 10 and 10 bits), the first over the whole
-row, the next two over the few tokens of the chosen bucket; no sort and no
-loop over data. (Vocabularies under :data:`SORT_BELOW` tokens sort instead:
-there a sort is cheaper than a histogram, and the result is the same.) Top-k
-uses a partial selection (``torch.topk``) of the ``k`` largest only.
+**Algorithms** (:data:`Algorithm`; compared in ``docs/sampling-algorithms.md``).
+``"cpu"`` reads the device where that is cheapest on a CPU: the radix select
+of :func:`mass_crossing` (three histograms of mass over the float bits, no
+sort) gathers one bucket's tokens with ``nonzero``, :func:`top_k_candidates`
+checks for ties across its boundary, and a per-row top-k tensor is read for
+its largest value. ``"sort"`` and ``"radix"`` are sync-free (no ``nonzero``,
+``item``, ``bool(tensor)`` or data-dependent shape): top-k takes
+:func:`sync_free_candidates` and finds the sampled id afterwards with
+:func:`nth_equal_scan`; without a top-k ``"sort"`` sorts the row and
+``"radix"`` histograms the whole row under a mask.
 
-**Two families of algorithms** (:data:`Algorithm`), same order, same CDF, so
-the same uniform gives the same token on every path (up to float rounding at
-a boundary):
-
-- ``"cpu"``: the algorithms above as they are best on a CPU. They read the
-  device: the radix select gathers one bucket's tokens with ``nonzero``, the
-  top-k selection checks for ties across its boundary, and a per-row top-k
-  tensor is read for its largest value.
-- ``"sort"`` and ``"radix"``: sync-free, for accelerators. No ``nonzero``,
-  ``item``, ``bool(tensor)`` or data-dependent shape. Top-k takes
-  ``torch.topk`` candidates without a tie check: the sampled token's id is
-  found afterwards as the ``n``-th token (by id) equal to the sampled value
-  (:func:`nth_equal_scan`), which is the tie rule. Without a top-k,
-  ``"sort"`` sorts the whole row (stable, so ids follow the tie rule) and
-  ``"radix"`` runs the radix select with its two inner levels histogramming
-  the whole row under a mask instead of gathering a bucket.
+**Synchronisation.** A function here does not synchronise unless its
+docstring says so; those that take ``sync_free`` then do not.
 """
 
 from __future__ import annotations
@@ -50,36 +38,10 @@ from typing import Literal, NamedTuple, Union
 
 import torch
 
-__all__ = [
-    "Param",
-    "Algorithm",
-    "ALGORITHMS",
-    "resolve_algorithm",
-    "sync_free_candidates",
-    "nth_equal_scan",
-    "Crossing",
-    "Cut",
-    "as_column",
-    "top_k_candidates",
-    "top_k_column",
-    "top_k_mask",
-    "Radix",
-    "radix",
-    "SORT_BELOW",
-    "mass_crossing",
-    "top_p_cut",
-    "nth_equal",
-    "cut_mask",
-    "shorter",
-    "sample_weights",
-    "candidate_masses",
-    "Length",
-    "prefix_mass",
-    "shorten",
-    "min_p_length",
-    "top_p_length",
-    "sample_prefix",
-]
+__all__ = ["Param", "Algorithm", "ALGORITHMS", "resolve_algorithm", "as_column", "SORT_BELOW", "Crossing", "Cut"]
+__all__ += ["top_k_candidates", "top_k_column", "sync_free_candidates", "nth_equal_scan", "nth_equal", "Radix"]
+__all__ += ["radix", "mass_crossing", "top_p_cut", "cut_mask", "shorter", "sample_weights", "candidate_masses"]
+__all__ += ["Length", "prefix_mass", "shorten", "min_p_length", "top_p_length", "sample_prefix"]
 
 Param = Union[float, int, torch.Tensor]
 """A runtime parameter: one value for every row, or a ``[B]`` tensor."""
@@ -155,6 +117,7 @@ def top_k_candidates(x: torch.Tensor, width: int, floor: float) -> tuple[torch.T
     mass tie across the boundary are re-selected with a stable sort, so the
     lower ids win as the tie rule says. NaN ranks first (``torch.topk``'s
     rule), so a row holding NaN is caught downstream as a dead row.
+    Synchronises: reads whether values tie.
     """
     vocab = x.shape[-1]
     if width >= vocab:
@@ -183,7 +146,7 @@ def top_k_column(
     For a tensor ``k`` the width is ``bound`` when given (a host-side upper
     bound of the tensor's values; larger values are cut to it, unchecked);
     else the tensor's largest value, read from the device, or the whole
-    vocabulary when ``sync_free`` (no read).
+    vocabulary when ``sync_free`` (no read). Synchronises only then.
     """
     if isinstance(k, torch.Tensor):
         column = k.to(device=device, dtype=torch.long).reshape(-1, 1).expand(batch, 1)
@@ -193,29 +156,6 @@ def top_k_column(
             return width, column.clamp(max=width)
         return (vocab if sync_free else int(column.max())), column
     return (min(int(k), vocab) if k > 0 else vocab), None
-
-
-def top_k_mask(
-    x: torch.Tensor, k: Param, floor: float, *, sync_free: bool = False, bound: int | None = None
-) -> torch.Tensor:
-    """``bool [B, V]``: exactly ``k`` tokens per row, the first of the order (ties: lower id).
-
-    ``sync_free``: from the k-th largest value alone (every token above it,
-    then the lowest ids equal to it), without reading the device.
-    """
-    batch, vocab = x.shape
-    width, column = top_k_column(k, batch, vocab, x.device, bound, sync_free)
-    if sync_free:
-        values = torch.topk(x, width, dim=-1).values
-        kth = values[:, width - 1 :] if column is None else values.gather(1, column - 1)
-        count = (width if column is None else column) - (values > kth).sum(-1, keepdim=True)
-        equal = x == kth
-        rank = equal.cumsum(-1, dtype=torch.int32)
-        return (x > floor) & ((x > kth) | (equal & (rank <= count)))
-    _, ids = top_k_candidates(x, width, floor)
-    rank = torch.arange(width, device=x.device).expand(batch, width)
-    keep = rank < (width if column is None else column)
-    return torch.zeros_like(x, dtype=torch.bool).scatter_(1, ids, keep)
 
 
 def sync_free_candidates(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -333,6 +273,7 @@ def mass_crossing(
     With ``sync_free`` they histogram the whole row under a mask instead (no
     sync, same result). Below :data:`SORT_BELOW` tokens a row costs less to
     sort than to histogram, and the crossing sorts (same result, no sync).
+    Synchronises unless ``sync_free`` or the vocabulary is small.
     """
     if w.shape[-1] < SORT_BELOW:
         return _crossing_by_sort(w, fraction, of_mass, inclusive)
@@ -388,7 +329,10 @@ def top_p_cut(
     shared: Radix | None = None,
     sync_free: bool = False,
 ) -> Cut:
-    """The top-p prefix of ``w`` (renormalised to ``of_mass``): keep ``t`` iff mass before ``t`` < top_p * mass."""
+    """The top-p prefix of ``w`` (renormalised to ``of_mass``): keep ``t`` iff mass before ``t`` < top_p * mass.
+
+    Synchronises as :func:`mass_crossing` does (not with ``sync_free``).
+    """
     batch = w.shape[0]
     fraction = _per_row(top_p, batch, w.device, torch.float64)
     c = mass_crossing(w, fraction, of_mass, inclusive=True, shared=shared, sync_free=sync_free)
@@ -450,7 +394,8 @@ def sample_weights(
 
     Returns ``(tokens, log-probability in the renormalised distribution,
     mass sampled from)``. The mass is NaN or 0 for a dead row (its token is
-    then meaningless; the caller flags it). ``sync_free``: see :func:`mass_crossing`.
+    then meaningless; the caller flags it). Synchronises as :func:`mass_crossing`
+    does (not with ``sync_free``).
     """
     c = mass_crossing(w, u, None if cut is None else cut.mass, inclusive=False, shared=shared, sync_free=sync_free)
     safe = torch.where(c.value > 0, c.value, torch.ones_like(c.value)).double()

@@ -1,8 +1,7 @@
 """``LogitsPipe``: a declarative list of processors, legalized into ops, checked, fused, and run.
 
->>> pipe = LogitsPipe([TopK(), Sample()])
->>> pipe
-LogitsPipe([TopK -> Sample], ops=[LogitsTopKOp -> LogitsSampleOp], compiled=[FusedTopKSampleOp])
+>>> LogitsPipe([TopK(50), Sample()])
+LogitsPipe([TopK(50) -> Sample], ops=[LogitsTopKOp -> LogitsSampleOp], compiled=[FusedTopKSampleOp])
 >>> pipe = LogitsPipe([Temperature(), Softmax(), TopK(), TopP(), Sample()])
 >>> tokens = pipe(logits, temperature=0.7, top_k=50, top_p=0.9)
 >>> result = pipe.sample(logits, temperature=0.7, top_k=50, top_p=0.9, top_logprobs=5)
@@ -15,35 +14,39 @@ comes from ``u`` (one float64 uniform in [0, 1) per row; the
 
 **Algorithms and synchronisation.** ``algorithm="auto"`` (the default) runs
 the CPU algorithms on CPU tensors and the sync-free ones (``"sort"``) on any
-other device; ``"sort"`` and ``"radix"`` may be forced anywhere, CPU tensors
-included (see :mod:`sampling.pipe.kernels`). Every algorithm samples the same
-distribution and maps the same uniform to the same token, so a seeded request
-gives the same tokens on a CPU and on a GPU (up to float rounding at a CDF
-boundary, and to the logits themselves differing between devices). A call
-with a sync-free algorithm reads nothing from the device when it cannot
-raise: ``sample(on_dead="flag")`` (or ``__call__(on_dead="flag")``), a
-per-row ``top_k`` tensor given with ``max_top_k`` (a host-side bound of its
-values) and ``u`` on the device.
+other device; ``"sort"`` and ``"radix"`` may be forced anywhere (see
+:mod:`sampling.pipe.kernels`). Every algorithm maps the same uniform to the
+same token. A call with a sync-free algorithm does not synchronise when it
+cannot raise: ``on_dead="flag"``, a per-row ``top_k`` tensor given with
+``max_top_k`` (a host-side bound of its values) and ``u`` on the device.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Literal, Sequence
+from typing import Any, Iterable, Literal, Mapping, Sequence
 
 import torch
 
-from sampling.pipe.compiler import compile_ops
-from sampling.pipe.fusion import FusionRule, default_rules
-from sampling.pipe.op import Op
-from sampling.pipe.results import SampleResult, raw_logprobs
-from sampling.pipe.runtime import Runtime
-from sampling.pipe.stages import Stage
-from sampling.pipe.taps import INPUT, SAMPLED, Tap, group_taps
-from sampling.pipe.types import CompileError, DeadRowError, LegalizationError, PipeError, TaggedTensor, TensorType
+from sampling.pipe.fusion import FusionRule, ValidityCheck, compile_ops, default_checks, default_rules
 from sampling.pipe.kernels import ALGORITHMS, Algorithm, resolve_algorithm
-from sampling.pipe.validators import ValidityCheck, check_param, default_checks
+from sampling.pipe.op import Op, Runtime, check_param
+from sampling.pipe.stages import Stage
+from sampling.pipe.types import (
+    INPUT,
+    SAMPLED,
+    CompileError,
+    DeadRowError,
+    LegalizationError,
+    PipeError,
+    RawLogprobs,
+    SampleResult,
+    TaggedTensor,
+    Tap,
+    TapFn,
+    TensorType,
+)
 
-__all__ = ["LogitsPipe", "dead_row_error"]
+__all__ = ["LogitsPipe", "dead_row_error", "group_taps", "raw_logprobs"]
 
 
 def _join(names: Iterable[str]) -> str:
@@ -51,7 +54,10 @@ def _join(names: Iterable[str]) -> str:
 
 
 def dead_row_error(x: TaggedTensor, dead: torch.Tensor, rows: Sequence[int] | None = None) -> DeadRowError:
-    """A :class:`DeadRowError` naming the dead rows of ``x`` and why (``rows`` renames them)."""
+    """A :class:`DeadRowError` naming the dead rows of ``x`` and why (``rows`` renames them).
+
+    Synchronises: reads which rows are dead and whether they hold NaN (only once a call is to raise).
+    """
     index = dead.nonzero().flatten()
     names = [rows[i] for i in index.tolist()] if rows is not None else index.tolist()
     nan = torch.isnan(x.data.index_select(0, index)).any(-1).tolist()
@@ -64,6 +70,42 @@ def dead_row_error(x: TaggedTensor, dead: torch.Tensor, rows: Sequence[int] | No
         what = "every logit is -inf or +inf" if x.type is TensorType.LOGITS else "every probability is 0 or inf"
         parts.append(f"rows {other} have no allowed token ({what}, or a stage removed every token)")
     return DeadRowError("cannot sample: " + "; ".join(parts) + " (pass on_dead='flag' for a validity flag)")
+
+
+
+def group_taps(taps: Iterable[Tap] | None, allowed: Iterable[str]) -> Mapping[str, tuple[TapFn, ...]]:
+    """Taps grouped by stage; an unknown stage or a non-callable is an error naming what is allowed.
+
+    Does not synchronise.
+    """
+    if not taps:
+        return {}
+    allowed = tuple(allowed)
+    grouped: dict[str, list[TapFn]] = {}
+    for i, tap in enumerate(taps):
+        if not isinstance(tap, tuple) or len(tap) != 2:
+            raise PipeError(f"taps[{i}] must be a Tap(stage, fn), got {tap!r}")
+        stage, fn = tap
+        if stage not in allowed:
+            raise PipeError(f"taps[{i}]: unknown stage {stage!r}; this pipe has stages {list(allowed)}")
+        if not callable(fn):
+            raise PipeError(f"taps[{i}]: fn must be callable, got {type(fn).__name__}")
+        grouped.setdefault(stage, []).append(fn)
+    return {stage: tuple(fns) for stage, fns in grouped.items()}
+
+
+def raw_logprobs(x: TaggedTensor, tokens: torch.Tensor, top: int) -> RawLogprobs:
+    """The raw log-probabilities of ``tokens`` (and the ``top`` best) under ``x`` (LOGITS or PROBS). Does not synchronise."""
+    data = x.data.float()
+    if x.type is TensorType.PROBS:
+        data = torch.log(data / data.sum(-1, keepdim=True))
+    else:
+        data = data - torch.logsumexp(data, dim=-1, keepdim=True)
+    dead = tokens < 0
+    chosen = data.gather(1, tokens.clamp(min=0)[:, None]).squeeze(1)
+    ranks = (data > chosen[:, None]).sum(-1) + 1
+    top_logprobs, top_ids = torch.topk(data, min(top, data.shape[-1]), dim=-1)
+    return RawLogprobs(chosen.masked_fill(dead, float("nan")), ranks.masked_fill(dead, 0), top_ids, top_logprobs)
 
 
 class LogitsPipe:
@@ -81,7 +123,8 @@ class LogitsPipe:
             module docstring): ``"auto"`` picks by the input's device.
 
     Raises :class:`~sampling.pipe.types.PipeError` (a ``ValueError``) naming
-    the processor's position, class and the problem.
+    the processor's position, class and the problem. The repr shows the
+    processors with the values they carry, the ops, and the compiled ops.
     """
 
     def __init__(
@@ -196,18 +239,13 @@ class LogitsPipe:
     ) -> torch.Tensor:
         """Run the pipe; returns the last stage's tensor (token ids ``[B]`` for a sampling pipe).
 
-        A dead row (nothing to sample, or NaN) raises :class:`DeadRowError`,
-        which reads the device once; ``on_dead="flag"`` gives it token -1
-        instead and reads nothing.
+        A dead row (nothing to sample, or NaN) raises :class:`DeadRowError`.
+        Synchronises under ``on_dead="raise"`` (reads whether a row is dead)
+        and under the ``"cpu"`` algorithm; otherwise does not synchronise
+        (see the module docstring); ``on_dead="flag"`` gives a dead row token -1.
         """
-        if on_dead not in ("raise", "flag"):
-            raise PipeError(f"on_dead must be 'raise' or 'flag', got {on_dead!r}")
-        tagged, rt = self._prepare(x, u, generator, taps, params, max_top_k)
-        rt.flag_dead = on_dead == "flag"
-        out = self._run(tagged, rt)
-        if on_dead == "raise" and rt.valid is not None and not bool(rt.valid.all()):
-            raise dead_row_error(tagged, ~rt.valid)
-        return out.data
+        tagged, rt = self._prepare(x, u, generator, taps, params, max_top_k, on_dead)
+        return self._run(tagged, rt, on_dead).data
 
     def sample(
         self,
@@ -225,25 +263,20 @@ class LogitsPipe:
         """Sample one token per row and say how likely it was (see :class:`SampleResult`).
 
         ``on_dead="flag"`` returns ``valid`` False (token -1) for dead rows
-        instead of raising, and then never synchronises the device.
-        ``raw=True`` or ``top_logprobs=n`` adds log-probabilities under the
-        pipe's input (:class:`RawLogprobs`), at the cost of a log-softmax.
-        ``max_top_k``: a host-side upper bound of a per-row ``top_k`` tensor's
-        values (rows above it are cut to it, unchecked), so that the
-        candidates' width is known without reading the tensor.
+        instead of raising, and then does not synchronise under a sync-free
+        algorithm. ``raw=True`` or ``top_logprobs=n`` adds log-probabilities
+        under the pipe's input (:class:`RawLogprobs`), at the cost of a
+        log-softmax. ``max_top_k``: a host-side upper bound of a per-row
+        ``top_k`` tensor's values (rows above it are cut to it, unchecked), so
+        that the candidates' width is known without reading the tensor.
         """
         if self.output_type is not TensorType.INDICES:
             raise PipeError(f"sample() needs a pipe that ends in a sampler, this one ends in {self.output_type.name}")
-        if on_dead not in ("raise", "flag"):
-            raise PipeError(f"on_dead must be 'raise' or 'flag', got {on_dead!r}")
         if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or top_logprobs < 0:
             raise PipeError(f"top_logprobs must be an int >= 0, got {top_logprobs!r}")
-        tagged, rt = self._prepare(x, u, generator, taps, params, max_top_k)
-        rt.flag_dead = on_dead == "flag"
-        tokens = self._run(tagged, rt).data
+        tagged, rt = self._prepare(x, u, generator, taps, params, max_top_k, on_dead)
+        tokens = self._run(tagged, rt, on_dead).data
         assert rt.logprobs is not None and rt.valid is not None
-        if on_dead == "raise" and not bool(rt.valid.all()):
-            raise dead_row_error(tagged, ~rt.valid)
         extra = raw_logprobs(tagged, tokens, top_logprobs) if raw or top_logprobs else None
         return SampleResult(tokens, rt.logprobs, rt.valid, extra)
 
@@ -254,8 +287,12 @@ class LogitsPipe:
         generator: torch.Generator | None,
         taps: Iterable[Tap] | None,
         params: dict[str, Any],
-        max_top_k: int | None = None,
+        max_top_k: int | None,
+        on_dead: str,
     ) -> tuple[TaggedTensor, Runtime]:
+        """Check a call's arguments (no tensor value is read) and set up its runtime."""
+        if on_dead not in ("raise", "flag"):
+            raise PipeError(f"on_dead must be 'raise' or 'flag', got {on_dead!r}")
         if isinstance(x, TaggedTensor):
             if x.type is not self.input_type:
                 raise PipeError(f"this pipe takes {self.input_type.name}, got a tensor tagged {x.type.name}")
@@ -268,29 +305,27 @@ class LogitsPipe:
         if data.ndim != 2 or data.shape[-1] == 0:
             raise PipeError(f"x must be [batch, vocab] with vocab > 0, got shape {tuple(data.shape)}")
         batch = data.shape[0]
-        known = self.param_names
         checked = {}
         for name, value in params.items():
-            if name not in known:
-                raise PipeError(f"unknown parameter {name!r}; this pipe takes {list(known)}")
+            if name not in self.param_names:
+                raise PipeError(f"unknown parameter {name!r}; this pipe takes {list(self.param_names)}")
             if value is not None:
                 checked[name] = check_param(name, value, batch)
         if u is not None:
             if not isinstance(u, torch.Tensor) or u.shape != (batch,):
                 shape = tuple(u.shape) if isinstance(u, torch.Tensor) else type(u).__name__
                 raise PipeError(f"u must be a [batch] tensor of uniform numbers ({batch},), got {shape}")
-            if u.dtype != torch.float64 or u.device != data.device:
-                u = u.to(device=data.device, dtype=torch.float64)
-        if max_top_k is not None and (
-            not isinstance(max_top_k, int) or isinstance(max_top_k, bool) or max_top_k < 1
-        ):
+            u = u.to(device=data.device, dtype=torch.float64)
+        if max_top_k is not None and (not isinstance(max_top_k, int) or isinstance(max_top_k, bool) or max_top_k < 1):
             raise PipeError(f"max_top_k must be an int >= 1 (a bound of the per-row top_k), got {max_top_k!r}")
-        rt = Runtime(batch, data.device, checked, u, generator, group_taps(taps, self.tap_stages))
-        rt.algorithm = resolve_algorithm(self.algorithm, data.device)
-        rt.max_top_k = max_top_k
+        algorithm = resolve_algorithm(self.algorithm, data.device)
+        taps_by_stage = group_taps(taps, self.tap_stages)
+        rt = Runtime(batch, data.device, checked, u, generator, taps_by_stage, on_dead == "flag", algorithm, max_top_k)
         return tagged, rt
 
-    def _run(self, x: TaggedTensor, rt: Runtime) -> TaggedTensor:
+    def _run(self, x: TaggedTensor, rt: Runtime, on_dead: str) -> TaggedTensor:
+        """Run the ops (compiled if compiled); with ``on_dead="raise"`` reads whether a row is dead."""
+        tagged = x
         ops = self.compiled_ops if self.compiled_ops is not None else self.ops
         rt.emit(INPUT, x)
         for i, op in enumerate(ops):
@@ -305,11 +340,16 @@ class LogitsPipe:
             if op.ends_stage and rt.wants(op.stage):
                 rt.emit(op.stage, y)
             x = y
+        if on_dead == "raise" and rt.valid is not None and not bool(rt.valid.all()):
+            raise dead_row_error(tagged, ~rt.valid)
         return x
 
     @staticmethod
     def _emit_hidden(op: Op, x: TaggedTensor, rt: Runtime) -> None:
-        """Give taps the stages a fused op skips, by running its plain parts on the side (only when tapped)."""
+        """Give taps the stages a fused op skips, by running its plain parts on the side (only when tapped).
+
+        Synchronises as those parts do (only under the ``"cpu"`` algorithm).
+        """
         inner = op.parts[:-1]
         wanted = [i for i, part in enumerate(inner) if part.ends_stage and rt.wants(part.stage)]
         if not wanted:

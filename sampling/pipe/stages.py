@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import abc
 import re
-from typing import Callable, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
-from sampling.pipe import ops as O
-from sampling.pipe.op import Op
+import sampling.pipe.ops as O
+from sampling.pipe.op import Op, check_param
 from sampling.pipe.types import LegalizationError, TensorType
-from sampling.pipe.validators import check_param
 
 __all__ = ["Stage", "Temperature", "Softmax", "TopK", "TopP", "MinP", "Sample", "Greedy", "Apply"]
 
@@ -35,15 +34,18 @@ class Stage(abc.ABC):
     """A step of a pipe. Subclasses set ``ACCEPTS`` and implement :meth:`ops_for`.
 
     ``name`` names the stage for taps (default: the class name in snake case,
-    ``TopK`` -> ``"top_k"``).
+    ``TopK`` -> ``"top_k"``). The repr shows the class and the values given.
     """
 
     ACCEPTS: ClassVar[tuple[TensorType, ...]]
+    PARAM: ClassVar[str | None] = None  # the runtime parameter this processor may carry a default of
 
-    def __init__(self, *, name: str | None = None) -> None:
+    def __init__(self, value: Any = None, *, name: str | None = None) -> None:
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"name must be a non-empty string, got {name!r}")
         self.name = name
+        if self.PARAM is not None:
+            setattr(self, self.PARAM, None if value is None else check_param(self.PARAM, value))
 
     @property
     def default_name(self) -> str:
@@ -63,21 +65,28 @@ class Stage(abc.ABC):
             op.ends_stage = op is ops[-1]
         return ops
 
+    def _defaults(self) -> dict[str, Any]:
+        return {} if self.PARAM is None else {self.PARAM: getattr(self, self.PARAM)}
+
+    def _repr_args(self) -> list[str]:
+        args = [repr(v) for v in self._defaults().values() if v is not None]
+        return args + ([f"name={self.name!r}"] if self.name else [])
+
     def __repr__(self) -> str:
-        return type(self).__name__
+        args = self._repr_args()
+        return type(self).__name__ + (f"({', '.join(args)})" if args else "")
 
 
 class Temperature(Stage):
     """Divide logits by ``temperature`` (> 0; greedy decoding is :class:`Greedy`)."""
 
-    ACCEPTS = (LOGITS,)
+    ACCEPTS, PARAM = (LOGITS,), "temperature"
 
     def __init__(self, temperature: float | None = None, *, name: str | None = None) -> None:
-        super().__init__(name=name)
-        self.temperature = None if temperature is None else check_param("temperature", temperature)
+        super().__init__(temperature, name=name)
 
     def ops_for(self, input_type: TensorType, stage: str) -> list[Op]:
-        return [O.TemperatureOp(stage, temperature=self.temperature)]
+        return [O.TemperatureOp(stage, **self._defaults())]
 
 
 class Softmax(Stage):
@@ -98,47 +107,47 @@ class TopK(Stage):
     different distribution from the default (renormalise, then top-p).
     """
 
-    ACCEPTS = (LOGITS, PROBS)
+    ACCEPTS, PARAM = (LOGITS, PROBS), "top_k"
 
     def __init__(self, top_k: int | None = None, *, joint: bool = False, name: str | None = None) -> None:
-        super().__init__(name=name)
         if not isinstance(joint, bool):
             raise ValueError(f"joint must be a bool, got {joint!r}")
-        self.top_k = None if top_k is None else check_param("top_k", top_k)
+        super().__init__(top_k, name=name)
         self.joint = joint
 
     def ops_for(self, input_type: TensorType, stage: str) -> list[Op]:
         if input_type is LOGITS:
             if self.joint:
                 raise LegalizationError("TopK(joint=True) needs PROBS (put a Softmax before it), got LOGITS")
-            return [O.LogitsTopKOp(stage, top_k=self.top_k)]
-        return [O.ProbsTopKOp(stage, renormalize=not self.joint, top_k=self.top_k)]
+            return [O.LogitsTopKOp(stage, **self._defaults())]
+        return [O.ProbsTopKOp(stage, renormalize=not self.joint, **self._defaults())]
+
+    def _repr_args(self) -> list[str]:
+        return super()._repr_args() + (["joint=True"] if self.joint else [])
 
 
 class TopP(Stage):
     """Keep the smallest prefix of most probable tokens whose mass is ``>= top_p``; renormalise."""
 
-    ACCEPTS = (PROBS,)
+    ACCEPTS, PARAM = (PROBS,), "top_p"
 
     def __init__(self, top_p: float | None = None, *, name: str | None = None) -> None:
-        super().__init__(name=name)
-        self.top_p = None if top_p is None else check_param("top_p", top_p)
+        super().__init__(top_p, name=name)
 
     def ops_for(self, input_type: TensorType, stage: str) -> list[Op]:
-        return [O.ProbsTopPOp(stage, top_p=self.top_p)]
+        return [O.ProbsTopPOp(stage, **self._defaults())]
 
 
 class MinP(Stage):
     """Keep tokens with ``p >= min_p * max(p)``; renormalise."""
 
-    ACCEPTS = (PROBS,)
+    ACCEPTS, PARAM = (PROBS,), "min_p"
 
     def __init__(self, min_p: float | None = None, *, name: str | None = None) -> None:
-        super().__init__(name=name)
-        self.min_p = None if min_p is None else check_param("min_p", min_p)
+        super().__init__(min_p, name=name)
 
     def ops_for(self, input_type: TensorType, stage: str) -> list[Op]:
-        return [O.ProbsMinPOp(stage, min_p=self.min_p)]
+        return [O.ProbsMinPOp(stage, **self._defaults())]
 
 
 class Sample(Stage):
@@ -180,9 +189,7 @@ class Apply(Stage):
             if value is not None and not isinstance(value, TensorType):
                 raise TypeError(f"{arg} must be a TensorType, got {value!r}")
         super().__init__(name=name or _snake(getattr(fn, "__name__", "apply")).strip("_<>") or "apply")
-        self.fn = fn
-        self.accepts = accepts
-        self.returns = returns or accepts
+        self.fn, self.accepts, self.returns = fn, accepts, returns or accepts
 
     @property
     def ACCEPTS(self) -> tuple[TensorType, ...]:  # type: ignore[override]
@@ -193,4 +200,3 @@ class Apply(Stage):
 
     def __repr__(self) -> str:
         return f"Apply[{getattr(self.fn, '__name__', type(self.fn).__name__)}]"
-

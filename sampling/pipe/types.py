@@ -1,24 +1,31 @@
-"""Tensor types that flow through a pipe, and the pipe's errors.
+"""What flows through a pipe and what comes out: tagged tensors, taps, results and errors.
 
 Every tensor between two ops is tagged with what it holds, so that the pipe
 can check at construction that each op receives what it accepts.
+
+A tap is a ``(stage, fn)`` pair; ``fn(tensor)`` is called with the
+:class:`TaggedTensor` that the stage produced, on the device where it lives,
+with no copy and no synchronisation. ``fn`` must not modify the tensor.
+Stage names of a pipe: ``"input"`` (what the pipe was given), one per
+processor (``"temperature"``, ``"softmax"``, ``"top_k"``, ``"top_p"``,
+``"min_p"``, ``"sample"``, ``"greedy"``, or the processor's ``name=``; a
+repeated name gets ``_2``, ``_3``), and, in a pipe that samples,
+``"sampled"``: the distribution actually sampled from, always **PROBS**,
+float32 ``[B, V]``, each row summing to 1, exactly 0 for tokens removed by
+top-k, top-p or min-p (a one-hot row for greedy). It is built only when a
+tap asks for it.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import torch
 
-__all__ = [
-    "TensorType",
-    "TaggedTensor",
-    "PipeError",
-    "LegalizationError",
-    "CompileError",
-    "DeadRowError",
-]
+__all__ = ["TensorType", "TaggedTensor", "Tap", "TapFn", "INPUT", "SAMPLED", "SampleResult", "RawLogprobs"]
+__all__ += ["PipeError", "LegalizationError", "CompileError", "DeadRowError"]
 
 
 class TensorType(enum.Enum):
@@ -53,6 +60,56 @@ class TaggedTensor:
 
     def __repr__(self) -> str:
         return f"TaggedTensor({self.type}, shape={tuple(self.data.shape)}, dtype={self.data.dtype})"
+
+
+TapFn = Callable[[TaggedTensor], None]
+INPUT = "input"
+SAMPLED = "sampled"
+
+
+class Tap(NamedTuple):
+    """Call ``fn`` with the tensor of ``stage`` (see the module docstring for stage names)."""
+
+    stage: str
+    fn: TapFn
+
+
+@dataclass(frozen=True, slots=True)
+class RawLogprobs:
+    """Log-probabilities under the **raw** distribution: the pipe's input, before any of its stages.
+
+    Attributes:
+        logprobs: ``float32 [B]``, the chosen token's raw log-probability.
+        ranks: ``int64 [B]``, the chosen token's rank in the raw distribution,
+            1-based: 1 + the number of tokens with a strictly larger value.
+        top_ids: ``int64 [B, n]``, the ``n`` most likely raw tokens (most likely first).
+        top_logprobs: ``float32 [B, n]``, their raw log-probabilities.
+    """
+
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class SampleResult:
+    """One sampled token per row.
+
+    Attributes:
+        tokens: ``int64 [B]``; -1 in a dead row (only with ``on_dead="flag"``).
+        logprobs: ``float32 [B]``, the **processed** log-probability: of the
+            chosen token in the distribution it was sampled from (after every
+            stage of the pipe; for ``Greedy``, under the greedy stage's
+            input). NaN in a dead row.
+        valid: ``bool [B]``; False where the row had nothing to sample.
+        raw: log-probabilities before the pipe's stages, when asked for.
+    """
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    valid: torch.Tensor
+    raw: RawLogprobs | None = None
 
 
 class PipeError(ValueError):
