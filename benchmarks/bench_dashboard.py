@@ -42,8 +42,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -173,11 +173,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10_000)
     parser.add_argument("--vocab", type=int, default=128_000)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--keep", default=None, help="folder to write the runs to and keep (default: a temporary folder, removed)")
+    parser.add_argument(
+        "--keep", default=None, help="folder to write the runs to and keep (default: a temporary folder, removed)"
+    )
     parser.add_argument("--formats", default="parquet,arrow", help="comma-separated: parquet, arrow")
     parser.add_argument("--no-streamlit", action="store_true", help="skip the AppTest timings")
-    parser.add_argument("--new-session", action="store_true",
-                        help="only time the first page of a new session on the shipped sample runs, in a new process")
+    parser.add_argument(
+        "--new-session",
+        action="store_true",
+        help="only time the first page of a new session on the shipped sample runs, in a new process",
+    )
     args = parser.parse_args(argv)
     if args.new_session:
         from dashboard.paths import default_runs_path
@@ -186,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     folder = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench-dashboard-"))
     folder.mkdir(parents=True, exist_ok=True)
-    print(f"run: {args.steps:,} steps x {args.vocab:,} tokens, natural + constrained, float32; load {os.getloadavg()[0]:.1f}")
+    print(
+        f"run: {args.steps:,} steps x {args.vocab:,} tokens, natural + constrained, float32; load {os.getloadavg()[0]:.1f}"
+    )
     try:
         for fmt in args.formats.split(","):
             path = folder / f"large.{fmt}"
@@ -205,10 +212,14 @@ def main(argv: list[str] | None = None) -> int:
             view = _median(lambda: first_view(path, WINDOW), args.repeats)
             reader = first_view(path, WINDOW)
             fresh, near = step_times(reader, args.repeats)
-            print(f"  first view (open, step 0, {WINDOW}-step overview) {view * 1e3:9.1f} ms   (whole-file read / first view: {whole / view:.1f})")
+            print(
+                f"  first view (open, step 0, {WINDOW}-step overview) {view * 1e3:9.1f} ms   (whole-file read / first view: {whole / view:.1f})"
+            )
             print(f"  a step, new block                     {fresh * 1e3:9.1f} ms")
             print(f"  a step, same block (cached)           {near * 1e3:9.1f} ms")
-            print(f"  bytes read for {reader.blocks_read} blocks: {reader.bytes_read / 2**20:.1f} MiB of {path.stat().st_size / 2**20:,.0f} MiB")
+            print(
+                f"  bytes read for {reader.blocks_read} blocks: {reader.bytes_read / 2**20:.1f} MiB of {path.stat().st_size / 2**20:,.0f} MiB"
+            )
             if not args.no_streamlit:
                 for name, seconds in through_streamlit(path, max(1, args.repeats // 2)).items():
                     print(f"  Streamlit, {name:<30} {seconds * 1e3:9.1f} ms")

@@ -19,7 +19,16 @@ import torch
 from logitscope.demo_model import load_demo_model
 from sampling import Generator, SamplingParams
 
-PROMPTS = ['{"name": "', "Call ", "12 + 7 = ", "The weather in Lyon", "Her phone number is ", "3 * 4 = ", "Alice", "Dogs"]
+PROMPTS = [
+    '{"name": "',
+    "Call ",
+    "12 + 7 = ",
+    "The weather in Lyon",
+    "Her phone number is ",
+    "3 * 4 = ",
+    "Alice",
+    "Dogs",
+]
 
 
 def _median_time(fn, repeats: int) -> float:

@@ -36,8 +36,9 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -57,7 +58,10 @@ PROMPTS = [
     "JSON for a person:",
 ]
 REGEX = r"[A-Za-z ,.]{1,2000}"
-SCHEMA = {"type": "array", "items": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}}
+SCHEMA = {
+    "type": "array",
+    "items": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}},
+}
 STORAGE_MODES = ("float32", "bfloat16", "float16", "topk")
 
 
@@ -176,12 +180,16 @@ def per_step(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and repeats (about a minute or two)")
-    parser.add_argument("--tokenizer", default=os.path.join(os.path.dirname(HERE), ".bench", "llama3", "tokenizer.json"))
+    parser.add_argument(
+        "--tokenizer", default=os.path.join(os.path.dirname(HERE), ".bench", "llama3", "tokenizer.json")
+    )
     parser.add_argument("--skip-pipe", action="store_true", help="leave out the pipe grid")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench_gpu.py measures the decode step on a CUDA GPU, and torch sees none here "
-                 "(torch.cuda.is_available() is False); run it on a machine with one")
+        sys.exit(
+            "bench_gpu.py measures the decode step on a CUDA GPU, and torch sees none here "
+            "(torch.cuda.is_available() is False); run it on a machine with one"
+        )
 
     from processors import JSONLogitsProcessor, RegexLogitsProcessor
     from sampling import Generator, SamplingParams
@@ -193,8 +201,10 @@ def main() -> None:
     model = build_model("cuda")
     tokenizer, tok_name = load_tokenizer(args.tokenizer)
     params_count = sum(p.numel() for p in model.parameters()) / 1e9
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; random Llama {params_count:.2f}B bf16, "
-          f"vocab {VOCAB}; {tok_name}; steps {short}->{long}, median of {repeats}")
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}; random Llama {params_count:.2f}B bf16, "
+        f"vocab {VOCAB}; {tok_name}; steps {short}->{long}, median of {repeats}"
+    )
 
     def prompts(batch: int) -> list[str]:
         return [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
@@ -217,8 +227,16 @@ def main() -> None:
 
         def run(steps: int) -> None:
             with torch.inference_mode():
-                model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=steps,
-                               min_new_tokens=steps, pad_token_id=tokenizer.pad_token_id)
+                model.generate(
+                    **enc,
+                    do_sample=True,
+                    temperature=1.0,
+                    top_k=0,
+                    top_p=1.0,
+                    max_new_tokens=steps,
+                    min_new_tokens=steps,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
 
         return run
 
@@ -233,7 +251,9 @@ def main() -> None:
         for name, make in sections.items():
             ms, syncs = per_step(generator_run(make, batch), short, long, repeats)
             free_ms = ms if name == "free" else free_ms
-            rows.append(Row(name, batch, ms, syncs, "" if name == "free" else "free", None if name == "free" else ms / free_ms))
+            rows.append(
+                Row(name, batch, ms, syncs, "" if name == "free" else "free", None if name == "free" else ms / free_ms)
+            )
             print(f"  {name:<18} B={batch:<3} {ms:8.2f} ms/step  {syncs:5.2f} syncs/step", flush=True)
         ms, syncs = per_step(generate_run(batch), short, long, repeats, planned=0)
         rows.append(Row("model.generate", batch, ms, syncs, "free", ms / free_ms))
@@ -246,7 +266,7 @@ def main() -> None:
             rows.append(Row(f"tracked {mode}", batch, ms, syncs, "free", ms / free_ms))
             print(f"  {'tracked ' + mode:<18} B={batch:<3} {ms:8.2f} ms/step  {syncs:5.2f} syncs/step", flush=True)
 
-    del model
+    model.to("meta")  # free its GPU memory before the pipe grid (the closures above are done with it)
     torch.cuda.empty_cache()
     if not args.skip_pipe:
         print("\nsampling pipe against transformers' warpers (benchmarks/bench_sampling.py):", flush=True)
@@ -265,8 +285,10 @@ def main() -> None:
         ratio = f"{row.ratio:6.2f}x {row.baseline}" if row.ratio is not None else ""
         syncs = "" if row.syncs != row.syncs else f"{row.syncs:10.2f}"
         print(f"{row.section:<18}{row.batch:>3}{row.step_ms:>10.2f}{syncs:>12}  {ratio}")
-    print("ratio: this section's step time over the free Generator's at the same batch (below 1: faster); "
-          "for model.generate, above 1 means the Generator is faster")
+    print(
+        "ratio: this section's step time over the free Generator's at the same batch (below 1: faster); "
+        "for model.generate, above 1 means the Generator is faster"
+    )
 
 
 if __name__ == "__main__":

@@ -34,13 +34,13 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
-
-import torch
+from typing import Any
 
 import llguidance
 import llguidance.torch as llg_torch
+import torch
 
 from processors import BatchContext, JSONLogitsProcessor, RegexLogitsProcessor
 from processors.bitmask import apply_bitmask_
@@ -102,8 +102,9 @@ def synthetic_tokenizer(vocab_size: int, cache: Path) -> Any:
 
 def demo_tokenizer() -> Any | None:
     try:
-        from logitscope.demo_model import DEMO_MODEL_PATH
         from transformers import AutoTokenizer
+
+        from logitscope.demo_model import DEMO_MODEL_PATH
     except ImportError:
         return None
     if not (DEMO_MODEL_PATH / "tokenizer.json").is_file():
@@ -209,7 +210,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", nargs="+", default=["demo", "32000", "128000"], help="'demo' or vocabulary sizes")
     parser.add_argument("--batch", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steadier on a shared machine)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (default 1: steadier on a shared machine)"
+    )
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "logitscope-bench")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -40,7 +40,8 @@ import os
 import statistics
 import time
 import warnings
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from transformers.generation.logits_process import (
@@ -235,7 +236,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.device != "cpu":
         if args.device.startswith("cuda") and not torch.cuda.is_available():
-            raise SystemExit(f"--device {args.device}: CUDA is not available on this machine (torch {torch.__version__})")
+            raise SystemExit(
+                f"--device {args.device}: CUDA is not available on this machine (torch {torch.__version__})"
+            )
         name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else args.device
         print(f"torch {torch.__version__}, {name}")
         algorithms = [a for a in args.algorithms.split(",") if a]
@@ -245,7 +248,9 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU, load average {load}")
-    print(f"{'setting':<11} {'batch':>5} {'vocab':>7} {'transformers':>13} {'pipe':>10} {'ratio':>7}  goal        best-of ratio")
+    print(
+        f"{'setting':<11} {'batch':>5} {'vocab':>7} {'transformers':>13} {'pipe':>10} {'ratio':>7}  goal        best-of ratio"
+    )
     for name, params in SETTINGS.items():
         goal = 10 if "top_k" in params else 2
         base = transformers_chain(**params)

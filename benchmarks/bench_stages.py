@@ -55,8 +55,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    print(f"{'vocab':>7} {'storage':>8} {'bare us':>8} {'2 stages us':>12} {'per-proc us':>12} {'ratio':>6} "
-          f"{'bytes/step':>11} {'per-proc bytes':>15}")
+    print(
+        f"{'vocab':>7} {'storage':>8} {'bare us':>8} {'2 stages us':>12} {'per-proc us':>12} {'ratio':>6} "
+        f"{'bytes/step':>11} {'per-proc bytes':>15}"
+    )
     for vocab in args.vocab:
         rows = torch.randn(args.steps, vocab) * 3
         tokens = torch.randint(0, vocab, (args.steps + 4,))
@@ -69,15 +71,18 @@ def main() -> None:
                     if name == "bare":
                         target = processors
                     else:
-                        target = LogitTrackingProcessor(processors, storage=storage, memory_limit=None,
-                                                        processor_stages=name == "stages")
+                        target = LogitTrackingProcessor(
+                            processors, storage=storage, memory_limit=None, processor_stages=name == "stages"
+                        )
                     best[name] = min(best[name], _run(target, rows, tokens))
                     if name != "bare":
                         sizes[name] = target.storage.row_bytes(target.recorder.stages, vocab)
                         target.clear()
             plain, stages = (best[k] - best["bare"] for k in ("plain", "stages"))
-            print(f"{vocab:>7} {storage:>8} {best['bare'] * 1e6:>8.0f} {plain * 1e6:>12.0f} {stages * 1e6:>12.0f} "
-                  f"{stages / max(plain, 1e-9):>6.2f} {sizes['plain']:>11,} {sizes['stages']:>15,}")
+            print(
+                f"{vocab:>7} {storage:>8} {best['bare'] * 1e6:>8.0f} {plain * 1e6:>12.0f} {stages * 1e6:>12.0f} "
+                f"{stages / max(plain, 1e-9):>6.2f} {sizes['plain']:>11,} {sizes['stages']:>15,}"
+            )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import argparse
 from pathlib import Path
 
 from bench_generator import _median_time
+
 from processors.vocab import Vocabulary
 
 NAMES = ("llama2", "llama3", "qwen3", "gptoss")

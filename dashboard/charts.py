@@ -9,7 +9,8 @@ model's own distribution ("natural"), what the constraint left
 from __future__ import annotations
 
 import math
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 import pandas as pd
@@ -114,14 +115,24 @@ def step_bars(
         if value == "prob" and log_y:
             y = y.where(y > 0)
         custom = np.stack(
-            [np.array(labels, dtype=object), table[f"{stage}_prob"].astype(float), table[f"{stage}_logit"].astype(float),
-             np.array(states, dtype=object)],
+            [
+                np.array(labels, dtype=object),
+                table[f"{stage}_prob"].astype(float),
+                table[f"{stage}_logit"].astype(float),
+                np.array(states, dtype=object),
+            ],
             axis=1,
         )
         fig.add_bar(
-            x=positions, y=y, width=width, offset=centres[j] - width / 2,
-            name=_name(stage), marker_color=_color(stage, j), customdata=custom,
-            hovertemplate="%{customdata[0]}<br>" + _name(stage)
+            x=positions,
+            y=y,
+            width=width,
+            offset=centres[j] - width / 2,
+            name=_name(stage),
+            marker_color=_color(stage, j),
+            customdata=custom,
+            hovertemplate="%{customdata[0]}<br>"
+            + _name(stage)
             + ": p=%{customdata[1]:.4f}, logit=%{customdata[2]:.3f}<br>%{customdata[3]}<extra></extra>",
         )
     natural = table[f"natural_{value}"].astype(float).replace(-np.inf, np.nan).fillna(0.0)
@@ -132,10 +143,15 @@ def step_bars(
         word = "cut" if stage == "sampled" else "masked"
         color = MASK_COLOR if stage != "sampled" else "#666"
         fig.add_scatter(
-            x=positions[hit] + centres[j], y=natural[hit], mode="markers+text",
+            x=positions[hit] + centres[j],
+            y=natural[hit],
+            mode="markers+text",
             marker=dict(symbol="x-thin", size=12, line=dict(width=3, color=color), color=color),
-            text=[word] * int(hit.sum()), textposition="top center", textfont=dict(color=color, size=11),
-            name=MASKED_NAMES.get(stage, f"masked at {stage}"), customdata=np.array(labels, dtype=object)[hit],
+            text=[word] * int(hit.sum()),
+            textposition="top center",
+            textfont=dict(color=color, size=11),
+            name=MASKED_NAMES.get(stage, f"masked at {stage}"),
+            customdata=np.array(labels, dtype=object)[hit],
             hovertemplate="%{customdata}: " + word + " (logit -inf)<extra>" + _name(stage) + "</extra>",
         )
     chosen = np.nonzero(table["chosen"].to_numpy())[0]
@@ -144,12 +160,19 @@ def step_bars(
         finite = [float(v) for v in (table[f"{s}_{value}"].iloc[i] for s in stages) if v is not None and np.isfinite(v)]
         top = max(finite) if finite else 0.0
         fig.add_annotation(
-            x=float(i), y=math.log10(top) if (log_y and value == "prob" and top > 0) else top,
-            text="chosen", showarrow=True, arrowhead=2, ay=-30, font=dict(color="#222"),
+            x=float(i),
+            y=math.log10(top) if (log_y and value == "prob" and top > 0) else top,
+            text="chosen",
+            showarrow=True,
+            arrowhead=2,
+            ay=-30,
+            font=dict(color="#222"),
         )
     axis = "probability" if value == "prob" else "logit"
     fig.update_layout(barmode="overlay", xaxis_title="token", yaxis_title=axis)
-    fig.update_xaxes(tickmode="array", tickvals=positions, ticktext=ticks, range=[-0.5, len(table) - 0.5], tickfont=_TOKEN_FONT)
+    fig.update_xaxes(
+        tickmode="array", tickvals=positions, ticktext=ticks, range=[-0.5, len(table) - 0.5], tickfont=_TOKEN_FONT
+    )
     if value == "prob" and log_y:
         fig.update_yaxes(type="log")
     return _layout(fig, title, 420)
@@ -182,9 +205,15 @@ def timelines(
     ]
     if "constrained" not in stages:  # no constraint: nothing removed, no margin; no panels of flat zeros
         panels = [p for p in panels if p[1] not in (["removed_mass"], ["margin"])]
-    fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.045, subplot_titles=[p[0] for p in panels])
+    fig = make_subplots(
+        rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.045, subplot_titles=[p[0] for p in panels]
+    )
     x = stats["position"]
-    tokens = stats["chosen_token"].fillna("").map(lambda t: plot_text(token_label(t))) if "chosen_token" in stats.columns else None
+    tokens = (
+        stats["chosen_token"].fillna("").map(lambda t: plot_text(token_label(t)))
+        if "chosen_token" in stats.columns
+        else None
+    )
     shown: set[str] = set()
     for row, (label, columns) in enumerate(panels, start=1):
         drawn = False
@@ -195,18 +224,32 @@ def timelines(
             color = _color(stage, stages.index(stage)) if stage else "#555"
             name = _name(stage) if stage else label
             fig.add_scatter(
-                x=x, y=stats[column], mode="lines+markers", marker=dict(size=4),
+                x=x,
+                y=stats[column],
+                mode="lines+markers",
+                marker=dict(size=4),
                 line=dict(color=color, **_LINES.get(stage or "", dict(width=1.6))),
-                name=name, legendgroup=name, showlegend=name not in shown and stage is not None,
-                customdata=tokens, hovertemplate="step %{x} %{customdata}<br>" + name + ": %{y:.4g}<extra></extra>",
-                row=row, col=1,
+                name=name,
+                legendgroup=name,
+                showlegend=name not in shown and stage is not None,
+                customdata=tokens,
+                hovertemplate="step %{x} %{customdata}<br>" + name + ": %{y:.4g}<extra></extra>",
+                row=row,
+                col=1,
             )
             shown.add(name)
             drawn = True
         if not drawn:
             fig.add_annotation(
                 text="not known in this run's storage" if any(c in stats.columns for c in columns) else "not recorded",
-                xref="x domain", yref="y domain", x=0.5, y=0.5, showarrow=False, font=dict(color="#999"), row=row, col=1,
+                xref="x domain",
+                yref="y domain",
+                x=0.5,
+                y=0.5,
+                showarrow=False,
+                font=dict(color="#999"),
+                row=row,
+                col=1,
             )
     if current is not None:
         fig.add_vline(x=current, line_dash="dot", line_color="#333", row="all", col=1)
@@ -236,7 +279,12 @@ def token_heatmap(
     z = heat.to_numpy(dtype=float)
     fig = go.Figure(
         go.Heatmap(
-            z=z, x=steps, y=[plot_text(label) for label in heat.index], zmin=0.0, zmax=1.0, colorscale="Blues",
+            z=z,
+            x=steps,
+            y=[plot_text(label) for label in heat.index],
+            zmin=0.0,
+            zmax=1.0,
+            colorscale="Blues",
             colorbar=dict(title=dict(text="p"), thickness=12),
             hovertemplate="step %{x}<br>token %{y}<br>p=%{z:.4f}<extra>" + _name(stage) + "</extra>",
         )
@@ -244,7 +292,10 @@ def token_heatmap(
     xs = [s for s, c in zip(steps, chosen) if c is not None]
     ys = [plot_text(c) for c in chosen if c is not None]
     fig.add_scatter(
-        x=xs, y=ys, mode="markers", name="chosen",
+        x=xs,
+        y=ys,
+        mode="markers",
+        name="chosen",
         marker=dict(symbol="circle-open", size=11, line=dict(width=2, color=MASK_COLOR)),
         hovertemplate="step %{x}: chose %{y}<extra></extra>",
     )
@@ -264,8 +315,13 @@ def compare_timelines(
     title: str = "",
 ) -> go.Figure:
     """Two runs' chosen-token probability and entropy at ``stage``, step by step, with the divergence marked."""
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1,
-                        subplot_titles=[f"chosen token's probability ({_name(stage)})", f"entropy ({_name(stage)}, nats)"])
+    fig = make_subplots(
+        rows=2,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.1,
+        subplot_titles=[f"chosen token's probability ({_name(stage)})", f"entropy ({_name(stage)}, nats)"],
+    )
     styles = (dict(color="#4C78A8", dash="solid"), dict(color="#E45756", dash="dash"))
     for frame, label, style in zip((a, b), labels, styles):
         tokens = frame["chosen_token"].fillna("").map(lambda t: plot_text(token_label(t)))
@@ -273,15 +329,31 @@ def compare_timelines(
             if column not in frame.columns:
                 continue
             fig.add_scatter(
-                x=frame["position"], y=frame[column], mode="lines+markers", marker=dict(size=4),
-                line=dict(width=1.6, **style), name=label, legendgroup=label, showlegend=row == 1,
-                customdata=tokens, hovertemplate="step %{x} %{customdata}<br>" + label + ": %{y:.4g}<extra></extra>",
-                row=row, col=1,
+                x=frame["position"],
+                y=frame[column],
+                mode="lines+markers",
+                marker=dict(size=4),
+                line=dict(width=1.6, **style),
+                name=label,
+                legendgroup=label,
+                showlegend=row == 1,
+                customdata=tokens,
+                hovertemplate="step %{x} %{customdata}<br>" + label + ": %{y:.4g}<extra></extra>",
+                row=row,
+                col=1,
             )
     if divergence is not None:
         fig.add_vline(x=divergence, line_dash="dot", line_color=MASK_COLOR, row="all", col=1)
-        fig.add_annotation(text=f"diverge at step {divergence}", x=divergence, y=1.0, xref="x", yref="y domain",
-                           showarrow=False, xanchor="left", font=dict(color=MASK_COLOR))
+        fig.add_annotation(
+            text=f"diverge at step {divergence}",
+            x=divergence,
+            y=1.0,
+            xref="x",
+            yref="y domain",
+            showarrow=False,
+            xanchor="left",
+            font=dict(color=MASK_COLOR),
+        )
     fig.update_xaxes(title_text="step", row=2, col=1)
     _integer_steps(fig, list(a["position"]) + list(b["position"]))
     return _layout(fig, title, 460)
@@ -296,13 +368,22 @@ def removed_by_processor(stats: pd.DataFrame, *, title: str = "") -> go.Figure |
     if not columns:
         return None
     fig = go.Figure()
-    tokens = stats["chosen_token"].fillna("").map(lambda t: plot_text(token_label(t))) if "chosen_token" in stats.columns else None
+    tokens = (
+        stats["chosen_token"].fillna("").map(lambda t: plot_text(token_label(t)))
+        if "chosen_token" in stats.columns
+        else None
+    )
     for i, column in enumerate(columns):
-        name = column[len("removed_mass_"):]
+        name = column[len("removed_mass_") :]
         fig.add_scatter(
-            x=stats["position"], y=stats[column], mode="lines+markers", marker=dict(size=4),
+            x=stats["position"],
+            y=stats[column],
+            mode="lines+markers",
+            marker=dict(size=4),
             line=dict(color=_EXTRA_COLORS[i % len(_EXTRA_COLORS)] if i else STAGE_COLORS["constrained"], width=1.8),
-            name=name, customdata=tokens, hovertemplate="step %{x} %{customdata}<br>" + name + ": %{y:.4g}<extra></extra>",
+            name=name,
+            customdata=tokens,
+            hovertemplate="step %{x} %{customdata}<br>" + name + ": %{y:.4g}<extra></extra>",
         )
     fig.update_xaxes(title_text="step")
     fig.update_yaxes(title_text="natural mass removed", rangemode="tozero")
@@ -327,7 +408,11 @@ def distance_timeline(
             continue
         y = steps[column].replace([np.inf], np.nan)
         fig.add_scatter(
-            x=steps["step"], y=y, mode="lines+markers", marker=dict(size=4), name=_name(stage),
+            x=steps["step"],
+            y=y,
+            mode="lines+markers",
+            marker=dict(size=4),
+            name=_name(stage),
             line=dict(color=_color(stage, i), **_LINES.get(stage, dict(width=1.6))),
             hovertemplate="step %{x}<br>" + _name(stage) + ": %{y:.4g}<extra></extra>",
         )

@@ -104,7 +104,9 @@ def _runs(root: str, version: Stamp) -> list[RunSummary]:
         except BadRunError as exc:
             summaries.append(RunSummary(path=str(path), label=label, error=exc.reason))
         except OSError as exc:  # no permission to read it, or it vanished while listing
-            summaries.append(RunSummary(path=str(path), label=label, error=f"it cannot be read ({exc.strerror or exc})"))
+            summaries.append(
+                RunSummary(path=str(path), label=label, error=f"it cannot be read ({exc.strerror or exc})")
+            )
     return summaries
 
 
@@ -167,25 +169,51 @@ def window(path: str, generation: int, sequence: int, start: int, stop: int) -> 
 
 
 @st.cache_data(max_entries=16, show_spinner=False)
-def _comparison(path_a: str, version_a: Stamp, generation_a: int, sequence_a: int,
-                path_b: str, version_b: Stamp, generation_b: int, sequence_b: int, start: int, stop: int) -> Comparison:
+def _comparison(
+    path_a: str,
+    version_a: Stamp,
+    generation_a: int,
+    sequence_a: int,
+    path_b: str,
+    version_b: Stamp,
+    generation_b: int,
+    sequence_b: int,
+    start: int,
+    stop: int,
+) -> Comparison:
     parts = []
     for path, generation, sequence in ((path_a, generation_a, sequence_a), (path_b, generation_b, sequence_b)):
         run = reader(path)
         track_ = run.track(generation, sequence)
         parts.append(run.window(track_, min(start, track_.length), min(stop, track_.length)))
-    result = compare(parts[0], parts[1], generation_a=generation_a, sequence_a=sequence_a,
-                     generation_b=generation_b, sequence_b=sequence_b, include_finished=True)
+    result = compare(
+        parts[0],
+        parts[1],
+        generation_a=generation_a,
+        sequence_a=sequence_a,
+        generation_b=generation_b,
+        sequence_b=sequence_b,
+        include_finished=True,
+    )
     result.steps["step"] += start
     result.tokens["step"] += start
     return result
 
 
-def comparison(path_a: str, generation_a: int, sequence_a: int, path_b: str, generation_b: int, sequence_b: int,
-               start: int, stop: int) -> Comparison:
+def comparison(
+    path_a: str,
+    generation_a: int,
+    sequence_a: int,
+    path_b: str,
+    generation_b: int,
+    sequence_b: int,
+    start: int,
+    stop: int,
+) -> Comparison:
     """:func:`tracker.compare` of two sequences over steps ``[start, stop)`` (steps numbered from the track's start)."""
-    return _comparison(path_a, stamp(path_a), generation_a, sequence_a, path_b, stamp(path_b), generation_b, sequence_b,
-                       start, stop)
+    return _comparison(
+        path_a, stamp(path_a), generation_a, sequence_a, path_b, stamp(path_b), generation_b, sequence_b, start, stop
+    )
 
 
 def prompt_perplexity(path: str, generation: int, sequence: int) -> float:

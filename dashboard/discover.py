@@ -152,7 +152,11 @@ def summary_of(reader: RunReader, label: str) -> RunSummary:
 def summarize(path: str | Path, root: str | Path | None = None) -> RunSummary:
     """Open ``path`` and describe it; a bad run gives a summary with ``error`` set instead of raising."""
     target = Path(path)
-    label = str(target.relative_to(root)) if root is not None and target != Path(root) and target.is_relative_to(root) else target.name
+    label = (
+        str(target.relative_to(root))
+        if root is not None and target != Path(root) and target.is_relative_to(root)
+        else target.name
+    )
     try:
         return summary_of(RunReader(target), label)
     except BadRunError as exc:

@@ -14,7 +14,15 @@ from __future__ import annotations
 import importlib
 
 #: Imported before the server starts (none of them calls Streamlit).
-EARLY = ("tracker.run", "tracker.compare", "dashboard.reader", "dashboard.discover", "dashboard.views", "dashboard.charts", "dashboard.text")
+EARLY = (
+    "tracker.run",
+    "tracker.compare",
+    "dashboard.reader",
+    "dashboard.discover",
+    "dashboard.views",
+    "dashboard.charts",
+    "dashboard.text",
+)
 
 
 def warm() -> None:

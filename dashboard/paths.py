@@ -7,7 +7,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["ANY_PATH_FLAG", "APP", "ENV_ANY_PATH", "ENV_PATH", "HEADLINE_RUN", "PACKAGED_RUNS", "REPO_ROOT", "default_runs_path"]
+__all__ = [
+    "ANY_PATH_FLAG",
+    "APP",
+    "ENV_ANY_PATH",
+    "ENV_PATH",
+    "HEADLINE_RUN",
+    "PACKAGED_RUNS",
+    "REPO_ROOT",
+    "default_runs_path",
+]
 
 #: The Streamlit entry script.
 APP = Path(__file__).resolve().parent / "app.py"

@@ -176,7 +176,9 @@ class RunReader:
         return layout
 
     def _read_index(self) -> dict[str, np.ndarray]:
-        parts: dict[str, list[np.ndarray]] = {k: [] for k in ("generation", "sequence", "step", "chosen", "error", "part", "block", "local")}
+        parts: dict[str, list[np.ndarray]] = {
+            k: [] for k in ("generation", "sequence", "step", "chosen", "error", "part", "block", "local")
+        }
         for p, part in enumerate(self._parts):
             try:
                 ids = part.read_ids()
@@ -192,7 +194,9 @@ class RunReader:
             parts["error"].append(ids.column("processor_error").to_numpy())
             parts["part"].append(np.full(ids.num_rows, p, dtype=np.int64))
             parts["block"].append(np.repeat(np.arange(len(sizes), dtype=np.int64), sizes))
-            parts["local"].append(np.concatenate([np.arange(n, dtype=np.int64) for n in sizes]) if sizes else np.zeros(0, np.int64))
+            parts["local"].append(
+                np.concatenate([np.arange(n, dtype=np.int64) for n in sizes]) if sizes else np.zeros(0, np.int64)
+            )
         return {k: np.concatenate(v) if v else np.zeros(0, np.int64) for k, v in parts.items()}
 
     # ---------------------------------------------------------------- what the run holds
@@ -310,7 +314,11 @@ class RunReader:
         index = self._index
         wanted = track.rows[start:stop]
         pieces: list[pa.Table] = []
-        keys = np.stack([index["part"][wanted], index["block"][wanted]], axis=1) if wanted.size else np.zeros((0, 2), np.int64)
+        keys = (
+            np.stack([index["part"][wanted], index["block"][wanted]], axis=1)
+            if wanted.size
+            else np.zeros((0, 2), np.int64)
+        )
         i = 0
         while i < wanted.size:
             part, block = int(keys[i, 0]), int(keys[i, 1])
@@ -376,7 +384,9 @@ class RunReader:
         if ids_column.is_null()[local].as_py():
             return StageRow(stage, recorded=False)
         k = ids_column.type.list_size
-        ids = ids_column.values.slice((ids_column.offset + local) * k, k).to_numpy(zero_copy_only=False).astype(np.int64)
+        ids = (
+            ids_column.values.slice((ids_column.offset + local) * k, k).to_numpy(zero_copy_only=False).astype(np.int64)
+        )
         values_column = _single(table.column(f"{stage}_topk_logits"))
         values = values_column.values.slice((values_column.offset + local) * k, k).to_numpy(zero_copy_only=False)
         natural = None
@@ -411,4 +421,3 @@ class RunReader:
 
 def _single(column: pa.ChunkedArray) -> pa.Array:
     return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
-

@@ -24,9 +24,10 @@ import threading
 import time
 import urllib.request
 import webbrowser
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from dashboard.paths import APP, ENV_ANY_PATH, ENV_PATH, REPO_ROOT
 
@@ -65,11 +66,19 @@ def streamlit_command(port: int, *, headless: bool = True) -> list[str]:
     if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
         raise ValueError(f"port must be an int in [1, 65535], got {port!r}")
     command = [
-        sys.executable, "-m", "dashboard.launch", "run", str(APP),  # streamlit run, imports warmed early
-        "--server.address", "127.0.0.1",
-        "--server.port", str(port),
-        "--server.headless", "true" if headless else "false",
-        "--browser.serverAddress", "127.0.0.1",
+        sys.executable,
+        "-m",
+        "dashboard.launch",
+        "run",
+        str(APP),  # streamlit run, imports warmed early
+        "--server.address",
+        "127.0.0.1",
+        "--server.port",
+        str(port),
+        "--server.headless",
+        "true" if headless else "false",
+        "--browser.serverAddress",
+        "127.0.0.1",
     ]
     for option, value in QUIET_OPTIONS.items():
         command += [f"--{option}", value]
@@ -162,7 +171,9 @@ def start(path: str | Path, port: int, *, allow_any_path: bool = False) -> Itera
 
 
 def announce(path: str | Path, port: int) -> None:
-    print(f"logitscope dashboard: http://127.0.0.1:{port}  (runs from {Path(path).resolve()}; Ctrl-C to stop)", flush=True)
+    print(
+        f"logitscope dashboard: http://127.0.0.1:{port}  (runs from {Path(path).resolve()}; Ctrl-C to stop)", flush=True
+    )
 
 
 def serve(path: str | Path, port: int, *, open_browser: bool = True, allow_any_path: bool = False) -> int:

@@ -11,8 +11,9 @@ vocabulary never has to fit in memory.
 from __future__ import annotations
 
 import datetime as _dt
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Literal, Sequence
+from typing import Literal
 
 import numpy as np
 import pyarrow as pa
@@ -129,7 +130,9 @@ def large_run_metadata(steps: int, vocab_size: int, *, storage: str = "float32",
     )
 
 
-def _blocks(steps: int, vocab_size: int, rows: int, allowed: int, seed: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def _blocks(
+    steps: int, vocab_size: int, rows: int, allowed: int, seed: int
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Blocks of (step numbers, natural [n, V], constrained [n, V]) with a moving window of allowed tokens."""
     rng = np.random.default_rng(seed)
     pool = rng.standard_normal((rows, vocab_size), dtype=np.float32) * 2.0
@@ -145,7 +148,9 @@ def _blocks(steps: int, vocab_size: int, rows: int, allowed: int, seed: int) -> 
         yield step_ids, natural, constrained
 
 
-def _record_batch(schema: pa.Schema, step_ids: np.ndarray, natural: np.ndarray, constrained: np.ndarray) -> pa.RecordBatch:
+def _record_batch(
+    schema: pa.Schema, step_ids: np.ndarray, natural: np.ndarray, constrained: np.ndarray
+) -> pa.RecordBatch:
     n, vocab = natural.shape
     chosen = constrained.argmax(axis=1).astype(np.int64)
     columns = {
@@ -182,7 +187,9 @@ def write_large_run(
     target = Path(path)
     metadata = large_run_metadata(steps, vocab_size)
     vocab = Vocabulary.placeholder(vocab_size)
-    schema = run_schema("float32", metadata.stages, vocab_size, 0, {META_RUN: metadata.to_json(), META_VOCAB: vocab.serialize()})
+    schema = run_schema(
+        "float32", metadata.stages, vocab_size, 0, {META_RUN: metadata.to_json(), META_VOCAB: vocab.serialize()}
+    )
     rows = rows_per_block or max(1, (8 << 20) // (vocab_size * 4 * len(metadata.stages)))
     blocks = _blocks(steps, vocab_size, rows, min(allowed, vocab_size), seed)
     with atomic_path(target) as tmp:
@@ -192,7 +199,10 @@ def write_large_run(
                     writer.write_batch(_record_batch(schema, *block))
         else:
             with pq.ParquetWriter(
-                tmp, schema, compression=compression, use_dictionary=["generation", "sequence"],
+                tmp,
+                schema,
+                compression=compression,
+                use_dictionary=["generation", "sequence"],
                 write_statistics=["generation", "sequence", "step", "chosen"],
             ) as writer:
                 for block in blocks:

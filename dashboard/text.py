@@ -21,7 +21,7 @@ from __future__ import annotations
 import html
 import math
 import string
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
@@ -56,6 +56,7 @@ def md_text(value: object) -> str:
 def plot_text(value: object) -> str:
     """``value`` for a plotly label or hover text: plotly reads a few HTML tags there, so ``<``, ``>``, ``&`` are escaped."""
     return html.escape(str(value), quote=False)
+
 
 _WARM = (228, 87, 86)  # low probability / far down the list: red
 _COOL = (76, 120, 168)  # mass removed by the constraint: blue
@@ -92,8 +93,16 @@ def token_hovers(window: WindowView, stages: Sequence[str]) -> list[str]:
     out = []
     for i, position in enumerate(stats["position"].tolist()):
         token = stats["chosen_token"].iloc[i]
-        parts = [f"step {position}: chose {token_label(token)}" if token is not None else f"step {position}: chosen token unknown"]
-        probs = [f"{s} {stats[f'p_chosen_{s}'].iloc[i]:.3f}" for s in stages if f"p_chosen_{s}" in stats.columns and not pd.isna(stats[f"p_chosen_{s}"].iloc[i])]
+        parts = [
+            f"step {position}: chose {token_label(token)}"
+            if token is not None
+            else f"step {position}: chosen token unknown"
+        ]
+        probs = [
+            f"{s} {stats[f'p_chosen_{s}'].iloc[i]:.3f}"
+            for s in stages
+            if f"p_chosen_{s}" in stats.columns and not pd.isna(stats[f"p_chosen_{s}"].iloc[i])
+        ]
         if probs:
             parts.append("p: " + ", ".join(probs))
         if "removed_mass" in stats.columns and not pd.isna(stats["removed_mass"].iloc[i]):
@@ -147,7 +156,11 @@ def legend_html(label: str) -> str:
         f'<span style="display:inline-block;width:22px;height:12px;background:{_background(column, t)}"></span>'
         for t in np.linspace(0, 1, 6)
     )
-    low = "likely" if column.startswith("p_chosen") else ("top choice" if column.startswith("rank") else "nothing removed")
+    low = (
+        "likely"
+        if column.startswith("p_chosen")
+        else ("top choice" if column.startswith("rank") else "nothing removed")
+    )
     high_text = "unlikely" if column.startswith("p_chosen") else high
     return f'<div style="font-size:12px;color:#555">{html.escape(low)} {stops} {html.escape(high_text)}</div>'
 
@@ -178,5 +191,7 @@ def divergent_text_html(prompt: str, pieces: Sequence[str], divergence: int | No
     rest = [] if divergence is None else pieces[divergence:]
     parts = [f'<span style="color:#888">{html.escape(prompt)}</span>', html.escape("".join(agree))]
     if rest:
-        parts.append(f'<span style="background:rgba(228,87,86,0.25); border-radius:3px">{html.escape("".join(rest))}</span>')
+        parts.append(
+            f'<span style="background:rgba(228,87,86,0.25); border-radius:3px">{html.escape("".join(rest))}</span>'
+        )
     return f'<div class="logitscope-text" style="{_STYLE}">{"".join(parts)}</div>'

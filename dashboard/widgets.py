@@ -46,7 +46,6 @@ __all__ = [
 ]
 
 
-
 @dataclass(frozen=True)
 class Selected:
     """A sequence picked in a run: what the pages show."""
@@ -100,8 +99,10 @@ def choose_root(candidate: str) -> str | None:
         except (OSError, RuntimeError):
             inside = False
         if not inside:
-            return (f"'{text}' is outside the folder this dashboard serves ('{served}'); start it with "
-                    f"`logitscope dashboard PATH --allow-any-path` to browse elsewhere")
+            return (
+                f"'{text}' is outside the folder this dashboard serves ('{served}'); start it with "
+                f"`logitscope dashboard PATH --allow-any-path` to browse elsewhere"
+            )
     st.session_state["root"] = str(path)
     return None
 
@@ -166,7 +167,9 @@ def sidebar() -> None:
         if compared and "run_b" not in st.session_state:
             st.session_state["run_b"] = compared[0]  # and the second: ?compare=hot.parquet
         _keep_choice("run_b", [""] + paths)
-        st.selectbox("Compare with", [""] + paths, key="run_b", format_func=lambda p: "—" if not p else _label(by_path[p]))
+        st.selectbox(
+            "Compare with", [""] + paths, key="run_b", format_func=lambda p: "—" if not p else _label(by_path[p])
+        )
         summary = by_path[st.session_state["run"]]
         if summary.error is None:
             try:
@@ -186,8 +189,10 @@ def selected() -> Selected | None:
     by_path: dict[str, RunSummary] = st.session_state.get("summaries", {})
     path = st.session_state.get("run")
     if not by_path or path not in by_path:
-        st.info(f"No runs found under {md_text(root_path())}. Record some with `logitscope demo`, or give a path: "
-                "`logitscope dashboard PATH`.")
+        st.info(
+            f"No runs found under {md_text(root_path())}. Record some with `logitscope demo`, or give a path: "
+            "`logitscope dashboard PATH`."
+        )
         return None
     summary = by_path[path]
     if summary.error is not None:

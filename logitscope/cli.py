@@ -15,10 +15,11 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator, NoReturn, Sequence
+from typing import Any, NoReturn
 
 from logitscope import __version__
 
@@ -141,7 +142,9 @@ def _constraints(args: argparse.Namespace, parser: argparse.ArgumentParser, toke
             made.append(JSONLogitsProcessor(schema, tokenizer))
         if args.grammar is not None:
             argument = "--grammar"
-            made.append(CFGLogitsProcessor(_read_text(parser, argument, args.grammar), tokenizer, syntax=args.grammar_syntax))
+            made.append(
+                CFGLogitsProcessor(_read_text(parser, argument, args.grammar), tokenizer, syntax=args.grammar_syntax)
+            )
         if args.bad_words:
             argument = "--bad-words"
             made.append(BadWordsLogitsProcessor(args.bad_words, tokenizer))
@@ -270,8 +273,12 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             _fail(parser, "--out", f"'{out}' is a file; give a folder (new, or one to add the runs to)")
         temporary = False
     elif args.no_serve:
-        _fail(parser, "--no-serve", "give --out FOLDER to keep the runs (without it they go to a temporary folder "
-              "that is removed when the dashboard stops)")
+        _fail(
+            parser,
+            "--no-serve",
+            "give --out FOLDER to keep the runs (without it they go to a temporary folder "
+            "that is removed when the dashboard stops)",
+        )
     else:
         out = Path(tempfile.mkdtemp(prefix="logitscope-demo-"))
         temporary = True
@@ -325,8 +332,12 @@ def cmd_dashboard(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     if not path.exists():
         if args.path is not None:
             _fail(parser, "PATH", f"no run or folder at '{path}'; give a .parquet run or a folder of runs")
-        _fail(parser, None, f"the shipped sample runs are missing from '{path}'; give a PATH "
-              "(record runs with `logitscope demo --out FOLDER`)")
+        _fail(
+            parser,
+            None,
+            f"the shipped sample runs are missing from '{path}'; give a PATH "
+            "(record runs with `logitscope demo --out FOLDER`)",
+        )
     return serve(path, args.port, open_browser=not args.no_browser, allow_any_path=args.allow_any_path)
 
 
@@ -334,8 +345,12 @@ def cmd_dashboard(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
 
 def _serving_options(command: argparse.ArgumentParser) -> None:
-    command.add_argument("--port", type=_port, default=8501, help="local port (default: 8501); the server listens on 127.0.0.1 only")
-    command.add_argument("--no-browser", action="store_true", help="do not open a browser (none is opened where none can be)")
+    command.add_argument(
+        "--port", type=_port, default=8501, help="local port (default: 8501); the server listens on 127.0.0.1 only"
+    )
+    command.add_argument(
+        "--no-browser", action="store_true", help="do not open a browser (none is opened where none can be)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -346,9 +361,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    run = sub.add_parser("run", help="generate from a model, print the generations, and record them with --out",
-                         description="Generate from a model and print the generations; with --out, record every "
-                         "step into a run that `logitscope dashboard` opens.")
+    run = sub.add_parser(
+        "run",
+        help="generate from a model, print the generations, and record them with --out",
+        description="Generate from a model and print the generations; with --out, record every "
+        "step into a run that `logitscope dashboard` opens.",
+    )
     run.add_argument("--model", default=None, help="a local model folder (default: the shipped demo model)")
     run.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     run.add_argument("--prompt-file", default=None, help="a text file with one prompt per line")
@@ -364,30 +382,62 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", type=_device, default="cpu", help="cpu (default), cuda, cuda:N or mps")
     run.add_argument("--json", action="store_true", help="print one JSON record per generation")
     grammar = run.add_mutually_exclusive_group()
-    grammar.add_argument("--regex", default=None, metavar="PATTERN", help="constrain the output to a regular expression")
-    grammar.add_argument("--json-schema", default=None, metavar="FILE", help="constrain the output to the JSON schema in FILE")
+    grammar.add_argument(
+        "--regex", default=None, metavar="PATTERN", help="constrain the output to a regular expression"
+    )
+    grammar.add_argument(
+        "--json-schema", default=None, metavar="FILE", help="constrain the output to the JSON schema in FILE"
+    )
     grammar.add_argument("--grammar", default=None, metavar="FILE", help="constrain the output to the grammar in FILE")
-    run.add_argument("--grammar-syntax", choices=("lark", "gbnf"), default="lark", help="syntax of --grammar (default: lark)")
-    run.add_argument("--bad-words", action="append", metavar="WORD", help="a word the output must not contain (repeatable)")
+    run.add_argument(
+        "--grammar-syntax", choices=("lark", "gbnf"), default="lark", help="syntax of --grammar (default: lark)"
+    )
+    run.add_argument(
+        "--bad-words", action="append", metavar="WORD", help="a word the output must not contain (repeatable)"
+    )
     run.add_argument("--out", default=None, metavar="RUN.parquet", help="record every step into this run file")
-    run.add_argument("--storage", choices=STORAGE_MODES, default=None,
-                     help="how --out keeps the distributions: the whole vocabulary as float32 (default), float16 or "
-                     "bfloat16, or only the best tokens (topk)")
-    run.add_argument("--storage-top-k", type=_positive_int, default=20, metavar="K", help="tokens kept per step with --storage topk (default: 20)")
+    run.add_argument(
+        "--storage",
+        choices=STORAGE_MODES,
+        default=None,
+        help="how --out keeps the distributions: the whole vocabulary as float32 (default), float16 or "
+        "bfloat16, or only the best tokens (topk)",
+    )
+    run.add_argument(
+        "--storage-top-k",
+        type=_positive_int,
+        default=20,
+        metavar="K",
+        help="tokens kept per step with --storage topk (default: 20)",
+    )
     run.add_argument("--title", default=None, help="the run's title in the dashboard (with --out)")
 
     demo = sub.add_parser("demo", help="record sample runs with the demo model and open the dashboard on them")
     demo.add_argument("--device", type=_device, default="cpu", help="cpu (default), cuda, cuda:N or mps")
-    demo.add_argument("--out", default=None, metavar="FOLDER",
-                      help="folder for the runs (default: a temporary folder, removed when the dashboard stops)")
-    demo.add_argument("--no-serve", action="store_true", help="record the runs into --out and exit, without starting the dashboard")
+    demo.add_argument(
+        "--out",
+        default=None,
+        metavar="FOLDER",
+        help="folder for the runs (default: a temporary folder, removed when the dashboard stops)",
+    )
+    demo.add_argument(
+        "--no-serve", action="store_true", help="record the runs into --out and exit, without starting the dashboard"
+    )
     _serving_options(demo)
 
     dashboard = sub.add_parser("dashboard", help="open the dashboard on a run or a folder of runs")
-    dashboard.add_argument("path", nargs="?", default=None, metavar="PATH",
-                           help="a run file or a folder of runs (default: the shipped sample runs)")
-    dashboard.add_argument("--allow-any-path", action="store_true",
-                           help="let the page's path box open any folder the server can read (default: only inside PATH)")
+    dashboard.add_argument(
+        "path",
+        nargs="?",
+        default=None,
+        metavar="PATH",
+        help="a run file or a folder of runs (default: the shipped sample runs)",
+    )
+    dashboard.add_argument(
+        "--allow-any-path",
+        action="store_true",
+        help="let the page's path box open any folder the server can read (default: only inside PATH)",
+    )
     _serving_options(dashboard)
 
     for name, command in (("run", run), ("demo", demo), ("dashboard", dashboard)):

@@ -10,9 +10,10 @@ files; ``python -m logitscope.make_sample_runs`` rebuilds the shipped
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from dashboard.threads import one_torch_thread
 from processors import (
@@ -142,7 +143,10 @@ RECIPES: tuple[Recipe, ...] = (
         "the penalty then moves the digits already used.",
         ("Call Maria at ",),
         (SamplingParams(temperature=0.7, seed=0, max_new_tokens=24),),
-        lambda tok: [RegexLogitsProcessor(r"\(\d{3}\) \d{3}-\d{4}\.", tok), PenaltiesLogitsProcessor(repetition_penalty=1.5)],
+        lambda tok: [
+            RegexLogitsProcessor(r"\(\d{3}\) \d{3}-\d{4}\.", tok),
+            PenaltiesLogitsProcessor(repetition_penalty=1.5),
+        ],
         processor_stages=True,
     ),
 )
@@ -182,8 +186,12 @@ def record(
     for recipe in recipes:
         processor = recipe.processor(tokenizer) if recipe.processor is not None else None
         generator = add_tracking(
-            Generator(model, tokenizer, logits_processor=processor), storage=storage, memory_limit=None, model=model_name,
-            processor_stages=recipe.processor_stages, prompt_logprobs=recipe.processor_stages,
+            Generator(model, tokenizer, logits_processor=processor),
+            storage=storage,
+            memory_limit=None,
+            model=model_name,
+            processor_stages=recipe.processor_stages,
+            prompt_logprobs=recipe.processor_stages,
         )
         tracker = generator.logits_processor
         texts = []

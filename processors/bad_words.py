@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from typing import Any, Literal, Sequence
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import torch
 
@@ -27,7 +28,9 @@ _TokenTables = tuple[torch.Tensor, tuple[tuple[int, torch.Tensor, torch.Tensor],
 
 def _check_words(words: Any) -> tuple[str, ...]:
     if isinstance(words, (str, bytes)):
-        raise TypeError(f"words must be a list of strings, got the single {type(words).__name__} {words!r}; wrap it in a list")
+        raise TypeError(
+            f"words must be a list of strings, got the single {type(words).__name__} {words!r}; wrap it in a list"
+        )
     try:
         items = tuple(words)
     except TypeError:
@@ -118,7 +121,7 @@ class BadWordsLogitsProcessor(LogitsProcessor):
         self._feed.reset()
         self._states = []
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> "BadWordsLogitsProcessor":
+    def __deepcopy__(self, memo: dict[int, Any]) -> BadWordsLogitsProcessor:
         """A fresh copy sharing the precomputed tables."""
         clone = copy.copy(self)
         clone.__dict__.pop("_host_boundary", None)

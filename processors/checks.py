@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["is_number", "check_number", "check_token_id", "check_token_ids", "check_width", "vocab_size_of"]
 

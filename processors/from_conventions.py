@@ -17,7 +17,8 @@ device), else from ``input_ids`` (a device read per row and step). Each
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -213,10 +214,7 @@ class FromTensorRTLLM(LogitsProcessor):
         if self.batched:
             results = [self.fn(req_ids, views, token_ids, stream_ptr, [None] * ctx.batch_size)]
         else:
-            results = [
-                self.fn(req_ids[i], views[i], token_ids[i], stream_ptr, None)
-                for i in range(ctx.batch_size)
-            ]
+            results = [self.fn(req_ids[i], views[i], token_ids[i], stream_ptr, None) for i in range(ctx.batch_size)]
         if any(r is not None for r in results):
             raise ProcessorError(
                 f"processor {self.name} returned a value; a TensorRT-LLM-style processor "

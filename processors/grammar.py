@@ -27,8 +27,9 @@ import copy
 import json
 import threading
 import weakref
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 import llguidance
 import torch
@@ -48,7 +49,7 @@ __all__ = [
 
 GrammarSyntax = Literal["lark", "gbnf"]
 
-_TOKENIZERS: "weakref.WeakKeyDictionary[Any, dict[tuple[int, ...] | None, llguidance.LLTokenizer]]" = (
+_TOKENIZERS: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...] | None, llguidance.LLTokenizer]] = (
     weakref.WeakKeyDictionary()
 )
 _TOKENIZERS_LOCK = threading.Lock()
@@ -82,8 +83,7 @@ def llguidance_tokenizer(tokenizer: Any, eos_token_id: int | Sequence[int] | Non
                 cached = llguidance.hf.from_tokenizer(tokenizer, eos_token=None if key is None else list(key))
             except Exception as exc:
                 raise TypeError(
-                    f"tokenizer: llguidance needs a transformers fast tokenizer, got "
-                    f"{type(tokenizer).__name__} ({exc})"
+                    f"tokenizer: llguidance needs a transformers fast tokenizer, got {type(tokenizer).__name__} ({exc})"
                 ) from exc
             per_tokenizer[key] = cached
         return cached
@@ -165,7 +165,7 @@ class GrammarLogitsProcessor(LogitsProcessor):
         self._matchers = None
         self._feed.reset()
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> "GrammarLogitsProcessor":
+    def __deepcopy__(self, memo: dict[int, Any]) -> GrammarLogitsProcessor:
         """A fresh copy that shares the compiled grammar and the tokenizer set-up."""
         clone = copy.copy(self)
         clone.__dict__.pop("_host_boundary", None)
@@ -402,9 +402,7 @@ class JSONLogitsProcessor(GrammarLogitsProcessor):
             grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=options or None)
         except ValueError as exc:
             raise ValueError(f"schema: the JSON schema cannot be compiled: {exc}") from exc
-        super().__init__(
-            grammar, tokenizer, eos_token_id=eos_token_id, argument="schema", description="JSON schema"
-        )
+        super().__init__(grammar, tokenizer, eos_token_id=eos_token_id, argument="schema", description="JSON schema")
 
     def __repr__(self) -> str:
         return f"JSONLogitsProcessor(schema={json.dumps(self.schema)[:60]!r})"

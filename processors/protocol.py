@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import abc
 import functools
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 
@@ -69,14 +70,11 @@ class BatchContext:
 
     def __post_init__(self) -> None:
         if self.input_ids.ndim != 2:
-            raise ValueError(
-                f"input_ids must be 2-D [batch, length], got shape {tuple(self.input_ids.shape)}"
-            )
+            raise ValueError(f"input_ids must be 2-D [batch, length], got shape {tuple(self.input_ids.shape)}")
         length = self.input_ids.shape[1]
         if not 0 <= self.prompt_length <= length:
             raise ValueError(
-                f"prompt_length must be in [0, {length}] for input_ids of length {length}, "
-                f"got {self.prompt_length}"
+                f"prompt_length must be in [0, {length}] for input_ids of length {length}, got {self.prompt_length}"
             )
         if self.attention_mask is not None and self.attention_mask.shape != self.input_ids.shape:
             raise ValueError(
@@ -84,9 +82,7 @@ class BatchContext:
                 f"got {tuple(self.attention_mask.shape)}"
             )
         if self.request_ids is not None and len(self.request_ids) != self.batch_size:
-            raise ValueError(
-                f"request_ids must have one id per row ({self.batch_size}), got {len(self.request_ids)}"
-            )
+            raise ValueError(f"request_ids must have one id per row ({self.batch_size}), got {len(self.request_ids)}")
         if self.generated is not None and len(self.generated) != self.batch_size:
             raise ValueError(
                 f"generated must have one token list per row ({self.batch_size}), got {len(self.generated)}"
@@ -130,18 +126,14 @@ class BatchContext:
     def request_id(self, row: int) -> Any:
         return row if self.request_ids is None else self.request_ids[row]
 
-    def select(self, rows: Sequence[int] | torch.Tensor) -> "BatchContext":
+    def select(self, rows: Sequence[int] | torch.Tensor) -> BatchContext:
         """The context of a subset of rows (for processors that work row by row)."""
         index = torch.as_tensor(rows, dtype=torch.long, device=self.input_ids.device)
         return BatchContext(
             input_ids=self.input_ids.index_select(0, index),
             prompt_length=self.prompt_length,
-            attention_mask=None
-            if self.attention_mask is None
-            else self.attention_mask.index_select(0, index),
-            request_ids=None
-            if self.request_ids is None
-            else tuple(self.request_ids[int(i)] for i in index.tolist()),
+            attention_mask=None if self.attention_mask is None else self.attention_mask.index_select(0, index),
+            request_ids=None if self.request_ids is None else tuple(self.request_ids[int(i)] for i in index.tolist()),
             generated=None if self.generated is None else [self.generated[int(i)] for i in index.tolist()],
         )
 
@@ -188,8 +180,7 @@ def check_logits(name: str, out: Any, like: torch.Tensor) -> torch.Tensor:
         )
     if not isinstance(out, torch.Tensor):
         raise ProcessorError(
-            f"processor {name} returned {type(out).__name__}, expected a torch.Tensor "
-            f"of shape {tuple(like.shape)}"
+            f"processor {name} returned {type(out).__name__}, expected a torch.Tensor of shape {tuple(like.shape)}"
         )
     if out.shape != like.shape:
         raise ProcessorError(
@@ -197,9 +188,7 @@ def check_logits(name: str, out: Any, like: torch.Tensor) -> torch.Tensor:
             f"expected {tuple(like.shape)} (the shape it was given)"
         )
     if out.device != like.device:
-        raise ProcessorError(
-            f"processor {name} returned logits on {out.device}, expected {like.device}"
-        )
+        raise ProcessorError(f"processor {name} returned logits on {out.device}, expected {like.device}")
     if not out.is_floating_point():
         raise ProcessorError(f"processor {name} returned {out.dtype} logits, expected floating point")
     return out
@@ -226,7 +215,7 @@ class LogitsProcessor(abc.ABC):
         if own_reset is not None and not getattr(own_reset, "_forgets_host", False):
 
             @functools.wraps(own_reset)
-            def reset(self: "LogitsProcessor") -> None:
+            def reset(self: LogitsProcessor) -> None:
                 self._forget_host()
                 own_reset(self)
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections import OrderedDict
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 

@@ -53,9 +53,7 @@ class TokenFeed:
     def update(self, ctx: BatchContext, owner: str) -> FeedUpdate:
         """The tokens to consume for this step; raises if the batch changed mid-generation."""
         batch, generated = ctx.batch_size, ctx.num_generated
-        restarted = (
-            self.batch is None or generated < self.consumed or (generated == 0 and batch != self.batch)
-        )
+        restarted = self.batch is None or generated < self.consumed or (generated == 0 and batch != self.batch)
         if restarted:
             self.batch, self.consumed = batch, 0
         elif batch != self.batch:

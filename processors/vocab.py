@@ -31,9 +31,10 @@ import base64
 import codecs
 import threading
 import weakref
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -147,7 +148,7 @@ class Vocabulary:
         *,
         display: Sequence[str] | None = None,
         eos_token_ids: Sequence[int] = (),
-    ) -> "Vocabulary":
+    ) -> Vocabulary:
         """A vocabulary from each token's bytes (display text derived from them unless given)."""
         lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
         offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
@@ -157,12 +158,12 @@ class Vocabulary:
         return cls(b"".join(pieces), offsets, shown, flags, tuple(int(i) for i in eos_token_ids))
 
     @classmethod
-    def placeholder(cls, vocab_size: int) -> "Vocabulary":
+    def placeholder(cls, vocab_size: int) -> Vocabulary:
         """``<id>`` for every id: what a run shows when no tokenizer was known."""
         return cls.from_parts([f"<{i}>".encode() for i in range(vocab_size)], [True] * vocab_size)
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: Any, vocab_size: int | None = None) -> "Vocabulary":
+    def from_tokenizer(cls, tokenizer: Any, vocab_size: int | None = None) -> Vocabulary:
         """The vocabulary of ``tokenizer``, ``vocab_size`` ids wide (default: the tokenizer's size).
 
         A host's wrapper is unwrapped to its Hugging Face tokenizer
@@ -276,7 +277,7 @@ class Vocabulary:
         return base64.b64encode(sink.getvalue().to_pybytes())
 
     @classmethod
-    def deserialize(cls, raw: bytes) -> "Vocabulary":
+    def deserialize(cls, raw: bytes) -> Vocabulary:
         """Read :meth:`serialize`'s output; ordinary tokens' display text is derived from their bytes again."""
         import pyarrow as pa
 
@@ -291,7 +292,8 @@ class Vocabulary:
         stored = table.column("display").to_pylist()
         starts, ends = offsets[:-1].tolist(), offsets[1:].tolist()
         display = tuple(
-            shown if flag else display_bytes(data[a:b]) for shown, flag, a, b in zip(stored, special.tolist(), starts, ends)
+            shown if flag else display_bytes(data[a:b])
+            for shown, flag, a, b in zip(stored, special.tolist(), starts, ends)
         )
         return cls(data, offsets, display, special)
 
@@ -304,7 +306,7 @@ def _weakrefable(obj: Any) -> bool:
     return True
 
 
-_CACHE: "weakref.WeakKeyDictionary[Any, dict[int | None, Vocabulary]]" = weakref.WeakKeyDictionary()
+_CACHE: weakref.WeakKeyDictionary[Any, dict[int | None, Vocabulary]] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 

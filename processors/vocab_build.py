@@ -132,7 +132,9 @@ def _pieces_byte_level(tokens: list[str]) -> list[bytes]:
         ends = np.cumsum(lengths)
         return [blob[s:e] for s, e in zip((ends - lengths).tolist(), ends.tolist())]
     return [
-        t.translate(_FROM_BYTE_LEVEL).encode("latin-1") if not set(t) - set(_FROM_BYTE_LEVEL_CHARS) else t.encode("utf-8")
+        t.translate(_FROM_BYTE_LEVEL).encode("latin-1")
+        if not set(t) - set(_FROM_BYTE_LEVEL_CHARS)
+        else t.encode("utf-8")
         for t in tokens
     ]
 

@@ -10,8 +10,9 @@ the loop's one read per step is :class:`~sampling.step_copy.StepCopy`'s.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -71,7 +72,7 @@ class DeviceBatch:
     @classmethod
     def left_padded(
         cls, prompts: Sequence[Sequence[int]], pad_token_id: int, device: torch.device, *, mask_unpadded: bool
-    ) -> "DeviceBatch":
+    ) -> DeviceBatch:
         """One row per prompt, left-padded with ``pad_token_id``; positions count from each row's first real token.
 
         The model gets a mask when some prompt is padded, or always with
@@ -131,7 +132,7 @@ class RowDraws:
     no_draws: torch.Tensor | None  # every row greedy: they ignore their uniform numbers, so the hash is skipped
 
     @classmethod
-    def build(cls, rows: Sequence[Row], seeds: Sequence[int], device: torch.device) -> "RowDraws":
+    def build(cls, rows: Sequence[Row], seeds: Sequence[int], device: torch.device) -> RowDraws:
         """Row ``b`` draws from the stream of its request's seed and its sample index."""
         keys = row_keys(
             torch.tensor([seeds[r.request] for r in rows], device=device),

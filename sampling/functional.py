@@ -16,14 +16,15 @@ rules), so grouping never changes a row's token.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any, Callable, Sequence
+from functools import cache
+from typing import Any
 
 import torch
 
 from sampling.params import SamplingParams, sampling_stages
-from sampling.pipe import SAMPLED, DeadRowError, Greedy, LogitsPipe, SampleResult, Tap, TaggedTensor
+from sampling.pipe import SAMPLED, DeadRowError, Greedy, LogitsPipe, SampleResult, TaggedTensor, Tap
 from sampling.pipe.kernels import Algorithm
 from sampling.pipe.pipeline import dead_row_error
 
@@ -79,7 +80,7 @@ GroupKey = tuple[bool, bool, bool, bool, bool]
 """``(greedy, min_p, top_k, top_p, joint)``: which stages a row needs."""
 
 
-@lru_cache(maxsize=None)
+@cache
 def group_pipe(key: GroupKey, algorithm: Algorithm = "auto") -> LogitsPipe:
     """The compiled pipe for rows with this :data:`GroupKey` (parameters come per call)."""
     greedy, min_p, top_k, top_p, joint = key
@@ -128,7 +129,11 @@ def _plan(
         params: dict[str, Any] = {}
         if not key[0]:
             params["temperature"] = _column([eff[i][0] for i in rows], torch.float32, device)
-            for on, name, index, dtype in ((key[1], "min_p", 3, torch.float32), (key[2], "top_k", 1, torch.long), (key[3], "top_p", 2, torch.float32)):
+            for on, name, index, dtype in (
+                (key[1], "min_p", 3, torch.float32),
+                (key[2], "top_k", 1, torch.long),
+                (key[3], "top_p", 2, torch.float32),
+            ):
                 if on:
                     params[name] = _column([eff[i][index] for i in rows], dtype, device)
             if key[2] and isinstance(params["top_k"], torch.Tensor):
@@ -152,7 +157,7 @@ class RowParams:
     groups: tuple[RowGroup, ...] = ()
 
     @classmethod
-    def build(cls, params: Sequence[SamplingParams], device: torch.device | str) -> "RowParams":
+    def build(cls, params: Sequence[SamplingParams], device: torch.device | str) -> RowParams:
         eff = [p.effective for p in params]
         greedy = [p.is_greedy for p in params]
         joint = [p.joint_top_k_top_p for p in params]

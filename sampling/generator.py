@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -103,7 +104,7 @@ class Generator:
         *,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
-    ) -> "Generator":
+    ) -> Generator:
         """A Generator over the model saved in the local folder ``path``."""
         model, tokenizer = load_model(path, device=device, dtype=dtype)
         return cls(model, tokenizer, logits_processor)

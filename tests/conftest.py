@@ -32,9 +32,7 @@ class CharTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-        return "".join(
-            ("" if skip_special_tokens else self.eos_token) if i == EOS else chr(i) for i in ids
-        )
+        return "".join(("" if skip_special_tokens else self.eos_token) if i == EOS else chr(i) for i in ids)
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,8 @@ after a new generation starts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import pytest
 import torch
@@ -69,7 +69,7 @@ class Reference(LogitsProcessor):
 def expected(logits: torch.Tensor, prompts: list[list[int]], outputs: list[list[int]]) -> torch.Tensor:
     """What Reference must produce, computed row by row in float64."""
     rows = []
-    for row, prompt, out in zip(logits.double(), prompts, outputs):
+    for row, _prompt, out in zip(logits.double(), prompts, outputs):
         r = row * 0.5 + 0.01 * sum(out) + 0.1 * len(out)
         r[(out[-1] + 1) % row.shape[0] if out else 0] = float("-inf")
         rows.append(r)
@@ -236,7 +236,9 @@ def test_wrong_shape_and_none_are_named() -> None:
     def short(input_ids, scores):
         return scores[:, :-1]
 
-    with pytest.raises(ProcessorError, match=r"processor 0 \(short\) returned logits of shape \(2, 36\), expected \(2, 37\)"):
+    with pytest.raises(
+        ProcessorError, match=r"processor 0 \(short\) returned logits of shape \(2, 36\), expected \(2, 37\)"
+    ):
         ProcessorList([short]).process(logits, ctx)
 
     def dynamo_style(input_ids, scores):

@@ -43,18 +43,30 @@ def test_run_reads_a_prompt_file_and_prints_json(tmp_path, capsys):
     [
         (["run", "--prompt", "a", "--top-p", "1.5"], r"argument --top-p: top_p must be in [0, 1], got 1.5"),
         (["run", "--prompt", "a", "--temperature", "-1"], "argument --temperature: temperature must be"),
-        (["run", "--prompt", "a", "--model", "no/such/folder"], "argument --model: model: no model folder at 'no/such/folder'"),
+        (
+            ["run", "--prompt", "a", "--model", "no/such/folder"],
+            "argument --model: model: no model folder at 'no/such/folder'",
+        ),
         (["run"], "give at least one --prompt"),
         (["run", "--prompt-file", "missing.txt"], "argument --prompt-file: no file at 'missing.txt'"),
         (["run", "--prompt", "a", "--batch-size", "0"], "must be >= 1, got 0"),
-        (["run", "--prompt", "a", "--device", "tpu"], "argument --device: 'tpu' is not a device; use cpu, cuda, cuda:N or mps"),
+        (
+            ["run", "--prompt", "a", "--device", "tpu"],
+            "argument --device: 'tpu' is not a device; use cpu, cuda, cuda:N or mps",
+        ),
         (["run", "--prompt", "a", "--regex", "("], "argument --regex: pattern: the regex '(' cannot be compiled"),
         (["run", "--prompt", "a", "--json-schema", "none.json"], "argument --json-schema: no file at 'none.json'"),
         (["run", "--prompt", "a", "--grammar", "none.lark"], "argument --grammar: no file at 'none.lark'"),
         (["run", "--prompt", "a", "--bad-words", ""], "argument --bad-words: words[0] must be a non-empty string"),
         (["run", "--prompt", "a", "--storage", "topk"], "argument --storage: is only used with --out RUN.parquet"),
-        (["run", "--prompt", "a", "--storage", "int8", "--out", "r.parquet"], "argument --storage: invalid choice: 'int8'"),
-        (["run", "--prompt", "a", "--regex", "a", "--grammar", "g.lark"], "argument --grammar: not allowed with argument --regex"),
+        (
+            ["run", "--prompt", "a", "--storage", "int8", "--out", "r.parquet"],
+            "argument --storage: invalid choice: 'int8'",
+        ),
+        (
+            ["run", "--prompt", "a", "--regex", "a", "--grammar", "g.lark"],
+            "argument --grammar: not allowed with argument --regex",
+        ),
         (["run", "--prompt", "a", "--out", "no/such/folder/r.parquet"], "argument --out: no folder 'no/such/folder'"),
     ],
 )
@@ -99,11 +111,37 @@ def test_run_out_records_a_regex_constrained_run(tmp_path, capsys):
 
 def test_run_out_with_a_json_schema_a_grammar_bad_words_and_top_k_storage(tmp_path, capsys):
     schema = tmp_path / "city.json"
-    schema.write_text(json.dumps({"type": "object", "properties": {"city": {"enum": ["Lyon", "Oslo"]}},
-                                  "required": ["city"], "additionalProperties": False}))
+    schema.write_text(
+        json.dumps(
+            {
+                "type": "object",
+                "properties": {"city": {"enum": ["Lyon", "Oslo"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            }
+        )
+    )
     out = tmp_path / "json.parquet"
-    assert main(["run", "--prompt", "<|endoftext|>", "--json-schema", str(schema), "--out", str(out),
-                 "--storage", "topk", "--storage-top-k", "5", "--max-new-tokens", "20"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--prompt",
+                "<|endoftext|>",
+                "--json-schema",
+                str(schema),
+                "--out",
+                str(out),
+                "--storage",
+                "topk",
+                "--storage-top-k",
+                "5",
+                "--max-new-tokens",
+                "20",
+            ]
+        )
+        == 0
+    )
     record = json.loads(capsys.readouterr().out.splitlines()[0].removeprefix("[0] <|endoftext|>"))
     assert record["city"] in ("Lyon", "Oslo")
     run = Run.load(out)
@@ -112,8 +150,26 @@ def test_run_out_with_a_json_schema_a_grammar_bad_words_and_top_k_storage(tmp_pa
     grammar = tmp_path / "sum.lark"
     grammar.write_text('start: NUMBER " + " NUMBER\nNUMBER: /[0-9]{1,2}/\n')
     out = tmp_path / "sum.parquet"
-    assert main(["run", "--prompt", "<|endoftext|>", "--grammar", str(grammar), "--bad-words", "7",
-                 "--out", str(out), "--storage", "float16", "--max-new-tokens", "10"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--prompt",
+                "<|endoftext|>",
+                "--grammar",
+                str(grammar),
+                "--bad-words",
+                "7",
+                "--out",
+                str(out),
+                "--storage",
+                "float16",
+                "--max-new-tokens",
+                "10",
+            ]
+        )
+        == 0
+    )
     line = capsys.readouterr().out.splitlines()[0].removeprefix("[0] <|endoftext|>")
     assert re.fullmatch(r"[0-9]{1,2} \+ [0-9]{1,2}", line) and "7" not in line, line
     assert Run.load(out).metadata.storage == "float16"

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import base64
-import re
 import html
 import json
+import re
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -42,7 +42,9 @@ def runs(tmp_path_factory):
     constrained[..., 0] = -np.inf
     alpha = hand_made_run(natural, ALPHA_CHOSEN, TOKENS, constrained=constrained, eos_token_id=EOS, title="Alpha")
     alpha.to_parquet(folder / "alpha.parquet")
-    hand_made_run(_logits(BETA_CHOSEN), BETA_CHOSEN, TOKENS, eos_token_id=EOS, title="Beta").to_parquet(folder / "beta.parquet")
+    hand_made_run(_logits(BETA_CHOSEN), BETA_CHOSEN, TOKENS, eos_token_id=EOS, title="Beta").to_parquet(
+        folder / "beta.parquet"
+    )
     write_large_run(folder / "long.parquet", 240, 2048, rows_per_block=16)
     table = alpha.to_arrow()
     meta = dict(table.schema.metadata)
@@ -114,14 +116,23 @@ def test_the_run_browser_lists_runs_with_their_details_and_names_bad_files(runs)
     assert _plain(at.subheader[0].value) == "Alpha"
 
 
-@pytest.mark.parametrize("name, message", [("truncated.parquet", "the file is truncated"),
-                                           ("future.parquet", "run schema version '2.0'"),
-                                           ("notes.parquet", "not a Parquet/Arrow file")])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("truncated.parquet", "the file is truncated"),
+        ("future.parquet", "run schema version '2.0'"),
+        ("notes.parquet", "not a Parquet/Arrow file"),
+    ],
+)
 @pytest.mark.parametrize("page", ["overview", "replay", "compare"])
 def test_opening_a_bad_file_shows_a_message_never_a_traceback(runs, page, name, message):
     at = _pick(_app(runs, page), name, runs)
     _ok(at)
-    assert len(at.error) == 1 and message in _plain(at.error[0].value) and f"**{name}** cannot be shown" in _plain(at.error[0].value)
+    assert (
+        len(at.error) == 1
+        and message in _plain(at.error[0].value)
+        and f"**{name}** cannot be shown" in _plain(at.error[0].value)
+    )
     assert not at.get("plotly_chart")
 
 
@@ -251,8 +262,16 @@ def test_the_shipped_sample_runs_all_open(tmp_path):
     _ok(at)
     assert not at.error, [e.value for e in at.error]
     titles = at.dataframe[0].value["run"].tolist()
-    assert {"JSON record (schema)", "Phone number (regex)", "Arithmetic line (CFG)", "Bad words", "Greedy",
-            "High temperature (1.6)", "Batch of four", "Two seeds"} <= set(titles)
+    assert {
+        "JSON record (schema)",
+        "Phone number (regex)",
+        "Arithmetic line (CFG)",
+        "Bad words",
+        "Greedy",
+        "High temperature (1.6)",
+        "Batch of four",
+        "Two seeds",
+    } <= set(titles)
     at.switch_page("app_pages/overview.py").run()
     _ok(at)
     assert len(at.get("plotly_chart")) == 2

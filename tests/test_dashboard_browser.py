@@ -25,7 +25,9 @@ from dashboard.synthetic import hand_made_run
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
-webdriver = pytest.importorskip("selenium.webdriver", reason="the selenium client is not installed (pip install -e '.[dev]')")
+webdriver = pytest.importorskip(
+    "selenium.webdriver", reason="the selenium client is not installed (pip install -e '.[dev]')"
+)
 if CHROMIUM is None or CHROMEDRIVER is None:
     pytest.skip(
         "headless Chromium is not installed: apt-get install chromium chromium-driver (.ci/run does it)",
@@ -81,7 +83,9 @@ def server(tmp_path_factory, beacon):
     run.to_parquet(folder / "alpha.parquet")
     (folder / "broken.parquet").write_bytes(b"PAR1 and then nothing")
     url = beacon[0]
-    hostile = hand_made_run(natural[:1], chosen[:1], TOKENS, eos_token_id=5, title=f"Hostile ![pixel]({url}/title.png) **loud**")
+    hostile = hand_made_run(
+        natural[:1], chosen[:1], TOKENS, eos_token_id=5, title=f"Hostile ![pixel]({url}/title.png) **loud**"
+    )
     meta = replace(hostile.metadata, model=f"![model]({url}/model.png)", processors=f"```\n![p]({url}/processors.png)")
     type(hostile)(hostile.to_arrow().to_batches(), meta, hostile.vocab).to_parquet(folder / "hostile.parquet")
     port = _free_port()
@@ -110,9 +114,17 @@ def browser(tmp_path_factory):
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     profile = tmp_path_factory.mktemp("chromium-profile")
-    for argument in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                     "--disable-component-update", "--no-first-run", f"--user-data-dir={profile}",
-                     "--window-size=1400,1300", "--hide-scrollbars"):
+    for argument in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--no-first-run",
+        f"--user-data-dir={profile}",
+        "--window-size=1400,1300",
+        "--hide-scrollbars",
+    ):
         options.add_argument(argument)
     os.environ.setdefault("SE_OFFLINE", "true")  # selenium's manager must not fetch anything
     driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
@@ -174,9 +186,9 @@ def test_play_moves_the_step_slider_by_itself(server, browser):
 
     assert step() == 0
     next(b for b in browser.find_elements(By.TAG_NAME, "button") if "Play" in b.text).click()
-    WebDriverWait(browser, 20, poll_frequency=0.2, ignored_exceptions=(ValueError, IndexError, StaleElementReferenceException)).until(
-        lambda d: step() >= 2
-    )
+    WebDriverWait(
+        browser, 20, poll_frequency=0.2, ignored_exceptions=(ValueError, IndexError, StaleElementReferenceException)
+    ).until(lambda d: step() >= 2)
     assert not _errors(browser)
 
 
@@ -185,13 +197,17 @@ def test_a_markdown_image_in_a_run_title_is_shown_as_text_and_fetches_nothing(se
     url, requests = beacon
     browser.get(f"{server}/{page}?run=hostile.parquet")
     WebDriverWait(browser, 60, poll_frequency=0.25).until(
-        lambda d: "Hostile" in d.find_element(By.TAG_NAME, "main").text
-        and not d.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]')
+        lambda d: (
+            "Hostile" in d.find_element(By.TAG_NAME, "main").text
+            and not d.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]')
+        )
     )
     time.sleep(1.0)  # give any image the page might load time to be requested
     main = browser.find_element(By.TAG_NAME, "main")
     assert f"![pixel]({url}/title.png) **loud**" in main.text
     assert not main.find_elements(By.CSS_SELECTOR, f'img[src^="{url}"]')
-    assert not main.find_elements(By.TAG_NAME, "strong") or all("loud" not in e.text for e in main.find_elements(By.TAG_NAME, "strong"))
+    assert not main.find_elements(By.TAG_NAME, "strong") or all(
+        "loud" not in e.text for e in main.find_elements(By.TAG_NAME, "strong")
+    )
     assert not _errors(browser)
     assert requests == [], f"the page fetched {requests} from the run's text"

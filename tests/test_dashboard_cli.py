@@ -36,7 +36,7 @@ def started(monkeypatch):
 
 def test_dashboard_serves_the_path_on_localhost_at_the_port(tmp_path, started, capsys):
     assert main(["dashboard", str(tmp_path), "--port", "8765", "--no-browser"]) == 0
-    (command, env), = started
+    ((command, env),) = started
     assert command[1:4] == ["-m", "dashboard.launch", "run"] and command[4].endswith("dashboard/app.py")
     assert command[command.index("--server.address") + 1] == "127.0.0.1"
     assert command[command.index("--server.port") + 1] == "8765"
@@ -47,7 +47,7 @@ def test_dashboard_serves_the_path_on_localhost_at_the_port(tmp_path, started, c
 
 def test_dashboard_defaults_to_the_shipped_sample_runs(started):
     assert main(["dashboard"]) == 0
-    (command, env), = started
+    ((command, env),) = started
     assert env[ENV_PATH] == str(default_runs_path().resolve())
     assert command[command.index("--server.port") + 1] == "8501"
     # always headless: logitscope opens the browser itself, where one can be opened
@@ -56,11 +56,13 @@ def test_dashboard_defaults_to_the_shipped_sample_runs(started):
 
 def test_the_server_never_prompts_nor_collects_usage_statistics(tmp_path, started):
     assert main(["dashboard", str(tmp_path)]) == 0
-    (command, env), = started
+    ((command, env),) = started
     assert command[command.index("--browser.gatherUsageStats") + 1] == "false"
     assert command[command.index("--server.showEmailPrompt") + 1] == "false"
     assert command[command.index("--logger.hideWelcomeMessage") + 1] == "true"  # no advertising, no skills pop-up
-    assert env["STREAMLIT_SERVER_SHOW_EMAIL_PROMPT"] == "false" and env["STREAMLIT_BROWSER_GATHER_USAGE_STATS"] == "false"
+    assert (
+        env["STREAMLIT_SERVER_SHOW_EMAIL_PROMPT"] == "false" and env["STREAMLIT_BROWSER_GATHER_USAGE_STATS"] == "false"
+    )
 
 
 def test_the_default_path_finds_sample_runs_in_a_checkout_and_in_an_installed_package(tmp_path):
@@ -94,7 +96,9 @@ def test_bad_dashboard_arguments_exit_with_a_clear_message(args, message, starte
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err
     command = args[0]
-    assert err.startswith(f"usage: logitscope {command}") and err.strip().splitlines()[-1].startswith(f"logitscope {command}: error: ")
+    assert err.startswith(f"usage: logitscope {command}") and err.strip().splitlines()[-1].startswith(
+        f"logitscope {command}: error: "
+    )
     assert not started
 
 
@@ -115,7 +119,7 @@ def test_streamlit_command_checks_the_port():
 
 def test_demo_records_the_sample_runs_then_opens_the_dashboard_on_them(tmp_path, started, capsys):
     assert main(["demo", "--out", str(tmp_path), "--port", "8600"]) == 0
-    (command, env), = started
+    ((command, env),) = started
     assert env[ENV_PATH] == str(tmp_path.resolve()) and command[command.index("--server.port") + 1] == "8600"
     out = capsys.readouterr().out
     assert "--- Phone number (regex)" in out and "(" in out.split("--- Phone number (regex)")[1].splitlines()[1]
@@ -134,14 +138,22 @@ class PortTaken(AssertionError):
     """The free port picked for the server was taken before the server could bind it."""
 
 
-def _started(command: list[str], env: dict[str, str], log: Path, seconds: float, **popen: object) -> tuple[subprocess.Popen, int]:
+def _started(
+    command: list[str], env: dict[str, str], log: Path, seconds: float, **popen: object
+) -> tuple[subprocess.Popen, int]:
     """``command + ["--port", PORT]`` started and answering its health check, on a port found free
     (tried again on another port when something else took it in between)."""
     for _ in range(3):
         port = _free_port()
         with open(log, "wb") as out:
-            process = subprocess.Popen([*command, "--port", str(port)], env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                       stderr=subprocess.STDOUT, **popen)
+            process = subprocess.Popen(
+                [*command, "--port", str(port)],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                **popen,
+            )
         try:
             _wait_healthy(port, process, seconds, log)
             return process, port

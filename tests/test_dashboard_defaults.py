@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import re
-
 import json
+import re
 import shutil
 
 import numpy as np
@@ -60,7 +59,8 @@ def test_an_unconstrained_run_has_no_removed_mass_or_margin_panels(tmp_path):
     constrained = natural.copy()
     constrained[:, 0] = -np.inf
     hand_made_run(natural, chosen, TOKENS, constrained=constrained, eos_token_id=4, title="Held").to_parquet(
-        tmp_path / "held.parquet")
+        tmp_path / "held.parquet"
+    )
 
     free = _app(tmp_path, "overview")
     assert not free.exception

@@ -24,7 +24,9 @@ def _run(storage: str = "float32", generations: int = 1) -> tracker.Run:
     constrained = natural.copy()
     constrained[:, :, 0] = -np.inf
     chosen = np.where(np.isfinite(constrained), constrained, -1e9).argmax(-1)
-    return hand_made_run(natural, chosen, TOKENS, constrained=constrained, storage=storage, top_k=3, generations=generations)
+    return hand_made_run(
+        natural, chosen, TOKENS, constrained=constrained, storage=storage, top_k=3, generations=generations
+    )
 
 
 @pytest.mark.parametrize("suffix", [".parquet", ".arrow"])
@@ -91,8 +93,9 @@ def test_a_dataset_partition_and_a_spill_folder_are_runs(tmp_path):
     rng = np.random.default_rng(1)
     spill = tmp_path / "spill"
     track = tracker.LogitTrackingProcessor(None, memory_limit=0, spill_dir=spill, chunk_bytes=64)
-    from processors import BatchContext
     import torch
+
+    from processors import BatchContext
 
     ids = torch.zeros(1, 1, dtype=torch.long)
     for _ in range(6):
@@ -102,6 +105,7 @@ def test_a_dataset_partition_and_a_spill_folder_are_runs(tmp_path):
         track.on_sampled(token, ctx)
         ids = torch.cat([ids, token[:, None]], dim=1)
     track.reset()
+    track.recorder.flush()  # chunks go to disk on a background writer: wait for it
     found = [p for p in find_runs(spill) if p.is_dir()]
     assert found, "the spill folder should be found as a run"
     assert RunReader(found[0]).track(0, 0).length >= 1
@@ -122,7 +126,10 @@ def _write_with_metadata(table: pa.Table, path, change) -> None:
         (lambda p, t: pq.write_table(pa.table({"x": [1, 2]}), p), "no logitscope run metadata"),
         (lambda p, t: p.write_bytes(_bytes_of(t)[: len(_bytes_of(t)) // 2]), "truncated"),
         (lambda p, t: _write_with_metadata(t, p, lambda d: d.update(schema_version="2.0")), "schema version '2.0'"),
-        (lambda p, t: pq.write_table(t.drop_columns(["constrained_logits"]), p), "columns ['constrained_logits'] are missing"),
+        (
+            lambda p, t: pq.write_table(t.drop_columns(["constrained_logits"]), p),
+            "columns ['constrained_logits'] are missing",
+        ),
     ],
     ids=["not-a-run", "not-a-logitscope-table", "truncated", "newer-schema", "missing-columns"],
 )

@@ -36,10 +36,16 @@ for i, (line, code) in enumerate(blocks):
 
 def python_blocks(text: str) -> list[tuple[int, str]]:
     """(line of the opening fence, code) for each block fenced exactly as ``python``."""
-    return [(text.count("\n", 0, m.start()) + 1, m.group(2)) for m in FENCE.finditer(text) if m.group(1).strip() == "python"]
+    return [
+        (text.count("\n", 0, m.start()) + 1, m.group(2)) for m in FENCE.finditer(text) if m.group(1).strip() == "python"
+    ]
 
 
-DOCS = [doc for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))] if python_blocks(doc.read_text(encoding="utf-8"))]
+DOCS = [
+    doc
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    if python_blocks(doc.read_text(encoding="utf-8"))
+]
 
 
 def test_the_readme_and_the_guide_have_examples():
@@ -57,7 +63,17 @@ def test_the_python_examples_run_in_order(doc, tmp_path):
     (tmp_path / "blocks.json").write_text(__import__("json").dumps(blocks))
     work = tmp_path / "work"
     work.mkdir()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-c", RUNNER, str(tmp_path / "blocks.json"), doc.name], cwd=work, env=env,
-                            capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", RUNNER, str(tmp_path / "blocks.json"), doc.name],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-4000:]

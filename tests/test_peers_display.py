@@ -9,8 +9,7 @@ import pytest
 
 from processors import LogitBiasLogitsProcessor, PenaltiesLogitsProcessor, ProcessorList
 from sampling import Generator, SamplingParams
-from tracker import Run, add_tracking
-from tracker import Vocabulary
+from tracker import Run, Vocabulary, add_tracking
 
 HOSTILE = "<script>alert('x')</script>"
 VOID = {"br", "hr", "img", "input", "meta", "link"}
@@ -58,7 +57,7 @@ def hostile_run(tiny_model, char_tokenizer):
     gen = add_tracking(Generator(tiny_model, char_tokenizer, processors), processor_stages=True, prompt_logprobs=True)
     gen.generate("ab", SamplingParams(temperature=1.0, seed=0, max_new_tokens=6, ignore_eos=True))
     run = gen.logits_processor.run
-    pieces = [f"{HOSTILE}{i}&\"".encode() for i in range(run.metadata.vocab_size)]
+    pieces = [f'{HOSTILE}{i}&"'.encode() for i in range(run.metadata.vocab_size)]
     run.metadata.model = HOSTILE
     return Run(run._record_batches(), run.metadata, Vocabulary.from_parts(pieces))
 
@@ -73,7 +72,7 @@ def test_run_sequence_and_step_html_are_valid_and_escaped(hostile_run):
     seq = _check(hostile_run.view()._repr_html_())
     shown = "".join(seq.text)
     for token in chosen:
-        assert f"{HOSTILE}{token}&\"" in shown
+        assert f'{HOSTILE}{token}&"' in shown
     assert any(t.startswith("step 0:") for t in seq.titles)
 
 

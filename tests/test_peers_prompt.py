@@ -65,8 +65,14 @@ def test_score_prompt_serves_model_generate(tiny_model):
     ids = torch.tensor([[5, 9, 17, 33, 2]])
     tracker = LogitTrackingProcessor(None, prompt_logprobs=True)
     tracker.score_prompt(tiny_model, ids)
-    tiny_model.generate(ids, attention_mask=torch.ones_like(ids), logits_processor=LogitsProcessorList([tracker]),
-                        max_new_tokens=3, do_sample=False, pad_token_id=0)
+    tiny_model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        logits_processor=LogitsProcessorList([tracker]),
+        max_new_tokens=3,
+        do_sample=False,
+        pad_token_id=0,
+    )
     frame = tracker.run.prompt_logprobs()
     np.testing.assert_allclose(frame["logprob"][1:], _direct(tiny_model, ids[0].tolist()), rtol=1e-4, atol=1e-5)
 

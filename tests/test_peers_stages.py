@@ -37,7 +37,9 @@ def test_each_stage_equals_calling_the_processors_one_by_one(tiny_model, char_to
         ctx = BatchContext(input_ids=ids, prompt_length=len(prompt))
         after_bias = first.process(torch.from_numpy(logits["unstructured"][step : step + 1]).clone(), ctx)
         after_both = second.process(after_bias.clone(), ctx)
-        np.testing.assert_allclose(logits["after:logit_bias"][step], after_bias[0].numpy(), rtol=1e-6, err_msg=f"step {step}")
+        np.testing.assert_allclose(
+            logits["after:logit_bias"][step], after_bias[0].numpy(), rtol=1e-6, err_msg=f"step {step}"
+        )
         np.testing.assert_allclose(logits["structured"][step], after_both[0].numpy(), rtol=1e-6, err_msg=f"step {step}")
 
 
@@ -65,7 +67,9 @@ def test_stage_names_work_as_selectors_and_survive_parquet(tiny_model, char_toke
     with pytest.raises(ValueError, match="stage='after:nothing' was not recorded"):
         run.get_top_tokens(k=3, stage="after:nothing")
     stats = run.stats()
-    assert {"entropy_after:logit_bias", "removed_mass_after:logit_bias", "removed_mass_after:penalties"} <= set(stats.columns)
+    assert {"entropy_after:logit_bias", "removed_mass_after:logit_bias", "removed_mass_after:penalties"} <= set(
+        stats.columns
+    )
     # the bias masks "q": its removed mass is the model's probability of "q"; penalties mask nothing
     p_q = run.get_probabilities()["unstructured"][:, ord("q")]
     np.testing.assert_allclose(stats["removed_mass_after:logit_bias"], p_q, rtol=1e-4, atol=1e-6)
@@ -77,11 +81,18 @@ def test_why_names_the_stage_that_moved_each_token(tiny_model, char_tokenizer):
     run = tracker.run
     table = run.why(0)
     assert set(table["role"]) == {"chosen", "favourite"}
-    assert list(table[table["role"] == "chosen"]["stage"]) == ["natural", "after:logit_bias", "after:penalties", "sampled"]
+    assert list(table[table["role"] == "chosen"]["stage"]) == [
+        "natural",
+        "after:logit_bias",
+        "after:penalties",
+        "sampled",
+    ]
     probs = run.get_probabilities()
     chosen = int(run.stats()["chosen_id"][0])
     rows = table[table["role"] == "chosen"].set_index("stage")
-    np.testing.assert_allclose(rows.loc["after:logit_bias", "logprob"], np.log(probs["after:logit_bias"][0, chosen]), rtol=1e-5)
+    np.testing.assert_allclose(
+        rows.loc["after:logit_bias", "logprob"], np.log(probs["after:logit_bias"][0, chosen]), rtol=1e-5
+    )
     expected = np.log(probs["after:logit_bias"][0, chosen]) - np.log(probs["unstructured"][0, chosen])
     np.testing.assert_allclose(rows.loc["after:logit_bias", "change"], expected, rtol=1e-4, atol=1e-6)
     changes = rows["change"].abs().fillna(-1)
@@ -92,7 +103,8 @@ def test_processor_stages_accepts_transformers_lists_and_rejects_empty():
     from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper
 
     tracker = LogitTrackingProcessor(
-        LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3), TemperatureLogitsWarper(0.5)]), processor_stages=True
+        LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3), TemperatureLogitsWarper(0.5)]),
+        processor_stages=True,
     )
     assert tracker.recorder.stages == ["natural", "after:repetition_penalty", "constrained"]
     assert tracker.run.metadata.stage_aliases == {"after:temperature": "constrained"}
@@ -113,7 +125,9 @@ def test_stages_and_prompt_on_cuda(tiny_model, char_tokenizer):
     prompt = [ord(c) for c in PROMPT]
     first, second = _processors()
     for step in range(len(chosen)):
-        ctx = BatchContext(input_ids=torch.tensor([prompt + [int(c) for c in chosen[:step]]]), prompt_length=len(prompt))
+        ctx = BatchContext(
+            input_ids=torch.tensor([prompt + [int(c) for c in chosen[:step]]]), prompt_length=len(prompt)
+        )
         after_bias = first.process(torch.from_numpy(logits["unstructured"][step : step + 1]).clone(), ctx)
         np.testing.assert_allclose(logits["after:logit_bias"][step], after_bias[0].numpy(), rtol=1e-6)
         np.testing.assert_allclose(logits["structured"][step], second.process(after_bias, ctx)[0].numpy(), rtol=1e-6)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_pipe_statistics import CASES, _assert_fits, _draw, _expected, _logits, _stages
 
 from sampling.pipe import SAMPLED, LogitsPipe, MinP, PipeError, Sample, Softmax, Tap, Temperature, TopK, TopP
 from sampling.pipe import kernels as K
-from test_pipe_statistics import CASES, _assert_fits, _draw, _expected, _logits, _stages
 
 SYNC_FREE = ("sort", "radix")
 
@@ -100,7 +100,9 @@ def test_probs_input_counts_as_summing_to_one_on_every_algorithm():
 
 
 @pytest.mark.parametrize("algorithm", SYNC_FREE)
-@pytest.mark.parametrize("case", ["top_p", "min_p", "temperature top_k top_p", "min_p top_p", "joint top_k top_p", "top_k at a tie"])
+@pytest.mark.parametrize(
+    "case", ["top_p", "min_p", "temperature top_k top_p", "min_p top_p", "joint top_k top_p", "top_k at a tie"]
+)
 def test_sync_free_algorithms_sample_the_exact_distribution(case, algorithm):
     params = CASES[case]
     row = _logits(200, seed=200 + len(case))
@@ -174,7 +176,9 @@ def test_sync_free_calls_read_no_tensor_value(host_reads):
                 pipe = LogitsPipe(stages, compile=compiled, algorithm=algorithm)
                 pipe.sample(x, u=u, on_dead="flag", taps=[Tap(SAMPLED, lambda t: None)], **params)
                 calls += 1
-            full = LogitsPipe([Temperature(), Softmax(), MinP(), TopK(), TopP(), Sample()], compile=compiled, algorithm=algorithm)
+            full = LogitsPipe(
+                [Temperature(), Softmax(), MinP(), TopK(), TopP(), Sample()], compile=compiled, algorithm=algorithm
+            )
             full.sample(x, u=u, on_dead="flag", max_top_k=16, min_p=0.01, **per_row)
             calls += 1
     assert calls == 32

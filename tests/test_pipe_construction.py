@@ -22,8 +22,8 @@ from sampling.pipe import (
     TopK,
     TopP,
 )
-from sampling.pipe.ops import ProbsSampleOp, SoftmaxOp, TemperatureOp
 from sampling.pipe.fusion import check_nothing_after_indices, check_single_softmax, check_types
+from sampling.pipe.ops import ProbsSampleOp, SoftmaxOp, TemperatureOp
 
 LOGITS, PROBS, INDICES = TensorType.LOGITS, TensorType.PROBS, TensorType.INDICES
 
@@ -47,7 +47,11 @@ def test_repr_shows_each_processor_with_its_values_then_the_ops_then_what_runs()
     [
         ([TopK(), Sample()], LOGITS, ["LogitsTopKOp", "LogitsSampleOp"]),
         ([TopK(), Sample()], PROBS, ["ProbsTopKOp", "ProbsSampleOp"]),
-        ([Softmax(), TopK(joint=True), TopP(), Sample()], LOGITS, ["SoftmaxOp", "ProbsJointTopKOp", "ProbsTopPOp", "ProbsSampleOp"]),
+        (
+            [Softmax(), TopK(joint=True), TopP(), Sample()],
+            LOGITS,
+            ["SoftmaxOp", "ProbsJointTopKOp", "ProbsTopPOp", "ProbsSampleOp"],
+        ),
         ([Greedy()], LOGITS, ["LogitsGreedyOp"]),
         ([Greedy()], PROBS, ["ProbsGreedyOp"]),
         ([MinP(), Sample()], PROBS, ["ProbsMinPOp", "ProbsSampleOp"]),
@@ -65,14 +69,23 @@ def test_input_type_is_inferred_from_the_first_processor():
 
 
 def test_legalization_errors_name_position_class_and_types():
-    with pytest.raises(LegalizationError, match=r"^Failed to legalize processor 2 \(TopP\): TopP can only be applied to PROBS, got LOGITS$") as info:
+    with pytest.raises(
+        LegalizationError,
+        match=r"^Failed to legalize processor 2 \(TopP\): TopP can only be applied to PROBS, got LOGITS$",
+    ) as info:
         LogitsPipe([Temperature(), TopK(), TopP(), Sample()])
     assert isinstance(info.value, ValueError) and isinstance(info.value.__cause__, LegalizationError)
-    with pytest.raises(LegalizationError, match=r"processor 1 \(Temperature\): Temperature can only be applied to LOGITS, got PROBS"):
+    with pytest.raises(
+        LegalizationError, match=r"processor 1 \(Temperature\): Temperature can only be applied to LOGITS, got PROBS"
+    ):
         LogitsPipe([Softmax(), Temperature(), Sample()])
-    with pytest.raises(LegalizationError, match=r"processor 1 \(Softmax\): Softmax can only be applied to LOGITS, got PROBS"):
+    with pytest.raises(
+        LegalizationError, match=r"processor 1 \(Softmax\): Softmax can only be applied to LOGITS, got PROBS"
+    ):
         LogitsPipe([Softmax(), Softmax(), Sample()])
-    with pytest.raises(LegalizationError, match=r"processor 1 \(TopK\): TopK follows a sampler; nothing may come after INDICES"):
+    with pytest.raises(
+        LegalizationError, match=r"processor 1 \(TopK\): TopK follows a sampler; nothing may come after INDICES"
+    ):
         LogitsPipe([Sample(), TopK()])
     with pytest.raises(LegalizationError, match=r"processor 0 \(TopK\): TopK\(joint=True\) needs PROBS"):
         LogitsPipe([TopK(joint=True), Sample()])
@@ -83,7 +96,9 @@ def test_validity_checks_catch_what_user_ops_can_build():
     with pytest.raises(CompileError, match=r"at most one Softmax, found 2 \(ops \[0, 2\]\)"):
         LogitsPipe([Softmax(), Apply(torch.log, accepts=PROBS, returns=LOGITS), Softmax(), Sample()])
     ops = [SoftmaxOp("softmax"), ProbsSampleOp("sample"), ProbsSampleOp("again")]
-    with pytest.raises(CompileError, match=r"op 1 \(ProbsSampleOp\) outputs INDICES, so it must be last; 1 op\(s\) follow it"):
+    with pytest.raises(
+        CompileError, match=r"op 1 \(ProbsSampleOp\) outputs INDICES, so it must be last; 1 op\(s\) follow it"
+    ):
         check_nothing_after_indices(ops, LOGITS)
     with pytest.raises(CompileError, match=r"op 1 \(TemperatureOp\) takes LOGITS, but op 0 \(SoftmaxOp\) gives PROBS"):
         check_types([SoftmaxOp(), TemperatureOp()], LOGITS)
@@ -145,7 +160,9 @@ def test_a_users_own_stage_and_function():
         return logits.index_fill(1, torch.tensor([0]), float("-inf"))
 
     pipe = LogitsPipe([Shift(), Apply(ban_zero), Softmax(), Sample()])
-    assert repr(pipe).startswith("LogitsPipe([Shift -> Apply[ban_zero] -> Softmax -> Sample], ops=[ShiftOp -> FunctionOp[ban_zero]")
+    assert repr(pipe).startswith(
+        "LogitsPipe([Shift -> Apply[ban_zero] -> Softmax -> Sample], ops=[ShiftOp -> FunctionOp[ban_zero]"
+    )
     assert pipe.stage_names[:2] == ("shift", "ban_zero")
     logits = torch.zeros(200, 3)
     tokens = pipe(logits, u=torch.rand(200, dtype=torch.float64))

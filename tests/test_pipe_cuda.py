@@ -17,11 +17,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_pipe_reference import reference_probs
 
 from sampling.functional import RowParams, row_keys, sample, uniforms
 from sampling.params import SamplingParams
 from sampling.pipe import SAMPLED, LogitsPipe, MinP, Sample, Softmax, Tap, Temperature, TopK, TopP
-from test_pipe_reference import reference_probs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -92,7 +92,9 @@ def test_cuda_samples_match_the_float64_reference(setting, batch, algorithm):
     for step in range(draws):
         out = pipe.sample(x, u=uniforms(keys, step), on_dead="flag", **_call(params))
         valid &= out.valid
-        counts.scatter_add_(1, out.tokens.clamp(min=0)[:, None], torch.ones(batch, 1, dtype=torch.float64, device="cuda"))
+        counts.scatter_add_(
+            1, out.tokens.clamp(min=0)[:, None], torch.ones(batch, 1, dtype=torch.float64, device="cuda")
+        )
     assert bool(valid.all()), f"{setting} {algorithm} B={batch}: live rows flagged dead"
     impossible = int(((expected == 0) & (counts > 0)).sum())
     assert impossible == 0, f"{setting} {algorithm} B={batch}: {impossible} tokens of probability 0 were drawn"
@@ -132,11 +134,10 @@ def test_pipe_calls_do_not_synchronise_the_device():
         for compiled in (True, False):
             for params in SETTINGS.values():
                 pipe = LogitsPipe(_stages(params), compile=compiled, algorithm=algorithm)
-                calls.append(lambda p=pipe, c=_call(params): p.sample(x, u=u, on_dead="flag", **c))
+                kwargs = _call(params)
+                calls.append(lambda p=pipe, c=kwargs: p.sample(x, u=u, on_dead="flag", **c))
                 calls.append(
-                    lambda p=pipe, c=_call(params): p.sample(
-                        x, u=u, on_dead="flag", taps=[Tap(SAMPLED, lambda t: None)], **c
-                    )
+                    lambda p=pipe, c=kwargs: p.sample(x, u=u, on_dead="flag", taps=[Tap(SAMPLED, lambda t: None)], **c)
                 )
             full = LogitsPipe(_stages(dict(min_p=1, top_k=1, top_p=1)), compile=compiled, algorithm=algorithm)
             calls.append(lambda p=full: p.sample(x, u=u, on_dead="flag", max_top_k=batch, **per_row))

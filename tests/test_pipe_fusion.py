@@ -134,7 +134,9 @@ def test_a_users_rule_runs_with_the_defaults_and_keeps_the_result():
             t1, t2 = (op.defaults["temperature"] for op in self.window)
             return TaggedTensor.logits(x.data / (t1 * t2))
 
-    rule = FusionRule((TemperatureOp, TemperatureOp), lambda w: all("temperature" in op.defaults for op in w), HalfTemperatureOp, 60)
+    rule = FusionRule(
+        (TemperatureOp, TemperatureOp), lambda w: all("temperature" in op.defaults for op in w), HalfTemperatureOp, 60
+    )
     stages = [Temperature(2.0), Temperature(0.25, name="again"), Softmax(), Sample()]
     fused = LogitsPipe(stages, fusion_rules=[rule])
     plain = LogitsPipe(stages, compile=False)
@@ -146,7 +148,10 @@ def test_a_users_rule_runs_with_the_defaults_and_keeps_the_result():
 
 def test_a_rule_that_breaks_the_types_is_refused():
     bad = FusionRule((TemperatureOp,), lambda w: True, lambda w: ProbsSampleOp(w[0].stage), 99)
-    with pytest.raises(CompileError, match=r"Compilation failed: a fusion rule broke the chain of types: op 0 \(ProbsSampleOp\) takes PROBS"):
+    with pytest.raises(
+        CompileError,
+        match=r"Compilation failed: a fusion rule broke the chain of types: op 0 \(ProbsSampleOp\) takes PROBS",
+    ):
         LogitsPipe([Temperature(), Softmax(), Sample()], fusion_rules=[bad])
 
 

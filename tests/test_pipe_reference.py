@@ -7,7 +7,7 @@ it. The tests in this file check the reference itself on hand-computed cases.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pytest

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_pipe_reference import reference_probs
 
 from sampling.pipe import (
     DeadRowError,
@@ -19,7 +20,6 @@ from sampling.pipe import (
     TopK,
     TopP,
 )
-from test_pipe_reference import reference_probs
 
 FULL = [Temperature(), Softmax(), MinP(), TopK(), TopP(), Sample()]
 
@@ -129,7 +129,9 @@ def test_dead_rows_raise_naming_the_rows_or_are_flagged(kind, compiled):
     x[1, 17] = float("nan")
     x[3] = float("-inf")
     u = _u(5)
-    with pytest.raises(DeadRowError, match=r"cannot sample: rows \[1\] hold NaN logits; rows \[3\] have no allowed token"):
+    with pytest.raises(
+        DeadRowError, match=r"cannot sample: rows \[1\] hold NaN logits; rows \[3\] have no allowed token"
+    ):
         pipe(x, u=u, **params)
     out = pipe.sample(x, u=u, on_dead="flag", **params)
     assert out.valid.tolist() == [True, False, True, False, True]

@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_pipe_reference import goodness_of_fit, reference_probs
 
 from sampling.pipe import LogitsPipe, MinP, Sample, Softmax, Temperature, TensorType, TopK, TopP
-from test_pipe_reference import goodness_of_fit, reference_probs
 
 N = 12_000
 MIN_PVALUE = 1e-4
@@ -122,7 +122,9 @@ def test_per_row_parameters_in_one_batch():
     row = _logits(120, seed=11)
     batch = row.expand(per * len(settings), -1).contiguous()
     column = {
-        name: torch.tensor([s[name] for s in settings for _ in range(per)], dtype=torch.long if name == "top_k" else torch.float32)
+        name: torch.tensor(
+            [s[name] for s in settings for _ in range(per)], dtype=torch.long if name == "top_k" else torch.float32
+        )
         for name in ("temperature", "min_p", "top_k", "top_p")
     }
     u = torch.rand(len(batch), dtype=torch.float64, generator=torch.Generator().manual_seed(3))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_pipe_reference import reference_probs
 
 from sampling.pipe import (
     INPUT,
@@ -16,12 +17,11 @@ from sampling.pipe import (
     Sample,
     Softmax,
     Tap,
-    TensorType,
     Temperature,
+    TensorType,
     TopK,
     TopP,
 )
-from test_pipe_reference import reference_probs
 
 PARAMS = dict(temperature=0.8, min_p=0.02, top_k=12, top_p=0.7)
 
@@ -87,7 +87,10 @@ def test_several_taps_on_one_stage_and_bad_taps():
     first, second = [], []
     pipe(torch.randn(2, 30), top_p=0.5, taps=[Tap("top_p", first.append), Tap("top_p", second.append)])
     assert len(first) == len(second) == 1 and first[0] is second[0]
-    with pytest.raises(PipeError, match=r"taps\[0\]: unknown stage 'top_k'; this pipe has stages \['input', 'softmax', 'top_p', 'sample', 'sampled'\]"):
+    with pytest.raises(
+        PipeError,
+        match=r"taps\[0\]: unknown stage 'top_k'; this pipe has stages \['input', 'softmax', 'top_p', 'sample', 'sampled'\]",
+    ):
         pipe(torch.randn(2, 30), top_p=0.5, taps=[Tap("top_k", print)])
     with pytest.raises(PipeError, match=r"taps\[0\]: fn must be callable, got int"):
         pipe(torch.randn(2, 30), top_p=0.5, taps=[Tap("top_p", 3)])

@@ -83,7 +83,7 @@ def test_text_mode_bans_every_spelling(tok):
     width = len(tok)
     for prefix in ["A", "Al", "Ali", "Alic", " Al", "xAli"]:
         for token in range(width):
-            completes = "Alice".encode() in (prefix.encode() + vocab_for(tok).pieces[token])
+            completes = b"Alice" in (prefix.encode() + vocab_for(tok).pieces[token])
             proc.reset()
             assert (token in banned_after(proc, ids(tok, prefix), width)) is completes, (prefix, token)
 

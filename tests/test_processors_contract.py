@@ -7,7 +7,8 @@ directly; so does the processor called the way transformers calls it.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch

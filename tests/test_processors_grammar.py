@@ -124,7 +124,9 @@ def test_json_separators_fix_the_whitespace(tok):
     assert not accepts(proc, tok, '{"name": "Alice", "age": 34, "city": "Lyon" }')
     compact = JSONLogitsProcessor(PERSON, tok, separators=(",", ":"))
     assert accepts(compact, tok, '{"name":"Alice","age":34,"city":"Lyon"}')
-    assert accepts(JSONLogitsProcessor(PERSON, tok, separators=None), tok, '{ "name" :"Alice",\n "age": 34, "city": "Lyon"}')
+    assert accepts(
+        JSONLogitsProcessor(PERSON, tok, separators=None), tok, '{ "name" :"Alice",\n "age": 34, "city": "Lyon"}'
+    )
 
 
 def test_json_schema_from_pydantic_model_and_string(tok):
@@ -144,7 +146,9 @@ def test_json_schema_from_pydantic_model_and_string(tok):
         assert not accepts(proc, tok, '{"name": "Alice", "age": 34.5, "city": "Lyon"}')
 
 
-@pytest.mark.parametrize("text, ok", [("12 + 7 = 19", True), ("3 * 4 = 12", True), ("12 + 7 =", False), ("12 / 7 = 1", False)])
+@pytest.mark.parametrize(
+    "text, ok", [("12 + 7 = 19", True), ("3 * 4 = 12", True), ("12 + 7 =", False), ("12 / 7 = 1", False)]
+)
 def test_lark_grammar(tok, text, ok):
     assert accepts(CFGLogitsProcessor(ARITHMETIC, tok), tok, text) is ok
 
@@ -275,7 +279,10 @@ def test_deepcopy_shares_the_grammar_but_not_the_state(tok):
     allowed(proc, context([ids(tok, "12")]), len(tok))
     clone = copy.deepcopy(proc)
     assert clone._template is proc._template
-    assert torch.equal(allowed(clone, context([[]]), len(tok)), allowed(RegexLogitsProcessor(r"[0-9]{1,3}", tok), context([[]]), len(tok)))
+    assert torch.equal(
+        allowed(clone, context([[]]), len(tok)),
+        allowed(RegexLogitsProcessor(r"[0-9]{1,3}", tok), context([[]]), len(tok)),
+    )
 
 
 # --------------------------------------------------------------- bad input
@@ -284,7 +291,10 @@ def test_deepcopy_shares_the_grammar_but_not_the_state(tok):
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda tok: RegexLogitsProcessor("(555", tok), r"(?s)pattern: the regex '\(555' cannot be compiled: .*unclosed group"),
+        (
+            lambda tok: RegexLogitsProcessor("(555", tok),
+            r"(?s)pattern: the regex '\(555' cannot be compiled: .*unclosed group",
+        ),
         (lambda tok: RegexLogitsProcessor("", tok), "pattern must be a non-empty regular expression"),
         (
             lambda tok: JSONLogitsProcessor({"type": "array", "uniqueItems": True}, tok),
@@ -292,9 +302,18 @@ def test_deepcopy_shares_the_grammar_but_not_the_state(tok):
         ),
         (lambda tok: JSONLogitsProcessor('{"type": ', tok), "schema: the string is not valid JSON"),
         (lambda tok: JSONLogitsProcessor(PERSON, tok, separators=(";", ":")), "separators must be an"),
-        (lambda tok: CFGLogitsProcessor("start: number", tok), '(?s)grammar: the lark grammar cannot be compiled: .*unknown name: "number"'),
-        (lambda tok: CFGLogitsProcessor("root ::= [0-9", tok, syntax="gbnf"), "grammar: the gbnf grammar cannot be compiled"),
-        (lambda tok: CFGLogitsProcessor("start: /a/", tok, syntax="ebnf"), "syntax must be 'lark' or 'gbnf', got 'ebnf'"),
+        (
+            lambda tok: CFGLogitsProcessor("start: number", tok),
+            '(?s)grammar: the lark grammar cannot be compiled: .*unknown name: "number"',
+        ),
+        (
+            lambda tok: CFGLogitsProcessor("root ::= [0-9", tok, syntax="gbnf"),
+            "grammar: the gbnf grammar cannot be compiled",
+        ),
+        (
+            lambda tok: CFGLogitsProcessor("start: /a/", tok, syntax="ebnf"),
+            "syntax must be 'lark' or 'gbnf', got 'ebnf'",
+        ),
     ],
 )
 def test_bad_input_fails_at_construction_with_the_engines_message(tok, make, message):
@@ -308,5 +327,7 @@ def test_lenient_json_ignores_unsupported_keywords(tok):
 
 
 def test_schema_of_the_wrong_type(tok):
-    with pytest.raises(TypeError, match="schema must be a JSON-schema dict, a JSON string or a pydantic model class, got int"):
+    with pytest.raises(
+        TypeError, match="schema must be a JSON-schema dict, a JSON string or a pydantic model class, got int"
+    ):
         JSONLogitsProcessor(42, tok)

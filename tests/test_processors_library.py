@@ -116,7 +116,9 @@ def test_bias_of_a_multi_token_string_is_refused_with_its_tokens(tok):
     text = " Moreau at"
     pieces = tok(text, add_special_tokens=False)["input_ids"]
     assert len(pieces) > 1, "the test needs a string of several tokens"
-    with pytest.raises(ValueError, match=rf"bias key ' Moreau at' is no single token in context: .* {len(pieces)} tokens"):
+    with pytest.raises(
+        ValueError, match=rf"bias key ' Moreau at' is no single token in context: .* {len(pieces)} tokens"
+    ):
         LogitBiasLogitsProcessor({text: 4.0}, tok)
 
 

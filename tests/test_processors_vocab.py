@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from processors import eos_token_ids, vocab_for
-from processors.vocab import hf_tokenizer
 from processors.bitmask import apply_bitmask_, pack_bool, unpack_bitmask
+from processors.vocab import hf_tokenizer
 
 EOT = "<|endoftext|>"
 
@@ -19,7 +19,9 @@ def byte_level():
     from transformers import PreTrainedTokenizerFast
 
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(["Zoë and Chloé live in Zürich. Alice!"] * 20, vocab_size=300, special_tokens=[EOT], show_progress=False)
+    bpe.train_from_iterator(
+        ["Zoë and Chloé live in Zürich. Alice!"] * 20, vocab_size=300, special_tokens=[EOT], show_progress=False
+    )
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token=EOT, pad_token=EOT)
     tok.add_tokens(["<custom>"])
     return tok
@@ -146,7 +148,9 @@ def test_apply_large_masks_matches_the_reference(monkeypatch, dtype, rows, width
 
     words = (min(width, n_tokens or width) + 31) // 32
     if random_bits:
-        mask = torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int32, generator=torch.Generator().manual_seed(2))
+        mask = torch.randint(
+            -(2**31), 2**31 - 1, (rows, words), dtype=torch.int32, generator=torch.Generator().manual_seed(2)
+        )
     else:
         mask = _structured_mask(rows, words, seed=rows)
     logits = torch.randn(rows, width, generator=torch.Generator().manual_seed(3)).to(dtype)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_pipe_reference import goodness_of_fit, reference_probs
 
 from sampling import DeadRowError, SamplingParams
 from sampling.functional import RowParams, row_keys, sample, uniforms
-from test_pipe_reference import goodness_of_fit, reference_probs
 
 GREEDY = [
     SamplingParams(),  # all unset
@@ -72,7 +72,9 @@ def test_a_mixed_batch_samples_each_row_from_its_own_distribution():
     tokens = sample(x, RowParams.build(params, "cpu"), _u(len(params), seed=9)).tokens.numpy()
     for i, s in enumerate(settings):
         t, k, p, m = s.effective
-        expected = reference_probs(row, temperature=t, top_k=k or None, top_p=p, min_p=m or None, joint=s.joint_top_k_top_p)[0]
+        expected = reference_probs(
+            row, temperature=t, top_k=k or None, top_p=p, min_p=m or None, joint=s.joint_top_k_top_p
+        )[0]
         drawn = tokens[i * per : (i + 1) * per]
         assert (expected[drawn] > 0).all(), f"{s}: drew a token of probability 0"
         g, pvalue, dof = goodness_of_fit(drawn, expected)
@@ -110,7 +112,9 @@ def test_taps_see_the_distribution_each_row_was_sampled_from():
     assert torch.equal(dist[1], torch.nn.functional.one_hot(out.tokens[1], 2500).float())  # greedy: one-hot
     assert int((dist[0] > 0).sum()) == 4
     np.testing.assert_allclose(dist[0].double().numpy(), reference_probs(x[0], temperature=0.5, top_k=4)[0], atol=1e-6)
-    np.testing.assert_allclose(dist[2].double().numpy(), reference_probs(x[2], temperature=1.3, top_p=0.7)[0], atol=1e-6)
+    np.testing.assert_allclose(
+        dist[2].double().numpy(), reference_probs(x[2], temperature=1.3, top_p=0.7)[0], atol=1e-6
+    )
     chosen = torch.log(dist.gather(1, out.tokens[:, None])).squeeze(1)
     np.testing.assert_allclose(out.logprobs[[0, 2]].numpy(), chosen[[0, 2]].numpy(), atol=1e-5)
     # a greedy row reports its token's log-probability under the softmax of the logits (Completion.logprobs)
@@ -120,11 +124,19 @@ def test_taps_see_the_distribution_each_row_was_sampled_from():
 
 
 def test_dead_rows_are_named_by_their_batch_index():
-    params = [SamplingParams(top_k=3), SamplingParams(), SamplingParams(top_p=0.5), SamplingParams(top_k=3), SamplingParams()]
+    params = [
+        SamplingParams(top_k=3),
+        SamplingParams(),
+        SamplingParams(top_p=0.5),
+        SamplingParams(top_k=3),
+        SamplingParams(),
+    ]
     x = _logits(5, 60, seed=8)
     x[3] = float("-inf")
     x[4, 5] = float("nan")
-    with pytest.raises(DeadRowError, match=r"cannot sample: rows \[4\] hold NaN logits; rows \[3\] have no allowed token"):
+    with pytest.raises(
+        DeadRowError, match=r"cannot sample: rows \[4\] hold NaN logits; rows \[3\] have no allowed token"
+    ):
         sample(x, RowParams.build(params, "cpu"), _u(5))
 
 

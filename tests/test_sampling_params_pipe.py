@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_pipe_reference import goodness_of_fit, reference_probs
 
 from sampling import SamplingParams
-from test_pipe_reference import goodness_of_fit, reference_probs
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from processors import BatchContext, ProcessorError
 llguidance = pytest.importorskip("llguidance")
 
 from processors import BadWordsLogitsProcessor, JSONLogitsProcessor, RegexLogitsProcessor  # noqa: E402
-from sampling import Generator, SamplingParams  # noqa: E402
+from sampling import Generator  # noqa: E402
 
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 

@@ -15,7 +15,8 @@ import collections
 import contextlib
 import os
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -69,7 +70,7 @@ class ReadCounter:
         return f"{path}:{frame.f_lineno}"
 
     @contextlib.contextmanager
-    def counting(self) -> Iterator["ReadCounter"]:
+    def counting(self) -> Iterator[ReadCounter]:
         originals = {name: getattr(torch.Tensor, name) for name in READS}
 
         def wrap(name: str, original: Any) -> Any:

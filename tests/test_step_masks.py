@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from test_tracker_support import byte_tokenizer, random_gpt2
 
 from sampling import Generator, SamplingParams

@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LogitsProcessorList
-
-from processors import BadWordsLogitsProcessor, BatchContext, ForcedTextLogitsProcessor, LogitBiasLogitsProcessor, vocab_for
-from sampling import Generator, SamplingParams
 from test_tracker_support import random_gpt2
 from tokfam_tokenizers import FAMILIES, build
+from transformers import LogitsProcessorList
+
+from processors import (
+    BadWordsLogitsProcessor,
+    BatchContext,
+    ForcedTextLogitsProcessor,
+    LogitBiasLogitsProcessor,
+    vocab_for,
+)
+from sampling import Generator, SamplingParams
 from tracker import LogitTrackingProcessor, add_tracking
 
 PAD = 7  # the model's logits are wider than the tokenizer, as real models' often are

@@ -11,17 +11,20 @@ from __future__ import annotations
 import json
 
 import torch
+from test_processors_demo import one_thread  # noqa: F401  (autouse: the demo model runs best on one thread)
 
 from processors import JSONLogitsProcessor
 from sampling import Generator, SamplingParams
-from test_processors_demo import one_thread  # noqa: F401  (autouse: the demo model runs best on one thread)
 
 SEEDS = range(20)
 BUDGET = 60
 PROMPT = '{"name": "Alice Moreau", "age": 34}\n'
 SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 30}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 30},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
     "required": ["name", "age"],
     "additionalProperties": False,
 }

@@ -20,7 +20,13 @@ import numpy as np
 import pytest
 import torch
 
-from processors import BadWordsLogitsProcessor, BatchContext, ForcedTextLogitsProcessor, LogitBiasLogitsProcessor, vocab_for
+from processors import (
+    BadWordsLogitsProcessor,
+    BatchContext,
+    ForcedTextLogitsProcessor,
+    LogitBiasLogitsProcessor,
+    vocab_for,
+)
 
 ROOT = Path(os.environ.get("LOGITSCOPE_TOKENIZERS", Path(__file__).resolve().parents[1] / ".bench" / "tokenizers"))
 #: name -> the width of the model's logits (Qwen and gpt-oss pad their output layers)

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 from test_tracker_support import byte_tokenizer, random_gpt2
-from transformers import LogitsProcessorList
 
 from processors import LogitsProcessor, ProcessorError, from_dynamo, to_dynamo, to_trtllm, to_vllm
 from sampling import Generator, SamplingParams
@@ -91,7 +90,7 @@ def test_vllm_convention_per_request_callable():
     tracker = LogitTrackingProcessor(MaskEven())
     gen = torch.Generator().manual_seed(1)
     outputs = []
-    for request in range(2):
+    for _request in range(2):
         fn = to_vllm(tracker, with_prompt=True)  # vLLM makes one callable per request
         prompt, output = [1, 2, 3], []
         for _ in range(4):
@@ -186,7 +185,9 @@ def test_a_processor_that_raises_is_reported_and_its_step_flagged():
 
     tracker = LogitTrackingProcessor(Breaks())
     tracker(torch.tensor([[1]]), torch.randn(1, V))
-    with pytest.raises(ProcessorError, match="Breaks raised RuntimeError: grammar state lost.*step 1 with processor_error=True"):
+    with pytest.raises(
+        ProcessorError, match="Breaks raised RuntimeError: grammar state lost.*step 1 with processor_error=True"
+    ):
         tracker(torch.tensor([[1, 2]]), torch.randn(1, V))
     stats = tracker.stats()
     assert stats["processor_error"].tolist() == [False, True]
@@ -235,7 +236,9 @@ def test_the_generator_tells_the_tracker_how_each_row_was_sampled():
     # a drawn seed replays the same tokens
     first = gen.generate(["ab"], hot)[0].outputs[0].token_ids
     seed = gen.logits_processor.run.metadata.generations[-1]["sampling"][0]["seed"]
-    replay = Generator(model, tokenizer).generate(["ab"], SamplingParams(temperature=0.9, top_k=5, max_new_tokens=4, seed=seed))
+    replay = Generator(model, tokenizer).generate(
+        ["ab"], SamplingParams(temperature=0.9, top_k=5, max_new_tokens=4, seed=seed)
+    )
     assert replay[0].outputs[0].token_ids == first
     # mixed requests: one entry per request; an explicit annotate() wins
     gen.generate(["ab", "b"], [hot, SamplingParams(max_new_tokens=3)])

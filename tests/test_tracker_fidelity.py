@@ -116,7 +116,9 @@ def test_two_generations_are_kept_apart():
 
 
 @pytest.mark.skipif(
-    not __import__("logitscope.demo_model", fromlist=["DEMO_MODEL_PATH"]).DEMO_MODEL_PATH.joinpath("config.json").is_file(),
+    not __import__("logitscope.demo_model", fromlist=["DEMO_MODEL_PATH"])
+    .DEMO_MODEL_PATH.joinpath("config.json")
+    .is_file(),
     reason="demo model files not built yet",
 )
 def test_fidelity_on_the_demo_model():

@@ -64,15 +64,21 @@ def test_topk_storage_keeps_ids_values_lse_and_allowed_count():
     assert np.array_equal(column_matrix(table, "constrained_topk_ids", 4), ids.numpy())
     assert np.array_equal(column_matrix(table, "constrained_topk_logits", 4), values.numpy())
     assert np.array_equal(column_matrix(table, "constrained_topk_natural", 4), rows_n.gather(1, ids).numpy())
-    np.testing.assert_allclose(table.column("constrained_lse").to_numpy(), torch.logsumexp(rows_c.double(), 1), rtol=1e-6)
+    np.testing.assert_allclose(
+        table.column("constrained_lse").to_numpy(), torch.logsumexp(rows_c.double(), 1), rtol=1e-6
+    )
     assert table.column("constrained_allowed").to_pylist() == [20] * 10
     assert table.column("natural_allowed").to_pylist() == [30] * 10
 
 
 def test_past_the_memory_bound_finished_chunks_spill_to_ipc_and_read_back(tmp_path):
     recorder = Recorder(
-        Storage.parse("float32"), ["natural", "constrained"], chunk_bytes=6 * 1024, memory_limit=16 * 1024,
-        spill_dir=tmp_path, run_id="r1",
+        Storage.parse("float32"),
+        ["natural", "constrained"],
+        chunk_bytes=6 * 1024,
+        memory_limit=16 * 1024,
+        spill_dir=tmp_path,
+        run_id="r1",
     )
     natural, constrained = fill(recorder, steps=40, batch=2, vocab=64)
     assert recorder.host_bytes <= 16 * 1024 + 6 * 1024 * 2
@@ -113,7 +119,9 @@ def test_a_crashed_run_leaves_its_spilled_chunks_readable(tmp_path):
 def test_a_spilled_run_carries_its_tokenizers_vocabulary(tmp_path, char_tokenizer):
     from tracker import LogitTrackingProcessor
 
-    tracker = LogitTrackingProcessor(None, tokenizer=char_tokenizer, memory_limit=0, chunk_bytes=2048, spill_dir=tmp_path)
+    tracker = LogitTrackingProcessor(
+        None, tokenizer=char_tokenizer, memory_limit=0, chunk_bytes=2048, spill_dir=tmp_path
+    )
     logits = torch.full((1, 128), -5.0)
     logits[0, ord("q")] = 5.0
     ids = torch.tensor([[ord("a")]])

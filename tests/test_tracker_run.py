@@ -50,7 +50,9 @@ def test_parquet_round_trip_answers_the_same_without_a_tokenizer(tmp_path, stora
     for s in (0, 1):
         assert run.get_top_tokens(k=5, sequence=s) == live.get_top_tokens(k=5, sequence=s)
         assert run.sequence(sequence=s) == live.sequence(sequence=s)
-        np.testing.assert_array_equal(run.get_logits(sequence=s)["structured"], live.get_logits(sequence=s)["structured"])
+        np.testing.assert_array_equal(
+            run.get_logits(sequence=s)["structured"], live.get_logits(sequence=s)["structured"]
+        )
     assert run.to_dataframe(min_value=0.01).equals(live.to_dataframe(min_value=0.01))
     assert run.stats().equals(live.stats())
 
@@ -66,9 +68,7 @@ def test_run_metadata_travels_with_the_data(tmp_path):
     tok = byte_tokenizer()
     assert run.vocab.decode(meta.generations[0]["prompt_ids"][1]).endswith("héllo")
     assert "MaskOdd" in meta.processors and meta.created_at and meta.library_version
-    assert run.vocab.display[: len(tok)] == tuple(
-        Vocabulary.from_tokenizer(tok, len(tok)).display
-    )
+    assert run.vocab.display[: len(tok)] == tuple(Vocabulary.from_tokenizer(tok, len(tok)).display)
 
 
 def test_writes_are_atomic_a_failed_write_leaves_the_old_file(tmp_path, monkeypatch):
@@ -103,7 +103,9 @@ def test_many_runs_form_one_dataset_for_pyarrow_and_duckdb(tmp_path):
         tracker.to_dataset(tmp_path)
     dataset = ds.dataset(tmp_path, format="parquet", partitioning="hive")
     table = dataset.to_table(columns=["run_id", "generation", "sequence", "step", "chosen"])
-    counts = {r: c for r, c in zip(*np.unique(table.column("run_id").to_numpy(zero_copy_only=False), return_counts=True))}
+    counts = {
+        r: c for r, c in zip(*np.unique(table.column("run_id").to_numpy(zero_copy_only=False), return_counts=True))
+    }
     assert counts == {t.run_id: 2 * (3 + s) for s, t in enumerate(runs)}
     con = duckdb.connect()
     rows = con.execute(
@@ -121,8 +123,12 @@ def test_to_arrow_is_zero_copy_and_carries_the_schema_metadata():
     tracker = tracked()
     table = tracker.to_arrow()
     assert json.loads(table.schema.metadata[META_RUN])["run_id"] == tracker.run_id
-    buffers = {b.address for batch in tracker.recorder.batches() for b in batch.column("natural_logits").values.buffers() if b}
-    assert {b.address for chunk in table.column("natural_logits").chunks for b in chunk.values.buffers() if b} <= buffers
+    buffers = {
+        b.address for batch in tracker.recorder.batches() for b in batch.column("natural_logits").values.buffers() if b
+    }
+    assert {
+        b.address for chunk in table.column("natural_logits").chunks for b in chunk.values.buffers() if b
+    } <= buffers
     again = Run.from_arrow(table)
     assert again.get_top_tokens(k=2) == tracker.get_top_tokens(k=2)
 
@@ -159,7 +165,9 @@ def test_a_run_outlives_its_tracker_and_a_dropped_tracker_frees_its_buffers_at_o
         ids = torch.cat([ids, tracker(ids, torch.randn(1, len(tok))).argmax(1, keepdim=True)], 1)
     run = tracker.finish(ids)
     del tracker
-    assert [t["token"] for t in run.get_top_tokens(k=1)[0]["tokens"]] == [run.vocab.display[int(np.argmax(run.get_probabilities()["structured"][0]))]]
+    assert [t["token"] for t in run.get_top_tokens(k=1)[0]["tokens"]] == [
+        run.vocab.display[int(np.argmax(run.get_probabilities()["structured"][0]))]
+    ]
     gc.disable()
     try:
         other = LogitTrackingProcessor(MaskOdd(), tokenizer=tok)

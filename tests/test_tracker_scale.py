@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
-import shutil
 import tempfile
 import threading
 import time
@@ -52,7 +52,11 @@ def fill(recorder: Recorder, steps: int, batch: int, vocab: int, seed: int = 0) 
 @pytest.mark.parametrize("steps", [200, 400])
 def test_each_spilled_chunk_is_written_once_and_spilled_bytes_is_what_is_on_disk(tmp_path, steps):
     recorder = Recorder(
-        Storage.parse("float32"), ["natural"], chunk_bytes=16 << 10, memory_limit=64 << 10, spill_dir=tmp_path,
+        Storage.parse("float32"),
+        ["natural"],
+        chunk_bytes=16 << 10,
+        memory_limit=64 << 10,
+        spill_dir=tmp_path,
         run_id="r",
     )
     with warnings.catch_warnings(record=True) as caught:
@@ -90,7 +94,12 @@ def slow_disk(monkeypatch):
 
 def test_a_full_spill_queue_makes_recording_wait_for_the_disk_not_fail(tmp_path, slow_disk):
     recorder = Recorder(
-        Storage.parse("float32"), ["natural"], chunk_bytes=8 << 10, memory_limit=0, spill_dir=tmp_path, run_id="r",
+        Storage.parse("float32"),
+        ["natural"],
+        chunk_bytes=8 << 10,
+        memory_limit=0,
+        spill_dir=tmp_path,
+        run_id="r",
         spill_queue=1,
     )
     with warnings.catch_warnings():
@@ -105,7 +114,12 @@ def test_a_full_spill_queue_makes_recording_wait_for_the_disk_not_fail(tmp_path,
 def test_rows_on_their_way_to_a_slow_disk_stay_within_the_memory_bound(tmp_path, slow_disk):
     bound = 256 << 10
     recorder = Recorder(
-        Storage.parse("float32"), ["natural"], chunk_bytes=16 << 10, memory_limit=bound, spill_dir=tmp_path, run_id="r",
+        Storage.parse("float32"),
+        ["natural"],
+        chunk_bytes=16 << 10,
+        memory_limit=bound,
+        spill_dir=tmp_path,
+        run_id="r",
     )
     gen = torch.Generator().manual_seed(3)
     held = []
@@ -186,8 +200,16 @@ def test_statistics_of_a_logitscope_generator_run_in_topk_storage_match_float32(
         a, b = runs["float32"].stats(sequence=s), runs["topk"].stats(sequence=s)
         assert a["chosen_id"].tolist() == b["chosen_id"].tolist()
         assert b["p_chosen_constrained"].notna().all()
-        for column in ("entropy_natural", "entropy_constrained", "p_chosen_natural", "p_chosen_constrained",
-                       "rank_chosen_natural", "rank_chosen_constrained", "removed_mass", "margin"):
+        for column in (
+            "entropy_natural",
+            "entropy_constrained",
+            "p_chosen_natural",
+            "p_chosen_constrained",
+            "rank_chosen_natural",
+            "rank_chosen_constrained",
+            "removed_mass",
+            "margin",
+        ):
             np.testing.assert_allclose(b[column], a[column], rtol=1e-5, atol=1e-6, err_msg=column)
 
 
@@ -205,7 +227,9 @@ def test_a_nan_entry_is_left_out_of_the_distribution_and_counted(storage):
     clean = x.masked_fill(torch.isnan(x), float("-inf")).double()
     p = torch.softmax(clean, 1)[0]
     assert [t["token"] for t in top["tokens"]] == [f"<{i}>" for i in torch.argsort(p, descending=True)[:5].tolist()]
-    np.testing.assert_allclose([t["unstructured_prob"] for t in top["tokens"]], torch.sort(p, descending=True).values[:5], rtol=3e-3)
+    np.testing.assert_allclose(
+        [t["unstructured_prob"] for t in top["tokens"]], torch.sort(p, descending=True).values[:5], rtol=3e-3
+    )
     assert top["nonfinite"] and top["nan_count"]["natural"] == 1
     stats = tracker.stats()
     assert stats["nan_natural"].tolist() == [1] and bool(stats["nonfinite"][0])
@@ -312,7 +336,10 @@ def test_queries_on_a_spilled_half_precision_run_stay_within_the_bound(tmp_path)
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 17), PYTHONPATH=str(Path(__file__).parents[1]))
     done = subprocess.run(
         [sys.executable, "-c", code, str(Path(__file__).parent), str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=600,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     grew = json.loads(done.stdout.strip().splitlines()[-1])

@@ -13,12 +13,12 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 CORPUS = [
     "the cat sat on the mat with a catfish and a cathedral",
-    "héllo wörld ☃ 12345 {\"name\": \"Ada\", \"age\": 36}",
+    'héllo wörld ☃ 12345 {"name": "Ada", "age": 36}',
     "call 555-0199 now; 2 + 2 = 4 and 12 * 3 = 36",
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def byte_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
     """A GPT-2-style byte-level BPE tokenizer trained on a tiny corpus (one special token, id 0)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

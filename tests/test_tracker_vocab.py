@@ -10,7 +10,18 @@ from tracker import Vocabulary
 
 
 def sentencepiece_style() -> PreTrainedTokenizerFast:
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<0x0A>": 3, "<0xE2>": 4, "<0x98>": 5, "<0x83>": 6, "▁the": 7, "▁cat": 8, "fish": 9}
+    vocab = {
+        "<unk>": 0,
+        "<s>": 1,
+        "</s>": 2,
+        "<0x0A>": 3,
+        "<0xE2>": 4,
+        "<0x98>": 5,
+        "<0x83>": 6,
+        "▁the": 7,
+        "▁cat": 8,
+        "fish": 9,
+    }
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")

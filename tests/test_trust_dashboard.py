@@ -98,7 +98,17 @@ def test_charts_show_token_text_as_text(tmp_path):
 
 
 def test_md_text_escapes_every_markdown_construct():
-    for text in (TITLE, PROMPT_TEXT, "<b>x</b>", "# heading", "- item", "1. item", "|a|b|", "~~gone~~", ":material/home:"):
+    for text in (
+        TITLE,
+        PROMPT_TEXT,
+        "<b>x</b>",
+        "# heading",
+        "- item",
+        "1. item",
+        "|a|b|",
+        "~~gone~~",
+        ":material/home:",
+    ):
         shown = md_text(text)
         assert re.sub(r"\\(.)", r"\1", shown) == text.replace("\n", " ")
 

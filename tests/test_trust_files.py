@@ -167,7 +167,7 @@ def test_a_killed_exports_temporary_file_is_removed_by_the_next_export(tmp_path)
     assert done.returncode != 0
     left = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
     assert len(left) == 1 and not target.exists()
-    live = tmp_path / f".run.parquet.not-a-writer-tag.tmp"  # not named by this host's writers: kept
+    live = tmp_path / ".run.parquet.not-a-writer-tag.tmp"  # not named by this host's writers: kept
     live.write_bytes(b"x")
     recorded(steps=2, vocab=50).to_parquet(target)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "run.parquet"])

@@ -165,4 +165,4 @@ def test_out_of_range_chosen_token_on_the_gpu_is_refused_when_the_run_is_built()
     tracker.process(torch.randn(2, 50, device="cuda"), ctx)
     tracker.on_sampled(torch.tensor([3, 999], device="cuda"), ctx)  # not read here: no synchronisation per step
     with pytest.raises(ValueError, match=r"generation 0, row 1, step 0 is 999, outside the vocabulary \[0, 50\)"):
-        tracker.run
+        _ = tracker.run

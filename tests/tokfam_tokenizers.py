@@ -79,12 +79,14 @@ def _wordpiece() -> PreTrainedTokenizerFast:
     tok.normalizer = normalizers.BertNormalizer(lowercase=False)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    trainer = trainers.WordPieceTrainer(
-        vocab_size=260, special_tokens=["[PAD]", "[UNK]", "[SEP]"], show_progress=False
-    )
+    trainer = trainers.WordPieceTrainer(vocab_size=260, special_tokens=["[PAD]", "[UNK]", "[SEP]"], show_progress=False)
     tok.train_from_iterator(CORPUS * 20, trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="[SEP]", pad_token="[PAD]", unk_token="[UNK]", clean_up_tokenization_spaces=False
+        tokenizer_object=tok,
+        eos_token="[SEP]",
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        clean_up_tokenization_spaces=False,
     )
 
 

@@ -10,7 +10,7 @@ is needed or its rows are read (:meth:`ChunkMemory.to_host`).
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -65,8 +65,9 @@ class ChunkMemory:
             ring = self._rings[device] = PinnedRing(self.ring_slots)
         return max(capacity, ring.layout[0] if ring.layout is not None else 0)
 
-    def slot(self, device: torch.device, capacity: int, layout: Layout, transfer: CudaStaging,
-             drain_one: Callable[[], bool]) -> tuple[dict[str, torch.Tensor], tuple]:
+    def slot(
+        self, device: torch.device, capacity: int, layout: Layout, transfer: CudaStaging, drain_one: Callable[[], bool]
+    ) -> tuple[dict[str, torch.Tensor], tuple]:
         """A pinned slot for ``layout`` and its ring key. When every slot is in flight, ``drain_one()``
         moves the oldest staging chunk to host memory (its copies are long done); if none can move,
         a slot beyond the ring is made."""

@@ -10,8 +10,9 @@ after them and waits for it only when the slot is needed or read.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -29,7 +30,7 @@ __all__ = ["Chunk", "CudaStaging", "StepRows", "conform", "numpy_view", "to_batc
 class StepRows:
     """The rows one step reserved: ``count`` consecutive rows of ``chunk`` from ``start``."""
 
-    chunk: "Chunk"
+    chunk: Chunk
     start: int
     count: int
     generation: int
@@ -38,7 +39,6 @@ class StepRows:
     @property
     def end(self) -> int:
         return self.start + self.count
-
 
 
 class CudaStaging:
@@ -53,7 +53,7 @@ class CudaStaging:
         """A pinned host tensor (once per slot; no synchronisation)."""
         return torch.empty(shape, dtype=dtype, pin_memory=True)
 
-    def mark(self, chunk: "Chunk") -> None:
+    def mark(self, chunk: Chunk) -> None:
         """Record an event after the copies just enqueued on the current stream (no synchronisation)."""
         stream = torch.cuda.current_stream(chunk.device)
         event = chunk.events.get(stream.cuda_stream)
@@ -61,7 +61,7 @@ class CudaStaging:
             event = chunk.events[stream.cuda_stream] = torch.cuda.Event()
         event.record(stream)
 
-    def wait(self, chunk: "Chunk") -> None:
+    def wait(self, chunk: Chunk) -> None:
         """Block until the chunk's copies have landed: synchronises with those events, only when the
         chunk's slot is needed or its rows are read (never per step)."""
         for event in chunk.events.values():

@@ -19,8 +19,9 @@ coarser pair are lower bounds of the exact values (``exact`` is False and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -124,7 +125,9 @@ def _top_changes(p: np.ndarray, q: np.ndarray, top: int) -> tuple[np.ndarray, np
     change = np.asarray(q, dtype=np.float64) - np.asarray(p, dtype=np.float64)
     score = np.where(np.isnan(change), -1.0, np.abs(change))
     k = min(top, score.shape[1])
-    ids = np.sort(np.argpartition(-score, k - 1, axis=1)[:, :k], axis=1) if k else np.zeros((score.shape[0], 0), np.int64)
+    ids = (
+        np.sort(np.argpartition(-score, k - 1, axis=1)[:, :k], axis=1) if k else np.zeros((score.shape[0], 0), np.int64)
+    )
     best = np.take_along_axis(score, ids, axis=1)
     order = np.argsort(-best, axis=1, kind="stable")  # ties: the lower id first
     ids, best = np.take_along_axis(ids, order, axis=1), np.take_along_axis(best, order, axis=1)
@@ -155,7 +158,9 @@ def compare(
         raise ValueError(f"top must be an int >= 1, got {top!r}")
     va, vb = run_a.metadata.vocab_size, run_b.metadata.vocab_size
     if va != vb:
-        raise ValueError(f"run_b has a vocabulary of {vb} tokens but run_a has {va}; only runs of one vocabulary compare")
+        raise ValueError(
+            f"run_b has a vocabulary of {vb} tokens but run_a has {va}; only runs of one vocabulary compare"
+        )
     generation_b = generation_a if generation_b is None else generation_b
     sequence_b = sequence_a if sequence_b is None else sequence_b
     shared = [s for s in run_a.stages if s in run_b.stages]
@@ -212,12 +217,21 @@ def compare(
     columns = ["step", "stage", "token_id", "token", "p_a", "p_b", "change"]
     tokens = pd.concat(token_parts, ignore_index=True) if token_parts else pd.DataFrame(columns=columns)
     if len(tokens):
-        order = np.lexsort((-tokens["change"].abs().to_numpy(), tokens["stage"].map(stages.index).to_numpy(),
-                            tokens["step"].to_numpy()))
+        order = np.lexsort(
+            (
+                -tokens["change"].abs().to_numpy(),
+                tokens["stage"].map(stages.index).to_numpy(),
+                tokens["step"].to_numpy(),
+            )
+        )
         tokens = tokens.iloc[order].reset_index(drop=True)
-    note = "" if exact else (
-        "top-k storage: distances are computed on the tokens both runs stored plus one bucket for the rest, "
-        "so TV, KL and JS are lower bounds; the token table lists only tokens both runs stored"
+    note = (
+        ""
+        if exact
+        else (
+            "top-k storage: distances are computed on the tokens both runs stored plus one bucket for the rest, "
+            "so TV, KL and JS are lower bounds; the token table lists only tokens both runs stored"
+        )
     )
     return Comparison(
         divergence=first_divergence(chosen_a, chosen_b),

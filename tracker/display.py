@@ -73,7 +73,11 @@ def sequence_html(run: Any, generation: int = -1, sequence: int = 0, *, alternat
         if token is None:
             break
         lines = [f"step {i}: {token_label(token)}, p = {_fmt(p)}"]
-        lines += [f"{token_label(t['token'])}  {_fmt(t['structured_prob'])}" for t in top[i]["tokens"]] if i < len(top) else []
+        lines += (
+            [f"{token_label(t['token'])}  {_fmt(t['structured_prob'])}" for t in top[i]["tokens"]]
+            if i < len(top)
+            else []
+        )
         parts.append(
             f'<span class="ls-tok" style="background:{_colour(p)}" title="{_e(chr(10).join(lines))}">{_e(token)}</span>'
         )
@@ -87,7 +91,9 @@ def sequence_html(run: Any, generation: int = -1, sequence: int = 0, *, alternat
 def _compact_table(top: list[dict[str, Any]], chosen: list[str | None], probs: np.ndarray) -> str:
     rows = ['<table class="ls-table"><tr><th>step</th><th>chosen</th><th>p</th><th>best alternatives</th></tr>']
     for i, entry in enumerate(top):
-        others = ", ".join(f"{_e(token_label(t['token']))} {t['structured_prob']:.2f}" for t in entry["tokens"] if not t["is_chosen"])
+        others = ", ".join(
+            f"{_e(token_label(t['token']))} {t['structured_prob']:.2f}" for t in entry["tokens"] if not t["is_chosen"]
+        )
         name = _e(token_label(chosen[i])) if i < len(chosen) and chosen[i] is not None else "—"
         rows.append(f"<tr><td>{entry['position']}</td><td>{name}</td><td>{_fmt(probs[i])}</td><td>{others}</td></tr>")
     rows.append("</table>")
@@ -114,11 +120,15 @@ def step_svg(run: Any, position: int, *, generation: int = -1, sequence: int = 0
     names = _display_names(run)
     stages = list(rows)
     bar, gap, label_w, width = 9, 6, 150, 300
-    peak = max([float(np.nanmax(rows[s][ids])) for s in stages if ids.size and not np.isnan(rows[s][ids]).all()] or [1.0])
+    peak = max(
+        [float(np.nanmax(rows[s][ids])) for s in stages if ids.size and not np.isnan(rows[s][ids]).all()] or [1.0]
+    )
     scale = width / max(peak, 1e-12)  # the longest bar fills the width
     height = len(ids) * (bar * len(stages) + gap) + 24 + 16 * len(stages)
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{label_w + width + 60}" height="{height}" '
-           'font-family="monospace" font-size="11">']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{label_w + width + 60}" height="{height}" '
+        'font-family="monospace" font-size="11">'
+    ]
     y = 4
     for token in ids.tolist():
         text = token_label(run.vocab.display[token]) + ("  ◀ chosen" if token == chosen else "")
@@ -127,15 +137,19 @@ def step_svg(run: Any, position: int, *, generation: int = -1, sequence: int = 0
         for s, stage in enumerate(stages):
             p = rows[stage][token]
             w = 0.0 if p != p else p * scale
-            out.append(f'<rect x="{label_w}" y="{y}" width="{w:.1f}" height="{bar - 1}" fill="{_STAGE_COLOURS[s % 7]}">'
-                       f"<title>{_e(names[stage])}: {_fmt(p)}</title></rect>")
+            out.append(
+                f'<rect x="{label_w}" y="{y}" width="{w:.1f}" height="{bar - 1}" fill="{_STAGE_COLOURS[s % 7]}">'
+                f"<title>{_e(names[stage])}: {_fmt(p)}</title></rect>"
+            )
             out.append(f'<text x="{label_w + w + 3:.1f}" y="{y + bar - 1}" font-size="9">{_fmt(p)}</text>')
             y += bar
         y += gap
     y += 10
     for s, stage in enumerate(stages):
-        out.append(f'<rect x="{label_w}" y="{y}" width="10" height="10" fill="{_STAGE_COLOURS[s % 7]}"/>'
-                   f'<text x="{label_w + 14}" y="{y + 9}">{_e(names[stage])}</text>')
+        out.append(
+            f'<rect x="{label_w}" y="{y}" width="10" height="10" fill="{_STAGE_COLOURS[s % 7]}"/>'
+            f'<text x="{label_w + 14}" y="{y + 9}">{_e(names[stage])}</text>'
+        )
         y += 16
     out.append("</svg>")
     return "".join(out)
@@ -156,7 +170,7 @@ def step_html(run: Any, position: int, *, generation: int = -1, sequence: int = 
     chosen_text = _e(token_label(run.vocab.display[chosen])) if chosen >= 0 else "unknown"
     return (
         f"{_STYLE}<div><p><b>Step {position}</b> (generation {run._generation_id(generation)}, sequence {sequence}): "
-        f"chose {chosen_text}</p><p style=\"font-family:monospace;white-space:pre-wrap\">{_e(so_far)}</p>"
+        f'chose {chosen_text}</p><p style="font-family:monospace;white-space:pre-wrap">{_e(so_far)}</p>'
         f'<div style="display:flex;gap:24px;align-items:flex-start">{"".join(table)}'
         f"{step_svg(run, position, generation=generation, sequence=sequence, k=k)}</div></div>"
     )
@@ -166,8 +180,13 @@ def run_html(run: Any) -> str:
     """A run's header (id, model, storage, stages) and each sequence's coloured text (the first few)."""
     m = run.metadata
     names = _display_names(run)
-    facts = [("run", m.run_id), ("model", m.model or "unknown"), ("storage", m.storage + (f" (k={m.top_k})" if m.top_k else "")),
-             ("stages", ", ".join(names[s] for s in m.stages)), ("processors", m.processors or "none")]
+    facts = [
+        ("run", m.run_id),
+        ("model", m.model or "unknown"),
+        ("storage", m.storage + (f" (k={m.top_k})" if m.top_k else "")),
+        ("stages", ", ".join(names[s] for s in m.stages)),
+        ("processors", m.processors or "none"),
+    ]
     parts = [_STYLE, '<div class="ls-run"><table class="ls-table">']
     parts += [f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in facts]
     parts.append("</table>")

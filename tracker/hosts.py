@@ -208,10 +208,14 @@ class TransformersHost:
         gen = self._current()
         if output is not None:
             if gen is None or gen.last_rows is None:
-                raise ValueError("finish(output): no generation in progress; call it right after the tracked generate()")
+                raise ValueError(
+                    "finish(output): no generation in progress; call it right after the tracked generate()"
+                )
             tokens = last_tokens(output, gen)
             if isinstance(tokens, torch.Tensor):
-                check_chosen(tokens, self.recorder.vocab_size or 0, f"finish(output) (generation {gen.id}, step {gen.last_step})")
+                check_chosen(
+                    tokens, self.recorder.vocab_size or 0, f"finish(output) (generation {gen.id}, step {gen.last_step})"
+                )
             self.recorder.set_chosen(gen.last_rows, tokens)
             gen.chosen_known = True
         self._end_generation()
@@ -225,7 +229,9 @@ class TransformersHost:
             return
         if input_ids.shape[0] == gen.batch and input_ids.shape[1] == gen.prompt_length + gen.last_step + 1:
             last = input_ids[:, -1]
-            check_chosen(last, self.recorder.vocab_size or 0, f"stopping_criteria (generation {gen.id}, step {gen.last_step})")
+            check_chosen(
+                last, self.recorder.vocab_size or 0, f"stopping_criteria (generation {gen.id}, step {gen.last_step})"
+            )
             self.recorder.set_chosen(gen.last_rows, last)
             gen.chosen_known = True
 

@@ -66,7 +66,10 @@ def add_tracking(generator: G, tracker: LogitTrackingProcessor | None = None, **
     if isinstance(current, ProcessorList) and len(current) == 0:
         current = None  # nothing to wrap: record the model's own distribution only
     if tracker is None:
-        options.setdefault("tokenizer", find_tokenizer(getattr(generator, "tokenizer", None), getattr(generator, "model", None), current))
+        options.setdefault(
+            "tokenizer",
+            find_tokenizer(getattr(generator, "tokenizer", None), getattr(generator, "model", None), current),
+        )
         options.setdefault("model", _model_name(generator))
         eos = getattr(generator, "eos_token_ids", None)
         if eos:

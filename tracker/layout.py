@@ -111,7 +111,9 @@ def vocabulary_from(raw: bytes | None) -> Vocabulary | None:
     try:
         return Vocabulary.deserialize(raw)
     except Exception as exc:  # base64, Arrow or layout errors: all mean a damaged vocabulary
-        raise ValueError(f"its vocabulary (schema key 'logitscope.vocab') is damaged ({type(exc).__name__}: {exc})") from exc
+        raise ValueError(
+            f"its vocabulary (schema key 'logitscope.vocab') is damaged ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 # ---------------------------------------------------------------- parts: the files of a run
@@ -348,7 +350,9 @@ def open_layout(path: str | os.PathLike[str], run_id: str | None = None) -> RunL
             raise NoRunError(source, "the folder holds no .parquet parts and no spill files (_run.json)")
         parts = [open_part(p) for p in files]
         meta = parts[0].schema.metadata or {}
-        layout = RunLayout(source, "parts", parts, _metadata(files[0], meta.get(META_RUN)), meta.get(META_VOCAB), files[0])
+        layout = RunLayout(
+            source, "parts", parts, _metadata(files[0], meta.get(META_RUN)), meta.get(META_VOCAB), files[0]
+        )
     layout = replace(layout, metadata=_with_generations(layout.metadata, layout.parts))
     _check(layout)
     return layout

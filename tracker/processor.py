@@ -52,8 +52,9 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 
@@ -155,7 +156,12 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
         stages = ["natural"] if self.processor is None else ["natural", *self._stage_names[:-1], "constrained"]
         run_id = new_run_id()
         recorder = Recorder(
-            parsed, stages, chunk_bytes=chunk_bytes, memory_limit=memory_limit, spill_dir=spill_dir, run_id=run_id,
+            parsed,
+            stages,
+            chunk_bytes=chunk_bytes,
+            memory_limit=memory_limit,
+            spill_dir=spill_dir,
+            run_id=run_id,
             statistics=statistics,
         )
         self._shared = SharedRecording(
@@ -169,7 +175,9 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
             created_at=now(),
             stage_aliases={self._stage_names[-1]: "constrained"} if self._stage_names else {},
         )
-        self.pad_token_id = check_pad_token_id(getattr(tokenizer, "pad_token_id", None) if pad_token_id is None else pad_token_id)
+        self.pad_token_id = check_pad_token_id(
+            getattr(tokenizer, "pad_token_id", None) if pad_token_id is None else pad_token_id
+        )
         self._local = threading.local()
 
     # ---------------------------------------------------------------- properties
@@ -249,8 +257,12 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
         try:
             if len(self._stage_names) > 1:
                 names = self._stage_names
-                out = apply_recording(processor, logits, ctx,  # type: ignore[arg-type]
-                                      lambda i, x: recorder.write(rows, names[i], x, natural=natural))
+                out = apply_recording(
+                    processor,
+                    logits,
+                    ctx,  # type: ignore[arg-type]
+                    lambda i, x: recorder.write(rows, names[i], x, natural=natural),
+                )
             else:
                 out = check_logits(processor.name, processor.process(logits, ctx), logits)
         except Exception as exc:
@@ -297,7 +309,9 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
         """
         gen = self._current()
         if gen is not None and gen.last_rows is not None:
-            check_chosen(tokens, self.recorder.vocab_size or 0, f"on_sampled (generation {gen.id}, step {gen.last_step})")
+            check_chosen(
+                tokens, self.recorder.vocab_size or 0, f"on_sampled (generation {gen.id}, step {gen.last_step})"
+            )
             self.recorder.set_chosen(gen.last_rows, tokens)
             gen.chosen_known = True
         if self.processor is not None:
@@ -374,7 +388,7 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
         if self.processor is not None:
             self.processor.reset()
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> "LogitTrackingProcessor":
+    def __deepcopy__(self, memo: dict[int, Any]) -> LogitTrackingProcessor:
         """A copy that shares this tracker's recording, with its own copy of the wrapped processor."""
         clone = object.__new__(type(self))
         clone.__dict__.update(self.__dict__)

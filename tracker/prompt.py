@@ -21,7 +21,8 @@ it scores, so that :func:`perplexity` serves a reader of runs without torch.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -71,7 +72,9 @@ def prompt_logprobs(
     return out
 
 
-def score_prompt(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[list[float | None]]:
+def score_prompt(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> list[list[float | None]]:
     """:func:`prompt_logprobs` from one forward pass of ``model`` over the prompts (for hosts without ``on_prefill``)."""
     import torch
 

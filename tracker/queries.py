@@ -9,8 +9,9 @@ only when something new was recorded).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tracker.analysis import Analysis
 from tracker.insight import Insight
@@ -23,7 +24,7 @@ def _on_run(method: Callable[..., Any]) -> Callable[..., Any]:
     """A tracker method answering like the same :class:`~tracker.Run` method on the recorded run."""
 
     @functools.wraps(method)
-    def call(self: "RunQueries", *args: Any, **kwargs: Any) -> Any:
+    def call(self: RunQueries, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.run, method.__name__)(*args, **kwargs)
 
     return call

@@ -31,8 +31,9 @@ first step.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -178,7 +179,9 @@ class Recorder:
         """The Arrow schema of the recorded rows (statistics included; no run metadata, no ``_nonfinite`` flags)."""
         vocab = self.vocab_size or 0
         k = self.storage.k_for(vocab) if vocab else 0
-        return run_schema(self.storage_kind, self.stages, vocab, k, flags=False, stats=self.record_stats or not self.storage.full)
+        return run_schema(
+            self.storage_kind, self.stages, vocab, k, flags=False, stats=self.record_stats or not self.storage.full
+        )
 
     @property
     def storage_kind(self) -> str:
@@ -414,8 +417,9 @@ class Recorder:
         transfer = self.staging_for(device)
         if transfer is not None:
             capacity = self._memory.staged_capacity(device, self._capacity(batch))
-            slot, key = self._memory.slot(device, capacity, self._layout(capacity), transfer,
-                                          lambda: self._drain_staging(everything=False))
+            slot, key = self._memory.slot(
+                device, capacity, self._layout(capacity), transfer, lambda: self._drain_staging(everything=False)
+            )
             chunk = Chunk(index, capacity, self.stages, slot, None, device, transfer)
             chunk.ring_key = key
         else:
@@ -481,8 +485,9 @@ class Recorder:
         """Map the chunks the writer finished and give their buffers back."""
         for chunk in self._handoff.collect(lambda c: c in self._chunks, self.schema):
             self._memory.release(chunk, spare=chunk.nbytes)  # one chunk's buffers wait for the next chunk
-            self._handoff.notice(self.storage, self.stages, self.vocab_size or 0, self.rows / max(1, self._steps),
-                                 self.memory_limit or 0)
+            self._handoff.notice(
+                self.storage, self.stages, self.vocab_size or 0, self.rows / max(1, self._steps), self.memory_limit or 0
+            )
 
     def _batch_of(self, chunk: Chunk, schema: pa.Schema) -> pa.RecordBatch:
         if chunk.spilled is not None:

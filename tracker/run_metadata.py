@@ -14,9 +14,10 @@ import datetime as _dt
 import threading
 import uuid
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata as _importlib_metadata
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,7 +74,7 @@ def _strip_left_padding(prompts: torch.Tensor, pad_token_id: int | None) -> list
     if pad_token_id is None or rows.shape[1] == 0:
         return rows.tolist()
     leading = torch.cumprod((rows == pad_token_id).to(torch.int64), dim=1).sum(dim=1).tolist()
-    return [row[int(n):].tolist() for row, n in zip(rows, leading)]
+    return [row[int(n) :].tolist() for row, n in zip(rows, leading)]
 
 
 def _prompt_ids(ctx: BatchContext, pad_token_id: int | None) -> list[list[int]]:
@@ -203,8 +204,12 @@ class SharedRecording:
         """
         gid = self.next_generation
         self.next_generation += 1
-        record: dict[str, Any] = {"generation": gid, "batch_size": batch, "prompt_ids": _prompt_ids(ctx, pad_token_id),
-                                  "started_at": now()}
+        record: dict[str, Any] = {
+            "generation": gid,
+            "batch_size": batch,
+            "prompt_ids": _prompt_ids(ctx, pad_token_id),
+            "started_at": now(),
+        }
         if self.pending_sampling is not None and len(self.pending_sampling) == batch:
             record["sampling"] = self.pending_sampling
         self.pending_sampling = None
@@ -231,8 +236,14 @@ class SharedRecording:
     def run(self) -> Run:
         """The recorded run so far (rebuilt only when something new was recorded; drains CUDA staging)."""
         with self.lock:
-            key = (self.epoch, self.recorder.version, len(self.generations), self.model, str(self.sampling),
-                   tuple(self.extra.items()).__repr__())
+            key = (
+                self.epoch,
+                self.recorder.version,
+                len(self.generations),
+                self.model,
+                str(self.sampling),
+                tuple(self.extra.items()).__repr__(),
+            )
             if self.run_cache is not None and self.run_cache[0] == key:
                 return self.run_cache[1]
             batches = self.recorder.batches()
@@ -277,6 +288,7 @@ def _vocabulary_source(shared: SharedRecording) -> Callable[[], Vocabulary]:
 def _describer(shared: SharedRecording) -> Callable[[], tuple[bytes, bytes | None]]:
     """What the recorder writes beside spilled chunks: the run's metadata, and its vocabulary when a
     tokenizer gave one (placeholders carry nothing a reader cannot make from the vocabulary size)."""
+
     def describe(r: SharedRecording) -> tuple[bytes, bytes | None]:
         return r.metadata().to_json(), None if r.tokenizer is None else r.vocabulary().serialize()
 

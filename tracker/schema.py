@@ -58,8 +58,9 @@ facts travel in the schema metadata under :data:`META_RUN` (JSON) and
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field, fields
-from typing import Any, Collection, Literal
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -258,7 +259,7 @@ class RunMetadata:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, separators=(",", ":")).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes | str) -> "RunMetadata":
+    def from_json(cls, raw: bytes | str) -> RunMetadata:
         """Parse and check run metadata; ValueError naming the field and what it holds when it is damaged."""
         try:
             data = json.loads(raw)
@@ -279,11 +280,17 @@ class RunMetadata:
                 continue
             value = data[name]
             if not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds:
-                raise ValueError(f"run metadata field {name!r} must be {allowed}, got {type(value).__name__} {value!r:.80}")
+                raise ValueError(
+                    f"run metadata field {name!r} must be {allowed}, got {type(value).__name__} {value!r:.80}"
+                )
         if data["storage"] not in STORAGE_KINDS:
-            raise ValueError(f"run metadata field 'storage' must be one of {STORAGE_KINDS}, got {data['storage']!r:.80}")
+            raise ValueError(
+                f"run metadata field 'storage' must be one of {STORAGE_KINDS}, got {data['storage']!r:.80}"
+            )
         if data["vocab_size"] < 0 or data["top_k"] < 0:
-            raise ValueError(f"run metadata: vocab_size and top_k must be >= 0, got {data['vocab_size']} and {data['top_k']}")
+            raise ValueError(
+                f"run metadata: vocab_size and top_k must be >= 0, got {data['vocab_size']} and {data['top_k']}"
+            )
         if not all(isinstance(s, str) for s in data["stages"]):
             raise ValueError(f"run metadata field 'stages' must be a list of names, got {data['stages']!r:.80}")
         if not all(isinstance(g, dict) for g in data.get("generations", [])):

@@ -22,8 +22,9 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pyarrow as pa
 
@@ -83,7 +84,7 @@ def remove_orphans(folder: str | os.PathLike[str], name: str) -> list[Path]:
     for entry in base.iterdir():
         if not (entry.name.startswith(prefix) and entry.name.endswith(".tmp")):
             continue
-        pid = entry.name[len(prefix):].split(".", 1)[0]
+        pid = entry.name[len(prefix) :].split(".", 1)[0]
         if pid.isdigit() and not _alive(int(pid)):
             with contextlib.suppress(FileNotFoundError):
                 entry.unlink()
@@ -212,9 +213,7 @@ class SpillWriter:
         self.bytes_written = 0
         self.seconds = 0.0
 
-    def submit(
-        self, path: Path, batch: pa.RecordBatch, schema: pa.Schema, done: Callable[[int, float], None]
-    ) -> None:
+    def submit(self, path: Path, batch: pa.RecordBatch, schema: pa.Schema, done: Callable[[int, float], None]) -> None:
         """Queue one chunk for writing (blocks while the queue is full)."""
         self._raise()
         if self._thread is None or not self._thread.is_alive():

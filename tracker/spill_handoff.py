@@ -14,8 +14,9 @@ from __future__ import annotations
 import shutil
 import warnings
 import weakref
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import pyarrow as pa
 
@@ -91,7 +92,9 @@ class SpillHandoff:
                 self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.folder), True)
         return self.folder
 
-    def send(self, chunk: Chunk, batch: pa.RecordBatch, schema: pa.Schema, run_id: str, describe: Describe | None) -> None:
+    def send(
+        self, chunk: Chunk, batch: pa.RecordBatch, schema: pa.Schema, run_id: str, describe: Describe | None
+    ) -> None:
         """Queue ``chunk``'s rows (``batch``) for the disk; blocks only while the writer's queue is full.
 
         The first time a generation reaches the disk, ``describe()`` gives the
@@ -154,7 +157,9 @@ class SpillHandoff:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder = None
 
-    def notice(self, storage: Storage, stages: Sequence[str], vocab: int, rows_per_step: float, memory_limit: int) -> None:
+    def notice(
+        self, storage: Storage, stages: Sequence[str], vocab: int, rows_per_step: float, memory_limit: int
+    ) -> None:
         """Say once that the run spills, how fast the disk takes it, and which storage would keep it in memory."""
         if self._noticed or self.writer.seconds <= 0:
             return
@@ -162,8 +167,11 @@ class SpillHandoff:
         rate = self.writer.bytes_written / self.writer.seconds
         rows = max(1.0, rows_per_step)
         per_step = storage.row_bytes(stages, vocab) * rows
-        fits = {kind: int(memory_limit // max(1, Storage.parse(kind).row_bytes(stages, vocab) * rows))
-                for kind in ("float32", "bfloat16", "topk") if kind != storage.kind}
+        fits = {
+            kind: int(memory_limit // max(1, Storage.parse(kind).row_bytes(stages, vocab) * rows))
+            for kind in ("float32", "bfloat16", "topk")
+            if kind != storage.kind
+        }
         others = "; ".join(f"storage={k!r} keeps {v:,} steps" for k, v in fits.items())
         warnings.warn(
             f"the tracker's rows outgrew memory_limit={memory_limit:,} bytes and spill to {self.folder} "

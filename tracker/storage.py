@@ -9,8 +9,8 @@ bound. :data:`STATISTICS` lists when each row's statistics are computed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -47,7 +47,7 @@ class Storage:
     top_k: int = 0
 
     @classmethod
-    def parse(cls, storage: str, top_k: int = 20) -> "Storage":
+    def parse(cls, storage: str, top_k: int = 20) -> Storage:
         """A storage mode by name: one of :data:`STORAGE_KINDS`, or ``"auto"`` (see :meth:`resolve`)."""
         if storage not in STORAGE_KINDS and storage != "auto":
             raise ValueError(f"storage must be one of {STORAGE_KINDS} or 'auto', got {storage!r}")
@@ -57,7 +57,7 @@ class Storage:
             return cls(storage, int(top_k))
         return cls(storage, 0)
 
-    def resolve(self, stages: Sequence[str], vocab_size: int, batch: int, memory_limit: int | None) -> "Storage":
+    def resolve(self, stages: Sequence[str], vocab_size: int, batch: int, memory_limit: int | None) -> Storage:
         """The mode ``"auto"`` stands for, decided at the first step: the fullest that keeps
         :data:`AUTO_STEPS` steps of the batch in ``memory_limit``.
 

@@ -32,14 +32,17 @@ try:
     start = 0
     if longest > size:
         start = st.slider("First step shown", 0, longest - 1, step=size, key="compare_start")
-    view_a = data.window(picked.path, picked.generation, picked.sequence, min(start, track_a.length), min(track_a.length, start + size))
+    view_a = data.window(
+        picked.path, picked.generation, picked.sequence, min(start, track_a.length), min(track_a.length, start + size)
+    )
     view_b = data.window(other, generation_b, sequence_b, min(start, track_b.length), min(track_b.length, start + size))
     prompt_a = data.prompt(picked.path, picked.generation, picked.sequence)
     prompt_b = data.prompt(other, generation_b, sequence_b)
     pieces_a = data.pieces(picked.path, picked.generation, picked.sequence)
     pieces_b = data.pieces(other, generation_b, sequence_b)
-    diff = data.comparison(picked.path, picked.generation, picked.sequence, other, generation_b, sequence_b,
-                           start, start + size)
+    diff = data.comparison(
+        picked.path, picked.generation, picked.sequence, other, generation_b, sequence_b, start, start + size
+    )
 except BadRunError as exc:
     widgets.show_bad_run(exc.path, exc.reason)
     st.stop()
@@ -50,18 +53,26 @@ if split is None:
 elif split >= min(track_a.length, track_b.length):
     st.info(f"The two sequences agree on their first {split} tokens; then one of them ends.")
 else:
-    st.warning(f"The two sequences agree on their first {split} tokens and diverge at step {split}: "
-               f"A chose {text.md_text(views.token_label(pieces_a[split]))}, B chose {text.md_text(views.token_label(pieces_b[split]))}.")
+    st.warning(
+        f"The two sequences agree on their first {split} tokens and diverge at step {split}: "
+        f"A chose {text.md_text(views.token_label(pieces_a[split]))}, B chose {text.md_text(views.token_label(pieces_b[split]))}."
+    )
 left, right = st.columns(2)
 left.html(text.divergent_text_html(prompt_a, pieces_a, split))
 right.html(text.divergent_text_html(prompt_b, pieces_b, split))
 
 common = [s for s in picked.summary.stages.split(", ") if s in summary_b.stages.split(", ")]
-stage = st.radio("Distribution", common, horizontal=True, key="compare_stage",
-                 format_func=lambda s: text.md_text(charts.STAGE_NAMES.get(s, s)))
+stage = st.radio(
+    "Distribution",
+    common,
+    horizontal=True,
+    key="compare_stage",
+    format_func=lambda s: text.md_text(charts.STAGE_NAMES.get(s, s)),
+)
 st.plotly_chart(
-    charts.compare_timelines(view_a.stats, view_b.stats, labels=("A", "B"), stage=stage, divergence=split,
-                             title="Step by step, aligned"),
+    charts.compare_timelines(
+        view_a.stats, view_b.stats, labels=("A", "B"), stage=stage, divergence=split, title="Step by step, aligned"
+    ),
     key="compare_chart",
     width="stretch",
 )
@@ -71,10 +82,19 @@ st.dataframe(views.aligned(view_a.stats, view_b.stats, columns), hide_index=True
 st.subheader("How far apart the distributions are")
 if diff.note:
     st.caption(diff.note)
-measure = st.radio("Distance", ["js", "tv", "kl"], horizontal=True, key="compare_measure",
-                   format_func={"js": "Jensen–Shannon", "tv": "total variation", "kl": "KL(A‖B)"}.get)
-st.plotly_chart(charts.distance_timeline(diff.steps, diff.stages, measure=measure, divergence=split,
-                                         title="Distance between A and B, step by step"),
-                key="distance_chart", width="stretch")
+measure = st.radio(
+    "Distance",
+    ["js", "tv", "kl"],
+    horizontal=True,
+    key="compare_measure",
+    format_func={"js": "Jensen–Shannon", "tv": "total variation", "kl": "KL(A‖B)"}.get,
+)
+st.plotly_chart(
+    charts.distance_timeline(
+        diff.steps, diff.stages, measure=measure, divergence=split, title="Distance between A and B, step by step"
+    ),
+    key="distance_chart",
+    width="stretch",
+)
 st.caption("Tokens whose probability changed most from A to B at each step")
 st.dataframe(diff.tokens, hide_index=True, width="stretch")

@@ -17,8 +17,14 @@ try:
     size = data.window_steps(picked.path)
     start = 0
     if track.length > size:
-        start = st.slider("First step shown", 0, track.length - 1, step=size, key="overview_start",
-                          help="Long runs are read a window at a time, so that nothing reads the whole file.")
+        start = st.slider(
+            "First step shown",
+            0,
+            track.length - 1,
+            step=size,
+            key="overview_start",
+            help="Long runs are read a window at a time, so that nothing reads the whole file.",
+        )
         st.caption(f"Steps {start}–{min(track.length, start + size) - 1} of {track.length:,}.")
     stop = min(track.length, start + size)
     view = data.window(picked.path, picked.generation, picked.sequence, start, stop)
@@ -28,12 +34,22 @@ except BadRunError as exc:
     st.stop()
 
 stages = picked.summary.stages.split(", ")
-options = [label for label, (column, _) in COLOR_METRICS.items()
-           if column in view.stats.columns and (column != "removed_mass" or "constrained" in stages)]
+options = [
+    label
+    for label, (column, _) in COLOR_METRICS.items()
+    if column in view.stats.columns and (column != "removed_mass" or "constrained" in stages)
+]
 metric = st.radio("Colour tokens by", options, horizontal=True, key="overview_metric")
 column = COLOR_METRICS[metric][0]
-st.html(text.token_text_html(view.tokens, view.stats[column].to_numpy(), column,
-                             hovers=text.token_hovers(view, stages), prompt=prompt if start == 0 else ""))
+st.html(
+    text.token_text_html(
+        view.tokens,
+        view.stats[column].to_numpy(),
+        column,
+        hovers=text.token_hovers(view, stages),
+        prompt=prompt if start == 0 else "",
+    )
+)
 st.html(text.legend_html(metric))
 st.caption("Hover a token to see the model's alternatives at that step.")
 
@@ -45,19 +61,32 @@ if "constrained" in stages:
 else:
     right.metric("Constraint", "none")
 surprisal = view.stats["surprisal_natural"].mean() if "surprisal_natural" in view.stats else float("nan")
-third.metric("Perplexity (model, steps shown)", "—" if surprisal != surprisal else f"{np.exp(surprisal):.2f}",
-             help="exp of the mean surprisal (−log p, natural) of the chosen tokens")
+third.metric(
+    "Perplexity (model, steps shown)",
+    "—" if surprisal != surprisal else f"{np.exp(surprisal):.2f}",
+    help="exp of the mean surprisal (−log p, natural) of the chosen tokens",
+)
 prompt_ppl = data.prompt_perplexity(picked.path, picked.generation, picked.sequence)
-fourth.metric("Prompt perplexity", "—" if prompt_ppl != prompt_ppl else f"{prompt_ppl:.2f}",
-              help="Recorded with LogitTrackingProcessor(..., prompt_logprobs=True)")
+fourth.metric(
+    "Prompt perplexity",
+    "—" if prompt_ppl != prompt_ppl else f"{prompt_ppl:.2f}",
+    help="Recorded with LogitTrackingProcessor(..., prompt_logprobs=True)",
+)
 st.plotly_chart(charts.timelines(view.stats, stages, title="Step by step"), key="timelines", width="stretch")
 by_processor = charts.removed_by_processor(view.stats, title="Mass removed by each processor")
 if by_processor is not None:
     st.plotly_chart(by_processor, key="removed_by_processor", width="stretch")
-heat_stage = st.radio("Heatmap of", stages, horizontal=True, key="heat_stage", format_func=lambda s: text.md_text(charts.STAGE_NAMES.get(s, s)))
+heat_stage = st.radio(
+    "Heatmap of",
+    stages,
+    horizontal=True,
+    key="heat_stage",
+    format_func=lambda s: text.md_text(charts.STAGE_NAMES.get(s, s)),
+)
 st.plotly_chart(
-    charts.token_heatmap(view.heat[heat_stage], view.heat_chosen, stage=heat_stage,
-                         title="Top candidates by step (○ chosen)"),
+    charts.token_heatmap(
+        view.heat[heat_stage], view.heat_chosen, stage=heat_stage, title="Top candidates by step (○ chosen)"
+    ),
     key="heatmap",
     width="stretch",
 )

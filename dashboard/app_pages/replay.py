@@ -50,17 +50,32 @@ def _slid() -> None:
 
 stages = picked.summary.stages.split(", ")
 if len(stages) > 3:  # a stage per processor: pick the ones to draw
-    stages = st.multiselect("Stages", stages, default=stages, key="replay_stages",
-                            format_func=lambda s: charts.STAGE_NAMES.get(s, s)) or stages
+    stages = (
+        st.multiselect(
+            "Stages", stages, default=stages, key="replay_stages", format_func=lambda s: charts.STAGE_NAMES.get(s, s)
+        )
+        or stages
+    )
 controls = st.columns([1, 1, 1, 2, 2, 2])
 playing = bool(st.session_state.get("playing", False))
 controls[0].button("⏸ Pause" if playing else "▶ Play", key="play", on_click=_toggle_play, width="stretch")
 controls[1].button("◀ Back", key="back", on_click=_move, args=(-1,), width="stretch")
 controls[2].button("Next ▶", key="next", on_click=_move, args=(1,), width="stretch")
-value = controls[3].radio("Show", ["prob", "logit"], horizontal=True, key="replay_value",
-                          format_func={"prob": "probability", "logit": "logit"}.get)
-scale = controls[4].radio("Scale", ["linear", "log"], horizontal=True, key="replay_scale", disabled=value == "logit",
-                          help="A log scale shows the small probabilities; logits are already on one.")
+value = controls[3].radio(
+    "Show",
+    ["prob", "logit"],
+    horizontal=True,
+    key="replay_value",
+    format_func={"prob": "probability", "logit": "logit"}.get,
+)
+scale = controls[4].radio(
+    "Scale",
+    ["linear", "log"],
+    horizontal=True,
+    key="replay_scale",
+    disabled=value == "logit",
+    help="A log scale shows the small probabilities; logits are already on one.",
+)
 k = controls[5].slider("Tokens shown", 3, 30, 10, key="replay_k")
 
 
@@ -74,8 +89,7 @@ def _stepper() -> None:
         if st.session_state["step"] >= last:
             st.session_state["playing"] = False
             st.rerun()
-    st.slider("Step", 0, last, key="step_slider", on_change=_slid,
-              help="Drag, or use Play / Back / Next above.")
+    st.slider("Step", 0, last, key="step_slider", on_change=_slid, help="Drag, or use Play / Back / Next above.")
     position = int(st.session_state["step"])
     try:
         table, summary = data.step(picked.path, picked.generation, picked.sequence, position, int(k))
@@ -91,13 +105,17 @@ def _stepper() -> None:
         cell.metric(f"p, {text.md_text(charts.STAGE_NAMES.get(stage, stage))}", "—" if p != p else f"{p:.3f}")
     cells[-2].metric("Allowed tokens", f"{summary.allowed:,} / {summary.vocab_size:,}")
     removed = summary.removed_mass
-    cells[-1].metric("Removed mass", "—" if removed != removed else f"{removed:.1%}",
-                     help="The model's probability mass on tokens the constraint masked")
+    cells[-1].metric(
+        "Removed mass",
+        "—" if removed != removed else f"{removed:.1%}",
+        help="The model's probability mass on tokens the constraint masked",
+    )
     if summary.processor_error:
         st.warning("The wrapped processor raised at this step: only the model's distribution was recorded.")
     st.plotly_chart(
-        charts.step_bars(table, stages, value=value, log_y=scale == "log",
-                         title=f"Step {summary.step}: top {k} tokens by stage"),
+        charts.step_bars(
+            table, stages, value=value, log_y=scale == "log", title=f"Step {summary.step}: top {k} tokens by stage"
+        ),
         key="step_bars",
         width="stretch",
     )

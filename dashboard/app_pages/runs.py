@@ -17,9 +17,14 @@ def _use_path() -> None:
     st.session_state["root_refused"] = widgets.choose_root(st.session_state["root_input"])
 
 
-st.text_input("Runs folder or file", value=widgets.root_path(), key="root_input", on_change=_use_path,
-              help="Inside the folder the dashboard serves" + ("" if widgets.any_path_allowed() else
-                   " (start it with --allow-any-path to browse elsewhere)"))
+st.text_input(
+    "Runs folder or file",
+    value=widgets.root_path(),
+    key="root_input",
+    on_change=_use_path,
+    help="Inside the folder the dashboard serves"
+    + ("" if widgets.any_path_allowed() else " (start it with --allow-any-path to browse elsewhere)"),
+)
 if st.session_state.get("root_refused"):
     st.error(md_text(st.session_state["root_refused"]))
 summaries = list(st.session_state.get("summaries", {}).values())
@@ -46,7 +51,9 @@ table = pd.DataFrame(
 )
 narrow = st.column_config.Column(width="small")
 st.dataframe(
-    table, hide_index=True, width="stretch",
+    table,
+    hide_index=True,
+    width="stretch",
     column_config={  # fits the page: long texts are cut (hover shows them whole), numbers stay narrow
         **{name: narrow for name in ("file", "model", "steps", "sequences", "generations", "date", "storage", "MB")},
         **{name: st.column_config.TextColumn(width="medium") for name in ("run", "prompt", "processors", "sampling")},
@@ -61,9 +68,13 @@ if picked is not None and picked.error is None:
     left, right = st.columns(2)
     left.markdown("**Prompt**")
     left.code(picked.prompt, language=None, wrap_lines=True)
-    left.markdown(f"**Model** {md_text(picked.model or 'unknown')}  \n**Stages** {md_text(picked.stages)}  \n"
-                  f"**Storage** {md_text(picked.storage)}, vocabulary {picked.vocab_size:,}")
+    left.markdown(
+        f"**Model** {md_text(picked.model or 'unknown')}  \n**Stages** {md_text(picked.stages)}  \n"
+        f"**Storage** {md_text(picked.storage)}, vocabulary {picked.vocab_size:,}"
+    )
     right.markdown("**Processors**")
     right.code(picked.processors, language=None, wrap_lines=True)
-    right.markdown(f"**Sampling** {md_text(picked.sampling or 'not recorded')}  \n"
-                   f"**Recorded** {md_text(picked.created_at)}  \n**Run id** {md_text(picked.run_id)}")
+    right.markdown(
+        f"**Sampling** {md_text(picked.sampling or 'not recorded')}  \n"
+        f"**Recorded** {md_text(picked.created_at)}  \n**Run id** {md_text(picked.run_id)}"
+    )

@@ -264,8 +264,13 @@ def train(
 
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-    for name, value in (("steps", steps), ("n_docs", n_docs), ("batch_size", batch_size),
-                        ("seq_len", seq_len), ("log_every", log_every)):
+    for name, value in (
+        ("steps", steps),
+        ("n_docs", n_docs),
+        ("batch_size", batch_size),
+        ("seq_len", seq_len),
+        ("log_every", log_every),
+    ):
         _check_positive(name, value)
     if seq_len > 256:
         raise ValueError(f"seq_len must be <= 256 (n_positions), got {seq_len}")
@@ -294,8 +299,16 @@ def train(
 
 
 def _train(
-    out_dir: Path, seed: int, steps: int, n_docs: int, batch_size: int, seq_len: int,
-    lr: float, log_every: int, log: Callable[[str], None], t0: float,
+    out_dir: Path,
+    seed: int,
+    steps: int,
+    n_docs: int,
+    batch_size: int,
+    seq_len: int,
+    lr: float,
+    log_every: int,
+    log: Callable[[str], None],
+    t0: float,
 ) -> TrainResult:
     """The body of :func:`train`, once arguments are checked and logging is set up."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -308,8 +321,7 @@ def _train(
     rows = pack_documents(token_docs, seq_len)
     if len(rows) == 0:
         raise ValueError(f"n_docs={n_docs} is too small to fill one {seq_len}-token sequence")
-    log(f"corpus: {n_docs} documents -> {len(rows)} sequences of {seq_len} tokens "
-        f"({time.perf_counter() - t0:.1f}s)")
+    log(f"corpus: {n_docs} documents -> {len(rows)} sequences of {seq_len} tokens ({time.perf_counter() - t0:.1f}s)")
 
     config = GPT2Config(
         vocab_size=len(tokenizer),
@@ -332,7 +344,8 @@ def _train(
         no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=lr, betas=(0.9, 0.98),
+            lr=lr,
+            betas=(0.9, 0.98),
         )
         warmup = max(1, int(steps * WARMUP_FRACTION))
         gen = torch.Generator().manual_seed(seed)
@@ -354,17 +367,17 @@ def _train(
             optimizer.step()
             recent = (recent + [loss.item()])[-log_every:]
             if (step + 1) % log_every == 0 or step == 0:
-                log(f"step {step + 1:5d}/{steps}  loss {loss.item():.4f}  "
-                    f"lr {optimizer.param_groups[0]['lr']:.2e}  {time.perf_counter() - t0:6.1f}s")
+                log(
+                    f"step {step + 1:5d}/{steps}  loss {loss.item():.4f}  "
+                    f"lr {optimizer.param_groups[0]['lr']:.2e}  {time.perf_counter() - t0:6.1f}s"
+                )
     final_loss = sum(recent) / len(recent)
 
     model.eval()
     _save_atomically(out_dir, model, tokenizer)
     wall = time.perf_counter() - t0
-    log(f"final loss {final_loss:.4f} (mean of last {len(recent)} steps); "
-        f"saved to {out_dir} in {wall:.1f}s total")
-    return TrainResult(out_dir=out_dir, final_loss=final_loss, steps=steps,
-                       wall_seconds=wall, n_rows=len(rows))
+    log(f"final loss {final_loss:.4f} (mean of last {len(recent)} steps); saved to {out_dir} in {wall:.1f}s total")
+    return TrainResult(out_dir=out_dir, final_loss=final_loss, steps=steps, wall_seconds=wall, n_rows=len(rows))
 
 
 @contextlib.contextmanager
@@ -384,13 +397,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m logitscope.demo_model.train",
         description="Train logitscope's tiny demo GPT-2 and its tokenizer from a synthetic corpus.",
     )
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help=f"output folder, replaced as a whole (default: {DEFAULT_OUT})")
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help=f"output folder, replaced as a whole (default: {DEFAULT_OUT})"
+    )
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="random seed (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
-                        help="optimizer steps (default: %(default)s)")
-    parser.add_argument("--docs", type=int, default=DEFAULT_DOCS,
-                        help="number of corpus documents (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps (default: %(default)s)")
+    parser.add_argument(
+        "--docs", type=int, default=DEFAULT_DOCS, help="number of corpus documents (default: %(default)s)"
+    )
     args = parser.parse_args(argv)
     train(args.out, seed=args.seed, steps=args.steps, n_docs=args.docs)
     return 0

@@ -14,7 +14,8 @@ uniform number to the same token.
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -201,7 +202,9 @@ class Chain:
         if rt.wants(SAMPLED):
             if self.exact:
                 kept = m.masked_fill(torch.arange(m.shape[-1], device=x.device) >= self.length, 0.0)
-                dist = torch.zeros(x.shape, dtype=torch.float32, device=x.device).scatter_(1, self.ids, (kept / mass).float())
+                dist = torch.zeros(x.shape, dtype=torch.float32, device=x.device).scatter_(
+                    1, self.ids, (kept / mass).float()
+                )
             else:  # from the candidates' values alone, in the units of m
                 weights = x.double()
                 if self.from_logits:

@@ -20,7 +20,8 @@ top-k candidates from the logits and does the rest on them. A check is
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from sampling.pipe.chain import Filter, fusable
 from sampling.pipe.op import Op

@@ -34,7 +34,7 @@ docstring says so; those that take ``sync_free`` then do not.
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple, Union
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -43,7 +43,7 @@ __all__ += ["top_k_candidates", "top_k_column", "sync_free_candidates", "nth_equ
 __all__ += ["radix", "mass_crossing", "top_p_cut", "cut_mask", "shorter", "sample_weights", "candidate_masses"]
 __all__ += ["Length", "prefix_mass", "shorten", "min_p_length", "top_p_length", "sample_prefix"]
 
-Param = Union[float, int, torch.Tensor]
+Param = float | int | torch.Tensor
 """A runtime parameter: one value for every row, or a ``[B]`` tensor."""
 
 Algorithm = Literal["auto", "cpu", "sort", "radix"]
@@ -57,6 +57,7 @@ def resolve_algorithm(algorithm: str, device: torch.device) -> str:
     if algorithm != "auto":
         return algorithm
     return "cpu" if device.type == "cpu" else "sort"
+
 
 _LEVELS = ((20, 11), (10, 10), (0, 10))  # (shift, width) of the three radix levels over 31 bits
 _BLOCK = 256  # block length for locating the n-th equal token without a full cumsum
@@ -425,7 +426,7 @@ def candidate_masses(values: torch.Tensor, temperature: Param | None, from_logit
     return torch.softmax(values, dim=-1, dtype=torch.float64)
 
 
-Length = Union[int, torch.Tensor]
+Length = int | torch.Tensor
 """How many sorted candidates a row keeps: one int for all rows, or ``int64 [B, 1]``."""
 
 

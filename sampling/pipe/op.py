@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 
@@ -80,7 +81,7 @@ class Runtime:
     logprobs: torch.Tensor | None = None
     valid: torch.Tensor | None = None
 
-    def param(self, op: "Op", name: str) -> Param:
+    def param(self, op: Op, name: str) -> Param:
         """The value of ``name`` for ``op``: the call's, else the processor's default."""
         value = self.params.get(name)
         if value is None:
@@ -138,7 +139,7 @@ class Op(abc.ABC):
         return type(self).__name__
 
     @property
-    def parts(self) -> tuple["Op", ...]:
+    def parts(self) -> tuple[Op, ...]:
         return (self,)
 
     def __repr__(self) -> str:

@@ -9,7 +9,8 @@ the ``"sampled"`` tap tensor only when a tap asks for it.
 
 from __future__ import annotations
 
-from typing import Callable, Literal, Sequence
+from collections.abc import Callable, Sequence
+from typing import Literal
 
 import torch
 
@@ -224,5 +225,7 @@ class FunctionOp(Op):
         expected = x.data.shape[:1] if self.OUT is INDICES else x.data.shape
         if not isinstance(y, torch.Tensor) or y.shape != expected:
             got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
-            raise PipeError(f"stage {self.stage!r}: the function must return a tensor of shape {tuple(expected)}, got {got}")
+            raise PipeError(
+                f"stage {self.stage!r}: the function must return a tensor of shape {tuple(expected)}, got {got}"
+            )
         return TaggedTensor(y, self.OUT)

@@ -23,7 +23,8 @@ cannot raise: ``on_dead="flag"``, a per-row ``top_k`` tensor given with
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Literal, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 
@@ -70,7 +71,6 @@ def dead_row_error(x: TaggedTensor, dead: torch.Tensor, rows: Sequence[int] | No
         what = "every logit is -inf or +inf" if x.type is TensorType.LOGITS else "every probability is 0 or inf"
         parts.append(f"rows {other} have no allowed token ({what}, or a stage removed every token)")
     return DeadRowError("cannot sample: " + "; ".join(parts) + " (pass on_dead='flag' for a validity flag)")
-
 
 
 def group_taps(taps: Iterable[Tap] | None, allowed: Iterable[str]) -> Mapping[str, tuple[TapFn, ...]]:
@@ -182,9 +182,7 @@ class LogitsPipe:
         for i, (p, stage) in enumerate(zip(self.processors, self.stage_names)):
             try:
                 if current is TensorType.INDICES:
-                    raise LegalizationError(
-                        f"{type(p).__name__} follows a sampler; nothing may come after INDICES"
-                    )
+                    raise LegalizationError(f"{type(p).__name__} follows a sampler; nothing may come after INDICES")
                 new = p.legalize(current, stage)
             except LegalizationError as e:
                 raise LegalizationError(f"Failed to legalize processor {i} ({type(p).__name__}): {e}") from e

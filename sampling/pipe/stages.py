@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import abc
 import re
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 

@@ -19,8 +19,9 @@ tap asks for it.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -47,15 +48,15 @@ class TaggedTensor:
     type: TensorType
 
     @classmethod
-    def logits(cls, data: torch.Tensor) -> "TaggedTensor":
+    def logits(cls, data: torch.Tensor) -> TaggedTensor:
         return cls(data, TensorType.LOGITS)
 
     @classmethod
-    def probs(cls, data: torch.Tensor) -> "TaggedTensor":
+    def probs(cls, data: torch.Tensor) -> TaggedTensor:
         return cls(data, TensorType.PROBS)
 
     @classmethod
-    def indices(cls, data: torch.Tensor) -> "TaggedTensor":
+    def indices(cls, data: torch.Tensor) -> TaggedTensor:
         return cls(data, TensorType.INDICES)
 
     def __repr__(self) -> str:
