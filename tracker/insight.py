@@ -13,9 +13,8 @@ from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
-import torch
 
-from tracker import compute
+from tracker import metrics
 from tracker.prompt import perplexity as _perplexity
 from tracker.stages import display_stages, why
 
@@ -62,17 +61,12 @@ class Insight:
         names = display_stages(stages, self.metadata.stage_aliases)  # type: ignore[attr-defined]
         if self.metadata.storage == "topk":  # type: ignore[attr-defined]
             return {name: np.full(sel.length, math.nan) for name in names}
-        lse_natural = self._lse("natural", sel)  # type: ignore[attr-defined]
-        cumulative: dict[str, list[torch.Tensor]] = {s: [] for s in stages}
-        for start, rows in self._sub_blocks(sel, ["natural", *stages]):  # type: ignore[attr-defined]
-            t = rows["natural"].shape[0]
-            for stage in stages:
-                kept = compute.logsumexp_rows(compute.masked(rows["natural"], rows[stage]))
-                cumulative[stage].append((1.0 - torch.exp(kept - lse_natural[start : start + t])).clamp(0.0, 1.0))
+        parts = self._map(sel, ["natural", *stages],  # type: ignore[attr-defined]
+                          lambda start, b: [metrics.removed_mass(b["natural"], b[stage]) for stage in stages])
         out: dict[str, np.ndarray] = {}
         before = np.zeros(sel.length)
-        for stage, name in zip(stages, names):
-            now = torch.cat(cumulative[stage]).double().numpy() if cumulative[stage] else np.zeros(0)
+        for j, name in enumerate(names):
+            now = np.concatenate([p[j] for p in parts]) if parts else np.zeros(0)
             out[name] = now - before
             before = now
         return out

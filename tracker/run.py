@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tracker.analysis import Analysis, stage_matrix
-from tracker.compute import nonfinite_rows
+from tracker.rows import nonfinite_rows
 from tracker.insight import Insight
 from tracker.schema import (
     GENERATIONS_COLUMN,
@@ -221,7 +221,7 @@ class Run(Insight, Analysis):
             else:
                 valid = batch.column(f"{stage}_logits").is_valid().to_numpy(zero_copy_only=False)
                 matrix = stage_matrix(batch, stage, self.metadata.vocab_size)
-                flags = nonfinite_rows(matrix).numpy() & valid
+                flags = nonfinite_rows(matrix) & valid
             columns.append(pa.array(flags))
         return pa.RecordBatch.from_arrays(columns, schema=schema.remove_metadata())
 

@@ -9,20 +9,25 @@ per step: ``4 V`` bytes each in float32 storage, ``2 V`` in float16 or
 bfloat16, ``12 k + 8`` in top-k storage.
 
 :func:`why` answers, for one step, which stage moved the chosen token and
-the model's favourite, and by how much.
+the model's favourite, and by how much. The read side (:func:`resolve_stage`,
+:func:`display_stages`, :func:`step_probabilities`, :func:`why`) needs only
+numpy and pandas: torch and the processors are imported by the recording
+helpers when they are called.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import pandas as pd
-import torch
 
-from processors.protocol import BatchContext, LogitsProcessor, ProcessorList
+if TYPE_CHECKING:  # the recording helpers take processors and tensors; the read side needs neither
+    import torch
+
+    from processors.protocol import BatchContext, LogitsProcessor, ProcessorList
 
 __all__ = ["stage_names", "apply_recording", "resolve_stage", "why"]
 
@@ -158,6 +163,8 @@ def per_processor(processor: Any) -> tuple[LogitsProcessor, list[str]]:
     :class:`~processors.ProcessorList` gives one name per item; any other
     processor gives one name.
     """
+    from processors.protocol import ProcessorList
+
     if isinstance(processor, (list, tuple)) and not isinstance(processor, ProcessorList):
         processor = ProcessorList(processor)
     if isinstance(processor, ProcessorList):
