@@ -27,9 +27,11 @@ import torch
 import tracker
 from dashboard.reader import StageRow, StepRow
 from dashboard.threads import one_torch_thread
-from tracker import Vocabulary
+from tracker import Vocabulary, metrics
+from tracker.block import Block, read_as_recorded
 from tracker.compare import first_divergence  # one definition, shared with tracker.compare
 from tracker.display import token_label  # one definition, shared with the notebook display
+from tracker.rows import nonfinite_rows
 
 __all__ = [
     "COLOR_METRICS",
@@ -185,34 +187,32 @@ class StepSummary:
     processor_error: bool = False
 
 
-def _entropy(logits: np.ndarray, lse: float) -> float:
-    finite = logits[logits > -np.inf].astype(np.float64)
-    p = np.exp(finite - lse)
-    return float(-(p * (finite - lse)).sum())
+def _block(stage: StageRow) -> Block:
+    """One stage's row as the tracker's metrics read it (a full row as the record reads it, or the stored top-k)."""
+    lse = np.array([stage.lse], dtype=np.float32)
+    if stage.logits is not None:
+        values = np.asarray(stage.logits, dtype=np.float32)[None, :]
+        return Block(read_as_recorded(values, nonfinite_rows(values), None), lse)
+    ids = np.zeros((1, 0), np.int64) if stage.ids is None else np.asarray(stage.ids, dtype=np.int64)[None, :]
+    values = np.zeros((1, 0), np.float32) if stage.values is None else np.asarray(stage.values, dtype=np.float32)[None, :]
+    return Block(values, lse, ids, np.array([stage.allowed]))
 
 
 def step_summary(row: StepRow, vocab: Vocabulary) -> StepSummary:
-    """Allowed tokens, removed mass, each stage's entropy and chosen-token probability at one step."""
-    entropy: dict[str, float] = {}
-    p_chosen: dict[str, float] = {}
-    for name, stage in row.stages.items():
-        if stage.logits is not None:
-            entropy[name] = _entropy(stage.logits, stage.lse)
-            p_chosen[name] = float(np.exp(stage.logits[row.chosen] - stage.lse)) if row.chosen >= 0 else float("nan")
-        else:
-            entropy[name] = float("nan")
-            hit = stage.ids is not None and row.chosen in stage.ids.tolist()
-            value = stage.values[stage.ids.tolist().index(row.chosen)] if hit else np.nan  # type: ignore[union-attr]
-            p_chosen[name] = float(np.exp(value - stage.lse)) if hit else float("nan")
+    """Allowed tokens, removed mass, each stage's entropy and chosen-token probability at one step
+    (the tracker's metrics, :mod:`tracker.metrics`, on this one row)."""
+    blocks = {name: _block(stage) for name, stage in row.stages.items()}
+    chosen = np.array([row.chosen])
+    entropy = {name: float(metrics.entropy(block)[0]) for name, block in blocks.items()}
+    p_chosen = {name: float(metrics.chosen(block, chosen)[0][0]) for name, block in blocks.items()}
     natural = row.stages.get("natural")
     constrained = row.stages.get("constrained")
     removed = float("nan")
     allowed = natural.allowed if natural is not None else 0
     if constrained is not None and constrained.recorded:
         allowed = constrained.allowed
-        if natural is not None and natural.logits is not None and constrained.logits is not None:
-            kept = natural.logits[constrained.logits > -np.inf].astype(np.float64)
-            removed = float(np.clip(1.0 - np.exp(kept - natural.lse).sum(), 0.0, 1.0))
+        if natural is not None:
+            removed = float(metrics.removed_mass(blocks["natural"], blocks["constrained"])[0])
     elif constrained is None:
         removed = 0.0
     token = vocab.display[row.chosen] if row.chosen >= 0 else ""

@@ -65,17 +65,26 @@ def test_top_k_storage_says_which_values_it_did_not_keep(tmp_path):
     np.testing.assert_allclose(by_token.loc["c", "natural_prob"], 0.12, rtol=1e-5)
 
 
-def test_step_summary_matches_the_trackers_statistics(reader):
+def test_step_summary_matches_a_float64_reference(reader):
     track = reader.track(0, 0)
-    stats = reader.window(track, 0, track.length).stats(generation=0, sequence=0)
     for position in range(track.length):
-        summary = views.step_summary(reader.step(track, position), reader.vocab)
-        row = stats.iloc[position]
-        assert summary.chosen_token == row["chosen_token"]
-        assert math.isclose(summary.removed_mass, row["removed_mass"], rel_tol=1e-5, abs_tol=1e-7)
-        assert math.isclose(summary.entropy["natural"], row["entropy_natural"], rel_tol=1e-5)
-        assert math.isclose(summary.p_chosen["constrained"], row["p_chosen_constrained"], rel_tol=1e-5)
-        assert summary.allowed == row["allowed"]
+        row = reader.step(track, position)
+        summary = views.step_summary(row, reader.vocab)
+        natural = np.log(PROBS[position].astype(np.float64))
+        constrained = natural.copy()
+        if position == 0:
+            constrained[0] = -np.inf
+        p_nat = np.exp(natural - np.log(np.exp(natural).sum()))
+        p_con = np.exp(constrained - np.log(np.exp(constrained).sum()))
+        chosen = int(track.chosen[position])
+        assert summary.chosen_token == TOKENS[chosen]
+        assert summary.allowed == int(np.isfinite(constrained).sum())
+        assert math.isclose(summary.removed_mass, p_nat[~np.isfinite(constrained)].sum(), rel_tol=1e-5, abs_tol=1e-7)
+        assert math.isclose(summary.entropy["natural"], -(p_nat * np.log(p_nat)).sum(), rel_tol=1e-5)
+        kept = p_con[p_con > 0]
+        assert math.isclose(summary.entropy["constrained"], -(kept * np.log(kept)).sum(), rel_tol=1e-5)
+        assert math.isclose(summary.p_chosen["natural"], p_nat[chosen], rel_tol=1e-5)
+        assert math.isclose(summary.p_chosen["constrained"], p_con[chosen], rel_tol=1e-5)
 
 
 def test_window_view_gives_stats_alternatives_and_a_heat_matrix(reader):
