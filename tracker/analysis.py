@@ -270,7 +270,6 @@ class Analysis(Passes):
         con_stage = con_stage or self._constrained_stage()
         same = con_stage == "natural"
         probs = show == "probs"
-        lse_n, lse_c = (self._lse("natural", sel), self._lse(con_stage, sel)) if probs else (None, None)
 
         def work(start: int, blocks: dict[str, Block]):
             nat, con = blocks["natural"], blocks[con_stage]
@@ -290,7 +289,8 @@ class Analysis(Passes):
         if not parts:
             return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.float32)
         rows, ids, vn, vc = (np.concatenate([p[i] for p in parts]) for i in range(4))
-        if probs:  # in one go: a few kernels per query, not per block
+        if probs:  # in one go: a few kernels per query, not per block (the pass above found the lse)
+            lse_n, lse_c = self._lse("natural", sel), self._lse(con_stage, sel)
             with np.errstate(invalid="ignore", over="ignore"):
                 vn = np.exp(vn - lse_n[rows])
                 vc = np.exp(vc - lse_c[rows])
