@@ -42,6 +42,25 @@ def test_logsumexp_rows_matches_float64_for_masks_biases_and_edge_rows():
     np.testing.assert_array_equal(rows.logsumexp_rows(x, top), got)
 
 
+def test_logsumexp_shared_equals_float64_for_masking_and_other_stages():
+    """One exp pass for natural and the stages that only mask it; any other row still gets its exact value."""
+    rng = np.random.default_rng(6)
+    natural = (rng.standard_normal((9, 3000)) * 3).astype(np.float32)
+    masking = np.where(rng.random((9, 3000)) < 0.7, NEG_INF, natural).astype(np.float32)
+    masking[1] = NEG_INF  # nothing allowed
+    masking[2] = NEG_INF
+    masking[2, 5] = natural[2, 5] = natural[2].max() - 70.0  # only a token far below the model's best
+    masking[3] = natural[3] + 0.5  # a bias, not a mask
+    masking[4, 7] = np.nan  # a null row reads as NaN
+    natural[5, :] = np.nan
+    biased = natural * 0.5
+    top = natural.max(axis=1)
+    lse_n, (lse_m, lse_b) = rows.logsumexp_shared(natural, top, [masking, biased], [masking.max(axis=1), biased.max(axis=1)])
+    for got, x in ((lse_n, natural), (lse_m, masking), (lse_b, biased)):
+        np.testing.assert_allclose(got.astype(np.float64), _logsumexp64(x), rtol=1e-6, atol=1e-5, equal_nan=True)
+    assert lse_m[1] == NEG_INF and np.isnan(lse_m[4]) and np.isnan(lse_n[5])
+
+
 def test_masked_keeps_allowed_natural_logits_and_masks_the_rest():
     rng = np.random.default_rng(3)
     natural = rng.standard_normal((4, 30)).astype(np.float32)

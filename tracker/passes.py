@@ -20,7 +20,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from tracker.block import Block, full_rows, read_as_recorded, topk_columns
-from tracker.rows import group_max, groupable, logsumexp_rows, map_blocks, row_max
+from tracker.rows import (
+    group_max,
+    groupable,
+    logsumexp_rows,
+    logsumexp_shared,
+    map_blocks,
+    row_max,
+)
 from tracker.schema import flag_column
 from tracker.selection import Selecting, Selection
 
@@ -137,34 +144,34 @@ class Passes(Selecting):
             end = start + rows.size
             blocks: dict[str, Block] = {}
             found: dict[str, dict[str, np.ndarray]] = {}
+            read: dict[str, tuple[np.ndarray, np.ndarray | None, np.ndarray]] = {}
             for stage in stages:
-                values, valid = full_rows(batches[b], stage, rows, vocab)
                 if raw:
+                    values, _ = full_rows(batches[b], stage, rows, vocab)
                     blocks[stage] = Block(values, np.full(rows.size, math.nan, dtype=np.float32))
                     continue
-                gmax = group_max(values) if groupable(values) else None
-                top = row_max(values, gmax)
                 facts = known[stage]
-                if facts is None:
-                    bad = np.isnan(top) | (top == np.inf)
-                    nan = np.zeros(rows.size)
-                    if bad.any():
-                        nan[bad] = np.count_nonzero(np.isnan(values[bad]), axis=1)
-                    if valid is not None:
-                        bad &= valid
-                else:
-                    bad = facts["nonfinite"][start:end]
-                fixed = read_as_recorded(values, bad, valid)
-                if fixed is not values:
-                    values = fixed
-                    gmax = group_max(values) if gmax is not None else None
-                    top = row_max(values, gmax)
-                if facts is None:
-                    lse = logsumexp_rows(values, top)
-                    found[stage] = {"lse": lse, "nan": nan, "nonfinite": np.isnan(top) | (top == np.inf) | bad}
-                else:
-                    lse = facts["lse"][start:end]
-                blocks[stage] = Block(values, lse, gmax=gmax)
+                read[stage], new = _read(batches[b], stage, rows, vocab, None if facts is None else facts["nonfinite"][start:end])
+                if new is not None:
+                    found[stage] = new
+            if raw:
+                return found, (None if work is None else work(start, blocks))
+            lses = {stage: known[stage]["lse"][start:end] for stage in stages if known[stage] is not None}
+            todo = [stage for stage in stages if stage not in lses]
+            if "natural" in todo and len(todo) > 1:  # one exp pass for natural and the stages that only mask it
+                others = [stage for stage in todo if stage != "natural"]
+                lses["natural"], shared = logsumexp_shared(
+                    read["natural"][0], read["natural"][2], [read[s][0] for s in others], [read[s][2] for s in others]
+                )
+                lses.update(zip(others, shared))
+            for stage in todo:
+                if stage not in lses:
+                    lses[stage] = logsumexp_rows(read[stage][0], read[stage][2])
+            for stage in stages:
+                values, gmax, _ = read[stage]
+                if stage in found:
+                    found[stage]["lse"] = lses[stage]
+                blocks[stage] = Block(values, lses[stage], gmax=gmax)
             return found, (None if work is None else work(start, blocks))
 
         results = map_blocks(one, len(pieces))
@@ -175,3 +182,31 @@ class Passes(Selecting):
                 for name, dtype in _SCAN.items()
             }
         return [result for _, result in results]
+
+
+def _read(
+    batch: Any, stage: str, rows: np.ndarray, vocab: int, nonfinite: np.ndarray | None
+) -> tuple[tuple[np.ndarray, np.ndarray | None, np.ndarray], dict[str, np.ndarray] | None]:
+    """``((values, group maxima, row maxima), facts)``: rows of a stage as the record reads them.
+
+    ``nonfinite`` flags the rows holding NaN or ``+inf`` when known; else
+    the rows' maxima tell (NaN or ``+inf``), their NaN entries are counted,
+    and ``facts`` returns both (the log-sum-exp is added by the caller).
+    """
+    values, valid = full_rows(batch, stage, rows, vocab)
+    gmax = group_max(values) if groupable(values) else None
+    top = row_max(values, gmax)
+    facts = None
+    bad = nonfinite
+    if bad is None:
+        bad = np.isnan(top) | (top == np.inf)
+        nan = np.zeros(rows.size)
+        if bad.any():
+            nan[bad] = np.count_nonzero(np.isnan(values[bad]), axis=1)
+        facts = {"nan": nan, "nonfinite": bad}
+    fixed = read_as_recorded(values, bad, valid)
+    if fixed is not values:
+        values = fixed
+        gmax = group_max(values) if gmax is not None else None
+        top = row_max(values, gmax)
+    return (values, gmax, top), facts

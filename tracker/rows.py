@@ -26,6 +26,7 @@ __all__ = [
     "NEG_INF",
     "as_float32",
     "logsumexp_rows",
+    "logsumexp_shared",
     "masked",
     "nonfinite_rows",
     "effective",
@@ -86,6 +87,63 @@ def logsumexp_rows(x: np.ndarray, shift: np.ndarray | None = None) -> np.ndarray
     out += offset
     out[nothing] = NEG_INF
     return out
+
+
+def _finish_lse(sums: np.ndarray, offset: np.ndarray, top: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore"):
+        out = np.log(sums) + offset
+    out[top == NEG_INF] = NEG_INF
+    return out.astype(np.float32)
+
+
+def logsumexp_shared(
+    natural: np.ndarray, top: np.ndarray, others: list[np.ndarray], tops: list[np.ndarray]
+) -> tuple[np.ndarray, list[np.ndarray]]:
+    """:func:`logsumexp_rows` of ``natural`` and of each of ``others`` (same shape; ``top``/``tops`` the rows'
+    maxima), with one ``exp`` pass instead of one per stage where it can.
+
+    A stage that only masks the natural row (each entry equal to the natural
+    one or ``-inf``: what a constraint does) has as its sum the natural
+    exponentials of the tokens it allows; those rows take that sum (equal
+    to the direct one within float32 rounding), the others their own pass.
+    A row whose best allowed token is far below the natural best (more than
+    40 nats, where the -80 clamp could matter) also takes its own pass.
+    """
+    t, v = natural.shape
+    offset = np.where(np.isfinite(top), top, 0.0).astype(np.float32)
+    sums = np.empty(t, dtype=np.float32)
+    other_sums = [np.empty(t, dtype=np.float32) for _ in others]
+    same = [np.empty(t, dtype=bool) for _ in others]
+    per = max(1, min(t, _LSE_ROWS))
+    terms, kept = np.empty((per, v), dtype=np.float32), np.empty((per, v), dtype=np.float32)
+    allowed, differ = np.empty((per, v), dtype=bool), np.empty((per, v), dtype=bool)
+    for a in range(0, t, per):
+        rows = natural[a : a + per]
+        k = rows.shape[0]
+        e, w, m, d = terms[:k], kept[:k], allowed[:k], differ[:k]
+        np.subtract(rows, offset[a : a + per, None], out=e)
+        np.maximum(e, EXP_FLOOR, out=e)
+        np.exp(e, out=e)
+        sums[a : a + per] = e.sum(axis=1, dtype=np.float32)
+        for j, other in enumerate(others):
+            o = other[a : a + per]
+            np.greater(o, NEG_INF, out=m)
+            np.not_equal(o, rows, out=d)
+            np.logical_and(d, m, out=d)
+            same[j][a : a + per] = ~d.any(axis=1)
+            np.multiply(e, m, out=w)
+            other_sums[j][a : a + per] = w.sum(axis=1, dtype=np.float32)
+    results = []
+    for j, other in enumerate(others):
+        top_o = tops[j]
+        with np.errstate(invalid="ignore"):
+            ok = same[j] & np.isfinite(top) & ((top_o - offset > -40.0) | (top_o == NEG_INF))
+        lse = _finish_lse(other_sums[j], offset, top_o)
+        if not ok.all():
+            rest = np.nonzero(~ok)[0]
+            lse[rest] = logsumexp_rows(other[rest], top_o[rest])
+        results.append(lse)
+    return _finish_lse(sums, offset, top), results
 
 
 def masked(natural: np.ndarray, constrained: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
