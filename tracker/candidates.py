@@ -184,7 +184,9 @@ def _top_candidates_grouped(
         answered &= np.isfinite(threshold) & ~np.isnan(gmax_n).any(axis=1)
         threshold = np.where(answered, threshold, np.inf).astype(np.float32)
         extra_owner, extra_cols = entries_at_least(a_n, gmax_n, threshold)
-        new = (a_c[extra_owner, extra_cols] > NEG_INF) & ~np.isin(extra_owner * v + extra_cols, owner * v + cols)
+        # listed already exactly when the constrained value reaches the k-th best (every such entry was kept above)
+        at = a_c[extra_owner, extra_cols]
+        new = (at > NEG_INF) & (at < kth[extra_owner])
         extra_owner, extra_cols = extra_owner[new], extra_cols[new]
         values = a_n[extra_owner, extra_cols]
         order = np.lexsort((extra_cols, -values, extra_owner))  # best natural first, as a top-k lists them
