@@ -171,35 +171,35 @@ class Analysis(Passes):
         wanted = self._positions(positions, sel)
         display = self.vocab.display
         ids_all, counts = top["ids"].tolist(), top["count"].tolist()
-        columns = {name: top[name].tolist() for name in ("natural_prob", "constrained_prob", "natural_logit", "constrained_logit")}
+        pn, pc = top["natural_prob"].tolist(), top["constrained_prob"].tolist()
+        ln, lc = top["natural_logit"].tolist(), top["constrained_logit"].tolist()
         chosen = sel.chosen.tolist()
-        nonfinite = self._nonfinite(sel)
-        counts_nan = self._nan_counts(sel)
+        nonfinite = self._nonfinite(sel).tolist()
+        counts_nan = {stage: [_count(c) for c in values.tolist()] for stage, values in self._nan_counts(sel).items()}
         results = []
         for pos in wanted:
             i = where.get(pos)
             if i is None:
                 continue
-            tokens = []
-            for j in range(counts[i]):
-                token_id = ids_all[i][j]
-                entry: dict[str, Any] = {
-                    "token": display[token_id],
-                    "unstructured_prob": columns["natural_prob"][i][j],
-                    "structured_prob": columns["constrained_prob"][i][j],
-                }
-                if include_logits:
-                    entry["unstructured_logit"] = columns["natural_logit"][i][j]
-                    entry["structured_logit"] = columns["constrained_logit"][i][j]
-                entry["is_chosen"] = token_id == chosen[i]
-                tokens.append(entry)
+            n, mine = counts[i], chosen[i]
+            if include_logits:
+                tokens = [
+                    {"token": display[t], "unstructured_prob": a, "structured_prob": b,
+                     "unstructured_logit": c, "structured_logit": d, "is_chosen": t == mine}
+                    for t, a, b, c, d in zip(ids_all[i][:n], pn[i], pc[i], ln[i], lc[i])
+                ]
+            else:
+                tokens = [
+                    {"token": display[t], "unstructured_prob": a, "structured_prob": b, "is_chosen": t == mine}
+                    for t, a, b in zip(ids_all[i][:n], pn[i], pc[i])
+                ]
             results.append(
                 {
                     "position": pos,
                     "text_so_far": texts[min(i, len(texts) - 1)],
                     "tokens": tokens,
-                    "nonfinite": bool(nonfinite[i]),
-                    "nan_count": {stage: _count(counts_nan[stage][i]) for stage in self.stages},
+                    "nonfinite": nonfinite[i],
+                    "nan_count": {stage: counts_nan[stage][i] for stage in self.stages},
                 }
             )
         return results
