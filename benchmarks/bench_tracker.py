@@ -41,8 +41,8 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pandas as pd
@@ -160,7 +160,7 @@ def per_step_overheads(vocab: int, steps: int, repeats: int) -> dict[str, float]
                 totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
         for name, total in totals.items():
             best[name] = min(best.get(name, float("inf")), total / steps)
-        finish.append(timed(lambda: fresh_tracker.finish(ids_all[:, : 4 + steps])) / steps)
+        finish.append(timed(lambda t=fresh_tracker: t.finish(ids_all[:, : 4 + steps])) / steps)
         del variants, fresh_tracker
     base = best.pop("bare processor")
     out = {name: value - base for name, value in best.items()}
@@ -223,7 +223,15 @@ def straightforward_dataframe(natural, constrained, chosen, vocab_text, min_valu
         best = np.maximum(u, s)
         order = np.argsort(best)[::-1]  # most likely first, as a reader wants them
         for i in order[: int((best >= min_value).sum())]:
-            rows.append({"position": pos, "token": vocab_text[i], "natural": u[i], "constrained": s[i], "chosen": int(i) == chosen[pos]})
+            rows.append(
+                {
+                    "position": pos,
+                    "token": vocab_text[i],
+                    "natural": u[i],
+                    "constrained": s[i],
+                    "chosen": int(i) == chosen[pos],
+                }
+            )
     return pd.DataFrame(rows)
 
 
@@ -317,23 +325,31 @@ def long_run(vocab: int, steps: int) -> None:
     files = sorted(folder.glob("chunk-*.arrow")) if folder is not None else []
     on_disk = sum(f.stat().st_size for f in files)
     block = min(1000, max(1, steps // 10))
-    print(f"{steps} steps, vocabulary {vocab}, float32, memory_limit {recorder.memory_limit / 2**30:.1f} GiB, "
-          f"chunk {chunk / 2**20:.1f} MiB")
+    print(
+        f"{steps} steps, vocabulary {vocab}, float32, memory_limit {recorder.memory_limit / 2**30:.1f} GiB, "
+        f"chunk {chunk / 2**20:.1f} MiB"
+    )
     print(f"{'steps':<16}{'ms per step':>12}")
     means = [times[a : a + block].mean() for a in range(0, steps, block)]
     for i, value in enumerate(means):
         print(f"{i * block:>6}-{min(steps, (i + 1) * block) - 1:<9}{value * 1e3:>12.3f}")
     print(f"last {block} / first {block} steps: {means[-1] / means[0]:.2f}x (goal: at most 1.5x)")
     print(f"finish() and the last chunks to disk: {finish:.2f} s")
-    print(f"chunks: {len(recorder._chunks)}, spilled {recorder.chunks_spilled}, chunk writes {recorder.chunk_writes}, "
-          f"files {len(files)} (goal: writes == spilled)")
+    print(
+        f"chunks: {len(recorder._chunks)}, spilled {recorder.chunks_spilled}, chunk writes {recorder.chunk_writes}, "
+        f"files {len(files)} (goal: writes == spilled)"
+    )
     print(f"spilled_bytes {recorder.spilled_bytes / 2**30:.2f} GiB, on disk {on_disk / 2**30:.2f} GiB")
     limit = (recorder.memory_limit or 0) + 2 * chunk
-    print(f"peak RSS over the process's start: {peak / 2**30:.2f} GiB; bound + 2 chunks {limit / 2**30:.2f} GiB "
-          f"({'within' if peak <= limit else 'OVER'})")
-    print(f"rows held in memory at most {rows_peak / 2**30:.3f} GiB (sampled every 16 steps; "
-          f"bound + 2 chunks {limit / 2**30:.3f} GiB); the rest of the RSS "
-          "is the process's own (the logits pool, the spill writer's batches, allocator caches)")
+    print(
+        f"peak RSS over the process's start: {peak / 2**30:.2f} GiB; bound + 2 chunks {limit / 2**30:.2f} GiB "
+        f"({'within' if peak <= limit else 'OVER'})"
+    )
+    print(
+        f"rows held in memory at most {rows_peak / 2**30:.3f} GiB (sampled every 16 steps; "
+        f"bound + 2 chunks {limit / 2**30:.3f} GiB); the rest of the RSS "
+        "is the process's own (the logits pool, the spill writer's batches, allocator caches)"
+    )
     for warning in caught[:1]:
         print(f"notice: {warning.message}")
     tracker.clear()
@@ -342,7 +358,9 @@ def long_run(vocab: int, steps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default 512; 10,000 with --long)")
-    parser.add_argument("--vocab", type=int, nargs="+", default=None, help="vocabulary sizes (default 32768 131072; 131072 with --long)")
+    parser.add_argument(
+        "--vocab", type=int, nargs="+", default=None, help="vocabulary sizes (default 32768 131072; 131072 with --long)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--long", action="store_true", help="one long run with the default memory bound")
     args = parser.parse_args()

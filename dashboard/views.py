@@ -17,8 +17,9 @@ top-k storage gives exact values for the tokens it kept.
 from __future__ import annotations
 
 import codecs
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Literal
 
 import numpy as np
 import pandas as pd
@@ -26,13 +27,11 @@ import pandas as pd
 import tracker
 from dashboard.reader import StageRow, StepRow
 from dashboard.threads import one_torch_thread
-from processors.vocab import Vocabulary
-from tracker.compare import (
-    first_divergence,  # one definition, shared with tracker.compare
-)
-from tracker.display import (
-    token_label,  # one definition, shared with the notebook display
-)
+from tracker import Vocabulary, metrics
+from tracker.block import Block, read_as_recorded
+from tracker.compare import first_divergence  # one definition, shared with tracker.compare
+from tracker.display import token_label  # one definition, shared with the notebook display
+from tracker.rows import nonfinite_rows
 
 __all__ = [
     "COLOR_METRICS",
@@ -117,7 +116,7 @@ def _candidates(row: StepRow, k: int) -> np.ndarray:
             top = np.argpartition(-np.nan_to_num(logits, nan=-np.inf), kk - 1)[:kk]
             found.append(top[logits[top] > -np.inf])
         elif stage.ids is not None and stage.values is not None:
-            found.append(stage.ids[: k][stage.values[: k] > -np.inf])
+            found.append(stage.ids[:k][stage.values[:k] > -np.inf])
     if row.chosen >= 0:
         found.append(np.array([row.chosen]))
     return np.unique(np.concatenate(found)).astype(np.int64) if found else np.zeros(0, np.int64)
@@ -137,7 +136,9 @@ def step_table(row: StepRow, vocab: Vocabulary, k: int = 10) -> pd.DataFrame:
         raise ValueError(f"k must be an int >= 1, got {k!r}")
     ids = _candidates(row, k)
     stages = list(row.stages)
-    natural_known = _natural_topk_values(row) if row.stages.get("natural") and row.stages["natural"].logits is None else {}
+    natural_known = (
+        _natural_topk_values(row) if row.stages.get("natural") and row.stages["natural"].logits is None else {}
+    )
     columns: dict[str, object] = {}
     probs = []
     for name in stages:
@@ -188,38 +189,40 @@ class StepSummary:
     processor_error: bool = False
 
 
-def _entropy(logits: np.ndarray, lse: float) -> float:
-    finite = logits[logits > -np.inf].astype(np.float64)
-    p = np.exp(finite - lse)
-    return float(-(p * (finite - lse)).sum())
+def _block(stage: StageRow) -> Block:
+    """One stage's row as the tracker's metrics read it (a full row as the record reads it, or the stored top-k)."""
+    lse = np.array([stage.lse], dtype=np.float32)
+    if stage.logits is not None:
+        values = np.asarray(stage.logits, dtype=np.float32)[None, :]
+        return Block(read_as_recorded(values, nonfinite_rows(values), None), lse)
+    ids = np.zeros((1, 0), np.int64) if stage.ids is None else np.asarray(stage.ids, dtype=np.int64)[None, :]
+    values = (
+        np.zeros((1, 0), np.float32) if stage.values is None else np.asarray(stage.values, dtype=np.float32)[None, :]
+    )
+    return Block(values, lse, ids, np.array([stage.allowed]))
 
 
 def step_summary(row: StepRow, vocab: Vocabulary) -> StepSummary:
-    """Allowed tokens, removed mass, each stage's entropy and chosen-token probability at one step."""
-    entropy: dict[str, float] = {}
-    p_chosen: dict[str, float] = {}
-    for name, stage in row.stages.items():
-        if stage.logits is not None:
-            entropy[name] = _entropy(stage.logits, stage.lse)
-            p_chosen[name] = float(np.exp(stage.logits[row.chosen] - stage.lse)) if row.chosen >= 0 else float("nan")
-        else:
-            entropy[name] = float("nan")
-            hit = stage.ids is not None and row.chosen in stage.ids.tolist()
-            value = stage.values[stage.ids.tolist().index(row.chosen)] if hit else np.nan  # type: ignore[union-attr]
-            p_chosen[name] = float(np.exp(value - stage.lse)) if hit else float("nan")
+    """Allowed tokens, removed mass, each stage's entropy and chosen-token probability at one step
+    (the tracker's metrics, :mod:`tracker.metrics`, on this one row)."""
+    blocks = {name: _block(stage) for name, stage in row.stages.items()}
+    chosen = np.array([row.chosen])
+    entropy = {name: float(metrics.entropy(block)[0]) for name, block in blocks.items()}
+    p_chosen = {name: float(metrics.chosen(block, chosen)[0][0]) for name, block in blocks.items()}
     natural = row.stages.get("natural")
     constrained = row.stages.get("constrained")
     removed = float("nan")
     allowed = natural.allowed if natural is not None else 0
     if constrained is not None and constrained.recorded:
         allowed = constrained.allowed
-        if natural is not None and natural.logits is not None and constrained.logits is not None:
-            kept = natural.logits[constrained.logits > -np.inf].astype(np.float64)
-            removed = float(np.clip(1.0 - np.exp(kept - natural.lse).sum(), 0.0, 1.0))
+        if natural is not None:
+            removed = float(metrics.removed_mass(blocks["natural"], blocks["constrained"])[0])
     elif constrained is None:
         removed = 0.0
     token = vocab.display[row.chosen] if row.chosen >= 0 else ""
-    return StepSummary(row.step, row.chosen, token, int(allowed), vocab.size, removed, entropy, p_chosen, row.processor_error)
+    return StepSummary(
+        row.step, row.chosen, token, int(allowed), vocab.size, removed, entropy, p_chosen, row.processor_error
+    )
 
 
 # ---------------------------------------------------------------- a window of steps
@@ -301,7 +304,11 @@ def _window_view(run: tracker.Run, generation: int, sequence: int, alternatives:
     for name, matrix in by_stage.items():
         alt[f"{name}_prob"] = matrix[rows, flat] if rows.size else np.zeros(0)
     ranked = [_top_ids(m, heat_tokens) for m in by_stage.values()] if natural.size else []
-    pool = np.unique(np.concatenate([r.reshape(-1) for r in ranked] + [chosen[chosen >= 0]])) if ranked else np.zeros(0, np.int64)
+    pool = (
+        np.unique(np.concatenate([r.reshape(-1) for r in ranked] + [chosen[chosen >= 0]]))
+        if ranked
+        else np.zeros(0, np.int64)
+    )
     if pool.size:
         peak = np.max(np.stack([np.nan_to_num(m[:, pool], nan=0.0).max(axis=0) for m in by_stage.values()]), axis=0)
         is_chosen = np.isin(pool, chosen)
@@ -310,7 +317,9 @@ def _window_view(run: tracker.Run, generation: int, sequence: int, alternatives:
         pool = pool[np.argsort(-natural[:, pool].max(axis=0), kind="stable")] if natural.shape[0] else pool
     labels = _unique_labels(pool, vocab)
     heat = {
-        name: pd.DataFrame(matrix[:, pool].T if pool.size else np.zeros((0, positions.size)), index=labels, columns=positions)
+        name: pd.DataFrame(
+            matrix[:, pool].T if pool.size else np.zeros((0, positions.size)), index=labels, columns=positions
+        )
         for name, matrix in by_stage.items()
     }
     label_of = dict(zip(pool.tolist(), labels))
@@ -343,5 +352,7 @@ def aligned(
     left = a[["position", *[c for c in columns if c in a.columns]]]
     right = b[["position", *[c for c in columns if c in b.columns]]]
     merged = left.merge(right, on="position", how="outer", suffixes=("_a", "_b")).sort_values("position")
-    merged["same"] = merged["chosen_id_a"].astype("Int64").eq(merged["chosen_id_b"].astype("Int64")).fillna(False).astype(bool)
+    merged["same"] = (
+        merged["chosen_id_a"].astype("Int64").eq(merged["chosen_id_b"].astype("Int64")).fillna(False).astype(bool)
+    )
     return merged.reset_index(drop=True)

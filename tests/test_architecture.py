@@ -7,7 +7,6 @@ function), so a cycle hidden in a function body counts too.
 from __future__ import annotations
 
 import ast
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -135,5 +134,9 @@ def test_packages_import_one_way(package):
 
 
 def test_no_module_over_500_lines():
-    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    long = {
+        name: n
+        for name, path in MODULES.items()
+        if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+    }
     assert long == {}

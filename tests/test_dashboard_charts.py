@@ -65,17 +65,26 @@ def test_top_k_storage_says_which_values_it_did_not_keep(tmp_path):
     np.testing.assert_allclose(by_token.loc["c", "natural_prob"], 0.12, rtol=1e-5)
 
 
-def test_step_summary_matches_the_trackers_statistics(reader):
+def test_step_summary_matches_a_float64_reference(reader):
     track = reader.track(0, 0)
-    stats = reader.window(track, 0, track.length).stats(generation=0, sequence=0)
     for position in range(track.length):
-        summary = views.step_summary(reader.step(track, position), reader.vocab)
-        row = stats.iloc[position]
-        assert summary.chosen_token == row["chosen_token"]
-        assert math.isclose(summary.removed_mass, row["removed_mass"], rel_tol=1e-5, abs_tol=1e-7)
-        assert math.isclose(summary.entropy["natural"], row["entropy_natural"], rel_tol=1e-5)
-        assert math.isclose(summary.p_chosen["constrained"], row["p_chosen_constrained"], rel_tol=1e-5)
-        assert summary.allowed == row["allowed"]
+        row = reader.step(track, position)
+        summary = views.step_summary(row, reader.vocab)
+        natural = np.log(PROBS[position].astype(np.float64))
+        constrained = natural.copy()
+        if position == 0:
+            constrained[0] = -np.inf
+        p_nat = np.exp(natural - np.log(np.exp(natural).sum()))
+        p_con = np.exp(constrained - np.log(np.exp(constrained).sum()))
+        chosen = int(track.chosen[position])
+        assert summary.chosen_token == TOKENS[chosen]
+        assert summary.allowed == int(np.isfinite(constrained).sum())
+        assert math.isclose(summary.removed_mass, p_nat[~np.isfinite(constrained)].sum(), rel_tol=1e-5, abs_tol=1e-7)
+        assert math.isclose(summary.entropy["natural"], -(p_nat * np.log(p_nat)).sum(), rel_tol=1e-5)
+        kept = p_con[p_con > 0]
+        assert math.isclose(summary.entropy["constrained"], -(kept * np.log(kept)).sum(), rel_tol=1e-5)
+        assert math.isclose(summary.p_chosen["natural"], p_nat[chosen], rel_tol=1e-5)
+        assert math.isclose(summary.p_chosen["constrained"], p_con[chosen], rel_tol=1e-5)
 
 
 def test_window_view_gives_stats_alternatives_and_a_heat_matrix(reader):
@@ -119,12 +128,21 @@ def test_step_bars_draw_each_stage_mark_the_masked_token_and_the_chosen_one(tabl
 
 
 def test_tokens_the_sampler_cut_are_marked_apart_from_those_the_constraint_masked():
-    table = pd.DataFrame({
-        "token_id": [0, 1], "token": ["x", "y"], "label": ["x", "y"], "chosen": [True, False],
-        "natural_logit": [0.0, -1.0], "natural_prob": [0.7, 0.3], "natural_state": ["kept", "kept"],
-        "sampled_logit": [0.0, -np.inf], "sampled_prob": [1.0, 0.0], "sampled_state": ["kept", "masked"],
-        "removed_by": ["", "sampled"],
-    })
+    table = pd.DataFrame(
+        {
+            "token_id": [0, 1],
+            "token": ["x", "y"],
+            "label": ["x", "y"],
+            "chosen": [True, False],
+            "natural_logit": [0.0, -1.0],
+            "natural_prob": [0.7, 0.3],
+            "natural_state": ["kept", "kept"],
+            "sampled_logit": [0.0, -np.inf],
+            "sampled_prob": [1.0, 0.0],
+            "sampled_state": ["kept", "masked"],
+            "removed_by": ["", "sampled"],
+        }
+    )
     fig = charts.step_bars(table, ["natural", "sampled"])
     cut = fig.data[-1]
     assert cut.name == "cut by the sampler" and list(cut.text) == ["cut"] and cut.x[0] > 1.0
@@ -152,15 +170,25 @@ def test_timelines_have_one_panel_per_statistic_and_mark_the_current_step(reader
     eos = [t for t in fig.data if t.yaxis == "y5"]
     assert len(eos) == 2 and eos[0].y[2] == pytest.approx(0.7, rel=1e-5)
     assert [a.text for a in fig.layout.annotations][:5] == [
-        "entropy (nats)", "chosen token's probability", "mass removed by the constraint",
-        "margin: best token − best allowed (nats)", "end-of-sequence probability",
+        "entropy (nats)",
+        "chosen token's probability",
+        "mass removed by the constraint",
+        "margin: best token − best allowed (nats)",
+        "end-of-sequence probability",
     ]
     assert any(s.type == "line" and s.x0 == 1 for s in fig.layout.shapes)
 
 
 def test_timelines_say_when_the_storage_cannot_tell(reader):
-    stats = pd.DataFrame({"position": [0, 1], "chosen_token": ["a", "b"], "entropy_natural": [np.nan, np.nan],
-                          "p_chosen_natural": [0.5, 0.4], "removed_mass": [np.nan, np.nan]})
+    stats = pd.DataFrame(
+        {
+            "position": [0, 1],
+            "chosen_token": ["a", "b"],
+            "entropy_natural": [np.nan, np.nan],
+            "p_chosen_natural": [0.5, 0.4],
+            "removed_mass": [np.nan, np.nan],
+        }
+    )
     fig = charts.timelines(stats, ["natural", "constrained"])  # a constrained run: it has the constraint's panels
     notes = [a.text for a in fig.layout.annotations]
     assert notes.count("not known in this run's storage") == 2 and notes.count("not recorded") == 2
@@ -176,8 +204,14 @@ def test_heatmap_shows_the_matrix_and_circles_the_chosen_tokens():
 
 
 def test_compare_timelines_draw_both_runs_and_the_divergence():
-    a = pd.DataFrame({"position": [0, 1, 2], "chosen_token": ["x", "y", "z"], "p_chosen_natural": [0.9, 0.8, 0.7],
-                      "entropy_natural": [1.0, 1.1, 1.2]})
+    a = pd.DataFrame(
+        {
+            "position": [0, 1, 2],
+            "chosen_token": ["x", "y", "z"],
+            "p_chosen_natural": [0.9, 0.8, 0.7],
+            "entropy_natural": [1.0, 1.1, 1.2],
+        }
+    )
     b = a.assign(p_chosen_natural=[0.9, 0.1, 0.2])
     fig = charts.compare_timelines(a, b, labels=("greedy", "hot"), divergence=1)
     assert [t.name for t in fig.data] == ["greedy", "greedy", "hot", "hot"]
@@ -190,8 +224,9 @@ def test_token_text_colours_each_token_and_puts_alternatives_on_hover(reader):
     view = views.window_view(reader.window(track, 0, 3), 0, 0, alternatives=2)
     hovers = text.token_hovers(view, ["natural", "constrained"])
     assert hovers[0].startswith("step 0: chose ␣b") and "(masked)" in hovers[0] and "removed 50.0%" in hovers[0]
-    html = text.token_text_html(view.tokens, view.stats["p_chosen_natural"].to_numpy(), "p_chosen_natural",
-                                hovers=hovers, prompt="<a>")
+    html = text.token_text_html(
+        view.tokens, view.stats["p_chosen_natural"].to_numpy(), "p_chosen_natural", hovers=hovers, prompt="<a>"
+    )
     assert html.count('class="tok"') == 3 and "&lt;a&gt;" in html and "&lt;eos&gt;" in html
     assert "rgba(228,87,86,0.680)" in html  # p = 0.2: strong colour
     assert 'title="step 0: chose' in html
@@ -201,8 +236,13 @@ def test_token_text_colours_each_token_and_puts_alternatives_on_hover(reader):
 
 @pytest.mark.parametrize(
     "column, value, expected",
-    [("p_chosen_natural", 0.9, 0.1), ("rank_chosen_natural", 0, 0.0), ("rank_chosen_natural", 100, 1.0),
-     ("removed_mass", 0.25, 0.25), ("p_chosen_natural", float("nan"), 0.0)],
+    [
+        ("p_chosen_natural", 0.9, 0.1),
+        ("rank_chosen_natural", 0, 0.0),
+        ("rank_chosen_natural", 100, 1.0),
+        ("removed_mass", 0.25, 0.25),
+        ("p_chosen_natural", float("nan"), 0.0),
+    ],
 )
 def test_colour_intensity(column, value, expected):
     assert text.intensity(column, value) == pytest.approx(expected)

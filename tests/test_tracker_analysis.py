@@ -58,7 +58,10 @@ def test_get_top_tokens_matches_a_float64_reference():
             pc = torch.softmax(con[s, t], 0)
             score = torch.where(torch.isfinite(con[s, t]), torch.maximum(pn, pc), -1.0)
             ref = torch.argsort(score, descending=True)[:6].tolist()
-            got_ids = [int(np.argmax([tracker.run.vocab.display[i] == tok["token"] for i in range(V)])) for tok in entry["tokens"]]
+            got_ids = [
+                int(np.argmax([tracker.run.vocab.display[i] == tok["token"] for i in range(V)]))
+                for tok in entry["tokens"]
+            ]
             assert got_ids == ref
             for tok, i in zip(entry["tokens"], ref):
                 assert tok["unstructured_prob"] == pytest.approx(float(pn[i]), rel=1e-5, abs=1e-9)
@@ -223,3 +226,31 @@ def test_topk_storage_answers_from_the_stored_values():
     assert np.isnan(logits).sum(axis=1).tolist() == [V - 5] * 12
     frame = tracker.to_dataframe(min_value=0.05)
     assert (frame["natural"] >= 0.05).any()
+
+
+def test_the_query_modules_import_no_torch(tmp_path):
+    """The read side's maths and queries load where torch, transformers and llguidance cannot be imported."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = f"""
+import importlib.abc, sys, types
+class Blocked(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("torch", "transformers", "llguidance"):
+            raise ImportError("blocked: " + name)
+sys.meta_path.insert(0, Blocked())
+package = types.ModuleType("tracker")  # the modules alone, not the package's public surface
+package.__path__ = [{str(root / "tracker")!r}]
+sys.modules["tracker"] = package
+import numpy as np
+from tracker import analysis, block, candidates, metrics, passes, rows, selection, stages
+x = np.random.default_rng(0).standard_normal((3, 5000)).astype(np.float32)
+values, ids = rows.topk_rows(x, 4)
+assert (values[:, 0] == x.max(axis=1)).all()
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

@@ -1,128 +1,232 @@
-"""The analysis maths on small tensors, against float64 references."""
+"""The read side's row maths (numpy) on small arrays, against float64 or whole-row references."""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
-import torch
+import pytest
 
-from tracker import compute
+from tracker import candidates, metrics, rows
+from tracker.block import Block
 
 NEG_INF = float("-inf")
 
 
-def test_logsumexp_rows_matches_torch_for_masks_biases_and_edge_rows():
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(6, 50, generator=gen) * 4
-    x[0, ::2] = NEG_INF
-    x[1, :] = NEG_INF  # nothing allowed
-    x[2, 7] += 200.0  # one dominant token
-    x[3, 3] = float("nan")
-    x[4, 9] = float("inf")
-    got = compute.logsumexp_rows(x, torch.empty(8, 50))
-    ref = torch.logsumexp(x.double(), 1)
-    torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-5, equal_nan=True)
-    assert got[1] == NEG_INF and torch.isnan(got[3]) and got[4] == float("inf")
+def _logsumexp64(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    top = np.max(x, axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        shift = np.where(np.isfinite(top), top, 0.0)
+        return (np.log(np.exp(x - shift).sum(axis=1, keepdims=True)) + shift)[:, 0]
 
 
-def test_masked_keeps_allowed_natural_logits_and_masks_the_rest():
-    gen = torch.Generator().manual_seed(3)
-    natural = torch.randn(4, 30, generator=gen)
-    constrained = (natural + 1.0).masked_fill(torch.rand(4, 30, generator=gen) < 0.5, NEG_INF)
-    expected = torch.where(constrained > NEG_INF, natural, NEG_INF)
-    assert torch.equal(compute.masked(natural, constrained), expected)
-
-
-def test_top_allowed_ranks_by_the_larger_probability_and_skips_masked():
-    gen = torch.Generator().manual_seed(1)
-    natural = torch.randn(5, 40, generator=gen) * 3
-    constrained = natural.masked_fill(torch.rand(5, 40, generator=gen) < 0.6, NEG_INF)
-    constrained[:, 5] += 2.0
-    constrained[4, :] = NEG_INF
-    constrained[4, 9] = 0.0  # one allowed token
-    ln, lc = torch.logsumexp(natural, 1), torch.logsumexp(constrained, 1)
-    top = compute.top_allowed(natural, constrained, ln, lc, 6)
-    pn, pc = natural.double().softmax(1), constrained.double().softmax(1)
-    score = torch.where(torch.isfinite(constrained), torch.maximum(pn, pc), -1.0)
-    for r in range(5):
-        n = int(top.count[r])
-        assert n == min(6, int(torch.isfinite(constrained[r]).sum()))
-        assert top.ids[r, :n].tolist() == torch.argsort(score[r], descending=True)[:n].tolist()
-
-
-def test_step_stats_without_a_constraint_remove_nothing():
-    gen = torch.Generator().manual_seed(2)
-    natural = torch.randn(4, 30, generator=gen)
-    lse = torch.logsumexp(natural, 1)
-    chosen = torch.tensor([0, 5, -1, 29])
-    stats = compute.step_stats({"natural": natural}, {"natural": lse}, chosen, [0, 1])
-    assert stats["removed_mass"].abs().max() < 1e-6 and (stats["margin"] == 0).all()
-    assert stats["allowed"].tolist() == [30] * 4
-    assert torch.isnan(stats["p_chosen_natural"][2]) and torch.isnan(stats["rank_chosen_natural"][2])
-    torch.testing.assert_close(stats["p_eos_natural"], natural.softmax(1)[:, :2].sum(1))
-
-
-def test_nonfinite_rows_flags_nan_and_plus_inf_but_not_masked_rows():
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        x = torch.zeros(5, 10, dtype=dtype)
-        x[1, 4] = float("nan")
-        x[2, 0] = float("inf")
-        x[3, :] = NEG_INF  # nothing allowed: not a storage problem
-        x[4, :5] = NEG_INF
-        x[4, 9] = float("inf")  # +inf beside -inf: the sum is NaN, the exact check decides
-        assert compute.nonfinite_rows(x).tolist() == [False, True, True, False, True]
-
-
-def test_topk_rows_equals_torch_topk_on_peaked_flat_and_masked_rows():
-    from tracker.compute import topk_rows
-
-    gen = torch.Generator().manual_seed(4)
-    peaked = torch.randn(5, 40000, generator=gen) * 2
-    peaked.scatter_add_(1, torch.randint(0, 40000, (5, 6), generator=gen), torch.rand(5, 6, generator=gen) * 6 + 8)
-    masked = peaked.clone()
-    masked[:, ::2] = float("-inf")
-    flat = torch.randn(5, 40000, generator=gen) * 1e-3
-    for rows in (peaked, masked, flat):
-        for k in (1, 10, 50):
-            got, want = topk_rows(rows, k), torch.topk(rows, k, dim=1)
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-
-
-def _rows_like_a_model(gen: torch.Generator, t: int, vocab: int) -> torch.Tensor:
-    x = torch.randn(t, vocab, generator=gen) * 2
-    x.scatter_add_(1, torch.randint(0, vocab, (t, 6), generator=gen), torch.rand(t, 6, generator=gen) * 6 + 8)
+def _model_rows(rng: np.random.Generator, t: int, vocab: int) -> np.ndarray:
+    x = rng.standard_normal((t, vocab)).astype(np.float32) * 2
+    np.add.at(
+        x, (np.repeat(np.arange(t), 6), rng.integers(0, vocab, t * 6)), rng.random(t * 6).astype(np.float32) * 6 + 8
+    )
     return x
 
 
-def test_grouped_top_allowed_and_entries_equal_the_whole_row_passes():
-    """Large rows take the group-maxima paths; they give what the whole-row passes give, edge rows included."""
-    gen = torch.Generator().manual_seed(5)
+def test_logsumexp_rows_matches_float64_for_masks_biases_and_edge_rows():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 50)).astype(np.float32) * 4
+    x[0, ::2] = NEG_INF
+    x[1, :] = NEG_INF  # nothing allowed
+    x[2, 7] += 200.0  # one dominant token
+    x[3, 3] = np.nan
+    x[4, 9] = np.inf
+    got = rows.logsumexp_rows(x)
+    np.testing.assert_allclose(got.astype(np.float64), _logsumexp64(x), rtol=1e-6, atol=1e-5, equal_nan=True)
+    assert got[1] == NEG_INF and np.isnan(got[3]) and got[4] == np.inf
+    top = x.max(axis=1)
+    np.testing.assert_array_equal(rows.logsumexp_rows(x, top), got)
+
+
+def test_logsumexp_shared_equals_float64_for_masking_and_other_stages():
+    """One exp pass for natural and the stages that only mask it; any other row still gets its exact value."""
+    rng = np.random.default_rng(6)
+    natural = (rng.standard_normal((9, 3000)) * 3).astype(np.float32)
+    masking = np.where(rng.random((9, 3000)) < 0.7, NEG_INF, natural).astype(np.float32)
+    masking[1] = NEG_INF  # nothing allowed
+    masking[2] = NEG_INF
+    masking[2, 5] = natural[2, 5] = natural[2].max() - 70.0  # only a token far below the model's best
+    masking[3] = natural[3] + 0.5  # a bias, not a mask
+    masking[4, 7] = np.nan  # a null row reads as NaN
+    natural[5, :] = np.nan
+    biased = natural * 0.5
+    top = natural.max(axis=1)
+    lse_n, (lse_m, lse_b) = rows.logsumexp_shared(
+        natural, top, [masking, biased], [masking.max(axis=1), biased.max(axis=1)]
+    )
+    for got, x in ((lse_n, natural), (lse_m, masking), (lse_b, biased)):
+        np.testing.assert_allclose(got.astype(np.float64), _logsumexp64(x), rtol=1e-6, atol=1e-5, equal_nan=True)
+    assert lse_m[1] == NEG_INF and np.isnan(lse_m[4]) and np.isnan(lse_n[5])
+
+
+def test_masked_keeps_allowed_natural_logits_and_masks_the_rest():
+    rng = np.random.default_rng(3)
+    natural = rng.standard_normal((4, 30)).astype(np.float32)
+    constrained = np.where(rng.random((4, 30)) < 0.5, NEG_INF, natural + 1.0).astype(np.float32)
+    np.testing.assert_array_equal(rows.masked(natural, constrained), np.where(constrained > NEG_INF, natural, NEG_INF))
+
+
+def test_nonfinite_rows_flags_nan_and_plus_inf_but_not_masked_rows_in_every_stored_type():
+    x = np.zeros((5, 10), dtype=np.float32)
+    x[1, 4] = np.nan
+    x[2, 0] = np.inf
+    x[3, :] = NEG_INF  # nothing allowed: not a storage problem
+    x[4, :5] = NEG_INF
+    x[4, 9] = np.inf
+    bfloat16_bits = (x.view(np.uint32) >> 16).astype(np.uint16)
+    for stored in (x, x.astype(np.float16), bfloat16_bits):
+        assert rows.nonfinite_rows(stored).tolist() == [False, True, True, False, True]
+
+
+def test_effective_reads_nan_as_masked_and_plus_inf_rows_as_one_hots():
+    x = np.array([[1.0, np.nan, 2.0], [np.inf, 3.0, np.inf]], dtype=np.float32)
+    np.testing.assert_array_equal(rows.effective(x), [[1.0, NEG_INF, 2.0], [0.0, NEG_INF, 0.0]])
+
+
+def _reference_top(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    order = np.argsort(-x.astype(np.float64), axis=1, kind="stable")[:, :k]  # ties: lower id first
+    return np.take_along_axis(x, order, axis=1), order
+
+
+def test_topk_rows_equals_a_stable_sort_on_peaked_flat_masked_and_tied_rows():
+    rng = np.random.default_rng(4)
+    peaked = _model_rows(rng, 5, 40000)
+    masked = peaked.copy()
+    masked[:, ::2] = NEG_INF
+    flat = (rng.standard_normal((5, 40000)) * 1e-3).astype(np.float32)
+    tied = np.round(peaked)  # many equal values at every rank
+    few = np.full((5, 40000), NEG_INF, dtype=np.float32)
+    few[:, :3] = 1.0  # fewer finite entries than k
+    for x in (peaked, masked, flat, tied, few):
+        for k in (1, 10, 50):
+            values, ids = rows.topk_rows(x, k)
+            want_values, want_ids = _reference_top(x, k)
+            np.testing.assert_array_equal(values, want_values)
+            np.testing.assert_array_equal(ids, want_ids)
+
+
+def _reference_best(natural, constrained, ln, lc, k):
+    """The k allowed tokens with the largest max(natural prob, constrained prob), in float64, ties by id."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        score = np.maximum(
+            np.exp(natural.astype(np.float64) - ln[:, None]), np.exp(constrained.astype(np.float64) - lc[:, None])
+        )
+    score = np.where((constrained > NEG_INF) & ~np.isnan(score), score, -1.0)
+    order = np.argsort(-score, axis=1, kind="stable")[:, :k]
+    count = (np.take_along_axis(score, order, axis=1) >= 0).sum(axis=1)
+    return order, count
+
+
+def test_best_allowed_tokens_rank_by_the_larger_probability_and_skip_masked():
+    rng = np.random.default_rng(1)
+    natural = (rng.standard_normal((5, 40)) * 3).astype(np.float32)
+    constrained = np.where(rng.random((5, 40)) < 0.6, NEG_INF, natural).astype(np.float32)
+    constrained[:, 5] += 2.0
+    constrained[4, :] = NEG_INF
+    constrained[4, 9] = 0.0  # one allowed token
+    ln, lc = rows.logsumexp_rows(natural), rows.logsumexp_rows(constrained)
+    found = candidates.top_candidates(natural, constrained, ln, lc, 6)
+    ids, count, _, _ = candidates.best_candidates(found, ln, lc, 6)
+    want_ids, want_count = _reference_best(natural, constrained, _logsumexp64(natural), _logsumexp64(constrained), 6)
+    np.testing.assert_array_equal(count, want_count)
+    for r in range(5):
+        assert ids[r, : count[r]].tolist() == want_ids[r, : count[r]].tolist()
+
+
+def test_grouped_searches_equal_whole_row_references_edge_rows_included():
+    """Large rows take the group-maxima paths; they give what a whole-row float64 reference gives."""
+    rng = np.random.default_rng(5)
     for vocab in (4096, 40000):  # 40000: columns past the last group, and groups past the last super group
-        natural = _rows_like_a_model(gen, 8, vocab)
-        halves = natural.masked_fill(torch.rand(8, vocab, generator=gen) < 0.5, NEG_INF)
-        sparse = natural.masked_fill(torch.rand(8, vocab, generator=gen) < 0.999, NEG_INF)
-        boosted = natural + torch.where(torch.rand(8, vocab, generator=gen) < 0.01, 5.0, 0.0)
-        edge = halves.clone()
+        natural = _model_rows(rng, 8, vocab)
+        halves = np.where(rng.random((8, vocab)) < 0.5, NEG_INF, natural).astype(np.float32)
+        sparse = np.where(rng.random((8, vocab)) < 0.999, NEG_INF, natural).astype(np.float32)
+        boosted = natural + np.where(rng.random((8, vocab)) < 0.01, 5.0, 0.0).astype(np.float32)
+        edge = halves.copy()
         edge[0] = NEG_INF  # nothing allowed
         edge[1] = NEG_INF
         edge[1, :3] = 1.0  # fewer allowed than k
-        edge[2, 7] = float("nan")
+        edge[2, 7] = np.nan
         for constrained in (halves, sparse, boosted, natural / 50, edge, natural):
-            ln = torch.logsumexp(natural, 1)
-            lc = torch.logsumexp(torch.nan_to_num(constrained, nan=NEG_INF), 1)
+            ln = rows.logsumexp_rows(natural)
+            lc = rows.logsumexp_rows(np.where(np.isnan(constrained), NEG_INF, constrained).astype(np.float32))
             for k in (1, 10):
-                got = compute.top_allowed(natural, constrained, ln, lc, k)
-                dense = compute._top_candidates_dense(natural, constrained, ln, lc, k)
-                want = compute.best_candidates(dense, ln, lc, k)[0]
-                assert torch.equal(got.count, want.count)
+                found = candidates.top_candidates(natural, constrained, ln, lc, k)
+                ids, count, _, _ = candidates.best_candidates(found, ln, lc, k)
+                want_ids, want_count = _reference_best(natural, constrained, ln, lc, k)
+                np.testing.assert_array_equal(count, want_count)
                 for r in range(8):
-                    n = int(want.count[r])
-                    assert got.ids[r, :n].tolist() == want.ids[r, :n].tolist()
+                    assert ids[r, : count[r]].tolist() == want_ids[r, : count[r]].tolist()
             for min_value in (0.01, 1e-6):
-                slack = math.log(min_value) - 1e-4
-                rows, ids = compute.entries_above(natural, constrained, ln + slack, lc + slack)
-                margin = np.maximum(natural.numpy() - (ln + slack).numpy()[:, None],
-                                    constrained.numpy() - (lc + slack).numpy()[:, None])
+                slack = np.float32(math.log(min_value) - 1e-4)
+                got_rows, got_ids = candidates.entries_above(natural, constrained, ln + slack, lc + slack)
+                with np.errstate(invalid="ignore"):
+                    margin = np.maximum(natural - (ln + slack)[:, None], constrained - (lc + slack)[:, None])
                 want_rows, want_ids = np.nonzero(margin >= 0)
-                assert np.array_equal(rows.numpy(), want_rows) and np.array_equal(ids.numpy(), want_ids)
+                np.testing.assert_array_equal(got_rows, want_rows)
+                np.testing.assert_array_equal(got_ids, want_ids)
+
+
+def test_step_metrics_match_float64_references_in_full_and_top_k_blocks():
+    rng = np.random.default_rng(2)
+    natural = (rng.standard_normal((4, 30)) * 2).astype(np.float32)
+    constrained = np.where(rng.random((4, 30)) < 0.4, NEG_INF, natural + 0.5).astype(np.float32)
+    chosen = np.array([0, 5, -1, 29])
+    eos = [0, 1]
+    ln, lc = _logsumexp64(natural), _logsumexp64(constrained)
+    full = {"natural": Block(natural, ln.astype(np.float32)), "constrained": Block(constrained, lc.astype(np.float32))}
+    got = metrics.step_metrics(full, chosen, eos)
+    for name, x, lse in (("natural", natural, ln), ("constrained", constrained, lc)):
+        p = np.exp(x.astype(np.float64) - lse[:, None])
+        with np.errstate(invalid="ignore", divide="ignore"):
+            entropy = -np.nansum(np.where(p > 0, p * np.log(p), 0.0), axis=1)
+        np.testing.assert_allclose(got[f"entropy_{name}"], entropy, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got[f"p_eos_{name}"], p[:, eos].sum(axis=1), rtol=1e-6)
+        for r in (0, 1, 3):
+            assert math.isclose(got[f"p_chosen_{name}"][r], p[r, chosen[r]], rel_tol=1e-6, abs_tol=1e-12)
+            assert got[f"rank_chosen_{name}"][r] == (x[r] > x[r, chosen[r]]).sum()
+        assert np.isnan(got[f"p_chosen_{name}"][2]) and np.isnan(got[f"rank_chosen_{name}"][2])
+    allowed = constrained > NEG_INF
+    np.testing.assert_array_equal(got["allowed"], allowed.sum(axis=1))
+    p_nat = np.exp(natural.astype(np.float64) - ln[:, None])
+    np.testing.assert_allclose(got["removed_mass"], np.where(allowed, 0.0, p_nat).sum(axis=1), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(got["margin"], natural.max(axis=1) - np.where(allowed, natural, NEG_INF).max(axis=1))
+    # top-k storage of the same rows: the stored tokens answer what they can, the rest is NaN
+    k = 5
+    ids = np.argsort(-constrained, axis=1, kind="stable")[:, :k]
+    topk = {
+        "natural": Block(np.take_along_axis(natural, ids, 1), ln.astype(np.float32), ids, np.full(4, 30.0)),
+        "constrained": Block(np.take_along_axis(constrained, ids, 1), lc.astype(np.float32), ids, allowed.sum(axis=1)),
+    }
+    sparse = metrics.step_metrics(topk, chosen, eos)
+    assert np.isnan(sparse["entropy_natural"]).all() and np.isnan(sparse["removed_mass"]).all()
+    np.testing.assert_array_equal(sparse["allowed"], allowed.sum(axis=1))
+    for r in (0, 1, 3):
+        stored = chosen[r] in ids[r].tolist()
+        value = sparse["p_chosen_constrained"][r]
+        assert math.isclose(value, got["p_chosen_constrained"][r], rel_tol=1e-6) if stored else np.isnan(value)
+
+
+def test_step_metrics_without_a_constraint_remove_nothing():
+    rng = np.random.default_rng(2)
+    natural = rng.standard_normal((4, 30)).astype(np.float32)
+    got = metrics.step_metrics({"natural": Block(natural, rows.logsumexp_rows(natural))}, np.array([0, 5, -1, 29]), [])
+    assert (got["removed_mass"] == 0).all() and (got["margin"] == 0).all()
+    assert got["allowed"].tolist() == [30] * 4 and np.isnan(got["p_eos_natural"]).all()
+
+
+def test_map_blocks_keeps_order_and_raises_the_first_error():
+    assert rows.map_blocks(lambda i: i * i, 7) == [i * i for i in range(7)]
+
+    def fails(i: int) -> int:
+        if i == 3:
+            raise ValueError("block 3")
+        return i
+
+    with pytest.raises(ValueError, match="block 3"):
+        rows.map_blocks(fails, 5)

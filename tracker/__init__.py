@@ -7,16 +7,7 @@
 >>> generator.logits_processor.to_parquet("run.parquet")
 >>> Run.load("run.parquet").stats()
 
-Modules: :mod:`~tracker.processor` (the tracker), :mod:`~tracker.integrate`
-(``add_tracking``), :mod:`~tracker.recorder` (device to host, chunks, spill),
-:mod:`~tracker.buffers` (reused host and pinned memory), :mod:`~tracker.schema`
-(the Arrow schema and run metadata), :class:`Vocabulary` (token texts, from :mod:`processors.vocab`),
-:mod:`~tracker.compute` (the maths), :mod:`~tracker.analysis` (the query API),
-:mod:`~tracker.run` (``Run`` and Parquet), :mod:`~tracker.layout` (every on-disk
-layout of a run, opened one way), :mod:`~tracker.spill` (IPC files),
-:mod:`~tracker.stages` (a stage per processor), :mod:`~tracker.prompt` (prompt
-log-probabilities), :mod:`~tracker.compare` (two runs), :mod:`~tracker.display`
-(notebook HTML).
+Which module holds what, and what each may import: ``docs/architecture.md``.
 
 The names below are imported on first use: reading runs (``tracker.schema``,
 ``tracker.layout``, ``Run.load``, the dashboard) needs pyarrow and numpy, not

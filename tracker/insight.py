@@ -13,9 +13,8 @@ from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
-import torch
 
-from tracker import compute
+from tracker import metrics
 from tracker.prompt import perplexity as _perplexity
 from tracker.stages import display_stages, why
 
@@ -36,8 +35,10 @@ class Insight:
         let back; NaN in top-k storage).
         """
         if sequence is None:
-            frames = [self.stats(sequence=s, generation=generation, include_finished=include_finished)
-                      for s in self.sequences(generation)]  # type: ignore[attr-defined]
+            frames = [
+                self.stats(sequence=s, generation=generation, include_finished=include_finished)
+                for s in self.sequences(generation)
+            ]  # type: ignore[attr-defined]
             return pd.concat(frames, ignore_index=True)
         frame = super().stats(sequence=sequence, generation=generation, include_finished=include_finished)  # type: ignore[misc]
         for stage in self.stages:  # type: ignore[attr-defined]
@@ -45,8 +46,10 @@ class Insight:
                 frame[f"surprisal_{stage}"] = -np.log(frame[f"p_chosen_{stage}"].to_numpy(dtype=np.float64))
         if self.metadata.stage_aliases:  # type: ignore[attr-defined]
             sel = self._select(generation, sequence, include_finished)  # type: ignore[attr-defined]
-            removed = self._cached(("removed_by", sel.generation, sel.sequence, sel.length),  # type: ignore[attr-defined]
-                                   lambda: self._removed_by_processor(sel))
+            removed = self._cached(
+                ("removed_by", sel.generation, sel.sequence, sel.length),  # type: ignore[attr-defined]
+                lambda: self._removed_by_processor(sel),
+            )
             for name, values in removed.items():
                 frame[f"removed_mass_{name}"] = values
         return frame
@@ -62,17 +65,15 @@ class Insight:
         names = display_stages(stages, self.metadata.stage_aliases)  # type: ignore[attr-defined]
         if self.metadata.storage == "topk":  # type: ignore[attr-defined]
             return {name: np.full(sel.length, math.nan) for name in names}
-        lse_natural = self._lse("natural", sel)  # type: ignore[attr-defined]
-        cumulative: dict[str, list[torch.Tensor]] = {s: [] for s in stages}
-        for start, rows in self._sub_blocks(sel, ["natural", *stages]):  # type: ignore[attr-defined]
-            t = rows["natural"].shape[0]
-            for stage in stages:
-                kept = compute.logsumexp_rows(compute.masked(rows["natural"], rows[stage]))
-                cumulative[stage].append((1.0 - torch.exp(kept - lse_natural[start : start + t])).clamp(0.0, 1.0))
+        parts = self._map(
+            sel,
+            ["natural", *stages],  # type: ignore[attr-defined]
+            lambda start, b: [metrics.removed_mass(b["natural"], b[stage]) for stage in stages],
+        )
         out: dict[str, np.ndarray] = {}
         before = np.zeros(sel.length)
-        for stage, name in zip(stages, names):
-            now = torch.cat(cumulative[stage]).double().numpy() if cumulative[stage] else np.zeros(0)
+        for j, name in enumerate(names):
+            now = np.concatenate([p[j] for p in parts]) if parts else np.zeros(0)
             out[name] = now - before
             before = now
         return out
@@ -136,8 +137,12 @@ class Insight:
         return pd.DataFrame(rows)
 
     def to_dataframe(
-        self, show: Literal["probs", "logits"] = "probs", min_value: float | None = None, *,
-        section: Literal["steps", "prompt"] = "steps", **kwargs: Any
+        self,
+        show: Literal["probs", "logits"] = "probs",
+        min_value: float | None = None,
+        *,
+        section: Literal["steps", "prompt"] = "steps",
+        **kwargs: Any,
     ) -> pd.DataFrame:
         """:meth:`tracker.analysis.Analysis.to_dataframe`; ``section="prompt"`` gives :meth:`prompt_logprobs`."""
         if section == "prompt":
@@ -177,8 +182,11 @@ class Insight:
         """Draw a step's replay chart (or, with ``step=None``, the sequence) inline in a notebook; returns the view."""
         from tracker.display import show
 
-        return show(self.view(generation, sequence) if step is None else
-                    self.step(step, generation=generation, sequence=sequence, k=k))
+        return show(
+            self.view(generation, sequence)
+            if step is None
+            else self.step(step, generation=generation, sequence=sequence, k=k)
+        )
 
     def _repr_html_(self) -> str:
         from tracker.display import run_html

@@ -10,7 +10,7 @@ probability and rank), and :func:`summarise_topk` for top-k storage.
 These run once per recorded stage and step. None of them synchronises with
 the device: whole-row kernels whose small results are copied to the host
 with the rows (on a CPU, numpy passes on the row itself). The read side
-(:mod:`tracker.compute`, :mod:`tracker.analysis`) reads the packed values
+(:mod:`tracker.block`, :mod:`tracker.analysis`) reads the packed values
 by the names in :data:`ROW_STATS` and :data:`CHOSEN_STATS`.
 """
 

@@ -24,16 +24,15 @@ naming the file and what is wrong with it. Files are read and written through
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pyarrow as pa
 
 from processors.vocab import Vocabulary
 from tracker.analysis import Analysis, stage_matrix
-from tracker.compute import nonfinite_rows
 from tracker.insight import Insight
 from tracker.layout import (
     RunFileError,
@@ -42,6 +41,7 @@ from tracker.layout import (
     vocabulary_from,
     write_parquet,
 )
+from tracker.rows import nonfinite_rows
 from tracker.schema import (
     GENERATIONS_COLUMN,
     META_RUN,
@@ -103,7 +103,9 @@ class Run(Insight, Analysis):
         m = self.metadata
         stats = bool(self._batches) and "natural_entropy" in self._batches[0].schema.names
         base = run_schema(m.storage, m.stages, m.vocab_size, m.top_k, stats=stats)
-        return base.with_metadata({META_RUN: m.to_json() if run_json is None else run_json, META_VOCAB: self.vocab.serialize()})
+        return base.with_metadata(
+            {META_RUN: m.to_json() if run_json is None else run_json, META_VOCAB: self.vocab.serialize()}
+        )
 
     def to_arrow(self) -> pa.Table:
         """The run as one Arrow table with metadata and ``_nonfinite`` flags.
@@ -142,7 +144,7 @@ class Run(Insight, Analysis):
             else:
                 valid = batch.column(f"{stage}_logits").is_valid().to_numpy(zero_copy_only=False)
                 matrix = stage_matrix(batch, stage, self.metadata.vocab_size)
-                flags = np.asarray(nonfinite_rows(matrix)) & valid
+                flags = nonfinite_rows(matrix) & valid
             columns.append(pa.array(flags))
         return pa.RecordBatch.from_arrays(columns, schema=schema.remove_metadata())
 
@@ -181,7 +183,7 @@ class Run(Insight, Analysis):
     # ---------------------------------------------------------------- reading
 
     @classmethod
-    def from_arrow(cls, table: pa.Table) -> "Run":
+    def from_arrow(cls, table: pa.Table) -> Run:
         """A run from a table written by :meth:`to_arrow` or read from :meth:`to_parquet`'s file.
 
         ValueError saying what is wrong when the metadata, the vocabulary or
@@ -201,7 +203,7 @@ class Run(Insight, Analysis):
         return cls(table.to_batches(), metadata, vocab)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], run_id: str | None = None) -> "Run":
+    def load(cls, path: str | os.PathLike[str], run_id: str | None = None) -> Run:
         """Load a run: a Parquet or Arrow IPC file, a run folder, a dataset root, or a spill folder.
 
         A dataset root holding several ``run_id=...`` folders needs ``run_id``.

@@ -9,20 +9,26 @@ per step: ``4 V`` bytes each in float32 storage, ``2 V`` in float16 or
 bfloat16, ``12 k + 8`` in top-k storage.
 
 :func:`why` answers, for one step, which stage moved the chosen token and
-the model's favourite, and by how much.
+the model's favourite, and by how much. The read side (:func:`resolve_stage`,
+:func:`display_stages`, :func:`step_probabilities`, :func:`why`) needs only
+numpy and pandas: torch and the processors are imported by the recording
+helpers when they are called.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
-import torch
 
-from processors.protocol import BatchContext, LogitsProcessor, ProcessorList
+if TYPE_CHECKING:  # the recording helpers take processors and tensors; the read side needs neither
+    import torch
+
+    from processors.protocol import BatchContext, LogitsProcessor, ProcessorList
 
 __all__ = ["stage_names", "apply_recording", "resolve_stage", "why"]
 
@@ -91,7 +97,9 @@ def display_stages(stages: Sequence[str], aliases: dict[str, str]) -> list[str]:
     return [back.get(s, s) for s in stages]
 
 
-def step_probabilities(run: Any, position: int, *, sequence: int = 0, generation: int = -1) -> tuple[dict[str, np.ndarray], int, int]:
+def step_probabilities(
+    run: Any, position: int, *, sequence: int = 0, generation: int = -1
+) -> tuple[dict[str, np.ndarray], int, int]:
     """Every stage's probabilities at one step (float64 ``[V]``, NaN where top-k storage kept none),
     the chosen token (-1 when unknown) and the step's index in the sequence."""
     probs = run.get_probabilities(sequence=sequence, generation=generation, include_finished=True)
@@ -158,6 +166,8 @@ def per_processor(processor: Any) -> tuple[LogitsProcessor, list[str]]:
     :class:`~processors.ProcessorList` gives one name per item; any other
     processor gives one name.
     """
+    from processors.protocol import ProcessorList
+
     if isinstance(processor, (list, tuple)) and not isinstance(processor, ProcessorList):
         processor = ProcessorList(processor)
     if isinstance(processor, ProcessorList):
