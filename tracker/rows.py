@@ -340,17 +340,22 @@ def topk_rows(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 _POOL: ThreadPoolExecutor | None = None
+#: Threads a query reads blocks on: the passes are memory-bound, so more cores add little speed and
+#: one block (about 8 MiB per stage) of memory each.
+MAX_WORKERS = 4
 
 
 def _pool() -> ThreadPoolExecutor:
     global _POOL
     if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1), thread_name_prefix="logitscope-rows")
+        _POOL = ThreadPoolExecutor(
+            max_workers=max(1, min(MAX_WORKERS, os.cpu_count() or 1)), thread_name_prefix="logitscope-rows"
+        )
     return _POOL
 
 
 def map_blocks(work: Callable[[int], T], count: int) -> list[T]:
-    """``[work(0), ..., work(count - 1)]``, run on a small thread pool (one worker per core) when there are
+    """``[work(0), ..., work(count - 1)]``, run on a small thread pool (a worker per core, at most four) when there are
     several; the first error is raised. Each call should hold at most one block of rows beyond its input."""
     if count <= 1 or (os.cpu_count() or 1) == 1:
         return [work(i) for i in range(count)]
