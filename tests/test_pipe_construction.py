@@ -23,7 +23,7 @@ from sampling.pipe import (
     TopP,
 )
 from sampling.pipe.fusion import check_nothing_after_indices, check_single_softmax, check_types
-from sampling.pipe.ops import ProbsSampleOp, SoftmaxOp, TemperatureOp
+from sampling.pipe.ops import SampleOp, SoftmaxOp, TemperatureOp
 
 LOGITS, PROBS, INDICES = TensorType.LOGITS, TensorType.PROBS, TensorType.INDICES
 
@@ -95,7 +95,7 @@ def test_validity_checks_catch_what_user_ops_can_build():
     """A user's function may turn PROBS back into LOGITS; a second Softmax is still refused."""
     with pytest.raises(CompileError, match=r"at most one Softmax, found 2 \(ops \[0, 2\]\)"):
         LogitsPipe([Softmax(), Apply(torch.log, accepts=PROBS, returns=LOGITS), Softmax(), Sample()])
-    ops = [SoftmaxOp("softmax"), ProbsSampleOp("sample"), ProbsSampleOp("again")]
+    ops = [SoftmaxOp("softmax"), SampleOp(PROBS, "sample"), SampleOp(PROBS, "again")]
     with pytest.raises(
         CompileError, match=r"op 1 \(ProbsSampleOp\) outputs INDICES, so it must be last; 1 op\(s\) follow it"
     ):

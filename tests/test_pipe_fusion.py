@@ -22,7 +22,7 @@ from sampling.pipe import (
     TopP,
 )
 from sampling.pipe.fusion import fuse
-from sampling.pipe.ops import ProbsSampleOp, TemperatureOp
+from sampling.pipe.ops import SampleOp, TemperatureOp
 
 LOGITS, PROBS = TensorType.LOGITS, TensorType.PROBS
 
@@ -147,7 +147,7 @@ def test_a_users_rule_runs_with_the_defaults_and_keeps_the_result():
 
 
 def test_a_rule_that_breaks_the_types_is_refused():
-    bad = FusionRule((TemperatureOp,), lambda w: True, lambda w: ProbsSampleOp(w[0].stage), 99)
+    bad = FusionRule((TemperatureOp,), lambda w: True, lambda w: SampleOp(PROBS, w[0].stage), 99)
     with pytest.raises(
         CompileError,
         match=r"Compilation failed: a fusion rule broke the chain of types: op 0 \(ProbsSampleOp\) takes PROBS",

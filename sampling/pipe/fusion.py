@@ -1,7 +1,8 @@
 """Compiling a pipe's ops: validity checks, then fusion rules that do a window of ops in one.
 
 A rule is ``(pattern, guard, build, prio)``: ``pattern`` is a tuple of op
-classes (or tuples of classes) matched by ``isinstance`` against a window of
+classes (or tuples of classes; the filters are all a :class:`~sampling.pipe.ops.FilterOp`,
+told apart by ``kind``) matched by ``isinstance`` against a window of
 consecutive ops, ``guard(window)`` says whether fusing keeps the semantics,
 ``build(window)`` returns the fused op. :func:`fuse` tries rules highest
 ``prio`` first at each position, and after a fusion steps the window back by
@@ -9,7 +10,7 @@ one, so fused ops fuse again (a cascade):
 
     Temperature, Softmax, TopK, TopP, Sample
     -> TemperatureSoftmax, TopK, TopP, Sample          (temperature_softmax)
-    -> TemperatureSoftmax, TopK, FusedTopPSample       (filter_sample)
+    -> TemperatureSoftmax, TopK, FusedTopPSample       (filter_into_sample)
     -> TemperatureSoftmax, FusedTopKTopPSample         (filter_into_sample)
     -> FusedTemperatureSoftmaxTopKTopPSample           (softmax_into_sample)
 
@@ -23,18 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from sampling.pipe.chain import Filter, fusable
+from sampling.pipe.chain import fusable
 from sampling.pipe.op import Op
-from sampling.pipe.ops import (
-    FusedSampleOp,
-    LogitsSampleOp,
-    LogitsTopKOp,
-    ProbsFilterOp,
-    ProbsSampleOp,
-    SoftmaxOp,
-    TemperatureOp,
-    TemperatureSoftmaxOp,
-)
+from sampling.pipe.ops import FilterOp, SampleOp, SoftmaxOp, TemperatureOp, TemperatureSoftmaxOp
 from sampling.pipe.types import CompileError, TensorType
 
 __all__ = ["FusionRule", "default_rules", "fuse", "compile_ops", "ValidityCheck", "default_checks"]
@@ -54,49 +46,31 @@ class FusionRule(NamedTuple):
     name: str = ""
 
 
-def _filters(op: Op) -> tuple[Filter, ...]:
-    """The filter chain an op stands for (a plain filter: itself; a fused sampler: its chain)."""
-    if isinstance(op, ProbsFilterOp):
-        return (op.filter,)
-    if isinstance(op, LogitsTopKOp):
-        return (Filter("top_k", op),)
-    return op.filters if isinstance(op, FusedSampleOp) else ()
-
-
 def _filter_guard(window: Sequence[Op]) -> bool:
-    """A filter joins a sampler on the same tensor type if the joined chain runs exactly."""
+    """A filter joins the sampler after it if both see the same tensor type and the joined chain runs exactly."""
     f, sampler = window
-    if isinstance(sampler, FusedSampleOp) and sampler.from_logits != isinstance(f, LogitsTopKOp):
-        return False
-    return fusable(_filters(f) + _filters(sampler))
+    return f.IN is sampler.IN and fusable((f.filter, *sampler.filters))
 
 
 def _build_filter(window: Sequence[Op]) -> Op:
-    f, sampler = window
-    temperature = sampler.temperature if isinstance(sampler, FusedSampleOp) else None  # top-k commutes with it
-    return FusedSampleOp(window, _filters(f) + _filters(sampler), isinstance(f, LogitsTopKOp), temperature)
-
-
-def _softmax_guard(window: Sequence[Op]) -> bool:
-    sampler = window[1]
-    return not isinstance(sampler, FusedSampleOp) or not sampler.from_logits
+    f, sampler = window  # top-k on logits commutes with the sampler's temperature
+    return SampleOp(f.IN, parts=window, filters=(f.filter, *sampler.filters), temperature=sampler.temperature)
 
 
 def _build_softmax(window: Sequence[Op]) -> Op:
     softmax, sampler = window
     temperature = softmax.parts[0] if isinstance(softmax, TemperatureSoftmaxOp) else None
-    return FusedSampleOp(window, _filters(sampler), from_logits=True, temperature=temperature)
+    return SampleOp(TensorType.LOGITS, parts=window, filters=sampler.filters, temperature=temperature)
 
 
 def default_rules() -> list[FusionRule]:
     """The rules every pipe starts with (a user's rules are added to these)."""
-    samplers = (FusedSampleOp, ProbsSampleOp, LogitsSampleOp)
     return [
         FusionRule((TemperatureOp, SoftmaxOp), lambda w: True, TemperatureSoftmaxOp, 50, "temperature_softmax"),
-        FusionRule(((ProbsFilterOp, LogitsTopKOp), samplers), _filter_guard, _build_filter, 20, "filter_into_sample"),
+        FusionRule((FilterOp, SampleOp), _filter_guard, _build_filter, 20, "filter_into_sample"),
         FusionRule(
-            ((SoftmaxOp, TemperatureSoftmaxOp), (FusedSampleOp, ProbsSampleOp)),
-            _softmax_guard,
+            ((SoftmaxOp, TemperatureSoftmaxOp), SampleOp),
+            lambda w: w[1].IN is TensorType.PROBS,
             _build_softmax,
             10,
             "softmax_into_sample",

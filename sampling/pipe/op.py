@@ -88,7 +88,7 @@ class Runtime:
             value = op.defaults.get(name)
         if value is None:
             raise PipeError(
-                f"stage {op.stage!r} ({type(op).__name__}) needs {name}: pass {name}= when calling "
+                f"stage {op.stage!r} ({op.name}) needs {name}: pass {name}= when calling "
                 f"the pipe, or give it to the processor"
             )
         return value

@@ -1,16 +1,20 @@
 """The ops a pipe runs: what each processor legalizes into, and the fused ops the fusion rules build.
 
 Every filter and sampler here runs the one filter chain of
-:mod:`~sampling.pipe.chain`; the other ops are a line of PyTorch each.
-Every sampler fills ``Runtime.logprobs`` and ``Runtime.valid`` (and, when
-dead rows are flagged rather than raised, gives them token -1), and builds
-the ``"sampled"`` tap tensor only when a tap asks for it.
+:mod:`~sampling.pipe.chain`: a filter (:class:`FilterOp`) is a chain of one
+whose kept tokens it materialises; a sampler (:class:`SampleOp`) is a chain of
+none until the fusion rules fold the softmax and filters before it into it.
+The other ops are a line of PyTorch each. Every sampler fills
+``Runtime.logprobs`` and ``Runtime.valid`` (and, when dead rows are flagged
+rather than raised, gives them token -1), and builds the ``"sampled"`` tap
+tensor only when a tap asks for it. An op's ``name`` (shown by the pipe's
+repr) says what it does on which tensor type, e.g. ``ProbsTopPOp``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -19,11 +23,13 @@ from sampling.pipe.chain import Chain, Filter, fusable, report_draw
 from sampling.pipe.op import Op, Runtime
 from sampling.pipe.types import SAMPLED, PipeError, TaggedTensor, TensorType
 
-__all__ = ["TemperatureOp", "SoftmaxOp", "TemperatureSoftmaxOp", "LogitsTopKOp", "ProbsFilterOp", "ProbsTopKOp"]
-__all__ += ["ProbsTopPOp", "ProbsMinPOp", "LogitsSampleOp", "ProbsSampleOp", "LogitsGreedyOp", "ProbsGreedyOp"]
-__all__ += ["FunctionOp", "FusedSampleOp"]
+__all__ = ["TemperatureOp", "SoftmaxOp", "TemperatureSoftmaxOp", "FilterOp", "SampleOp", "GreedyOp", "FunctionOp"]
 
 LOGITS, PROBS, INDICES = TensorType.LOGITS, TensorType.PROBS, TensorType.INDICES
+
+
+def _typed(name: str, input_type: TensorType) -> str:
+    return ("Logits" if input_type is LOGITS else "Probs") + name
 
 
 # --------------------------------------------------------------------------- logits and softmax
@@ -82,129 +88,111 @@ class TemperatureSoftmaxOp(_FusedOp):
 # --------------------------------------------------------------------------- filters and samplers
 
 
-class LogitsTopKOp(Op):
-    """Keep exactly ``top_k`` logits per row (ties: lower id), the rest -inf. Synchronises as :class:`Chain`."""
+class FilterOp(Op):
+    """Top-k, top-p or min-p (``kind``): the tokens its chain of one keeps, on ``input_type``.
 
-    IN, OUT, PARAMS = LOGITS, LOGITS, ("top_k",)
-
-    def __call__(self, x: TaggedTensor, rt: Runtime) -> TaggedTensor:
-        keep = Chain(x.data, rt, [Filter("top_k", self)], from_logits=True).keep()
-        return TaggedTensor.logits(x.data.masked_fill(~keep, float("-inf")))
-
-
-class ProbsFilterOp(Op):
-    """A filter on probabilities: the tokens its chain of one keeps, renormalised unless ``renormalize`` is off.
-
-    Synchronises as :class:`Chain` does (only under the ``"cpu"`` algorithm).
+    On LOGITS (top-k only) the others become -inf; on PROBS they become 0 and
+    the rest is renormalised unless ``renormalize`` is off (the joint
+    filter's top-k). Synchronises as :class:`Chain` does (only under the
+    ``"cpu"`` algorithm).
     """
 
-    IN, OUT = PROBS, PROBS
-    KIND: Literal["top_k", "top_p", "min_p"]
-    renormalize = True
+    def __init__(
+        self,
+        kind: Literal["top_k", "top_p", "min_p"],
+        input_type: TensorType,
+        stage: str = "",
+        ends_stage: bool = True,
+        *,
+        renormalize: bool = True,
+        **defaults: Any,
+    ) -> None:
+        super().__init__(stage, ends_stage, **defaults)
+        self.kind, self.renormalize, self.PARAMS = kind, renormalize, (kind,)
+        self.IN = self.OUT = input_type
 
     @property
     def filter(self) -> Filter:
-        return Filter(self.KIND, self, self.renormalize)
-
-    def __call__(self, x: TaggedTensor, rt: Runtime) -> TaggedTensor:
-        kept = torch.where(Chain(x.data, rt, [self.filter], from_logits=False).keep(), x.data, 0.0)
-        return TaggedTensor.probs(kept / kept.sum(-1, keepdim=True) if self.renormalize else kept)
-
-
-class ProbsTopKOp(ProbsFilterOp):
-    """Keep exactly ``top_k`` tokens (ties: lower id); renormalise unless it is the joint filter's top-k."""
-
-    KIND, PARAMS = "top_k", ("top_k",)
-
-    def __init__(self, stage: str = "", ends_stage: bool = True, *, renormalize: bool = True, **defaults) -> None:
-        super().__init__(stage, ends_stage, **defaults)
-        self.renormalize = renormalize
+        return Filter(self.kind, self, self.renormalize)
 
     @property
     def name(self) -> str:
-        return "ProbsTopKOp" if self.renormalize else "ProbsJointTopKOp"
-
-
-class ProbsTopPOp(ProbsFilterOp):
-    """Keep the top-p prefix (mass strictly before a token < top_p; PROBS count as summing to 1); renormalise."""
-
-    KIND, PARAMS = "top_p", ("top_p",)
-
-
-class ProbsMinPOp(ProbsFilterOp):
-    """Keep tokens with ``p >= min_p * max(p)``; renormalise."""
-
-    KIND, PARAMS = "min_p", ("min_p",)
-
-
-class ProbsSampleOp(Op):
-    """Draw a token per row from probabilities (renormalised), by the CDF in the order. Synchronises as :class:`Chain`."""
-
-    IN, OUT = PROBS, INDICES
+        word = {"top_k": "TopK", "top_p": "TopP", "min_p": "MinP"}[self.kind]
+        return _typed(("" if self.renormalize else "Joint") + word + "Op", self.IN)
 
     def __call__(self, x: TaggedTensor, rt: Runtime) -> TaggedTensor:
-        return Chain(x.data, rt, [], from_logits=False).sample()
+        keep = Chain(x.data, rt, [self.filter], from_logits=self.IN is LOGITS).keep()
+        if self.IN is LOGITS:
+            return TaggedTensor.logits(x.data.masked_fill(~keep, float("-inf")))
+        kept = torch.where(keep, x.data, 0.0)
+        return TaggedTensor.probs(kept / kept.sum(-1, keepdim=True) if self.renormalize else kept)
 
 
-class LogitsSampleOp(Op):
-    """Draw a token per row from ``softmax(logits)``, by the CDF in the order. Synchronises as :class:`Chain`."""
+class SampleOp(_FusedOp):
+    """Softmax (with temperature) if given LOGITS, a chain of filters, then one draw per row by the CDF in the order.
 
-    IN, OUT = LOGITS, INDICES
-
-    def __call__(self, x: TaggedTensor, rt: Runtime) -> TaggedTensor:
-        return Chain(x.data, rt, [], from_logits=True).sample()
-
-
-class FusedSampleOp(_FusedOp):
-    """Softmax (with temperature) if given logits, a chain of filters, then sampling, in one op.
-
-    ``filters`` describe the chain in order; ``from_logits`` says whether the
-    input is LOGITS (the softmax is part of the op) and ``temperature`` is the
-    op holding the temperature default, if any. Synchronises as :class:`Chain` does.
+    A ``Sample`` processor legalizes into a sampler with no filters; the
+    fusion rules build samplers that replace the ops before them (kept as
+    ``parts``): ``filters`` describe the chain in order, and ``temperature``
+    is the op holding the temperature default, if any. Synchronises as
+    :class:`Chain` does.
     """
 
     OUT = INDICES
 
     def __init__(
-        self, parts: Sequence[Op], filters: Sequence[Filter], from_logits: bool, temperature: Op | None = None
+        self,
+        input_type: TensorType,
+        stage: str = "",
+        *,
+        parts: Sequence[Op] = (),
+        filters: Sequence[Filter] = (),
+        temperature: Op | None = None,
     ) -> None:
-        super().__init__(parts)
+        if parts:
+            super().__init__(parts)
+        else:
+            Op.__init__(self, stage)
+            self._parts = (self,)
         if not fusable(filters):
-            raise PipeError(f"FusedSampleOp cannot run the filter chain {[f.kind for f in filters]} exactly")
-        self.filters, self.from_logits, self.temperature = tuple(filters), from_logits, temperature
-        self.IN = LOGITS if from_logits else PROBS
+            raise PipeError(f"a sampler cannot run the filter chain {[f.kind for f in filters]} exactly")
+        self.IN, self.filters, self.temperature = input_type, tuple(filters), temperature
+
+    @property
+    def name(self) -> str:
+        return _typed("SampleOp", self.IN) if self._parts == (self,) else super().name
 
     def __call__(self, x: TaggedTensor, rt: Runtime) -> TaggedTensor:
-        return Chain(x.data, rt, self.filters, self.from_logits, self.temperature).sample()
+        return Chain(x.data, rt, self.filters, self.IN is LOGITS, self.temperature).sample()
 
 
-def _greedy(x: torch.Tensor, log_total: torch.Tensor, rt: Runtime, log: bool) -> TaggedTensor:
-    best, tokens = x.max(dim=-1)  # first maximum: the lowest id among ties
-    logprobs = (torch.log(best.double()) if log else best.double()) - log_total
-    if rt.wants(SAMPLED):
-        one_hot = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        rt.emit(SAMPLED, TaggedTensor.probs(one_hot.scatter_(1, tokens[:, None], 1.0)))
-    return report_draw(rt, tokens, logprobs, torch.isfinite(logprobs) & torch.isfinite(best))
+class GreedyOp(Op):
+    """The arg-max (lowest id among ties); its log-probability under ``softmax(logits)``, or renormalised probabilities.
 
+    Does not synchronise.
+    """
 
-class LogitsGreedyOp(Op):
-    """The arg-max (lowest id among ties); its log-probability under ``softmax(logits)``. Does not synchronise."""
+    OUT = INDICES
 
-    IN, OUT = LOGITS, INDICES
+    def __init__(self, input_type: TensorType, stage: str = "") -> None:
+        super().__init__(stage)
+        self.IN = input_type
 
-    def __call__(self, x: TaggedTensor, rt: Runtime) -> TaggedTensor:
-        logits = x.data.float()
-        return _greedy(logits, torch.logsumexp(logits, dim=-1).double(), rt, log=False)
-
-
-class ProbsGreedyOp(Op):
-    """The arg-max (lowest id among ties); its probability renormalised. Does not synchronise."""
-
-    IN, OUT = PROBS, INDICES
+    @property
+    def name(self) -> str:
+        return _typed("GreedyOp", self.IN)
 
     def __call__(self, x: TaggedTensor, rt: Runtime) -> TaggedTensor:
-        p = x.data.float()
-        return _greedy(p, torch.log(p.sum(-1).double()), rt, log=True)
+        w = x.data.float()
+        best, tokens = w.max(dim=-1)  # first maximum: the lowest id among ties
+        if self.IN is LOGITS:
+            logprobs = best.double() - torch.logsumexp(w, dim=-1).double()
+        else:
+            logprobs = torch.log(best.double()) - torch.log(w.sum(-1).double())
+        if rt.wants(SAMPLED):
+            one_hot = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+            rt.emit(SAMPLED, TaggedTensor.probs(one_hot.scatter_(1, tokens[:, None], 1.0)))
+        return report_draw(rt, tokens, logprobs, torch.isfinite(logprobs) & torch.isfinite(best))
 
 
 class FunctionOp(Op):

@@ -117,11 +117,9 @@ class TopK(Stage):
         self.joint = joint
 
     def ops_for(self, input_type: TensorType, stage: str) -> list[Op]:
-        if input_type is LOGITS:
-            if self.joint:
-                raise LegalizationError("TopK(joint=True) needs PROBS (put a Softmax before it), got LOGITS")
-            return [O.LogitsTopKOp(stage, **self._defaults())]
-        return [O.ProbsTopKOp(stage, renormalize=not self.joint, **self._defaults())]
+        if input_type is LOGITS and self.joint:
+            raise LegalizationError("TopK(joint=True) needs PROBS (put a Softmax before it), got LOGITS")
+        return [O.FilterOp("top_k", input_type, stage, renormalize=not self.joint, **self._defaults())]
 
     def _repr_args(self) -> list[str]:
         return super()._repr_args() + (["joint=True"] if self.joint else [])
@@ -136,7 +134,7 @@ class TopP(Stage):
         super().__init__(top_p, name=name)
 
     def ops_for(self, input_type: TensorType, stage: str) -> list[Op]:
-        return [O.ProbsTopPOp(stage, **self._defaults())]
+        return [O.FilterOp("top_p", input_type, stage, **self._defaults())]
 
 
 class MinP(Stage):
@@ -148,7 +146,7 @@ class MinP(Stage):
         super().__init__(min_p, name=name)
 
     def ops_for(self, input_type: TensorType, stage: str) -> list[Op]:
-        return [O.ProbsMinPOp(stage, **self._defaults())]
+        return [O.FilterOp("min_p", input_type, stage, **self._defaults())]
 
 
 class Sample(Stage):
@@ -157,7 +155,7 @@ class Sample(Stage):
     ACCEPTS = (LOGITS, PROBS)
 
     def ops_for(self, input_type: TensorType, stage: str) -> list[Op]:
-        return [O.LogitsSampleOp(stage) if input_type is LOGITS else O.ProbsSampleOp(stage)]
+        return [O.SampleOp(input_type, stage)]
 
 
 class Greedy(Stage):
@@ -166,7 +164,7 @@ class Greedy(Stage):
     ACCEPTS = (LOGITS, PROBS)
 
     def ops_for(self, input_type: TensorType, stage: str) -> list[Op]:
-        return [O.LogitsGreedyOp(stage) if input_type is LOGITS else O.ProbsGreedyOp(stage)]
+        return [O.GreedyOp(input_type, stage)]
 
 
 class Apply(Stage):
