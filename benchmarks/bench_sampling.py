@@ -19,6 +19,9 @@ medians over blocks and their ratio, then the ratio of the fastest blocks
 (noise only ever adds time). The load average is printed: other processes
 on the machine make 2-thread timings erratic for both sides, since every
 parallel op waits for both threads to be scheduled.
+Last, the cost of a ``"sampled"`` tap (top-p only, batch 32, vocabulary
+128k): untapped against tapped calls of one pipe, since the distribution
+sampled from is built only when a tap asks for it.
 Speed is reported, never asserted.
 
 With ``--device cuda`` it runs :func:`pipe_grid` instead (also imported by
@@ -52,7 +55,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from sampling.pipe import LogitsPipe, MinP, Sample, Softmax, Temperature, TopK, TopP
+from sampling.pipe import SAMPLED, LogitsPipe, MinP, Sample, Softmax, Tap, Temperature, TopK, TopP
 
 POINTS = [(1, 32_000), (1, 128_000), (32, 32_000), (32, 128_000)]
 SETTINGS = {
@@ -267,6 +270,21 @@ def main() -> None:
                 f"{name:<11} {batch:>5} {vocab:>7} {t_base * 1e3:>10.3f} ms {t_pipe * 1e3:>7.3f} ms "
                 f"{ratio:>6.1f}x  {f'>={goal}x':<5} {mark:<6} {min(ta) / min(tb):>7.1f}x"
             )
+    tap_cost(gen, args.repeats)
+
+
+def tap_cost(gen: torch.Generator, repeats: int, batch: int = 32, vocab: int = 128_000) -> None:
+    """What a ``"sampled"`` tap costs: the pipe builds the ``[B, V]`` distribution only when one asks for it."""
+    pipe = LogitsPipe([Temperature(0.7), Softmax(), TopP(0.9), Sample()])
+    logits = torch.randn(batch, vocab, generator=gen) * 3
+    u = torch.rand(batch, dtype=torch.float64, generator=gen)
+    taps = [Tap(SAMPLED, lambda t: None)]
+    untapped, tapped = time_pair(lambda: pipe(logits, u=u), lambda: pipe(logits, u=u, taps=taps), repeats, 1)
+    t_plain, t_tap = statistics.median(untapped), statistics.median(tapped)
+    print(
+        f"sampled tap (top-p only, batch {batch}, vocab {vocab}): untapped {t_plain * 1e3:.3f} ms, "
+        f"tapped {t_tap * 1e3:.3f} ms ({t_tap / t_plain:.2f}x; the tap's distribution is {batch * vocab * 4 / 2**20:.1f} MiB)"
+    )
 
 
 if __name__ == "__main__":

@@ -98,16 +98,23 @@ def test_several_taps_on_one_stage_and_bad_taps():
         LogitsPipe([Softmax(), TopP()])(torch.randn(2, 30), top_p=0.5, taps=[Tap(SAMPLED, print)])
 
 
-def test_an_untapped_fused_pipe_builds_no_full_distribution(monkeypatch):
-    """The sampled distribution costs a [B, V] tensor: built only when a tap asks for it."""
-    from sampling.pipe import kernels
+@pytest.mark.parametrize("algorithm", ["cpu", "sort", "radix"])
+def test_a_tap_on_the_sampled_stage_changes_no_token_and_sees_the_exact_distribution(algorithm):
+    """On the whole-vocabulary path (no top-k, a vocabulary past the sorting cut-off) the distribution is built only
+    for a tap: tapped and untapped calls agree, and what the tap sees is the float64 reference.
 
-    calls = []
-    original = kernels.cut_mask
-    monkeypatch.setattr(kernels, "cut_mask", lambda *a: calls.append(1) or original(*a))
-    pipe = LogitsPipe(_stages(top_k=False))
-    x = torch.randn(4, 3000)
-    pipe(x, temperature=1.0, min_p=0.01, top_p=0.9)
-    assert calls == []
-    pipe(x, temperature=1.0, min_p=0.01, top_p=0.9, taps=[Tap(SAMPLED, lambda t: None)])
-    assert calls == [1]
+    (What skipping it saves, a [B, V] tensor per call, is printed by benchmarks/bench_sampling.py.)
+    """
+    x = torch.randn(16, 3000, generator=torch.Generator().manual_seed(5)) * 2
+    u = torch.rand(16, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    params = dict(temperature=0.9, min_p=0.01, top_p=0.8)
+    pipe = LogitsPipe(_stages(top_k=False), algorithm=algorithm)
+    untapped = pipe.sample(x, u=u, **params)
+    seen = []
+    tapped = pipe.sample(x, u=u, taps=[Tap(SAMPLED, seen.append)], **params)
+    assert torch.equal(tapped.tokens, untapped.tokens) and torch.equal(tapped.logprobs, untapped.logprobs)
+    expected = reference_probs(x, **params)
+    np.testing.assert_allclose(seen[0].data.double().numpy(), expected, atol=1e-6)
+    assert torch.equal(seen[0].data == 0, torch.from_numpy(expected == 0))
+    chosen = np.log(expected[np.arange(16), tapped.tokens.numpy()])
+    np.testing.assert_allclose(tapped.logprobs.double().numpy(), chosen, atol=1e-5)
