@@ -8,7 +8,7 @@ Processors (:mod:`~sampling.pipe.stages`) legalize into ops
 (:mod:`~sampling.pipe.ops`) for the tensor type they receive
 (:mod:`~sampling.pipe.types`); :mod:`~sampling.pipe.fusion` checks and fuses
 them; every filter and sampler runs one filter chain
-(:class:`~sampling.pipe.ops.Chain`) over the maths of
+(:class:`~sampling.pipe.chain.Chain`) over the maths of
 :mod:`~sampling.pipe.kernels`, which also states the tie and boundary rules.
 Taps observe any stage.
 """

@@ -99,7 +99,17 @@ class Softmax(Stage):
         return [O.SoftmaxOp(stage)]
 
 
-class TopK(Stage):
+class _Filter(Stage):
+    """A filter processor: top-k, top-p or min-p by its ``PARAM``; all legalize into one :class:`~sampling.pipe.ops.FilterOp`."""
+
+    joint = False
+
+    def ops_for(self, input_type: TensorType, stage: str) -> list[Op]:
+        kind: Any = self.PARAM  # "top_k", "top_p" or "min_p"
+        return [O.FilterOp(kind, input_type, stage, renormalize=not self.joint, **self._defaults())]
+
+
+class TopK(_Filter):
     """Keep exactly ``top_k`` tokens (ties: lower id); on PROBS, renormalise.
 
     ``joint=True`` is the joint top-k/top-p filter (FlashInfer's
@@ -119,13 +129,13 @@ class TopK(Stage):
     def ops_for(self, input_type: TensorType, stage: str) -> list[Op]:
         if input_type is LOGITS and self.joint:
             raise LegalizationError("TopK(joint=True) needs PROBS (put a Softmax before it), got LOGITS")
-        return [O.FilterOp("top_k", input_type, stage, renormalize=not self.joint, **self._defaults())]
+        return super().ops_for(input_type, stage)
 
     def _repr_args(self) -> list[str]:
         return super()._repr_args() + (["joint=True"] if self.joint else [])
 
 
-class TopP(Stage):
+class TopP(_Filter):
     """Keep the smallest prefix of most probable tokens whose mass is ``>= top_p``; renormalise."""
 
     ACCEPTS, PARAM = (PROBS,), "top_p"
@@ -133,20 +143,14 @@ class TopP(Stage):
     def __init__(self, top_p: float | None = None, *, name: str | None = None) -> None:
         super().__init__(top_p, name=name)
 
-    def ops_for(self, input_type: TensorType, stage: str) -> list[Op]:
-        return [O.FilterOp("top_p", input_type, stage, **self._defaults())]
 
-
-class MinP(Stage):
+class MinP(_Filter):
     """Keep tokens with ``p >= min_p * max(p)``; renormalise."""
 
     ACCEPTS, PARAM = (PROBS,), "min_p"
 
     def __init__(self, min_p: float | None = None, *, name: str | None = None) -> None:
         super().__init__(min_p, name=name)
-
-    def ops_for(self, input_type: TensorType, stage: str) -> list[Op]:
-        return [O.FilterOp("min_p", input_type, stage, **self._defaults())]
 
 
 class Sample(Stage):
