@@ -440,13 +440,6 @@ class Analysis(Passes):
         order += ["allowed", "removed_mass", "margin"]
         return {name: values[name] for name in order if name in values}
 
-    def _order_stats(self, values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        order = []
-        for stage in self.stages:
-            order += [f"entropy_{stage}", f"p_chosen_{stage}", f"rank_chosen_{stage}", f"p_eos_{stage}"]
-        order += ["allowed", "removed_mass", "margin"]
-        return {name: values[name] for name in order if name in values}
-
     def _probability_row(self, sel: Selection, i: int) -> dict[str, np.ndarray]:
         """One position's probabilities per stage (keys as :meth:`get_probabilities`), read from its row alone."""
         out: dict[str, np.ndarray] = {}
