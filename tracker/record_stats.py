@@ -21,11 +21,9 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["CHOSEN_STATS", "ROW_STATS", "chosen_stats", "pair_stats", "probability", "row_stats", "summarise_topk"]
+from tracker.rows import EXP_FLOOR, NEG_INF, logsumexp_rows, masked
 
-NEG_INF = float("-inf")
-_FLOAT_MAX = float(np.finfo(np.float32).max)
-_EXP_FLOOR = -80.0  # exp(-80) ~ 1.8e-35: below the rounding of a float32 sum whose largest term is 1
+__all__ = ["CHOSEN_STATS", "ROW_STATS", "chosen_stats", "pair_stats", "probability", "row_stats", "summarise_topk"]
 
 #: Order of the values :func:`row_stats` packs per row (the schema's statistics columns up to the margin).
 ROW_STATS = ("lse", "allowed", "max", "entropy", "nan", "p_eos", "removed_mass", "margin")
@@ -70,7 +68,7 @@ def _row_stats_general(x: torch.Tensor, eos: torch.Tensor | None, natural: torch
     top = xs.amax(dim=1)
     posinf = top == math.inf
     shift = torch.where(torch.isfinite(top), top, 0.0)
-    z = (xs - shift[:, None]).clamp_(min=_EXP_FLOOR)
+    z = (xs - shift[:, None]).clamp_(min=EXP_FLOOR)
     e = torch.exp(z)
     total = e.sum(dim=1)
     log_total = torch.log(total)
@@ -109,7 +107,7 @@ def _row_stats_cpu(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Ten
     nothing = top == NEG_INF
     shift = np.where(nothing, 0.0, top).astype(np.float32)
     z = rows - shift[:, None]
-    np.maximum(z, _EXP_FLOOR, out=z)
+    np.maximum(z, EXP_FLOOR, out=z)
     e = np.exp(z)
     total = e.sum(axis=1, dtype=np.float32)
     log_total = np.log(total)
@@ -137,26 +135,11 @@ def _pair_stats_cpu(natural: torch.Tensor, x: torch.Tensor) -> tuple[np.ndarray,
     if not (np.isfinite(sums) | (sums == NEG_INF)).all():
         removed, margin = pair_stats(natural, x)
         return removed.numpy(), margin.numpy()
-    # natural where x allows the token, -inf where it masked it: x - max(x, -FLT_MAX) is 0 or -inf
-    # (three cheap passes instead of a boolean select)
-    con = x.detach().float().numpy()
-    kept = np.maximum(con, -_FLOAT_MAX)
-    np.subtract(con, kept, out=kept)
-    np.add(kept, nat, out=kept)
-    removed = np.nan_to_num(np.clip(1.0 - np.exp(_logsumexp(kept) - _logsumexp(nat)), 0.0, 1.0), nan=0.0)
+    kept = masked(nat, x.detach().float().numpy())  # natural where x allows the token, -inf where it masked it
+    removed = np.clip(1.0 - np.exp(logsumexp_rows(kept) - logsumexp_rows(nat)), 0.0, 1.0)
+    removed = np.nan_to_num(removed, nan=0.0)
     margin = nat.max(axis=1) - kept.max(axis=1)
     return removed, margin
-
-
-def _logsumexp(rows: np.ndarray) -> np.ndarray:
-    """Log-sum-exp of float32 rows without NaN or ``+inf`` (``-inf`` for a row with nothing allowed)."""
-    shift = rows.max(axis=1)
-    nothing = shift == NEG_INF
-    shift = np.where(nothing, 0.0, shift).astype(np.float32)
-    terms = rows - shift[:, None]
-    np.maximum(terms, _EXP_FLOOR, out=terms)
-    np.exp(terms, out=terms)
-    return np.where(nothing, NEG_INF, np.log(terms.sum(axis=1, dtype=np.float32)) + shift)
 
 
 def pair_stats(natural: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
