@@ -19,8 +19,9 @@ not installed.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from processors.exports import lazy_exports
 
 if TYPE_CHECKING:
     from processors.adapters import (
@@ -136,16 +137,4 @@ __all__ = [
     "vocab_for",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    """Import a public name from its module on first use and keep it here."""
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'processors' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 
+from logitscope.samples import ARITHMETIC  # the grammar of the shipped sample run
 from processors import BatchContext, CFGLogitsProcessor, JSONLogitsProcessor, RegexLogitsProcessor
 from processors.grammar import llguidance_tokenizer
 
@@ -18,11 +19,6 @@ PERSON = {
     "required": ["name", "age", "city"],
     "additionalProperties": False,
 }
-ARITHMETIC = r"""
-start: NUMBER " " OP " " NUMBER " = " NUMBER
-OP: "+" | "-" | "*"
-NUMBER: /[0-9]{1,3}/
-"""
 
 
 def tiny_tokenizer(vocab_size: int = 320):

@@ -16,10 +16,11 @@ the recorder's torch.
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
 from typing import TYPE_CHECKING, Any
+
+from processors.exports import lazy_exports
 
 if TYPE_CHECKING:
     from processors.vocab import Vocabulary
@@ -61,18 +62,7 @@ _HOMES = {
     "SCHEMA_VERSION": "tracker.schema",
 }
 
-
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'tracker' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)
 
 
 class _Package(types.ModuleType):
