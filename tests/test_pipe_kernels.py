@@ -18,6 +18,21 @@ def _weights(rows: int, vocab: int, seed: int) -> torch.Tensor:
     return w
 
 
+def _crossing_by_sort(w: torch.Tensor, fraction: torch.Tensor, inclusive: bool) -> K.Crossing:
+    """The crossing the straightforward way: sort each row, sum it up, search the target."""
+    ordered = torch.sort(w, dim=-1, descending=True).values
+    running = ordered.double().cumsum(-1)
+    total = running[:, -1]
+    target = fraction.double() * total
+    at = torch.searchsorted(running, target[:, None], right=not inclusive).squeeze(1)
+    at = torch.minimum(at, ((ordered > 0).sum(-1) - 1).clamp(min=0))  # no crossing (rounding): the last with mass
+    value = ordered.gather(1, at[:, None]).squeeze(1)
+    first = (ordered > value[:, None]).sum(-1)
+    above = torch.where(first > 0, running.gather(1, (first - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
+    ties = (ordered == value[:, None]).sum(-1).clamp(min=1)
+    return K.Crossing(value, above, ties, target, total)
+
+
 @pytest.mark.parametrize("sync_free", [False, True], ids=["gathered bucket", "masked whole row"])
 @pytest.mark.parametrize("inclusive", [True, False])
 def test_radix_crossing_equals_the_sorting_crossing(inclusive, sync_free):
@@ -25,7 +40,7 @@ def test_radix_crossing_equals_the_sorting_crossing(inclusive, sync_free):
     fraction = torch.tensor([0.0, 0.3, 0.5, 0.9, 0.999, 1.0], dtype=torch.float64)
     assert w.shape[-1] >= K.SORT_BELOW
     radix = K.mass_crossing(w, fraction, inclusive=inclusive, sync_free=sync_free)
-    sort = K._crossing_by_sort(w, fraction, None, inclusive)
+    sort = _crossing_by_sort(w, fraction, inclusive)
     assert torch.equal(radix.value, sort.value)
     assert torch.equal(radix.ties, sort.ties)
     torch.testing.assert_close(radix.above, sort.above, atol=1e-6, rtol=0)

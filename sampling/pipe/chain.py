@@ -3,9 +3,10 @@
 A filter (top-k, top-p, min-p) keeps a prefix of the order of
 :mod:`~sampling.pipe.kernels`, so a chain of filters followed by a draw is
 one computation. With a top-k in the chain (or with the ``"sort"``
-algorithm) it works on the ``k`` candidates of a partial selection (or the
-sorted row): no softmax over the vocabulary. Otherwise it works on the whole
-vocabulary with the sorting-free mass crossings. Every filter op and sampler
+algorithm, or a vocabulary below :data:`~sampling.pipe.kernels.SORT_BELOW`)
+it works on the ``k`` candidates of a partial selection (or the sorted row):
+no softmax over the vocabulary. Otherwise it works on the whole vocabulary
+with the sorting-free mass crossings. Every filter op and sampler
 of :mod:`~sampling.pipe.ops` runs a chain (a plain filter: a chain of one,
 whose kept tokens it materialises; a fused sampler: the whole chain), so a
 compiled pipe and its plain ops sample the same distribution and map the same
@@ -81,7 +82,7 @@ class Chain:
         self.x, self.rt, self.filters, self.from_logits = x, rt, tuple(filters), from_logits
         self.t = None if temperature is None else rt.param(temperature, "temperature")
         self.has_top_k = any(f.kind == "top_k" for f in self.filters)
-        self.on_candidates = self.has_top_k or rt.algorithm == "sort"
+        self.on_candidates = self.has_top_k or rt.algorithm == "sort" or x.shape[-1] < K.SORT_BELOW
         if self.on_candidates:
             self._candidates()
         else:

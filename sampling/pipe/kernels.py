@@ -63,7 +63,7 @@ _LEVELS = ((20, 11), (10, 10), (0, 10))  # (shift, width) of the three radix lev
 _BLOCK = 256  # block length for locating the n-th equal token without a full cumsum
 _TINY = 1e-300  # below any float32 mass: "at least one bucket with mass"
 SORT_BELOW = 2048
-"""Vocabularies smaller than this find mass crossings by sorting (histograms of 2048 buckets would cost more)."""
+"""Vocabularies smaller than this are sampled from the sorted row (histograms of 2048 buckets would cost more)."""
 
 
 class Crossing(NamedTuple):
@@ -195,36 +195,15 @@ class Radix(NamedTuple):
     masses: torch.Tensor  # float64 [B, V]: the weights, summed in float64 (float32 sums drift by 1e-4)
 
 
-def radix(w: torch.Tensor) -> Radix | None:
+def radix(w: torch.Tensor) -> Radix:
     """The shared part of the crossings over ``w`` (non-negative float32 ``[B, V]``), computed once.
 
     Keys are int64 because ``scatter_add_`` converts any other index type on
-    every call. ``None`` below :data:`SORT_BELOW` tokens, where crossings sort.
+    every call.
     """
-    if w.shape[-1] < SORT_BELOW:
-        return None
     bits = w.contiguous().view(torch.int32)
     keys = ((bits >> _LEVELS[0][0]) & ((1 << _LEVELS[0][1]) - 1)).long()
     return Radix(keys, w.double())
-
-
-def _crossing_by_sort(
-    w: torch.Tensor, fraction: torch.Tensor | float, of_mass: torch.Tensor | None, inclusive: bool
-) -> Crossing:
-    """:func:`mass_crossing` for small vocabularies: one sort of the row (cheaper than histograms there)."""
-    ordered = torch.sort(w, dim=-1, descending=True).values
-    running = ordered.double().cumsum(-1)
-    total = running[:, -1]
-    mass = total if of_mass is None else torch.where(torch.isnan(of_mass), total, of_mass)
-    target = (fraction.double() if isinstance(fraction, torch.Tensor) else fraction) * mass
-    at = torch.searchsorted(running, target[:, None], right=not inclusive).squeeze(1)
-    last = ((ordered > 0).sum(-1) - 1).clamp_(min=0)  # no crossing (rounding): the last token with mass
-    at = torch.minimum(at, last)
-    value = ordered.gather(1, at[:, None]).squeeze(1)
-    first = (ordered > value[:, None]).sum(-1)
-    above = torch.where(first > 0, running.gather(1, (first - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
-    ties = (ordered == value[:, None]).sum(-1).clamp_(min=1)
-    return Crossing(value, above, ties, target, total)
 
 
 def _top_down(hist: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,15 +251,10 @@ def mass_crossing(
     see only the tokens of the chosen bucket (gathered with one ``nonzero``,
     which synchronises a GPU once), so their cost does not grow with ``V``.
     With ``sync_free`` they histogram the whole row under a mask instead (no
-    sync, same result). Below :data:`SORT_BELOW` tokens a row costs less to
-    sort than to histogram, and the crossing sorts (same result, no sync).
-    Synchronises unless ``sync_free`` or the vocabulary is small.
+    sync, same result). Synchronises unless ``sync_free``.
     """
-    if w.shape[-1] < SORT_BELOW:
-        return _crossing_by_sort(w, fraction, of_mass, inclusive)
     batch = w.shape[0]
     shared = radix(w) if shared is None else shared
-    assert shared is not None
     keys, masses = shared
     (_, width), *inner_levels = _LEVELS
     hist = masses.new_zeros(batch, 1 << width).scatter_add_(1, keys, masses)

@@ -322,13 +322,17 @@ class LogitsPipe:
         return tagged, rt
 
     def _run(self, x: TaggedTensor, rt: Runtime, on_dead: str) -> TaggedTensor:
-        """Run the ops (compiled if compiled); with ``on_dead="raise"`` reads whether a row is dead."""
+        """Run the ops (compiled if compiled); with ``on_dead="raise"`` reads whether a row is dead.
+
+        A tap on a stage that a fused op hides runs the plain ops instead,
+        which emit every stage (they draw the same tokens as the compiled ops).
+        """
         tagged = x
         ops = self.compiled_ops if self.compiled_ops is not None else self.ops
+        if any(part.ends_stage and rt.wants(part.stage) for op in ops for part in op.parts[:-1]):
+            ops = self.ops
         rt.emit(INPUT, x)
         for i, op in enumerate(ops):
-            if rt.taps:
-                self._emit_hidden(op, x, rt)
             try:
                 y = op(x, rt)
             except (PipeError, DeadRowError):
@@ -341,19 +345,3 @@ class LogitsPipe:
         if on_dead == "raise" and rt.valid is not None and not bool(rt.valid.all()):
             raise dead_row_error(tagged, ~rt.valid)
         return x
-
-    @staticmethod
-    def _emit_hidden(op: Op, x: TaggedTensor, rt: Runtime) -> None:
-        """Give taps the stages a fused op skips, by running its plain parts on the side (only when tapped).
-
-        Synchronises as those parts do (only under the ``"cpu"`` algorithm).
-        """
-        inner = op.parts[:-1]
-        wanted = [i for i, part in enumerate(inner) if part.ends_stage and rt.wants(part.stage)]
-        if not wanted:
-            return
-        side = Runtime(rt.batch, rt.device, rt.params, algorithm=rt.algorithm, max_top_k=rt.max_top_k)
-        for part in inner[: wanted[-1] + 1]:
-            x = part(x, side)
-            if part.ends_stage and rt.wants(part.stage):
-                rt.emit(part.stage, x)

@@ -13,7 +13,8 @@ repeated name gets ``_2``, ``_3``), and, in a pipe that samples,
 ``"sampled"``: the distribution actually sampled from, always **PROBS**,
 float32 ``[B, V]``, each row summing to 1, exactly 0 for tokens removed by
 top-k, top-p or min-p (a one-hot row for greedy). It is built only when a
-tap asks for it.
+tap asks for it. A tap on a stage that fusion folded into a later op makes
+that call run the plain ops, which give every stage (and the same tokens).
 """
 
 from __future__ import annotations
