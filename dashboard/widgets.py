@@ -21,7 +21,7 @@ from typing import Any
 
 import streamlit as st
 
-from dashboard import data
+from dashboard import charts, data
 from dashboard.discover import RunSummary
 from dashboard.paths import (
     ANY_PATH_FLAG,
@@ -35,6 +35,7 @@ from dashboard.text import md_text
 
 __all__ = [
     "Selected",
+    "pick_stage",
     "any_path_allowed",
     "choose_root",
     "root_path",
@@ -177,6 +178,13 @@ def sidebar() -> None:
             except BadRunError as exc:
                 st.error(exc.reason)
         st.caption(f"Runs from {md_text(root)}")
+
+
+def pick_stage(label: str, stages: list[str], key: str) -> str:
+    """A row of buttons choosing one of ``stages``, each shown by its display name."""
+    return st.radio(
+        label, stages, horizontal=True, key=key, format_func=lambda s: md_text(charts.STAGE_NAMES.get(s, s))
+    )
 
 
 def show_bad_run(label: str, reason: str) -> None:

@@ -62,13 +62,7 @@ left.html(text.divergent_text_html(prompt_a, pieces_a, split))
 right.html(text.divergent_text_html(prompt_b, pieces_b, split))
 
 common = [s for s in picked.summary.stages.split(", ") if s in summary_b.stages.split(", ")]
-stage = st.radio(
-    "Distribution",
-    common,
-    horizontal=True,
-    key="compare_stage",
-    format_func=lambda s: text.md_text(charts.STAGE_NAMES.get(s, s)),
-)
+stage = widgets.pick_stage("Distribution", common, key="compare_stage")
 st.plotly_chart(
     charts.compare_timelines(
         view_a.stats, view_b.stats, labels=("A", "B"), stage=stage, divergence=split, title="Step by step, aligned"

@@ -76,13 +76,7 @@ st.plotly_chart(charts.timelines(view.stats, stages, title="Step by step"), key=
 by_processor = charts.removed_by_processor(view.stats, title="Mass removed by each processor")
 if by_processor is not None:
     st.plotly_chart(by_processor, key="removed_by_processor", width="stretch")
-heat_stage = st.radio(
-    "Heatmap of",
-    stages,
-    horizontal=True,
-    key="heat_stage",
-    format_func=lambda s: text.md_text(charts.STAGE_NAMES.get(s, s)),
-)
+heat_stage = widgets.pick_stage("Heatmap of", stages, key="heat_stage")
 st.plotly_chart(
     charts.token_heatmap(
         view.heat[heat_stage], view.heat_chosen, stage=heat_stage, title="Top candidates by step (○ chosen)"
