@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tracker.block import Block
-from tracker.rows import EXP_FLOOR, NEG_INF, logsumexp_rows, masked
+from tracker.rows import NEG_INF, exp_floor, logsumexp_rows, masked
 
 __all__ = ["entropy", "chosen", "p_eos", "allowed", "removed_mass", "margin", "step_metrics"]
 
@@ -26,7 +26,8 @@ def entropy(block: Block) -> np.ndarray:
     if not block.full:
         return np.full(block.rows, math.nan)
     # Clamped at -80: a masked token then weighs exp(-80) * 80 ~ 1e-33 instead of 0 * -inf (NaN).
-    logp = np.maximum(block.values - block.lse[:, None], np.float32(EXP_FLOOR))
+    logp = block.values - block.lse[:, None]
+    np.maximum(logp, exp_floor(logp.shape[1]), out=logp)
     return -np.einsum("ij,ij->i", np.exp(logp), logp).astype(np.float64)
 
 

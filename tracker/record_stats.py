@@ -21,7 +21,7 @@ import math
 import numpy as np
 import torch
 
-from tracker.rows import EXP_FLOOR, NEG_INF, logsumexp_rows, masked
+from tracker.rows import EXP_FLOOR, NEG_INF, exp_floor, logsumexp_rows, masked
 
 __all__ = ["CHOSEN_STATS", "ROW_STATS", "chosen_stats", "pair_stats", "probability", "row_stats", "summarise_topk"]
 
@@ -107,7 +107,7 @@ def _row_stats_cpu(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Ten
     nothing = top == NEG_INF
     shift = np.where(nothing, 0.0, top).astype(np.float32)
     z = rows - shift[:, None]
-    np.maximum(z, EXP_FLOOR, out=z)
+    np.maximum(z, exp_floor(z.shape[1]), out=z)
     e = np.exp(z)
     total = e.sum(axis=1, dtype=np.float32)
     log_total = np.log(total)

@@ -16,6 +16,7 @@ parallel without copies.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,7 @@ import numpy as np
 __all__ = [
     "NEG_INF",
     "as_float32",
+    "exp_floor",
     "logsumexp_rows",
     "logsumexp_shared",
     "masked",
@@ -58,6 +60,16 @@ def as_float32(rows: np.ndarray) -> np.ndarray:
     return rows.astype(np.float32)
 
 
+@functools.lru_cache(maxsize=4)
+def exp_floor(vocab: int) -> np.ndarray:
+    """A read-only ``[1, vocab]`` row of float32 :data:`EXP_FLOOR`, to clamp rows with
+    ``np.maximum(x, floor, out=x)``: against an array operand numpy's float32 ``maximum`` runs about
+    three times as fast as against a scalar."""
+    row = np.full((1, vocab), EXP_FLOOR, dtype=np.float32)
+    row.flags.writeable = False
+    return row
+
+
 def logsumexp_rows(x: np.ndarray, shift: np.ndarray | None = None) -> np.ndarray:
     """``[t]`` float32 log-sum-exp of each row: ``-inf`` when nothing is allowed, NaN for a row holding NaN.
 
@@ -76,11 +88,12 @@ def logsumexp_rows(x: np.ndarray, shift: np.ndarray | None = None) -> np.ndarray
     offset = np.where(np.isfinite(top), top, 0.0).astype(np.float32)
     per = min(t, _LSE_ROWS)
     scratch = np.empty((per, x.shape[1]), dtype=np.float32)
+    floor = exp_floor(x.shape[1])
     for a in range(0, t, per):
         rows = x[a : a + per]
         terms = scratch[: rows.shape[0]]
         np.subtract(rows, offset[a : a + per, None], out=terms)
-        np.maximum(terms, EXP_FLOOR, out=terms)
+        np.maximum(terms, floor, out=terms)
         np.exp(terms, out=terms)
         out[a : a + per] = terms.sum(axis=1, dtype=np.float32)
     with np.errstate(divide="ignore"):
@@ -118,12 +131,13 @@ def logsumexp_shared(
     per = max(1, min(t, _LSE_ROWS))
     terms, kept = np.empty((per, v), dtype=np.float32), np.empty((per, v), dtype=np.float32)
     allowed, differ = np.empty((per, v), dtype=bool), np.empty((per, v), dtype=bool)
+    floor = exp_floor(v)
     for a in range(0, t, per):
         rows = natural[a : a + per]
         k = rows.shape[0]
         e, w, m, d = terms[:k], kept[:k], allowed[:k], differ[:k]
         np.subtract(rows, offset[a : a + per, None], out=e)
-        np.maximum(e, EXP_FLOOR, out=e)
+        np.maximum(e, floor, out=e)
         np.exp(e, out=e)
         sums[a : a + per] = e.sum(axis=1, dtype=np.float32)
         for j, other in enumerate(others):
