@@ -257,6 +257,36 @@ def test_a_plus_inf_row_is_a_one_hot_on_its_plus_inf_tokens(storage):
     assert probs[4] == probs[9] == 0.5
 
 
+class AllowNothingAtStep1(LogitsProcessor):
+    """Allows every token, except at its second call, where it allows none."""
+
+    calls = 0
+
+    def process(self, logits, ctx):
+        self.calls += 1
+        return torch.full_like(logits, float("-inf")) if self.calls == 2 else logits
+
+
+@pytest.mark.parametrize("statistics", ["record", "read"])
+def test_a_step_whose_constraint_allows_nothing_has_the_same_statistics_recorded_or_read(statistics):
+    """The chosen token was masked: probability 0 (not NaN) in the constrained stage, no entropy, nothing allowed."""
+    tracker = LogitTrackingProcessor(AllowNothingAtStep1(), statistics=statistics)
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.tensor([[1, 2]])
+    x = torch.randn(3, 40, generator=gen)
+    for t in range(3):
+        tracker(ids, x[t : t + 1].clone())
+        ids = torch.cat([ids, x[t : t + 1].argmax(1, keepdim=True)], 1)
+    tracker.finish(ids)
+    stats = tracker.stats()
+    dead = stats.iloc[1]
+    assert dead["allowed"] == 0 and dead["removed_mass"] == 1.0 and np.isnan(dead["entropy_constrained"])
+    assert dead["p_chosen_constrained"] == 0.0
+    p = torch.softmax(x.double(), 1)
+    np.testing.assert_allclose(stats["p_chosen_natural"], p.max(1).values.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(stats["p_chosen_constrained"], [p[0].max(), 0.0, p[2].max()], rtol=1e-5)
+
+
 # ---------------------------------------------------------------- queries inside the bound
 
 

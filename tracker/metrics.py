@@ -26,9 +26,17 @@ def entropy(block: Block) -> np.ndarray:
     if not block.full:
         return np.full(block.rows, math.nan)
     # Clamped at -80: a masked token then weighs exp(-80) * 80 ~ 1e-33 instead of 0 * -inf (NaN).
-    logp = block.values - block.lse[:, None]
+    with np.errstate(invalid="ignore"):  # a row with nothing allowed: -inf - -inf, its entropy NaN
+        logp = block.values - block.lse[:, None]
     np.maximum(logp, exp_floor(logp.shape[1]), out=logp)
     return -np.einsum("ij,ij->i", np.exp(logp), logp).astype(np.float64)
+
+
+def _probability(logit: np.ndarray, lse: np.ndarray) -> np.ndarray:
+    """``exp(logit - lse)``, 0 for a masked token (``-inf``) even in a row with nothing allowed, as the record
+    computes it (NaN, a logit not stored, stays NaN)."""
+    with np.errstate(invalid="ignore"):
+        return np.where(logit == NEG_INF, np.float32(0.0), np.exp(logit - lse))
 
 
 def chosen(block: Block, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -39,7 +47,7 @@ def chosen(block: Block, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     stored = ~np.isnan(block.values)
     with np.errstate(invalid="ignore"):
         rank = ((block.values > value) & stored).sum(axis=1).astype(np.float64)
-        prob = np.exp(value[:, 0] - block.lse).astype(np.float64)  # float32, as the record computes it
+        prob = _probability(value[:, 0], block.lse).astype(np.float64)  # float32, as the record computes it
     ok = known & ~np.isnan(value[:, 0])
     return np.where(ok, prob, math.nan), np.where(ok, rank, math.nan)
 
@@ -49,7 +57,7 @@ def p_eos(block: Block, eos_ids: Sequence[int]) -> np.ndarray:
     if not len(eos_ids):
         return np.full(block.rows, math.nan)
     eos = np.broadcast_to(np.asarray(list(eos_ids), dtype=np.int64), (block.rows, len(eos_ids)))
-    probs = np.exp(block.at(eos) - block.lse[:, None])
+    probs = _probability(block.at(eos), block.lse[:, None])
     found = ~np.isnan(probs).all(axis=1)
     return np.where(found, np.nansum(probs, axis=1, dtype=np.float32), math.nan).astype(np.float64)
 
