@@ -189,6 +189,29 @@ def test_reduced_storage_gives_the_statistics_of_a_float32_run_of_the_same_gener
         np.testing.assert_allclose(b["margin"], margin.numpy(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("storage", ["bfloat16", "float16"])
+def test_half_precision_rows_read_as_distributions_and_their_statistics_stay_exact(storage):
+    """Probabilities read off a rounded row sum to 1 (none above 1); stats() keeps the full row's values."""
+    x = torch.randn(3, 400, generator=torch.Generator().manual_seed(5))
+    x[0, 17] = 30.1  # rounds up in both half formats: a dominant token read with the full row's sum passes 1
+    x[1] = 10.3  # all tied, rounded up: each token reads 1/400
+    x[2, ::2] = float("-inf")
+    tracker = LogitTrackingProcessor(None, storage=storage)
+    ids = torch.tensor([[1, 2]])
+    for t in range(3):
+        tracker(ids, x[t : t + 1].clone())
+        ids = torch.cat([ids, torch.tensor([[17]])], 1)
+    tracker.finish(ids)
+    probs = tracker.get_probabilities()["unstructured"]
+    np.testing.assert_allclose(probs.sum(1), 1.0, rtol=1e-5)
+    assert probs.max() <= 1.0
+    np.testing.assert_allclose(probs[1], 1 / 400, rtol=1e-5)
+    top = tracker.get_top_tokens(k=1)
+    assert top[0]["tokens"][0]["token"] == "<17>" and top[0]["tokens"][0]["unstructured_prob"] <= 1.0
+    exact = torch.softmax(x.double(), 1)
+    np.testing.assert_allclose(tracker.stats()["p_chosen_natural"], exact[:, 17].numpy(), rtol=1e-5)
+
+
 def test_statistics_of_a_logitscope_generator_run_in_topk_storage_match_float32(tiny_model, char_tokenizer):
     runs = {}
     for storage in ("float32", "topk"):

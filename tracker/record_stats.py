@@ -5,7 +5,10 @@ row itself, so that every storage mode answers the per-step statistics
 exactly: :func:`row_stats` (log-sum-exp, allowed count, maximum, entropy, NaN
 count, EOS probability, and against the natural row the removed mass and
 margin), :func:`chosen_stats` once the chosen token is known (its logit,
-probability and rank), and :func:`summarise_topk` for top-k storage.
+probability and rank), and :func:`summarise_topk` for top-k storage. A
+half-precision row is stored with the log-sum-exp of its rounded values
+(:func:`stored_lse`), which its probabilities are read with; its statistics
+are the full row's.
 
 These run once per recorded stage and step. None of them synchronises with
 the device: whole-row kernels whose small results are copied to the host
@@ -23,7 +26,8 @@ import torch
 
 from tracker.rows import EXP_FLOOR, NEG_INF, exp_floor, logsumexp_rows, masked
 
-__all__ = ["CHOSEN_STATS", "ROW_STATS", "chosen_stats", "pair_stats", "probability", "row_stats", "summarise_topk"]
+__all__ = ["CHOSEN_STATS", "ROW_STATS", "chosen_stats", "pair_stats", "probability", "row_stats", "stored_lse"]
+__all__ += ["stage_stats", "summarise_topk"]
 
 #: Order of the values :func:`row_stats` packs per row (the schema's statistics columns up to the margin).
 ROW_STATS = ("lse", "allowed", "max", "entropy", "nan", "p_eos", "removed_mass", "margin")
@@ -157,6 +161,33 @@ def pair_stats(natural: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, to
     removed = (1.0 - torch.exp(lse_kept - lse_nat)).clamp_(0.0, 1.0)
     margin = nat.amax(dim=1) - kept.amax(dim=1)
     return torch.nan_to_num(removed, nan=0.0), margin
+
+
+def stored_lse(x: torch.Tensor, dtype: torch.dtype, exact: torch.Tensor) -> torch.Tensor:
+    """``[B]`` log-sum-exp of rows ``x`` as stored in ``dtype`` (float16 or bfloat16), NaN entries left out.
+
+    It normalises the probabilities a query reads off the stored rows, so that
+    they sum to 1 (with the full row's ``exact`` log-sum-exp, a rounded-up
+    best logit would read as a probability above 1). Where it or ``exact`` is
+    not finite (nothing allowed, a ``+inf`` row, a logit past float16's
+    range) it is ``exact``. Kernels on the rows' device; no synchronisation.
+    """
+    rounded = x.to(dtype).float()
+    lse = torch.logsumexp(rounded.masked_fill(torch.isnan(rounded), NEG_INF), dim=1)
+    return torch.where(torch.isfinite(lse) & torch.isfinite(exact), lse, exact)
+
+
+def stage_stats(
+    x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Tensor | None, kept: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(stats, stored)``: :func:`row_stats` of rows ``x`` kept in ``kept``, and the values stored beside them,
+    the same but for a half-precision row's log-sum-exp (:func:`stored_lse`). No synchronisation."""
+    stats = row_stats(x, eos, natural)
+    if kept not in (torch.float16, torch.bfloat16):
+        return stats, stats
+    stored = stats.clone()
+    stored[:, 0] = stored_lse(x, kept, stats[:, 0])
+    return stats, stored
 
 
 def chosen_stats(x: torch.Tensor, chosen: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:

@@ -22,10 +22,9 @@ rows stay referenced until then (one step's worth), and the few values per
 row are copied like the rest, without a sync.
 
 Storage (:mod:`tracker.storage`): the whole row as float32, float16 or
-bfloat16 (converted on the device before the copy), or the top ``k`` values
-with their ids (selected on the device), or ``"auto"``: the fullest of those
-that keeps 500 steps of the batch within the memory bound, decided at the
-first step.
+bfloat16 (converted on the device before the copy), the top ``k`` values with
+their ids (selected on the device), or ``"auto"``: the fullest of those that
+keeps 500 steps of the batch within the memory bound, at the first step.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ import torch
 from tracker.buffers import SHARED_POOL, BufferPool
 from tracker.chunk_memory import ChunkMemory, Layout
 from tracker.chunks import Chunk, CudaStaging, StepRows, conform, to_batch
-from tracker.record_stats import chosen_stats, row_stats, summarise_topk
+from tracker.record_stats import chosen_stats, stage_stats, summarise_topk
 from tracker.schema import run_schema
 from tracker.spill_handoff import Describe, SpillHandoff, SpillWarning
 from tracker.storage import STATISTICS, Storage, stats_when_recorded
@@ -296,8 +295,9 @@ class Recorder:
             for name, tensor in summary.items():
                 chunk.buffers[f"{stage}:{name}"][start:end].copy_(tensor, non_blocking=staging)
         if f"{stage}:stats" in chunk.buffers:
-            stats = row_stats(src, self._eos_on(src.device), None if stage == "natural" else natural)
-            chunk.buffers[f"{stage}:stats"][start:end].copy_(stats, non_blocking=staging)
+            kept = chunk.buffers[f"{stage}:logits"].dtype  # float32 in top-k storage
+            stats, stored = stage_stats(src, self._eos_on(src.device), None if stage == "natural" else natural, kept)
+            chunk.buffers[f"{stage}:stats"][start:end].copy_(stored, non_blocking=staging)
             if self._retained is not rows:
                 self._retained, self._retained_rows = rows, {}
             self._retained_rows[stage] = (src, stats)
