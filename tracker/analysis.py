@@ -162,7 +162,10 @@ class Analysis(Passes):
         each stage's row held (``"nan_count"``, None when unknown): NaN
         entries are left out of the distribution, and a row holding +inf is
         a one-hot on its +inf token(s). In top-k storage, ``k`` is at most the
-        stored ``top_k``. ``stage`` names the stage shown as "structured"
+        stored ``top_k``, and the tokens listed are those the constrained stage
+        kept (a token the model liked that fell out of the constrained top-k,
+        masked or merely lowered, is not known to be allowed, so it is not
+        listed). ``stage`` names the stage shown as "structured"
         (default ``constrained``; e.g. ``"after:regex"``).
         """
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
