@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -107,9 +107,11 @@ class StageRow:
     ``ids``/``values`` (the stored best tokens and their logits) and, for
     stages after ``natural``, ``natural_at_ids``. ``lse`` is the row's
     log-sum-exp and ``allowed`` how many tokens had a logit above ``-inf``
-    (both known in every storage). ``recorded`` is False when the stage was
+    (both known in every storage; a row holding ``+inf`` has ``lse`` ``+inf``
+    and ``allowed`` its count of ``+inf`` tokens: a one-hot on them). ``recorded`` is False when the stage was
     not recorded at this step (the wrapped processor raised, or the stage was
-    added later).
+    added later). ``recorded_stats`` holds the statistics recorded from the
+    whole row (``entropy``, ``p_chosen``, ``removed_mass``), where the run has them.
     """
 
     stage: str
@@ -120,6 +122,7 @@ class StageRow:
     natural_at_ids: np.ndarray | None = None
     lse: float = float("nan")
     allowed: int = 0
+    recorded_stats: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -368,6 +371,12 @@ class RunReader:
         m = self.metadata
         if f"{stage}_topk_ids" not in table.column_names and f"{stage}_logits" not in table.column_names:
             return StageRow(stage, recorded=False)
+        stats = {}
+        for name in ("entropy", "p_chosen", "removed_mass"):
+            if f"{stage}_{name}" in table.column_names:
+                value = table.column(f"{stage}_{name}")[local].as_py()
+                if value is not None:
+                    stats[name] = float(value)
         if m.storage != "topk":
             column = _single(table.column(f"{stage}_logits"))
             if column.is_null()[local].as_py():
@@ -376,10 +385,8 @@ class RunReader:
             child = column.values.slice((column.offset + local) * width, width)
             kind = (table.schema.field(f"{stage}_logits").metadata or {}).get(FIELD_DTYPE, b"float32")
             logits = as_float32(child.to_numpy(zero_copy_only=False), kind)
-            finite = logits[logits > -np.inf]
-            top = float(finite.max()) if finite.size else -np.inf
-            lse = float(top + np.log(np.exp(finite - top).sum())) if finite.size else -np.inf
-            return StageRow(stage, True, logits=logits, lse=lse, allowed=int(finite.size))
+            lse, allowed = _row_lse(logits)
+            return StageRow(stage, True, logits=logits, lse=lse, allowed=allowed, recorded_stats=stats)
         ids_column = _single(table.column(f"{stage}_topk_ids"))
         if ids_column.is_null()[local].as_py():
             return StageRow(stage, recorded=False)
@@ -403,6 +410,7 @@ class RunReader:
             natural_at_ids=None if natural is None else natural.astype(np.float32),
             lse=float("nan") if lse is None else float(lse),
             allowed=0 if allowed is None else int(allowed),
+            recorded_stats=stats,
         )
 
     def clear_cache(self) -> None:
@@ -417,6 +425,19 @@ class RunReader:
             f"RunReader('{self.path}', run_id={m.run_id!r}, rows={self.num_rows}, blocks={self.num_blocks}, "
             f"storage={m.storage!r}, stages={m.stages}, vocab_size={m.vocab_size})"
         )
+
+
+def _row_lse(logits: np.ndarray) -> tuple[float, int]:
+    """A full row's log-sum-exp and allowed count as the record keeps them: NaN entries left out; a row
+    holding ``+inf`` has log-sum-exp ``+inf`` and allows its ``+inf`` tokens (it is a one-hot on them)."""
+    posinf = np.isposinf(logits)
+    if posinf.any():
+        return float("inf"), int(posinf.sum())
+    finite = logits[logits > -np.inf]  # NaN compares False: left out
+    if not finite.size:
+        return float("-inf"), 0
+    top = float(finite.max())
+    return float(top + np.log(np.exp(finite - top).sum(dtype=np.float64))), int(finite.size)
 
 
 def _single(column: pa.ChunkedArray) -> pa.Array:

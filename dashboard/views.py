@@ -28,7 +28,7 @@ import tracker
 from dashboard.reader import StageRow, StepRow
 from dashboard.threads import one_torch_thread
 from tracker import Vocabulary, metrics
-from tracker.block import Block, read_as_recorded
+from tracker.block import Block, one_hot_rows, read_as_recorded
 from tracker.compare import first_divergence  # one definition, shared with tracker.compare
 from tracker.display import token_label  # one definition, shared with the notebook display
 from tracker.rows import nonfinite_rows
@@ -92,6 +92,19 @@ def _stage_values(stage: StageRow, ids: np.ndarray) -> tuple[np.ndarray, list[St
     return values, states
 
 
+def _probabilities(stage: StageRow, values: np.ndarray) -> np.ndarray:
+    """Probabilities of logits ``values`` at a stage, read as the tracker reads the row: a masked token 0,
+    a row holding ``+inf`` a one-hot on its ``+inf`` tokens; NaN where the value is not known."""
+    if not stage.recorded:
+        return np.full(values.size, np.nan)
+    with np.errstate(invalid="ignore", over="ignore"):
+        if stage.lse == np.inf:
+            prob = (values == np.inf) / max(stage.allowed, 1)
+        else:
+            prob = np.where(values == -np.inf, 0.0, np.exp(values - stage.lse))
+    return np.where(np.isnan(values), np.nan, prob)
+
+
 def _natural_topk_values(row: StepRow) -> dict[int, float]:
     """Top-k storage: every natural logit the row knows (natural's own list and other stages' ``natural_at_ids``)."""
     known: dict[int, float] = {}
@@ -149,7 +162,7 @@ def step_table(row: StepRow, vocab: Vocabulary, k: int = 10) -> pd.DataFrame:
             fill = np.isnan(values) & ~np.isnan(extra)
             values = np.where(fill, extra, values)
             states = ["kept" if f else s for f, s in zip(fill.tolist(), states)]
-        prob = np.exp(values - stage.lse) if stage.recorded else np.full(ids.size, np.nan)
+        prob = _probabilities(stage, values)
         columns[f"{name}_logit"] = values
         columns[f"{name}_prob"] = prob
         columns[f"{name}_state"] = states
@@ -191,7 +204,9 @@ class StepSummary:
 
 def _block(stage: StageRow) -> Block:
     """One stage's row as the tracker's metrics read it (a full row as the record reads it, or the stored top-k)."""
-    lse = np.array([stage.lse], dtype=np.float32)
+    recorded = np.array([stage.lse])
+    # a +inf row reads as a one-hot on its +inf tokens: values 0 there, log-sum-exp the log of their count
+    lse = np.where(recorded == np.inf, np.log(max(stage.allowed, 1)), recorded).astype(np.float32)
     if stage.logits is not None:
         values = np.asarray(stage.logits, dtype=np.float32)[None, :]
         return Block(read_as_recorded(values, nonfinite_rows(values), None), lse)
@@ -199,7 +214,7 @@ def _block(stage: StageRow) -> Block:
     values = (
         np.zeros((1, 0), np.float32) if stage.values is None else np.asarray(stage.values, dtype=np.float32)[None, :]
     )
-    return Block(values, lse, ids, np.array([stage.allowed]))
+    return Block(one_hot_rows(values, recorded), lse, ids, np.array([stage.allowed]))
 
 
 def step_summary(row: StepRow, vocab: Vocabulary) -> StepSummary:
@@ -207,8 +222,15 @@ def step_summary(row: StepRow, vocab: Vocabulary) -> StepSummary:
     (the tracker's metrics, :mod:`tracker.metrics`, on this one row)."""
     blocks = {name: _block(stage) for name, stage in row.stages.items()}
     chosen = np.array([row.chosen])
-    entropy = {name: float(metrics.entropy(block)[0]) for name, block in blocks.items()}
-    p_chosen = {name: float(metrics.chosen(block, chosen)[0][0]) for name, block in blocks.items()}
+    # the statistics recorded from the whole row where the run has them (exact in top-k and half precision)
+    entropy = {
+        name: row.stages[name].recorded_stats.get("entropy", float(metrics.entropy(block)[0]))
+        for name, block in blocks.items()
+    }
+    p_chosen = {
+        name: row.stages[name].recorded_stats.get("p_chosen", float(metrics.chosen(block, chosen)[0][0]))
+        for name, block in blocks.items()
+    }
     natural = row.stages.get("natural")
     constrained = row.stages.get("constrained")
     removed = float("nan")
@@ -216,7 +238,9 @@ def step_summary(row: StepRow, vocab: Vocabulary) -> StepSummary:
     if constrained is not None and constrained.recorded:
         allowed = constrained.allowed
         if natural is not None:
-            removed = float(metrics.removed_mass(blocks["natural"], blocks["constrained"])[0])
+            removed = constrained.recorded_stats.get(
+                "removed_mass", float(metrics.removed_mass(blocks["natural"], blocks["constrained"])[0])
+            )
     elif constrained is None:
         removed = 0.0
     token = vocab.display[row.chosen] if row.chosen >= 0 else ""

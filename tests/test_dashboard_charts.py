@@ -251,3 +251,40 @@ def test_colour_intensity(column, value, expected):
 def test_text_so_far_keeps_the_tail_of_long_texts():
     html = text.text_so_far_html("P", ["x"] * 5000, "y", tail_chars=100)
     assert "… " in html and html.count("x") < 200 and "y</span>" in html
+
+
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "topk"])
+def test_a_step_shows_what_the_tracker_says_in_every_storage_mode(storage, tmp_path):
+    """The replay page's table and summary agree with the tracker's stats(), a +inf row included (a one-hot)."""
+    import torch
+
+    from processors import LogitsProcessor
+    from tracker import LogitTrackingProcessor
+
+    class MaskThird(LogitsProcessor):
+        def process(self, logits, ctx):
+            out = logits.clone()
+            out[:, ::3] = float("-inf")
+            return out
+
+    x = torch.randn(2, 60, generator=torch.Generator().manual_seed(3))
+    x[1, 4] = x[1, 9] = float("inf")  # a one-hot on 4 and 9; the constraint masks 9
+    tracker = LogitTrackingProcessor(MaskThird(), storage=storage, top_k=5)
+    tracker(torch.tensor([[1]]), x[:1].clone())
+    tracker(torch.tensor([[1, 4]]), x[1:].clone())
+    tracker.finish(torch.tensor([[1, 4, 4]]))
+    tracker.to_parquet(tmp_path / "run.parquet")
+    stats = tracker.stats()
+    reader = RunReader(tmp_path / "run.parquet")
+    track = reader.track(0, 0, include_finished=True)
+    for position in range(2):
+        row = reader.step(track, position)
+        summary = views.step_summary(row, reader.vocab)
+        for stage in ("natural", "constrained"):
+            assert summary.entropy[stage] == pytest.approx(stats[f"entropy_{stage}"][position], rel=1e-5)
+            assert summary.p_chosen[stage] == pytest.approx(stats[f"p_chosen_{stage}"][position], rel=1e-5)
+        assert summary.removed_mass == pytest.approx(stats["removed_mass"][position], rel=1e-5, abs=1e-7)
+    table = views.step_table(reader.step(track, 1), reader.vocab, k=3).set_index("token_id")
+    assert table.loc[4, "natural_prob"] == table.loc[9, "natural_prob"] == 0.5
+    assert table.loc[4, "constrained_prob"] == 1.0 and table.loc[9, "constrained_state"] == "masked"
+    assert summary.removed_mass == pytest.approx(0.5)

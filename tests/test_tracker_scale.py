@@ -189,6 +189,30 @@ def test_reduced_storage_gives_the_statistics_of_a_float32_run_of_the_same_gener
         np.testing.assert_allclose(b["margin"], margin.numpy(), rtol=1e-5, atol=1e-5)
 
 
+def test_rows_with_nan_and_plus_inf_get_the_same_statistics_recorded_or_read():
+    """Removed mass, margin and rank follow the one-hot rule of a +inf row whether recorded or summed up when read."""
+    x = torch.randn(4, 60, generator=torch.Generator().manual_seed(3))
+    x[1, 4] = x[1, 9] = float("inf")  # a one-hot on 4 and 9; the constraint masks 9: half the mass removed
+    x[2, 5] = float("nan")
+    x[3, 3] = float("inf")  # a one-hot on 3, which the constraint masks: everything removed
+    frames = {}
+    for statistics in ("record", "read"):
+        tracker = LogitTrackingProcessor(MaskThird(), statistics=statistics)
+        ids = torch.tensor([[1]])
+        for t in range(4):
+            tracker(ids, x[t : t + 1].clone())
+            ids = torch.cat([ids, torch.tensor([[4]])], 1)
+        tracker.finish(ids)
+        frames[statistics] = tracker.stats()
+    recorded, read = frames["record"], frames["read"]
+    for column in recorded.columns:
+        if recorded[column].dtype.kind == "f":
+            np.testing.assert_allclose(recorded[column], read[column], rtol=1e-4, atol=1e-6, err_msg=column)
+    assert recorded["removed_mass"][1] == pytest.approx(0.5) and recorded["margin"][1] == 0.0
+    assert recorded["rank_chosen_natural"][1] == 0 and recorded["rank_chosen_natural"][3] == 1
+    assert recorded["removed_mass"][3] == 1.0 and recorded["margin"][3] == float("inf")
+
+
 @pytest.mark.parametrize("storage", ["bfloat16", "float16"])
 def test_half_precision_rows_read_as_distributions_and_their_statistics_stay_exact(storage):
     """Probabilities read off a rounded row sum to 1 (none above 1); stats() keeps the full row's values."""

@@ -17,7 +17,7 @@ import pyarrow as pa
 from tracker.rows import NEG_INF, as_float32, effective
 from tracker.schema import FIELD_DTYPE, value_column
 
-__all__ = ["Block", "stage_matrix", "full_rows", "read_as_recorded", "topk_columns", "contiguous"]
+__all__ = ["Block", "stage_matrix", "full_rows", "read_as_recorded", "one_hot_rows", "topk_columns", "contiguous"]
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def read_as_recorded(raw: np.ndarray, bad: np.ndarray, valid: np.ndarray | None)
     return out
 
 
-def _one_hot_rows(values: np.ndarray, lse: np.ndarray) -> np.ndarray:
+def one_hot_rows(values: np.ndarray, lse: np.ndarray) -> np.ndarray:
     """Stored top-k values with rows whose log-sum-exp is +inf read as one-hots (0 at +inf, -inf elsewhere)."""
     rows = (lse == math.inf)[:, None]
     if not rows.any():
@@ -163,10 +163,10 @@ def topk_columns(batches: list[pa.RecordBatch], blocks: tuple[tuple[int, np.ndar
             parts.setdefault("natural_lse", []).append(column.to_numpy(zero_copy_only=False)[rows].astype(np.float64))
     out = {k: np.concatenate(v) for k, v in parts.items()}
     lse, allowed = out["lse"], out["allowed"]
-    values = _one_hot_rows(out["logits"].astype(np.float32), lse)
+    values = one_hot_rows(out["logits"].astype(np.float32), lse)
     natural = None
     if "natural" in out:
-        natural = _one_hot_rows(out["natural"].astype(np.float32), out["natural_lse"])
+        natural = one_hot_rows(out["natural"].astype(np.float32), out["natural_lse"])
     with np.errstate(divide="ignore"):
         lse = np.where(lse == math.inf, np.log(np.maximum(allowed, 1)), lse)
     return Block(values, lse.astype(np.float32), out["ids"].astype(np.int64), allowed, natural)

@@ -97,7 +97,8 @@ def _row_stats_cpu(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Ten
     """:func:`row_stats` on the CPU: numpy passes (one thread, a fast ``exp``) for rows without NaN or
     ``+inf`` (a row's sum tells), the general kernels for the others."""
     rows = x.detach().float().numpy()
-    sums = rows.sum(axis=1)
+    with np.errstate(invalid="ignore", over="ignore"):  # +inf and -inf in one row sum to NaN: special
+        sums = rows.sum(axis=1)
     plain = np.isfinite(sums) | (sums == NEG_INF)
     if not plain.all():
         out = torch.empty(rows.shape[0], len(ROW_STATS))
@@ -135,7 +136,8 @@ def _row_stats_cpu(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Ten
 def _pair_stats_cpu(natural: torch.Tensor, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """:func:`pair_stats` in numpy passes when the natural rows hold no NaN or ``+inf``."""
     nat = natural.detach().float().numpy()
-    sums = nat.sum(axis=1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        sums = nat.sum(axis=1)
     if not (np.isfinite(sums) | (sums == NEG_INF)).all():
         removed, margin = pair_stats(natural, x)
         return removed.numpy(), margin.numpy()
@@ -151,11 +153,14 @@ def pair_stats(natural: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, to
 
     ``removed_mass``: natural probability of the tokens ``x`` masked (``-inf``
     or NaN); ``margin``: the best natural logit minus the best natural logit
-    ``x`` still allows (``inf`` when it allows nothing). Whole-row kernels on
+    ``x`` still allows (``inf`` when it allows nothing). A natural row holding
+    ``+inf`` counts as a one-hot on its ``+inf`` tokens. Whole-row kernels on
     the rows' device; no synchronisation.
     """
     nat = natural.float()
     nat = nat.masked_fill(torch.isnan(nat), NEG_INF)
+    posinf = torch.isposinf(nat)  # a natural row holding +inf is a one-hot on its +inf tokens
+    nat = torch.where(posinf.any(dim=1, keepdim=True), torch.where(posinf, 0.0, NEG_INF), nat)
     kept = nat.masked_fill(~(x > NEG_INF), NEG_INF)
     lse_nat, lse_kept = torch.logsumexp(nat, dim=1), torch.logsumexp(kept, dim=1)
     removed = (1.0 - torch.exp(lse_kept - lse_nat)).clamp_(0.0, 1.0)
@@ -206,6 +211,9 @@ def chosen_stats(x: torch.Tensor, chosen: torch.Tensor, stats: torch.Tensor) -> 
         rank = torch.from_numpy(np.count_nonzero(rows > bound, axis=1).astype(np.float32))
     else:
         rank = (x > value).sum(dim=1, dtype=torch.float32)
+    # in a row holding +inf (a one-hot on its +inf tokens) every other token ranks after those
+    one_hot = stats[:, 0] == math.inf
+    rank = torch.where(one_hot, torch.where(value[:, 0] == math.inf, 0.0, stats[:, 1]), rank.to(stats.device))
     logit = value[:, 0].float()
     logit = logit.masked_fill(torch.isnan(logit), NEG_INF)
     prob = probability(logit, stats[:, 0], stats[:, 1])
