@@ -193,15 +193,15 @@ def test_rows_with_nan_and_plus_inf_get_the_same_statistics_recorded_or_read():
     """Removed mass, margin and rank follow the one-hot rule of a +inf row whether recorded or summed up when read."""
     x = torch.randn(4, 60, generator=torch.Generator().manual_seed(3))
     x[1, 4] = x[1, 9] = float("inf")  # a one-hot on 4 and 9; the constraint masks 9: half the mass removed
-    x[2, 5] = float("nan")
+    x[2, 5] = float("nan")  # and chosen: a NaN entry weighs 0, so it ranks after the 59 other tokens
     x[3, 3] = float("inf")  # a one-hot on 3, which the constraint masks: everything removed
     frames = {}
     for statistics in ("record", "read"):
         tracker = LogitTrackingProcessor(MaskThird(), statistics=statistics)
         ids = torch.tensor([[1]])
-        for t in range(4):
+        for t, token in enumerate([4, 4, 5, 4]):
             tracker(ids, x[t : t + 1].clone())
-            ids = torch.cat([ids, torch.tensor([[4]])], 1)
+            ids = torch.cat([ids, torch.tensor([[token]])], 1)
         tracker.finish(ids)
         frames[statistics] = tracker.stats()
     recorded, read = frames["record"], frames["read"]
@@ -211,6 +211,7 @@ def test_rows_with_nan_and_plus_inf_get_the_same_statistics_recorded_or_read():
     assert recorded["removed_mass"][1] == pytest.approx(0.5) and recorded["margin"][1] == 0.0
     assert recorded["rank_chosen_natural"][1] == 0 and recorded["rank_chosen_natural"][3] == 1
     assert recorded["removed_mass"][3] == 1.0 and recorded["margin"][3] == float("inf")
+    assert recorded["rank_chosen_natural"][2] == 59 and recorded["p_chosen_natural"][2] == 0.0
 
 
 @pytest.mark.parametrize("storage", ["bfloat16", "float16"])
@@ -317,7 +318,7 @@ class AllowNothingAtStep1(LogitsProcessor):
 @pytest.mark.parametrize("statistics", ["record", "read"])
 def test_a_step_whose_constraint_allows_nothing_has_the_same_statistics_recorded_or_read(statistics):
     """The chosen token was masked: probability 0 (not NaN) in the constrained stage, no entropy, nothing allowed."""
-    tracker = LogitTrackingProcessor(AllowNothingAtStep1(), statistics=statistics)
+    tracker = LogitTrackingProcessor(AllowNothingAtStep1(), statistics=statistics, eos_token_id=3)
     gen = torch.Generator().manual_seed(4)
     ids = torch.tensor([[1, 2]])
     x = torch.randn(3, 40, generator=gen)
@@ -328,7 +329,7 @@ def test_a_step_whose_constraint_allows_nothing_has_the_same_statistics_recorded
     stats = tracker.stats()
     dead = stats.iloc[1]
     assert dead["allowed"] == 0 and dead["removed_mass"] == 1.0 and np.isnan(dead["entropy_constrained"])
-    assert dead["p_chosen_constrained"] == 0.0
+    assert dead["p_chosen_constrained"] == 0.0 and dead["p_eos_constrained"] == 0.0
     p = torch.softmax(x.double(), 1)
     np.testing.assert_allclose(stats["p_chosen_natural"], p.max(1).values.numpy(), rtol=1e-5)
     np.testing.assert_allclose(stats["p_chosen_constrained"], [p[0].max(), 0.0, p[2].max()], rtol=1e-5)

@@ -121,7 +121,9 @@ def _row_stats_cpu(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Ten
     lse = np.where(nothing, NEG_INF, shift + log_total)
     entropy = np.where(nothing, np.nan, entropy)
     if eos is not None and eos.numel():
-        p_eos = np.exp(rows[:, eos.numpy()] - lse[:, None]).sum(axis=1)
+        at = rows[:, eos.numpy()]
+        with np.errstate(invalid="ignore"):  # a masked EOS weighs 0, even in a row with nothing allowed
+            p_eos = np.where(at == NEG_INF, 0.0, np.exp(at - lse[:, None])).sum(axis=1)
     else:
         p_eos = np.full(rows.shape[0], np.nan)
     if natural is not None:
@@ -205,6 +207,7 @@ def chosen_stats(x: torch.Tensor, chosen: torch.Tensor, stats: torch.Tensor) -> 
     ids = chosen.reshape(-1, 1).to(device=x.device, dtype=torch.int64)
     valid = (ids[:, 0] >= 0) & (ids[:, 0] < vocab)
     value = x.gather(1, ids.clamp(0, vocab - 1))
+    value = value.masked_fill(torch.isnan(value), NEG_INF)  # a NaN entry weighs 0: it ranks after every allowed token
     if x.device.type == "cpu":  # a numpy count: torch's sum of a boolean row is slow on the CPU
         rows = x.detach().numpy() if x.dtype in (torch.float32, torch.float16) else x.detach().float().numpy()
         bound = value.detach().to(torch.float32).numpy().astype(rows.dtype)
@@ -215,7 +218,6 @@ def chosen_stats(x: torch.Tensor, chosen: torch.Tensor, stats: torch.Tensor) -> 
     one_hot = stats[:, 0] == math.inf
     rank = torch.where(one_hot, torch.where(value[:, 0] == math.inf, 0.0, stats[:, 1]), rank.to(stats.device))
     logit = value[:, 0].float()
-    logit = logit.masked_fill(torch.isnan(logit), NEG_INF)
     prob = probability(logit, stats[:, 0], stats[:, 1])
     out = torch.stack([logit, prob, rank], dim=1)
     return out.masked_fill(~valid[:, None], math.nan)
