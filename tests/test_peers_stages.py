@@ -54,6 +54,16 @@ def test_topk_storage_keeps_each_stages_best_values(tiny_model, char_tokenizer):
         np.testing.assert_allclose(np.sort(topk[key][stored].reshape(-1, 20), axis=1), best, rtol=1e-6)
 
 
+@pytest.mark.parametrize("storage", ["topk", "bfloat16"])
+def test_each_processors_removed_mass_is_exact_in_reduced_storage(tiny_model, char_tokenizer, storage):
+    """The mass each processor removed comes from the statistics recorded with the whole rows."""
+    full = _generate(tiny_model, char_tokenizer, "float32", temperature=0.9, seed=3).run.stats()
+    small = _generate(tiny_model, char_tokenizer, storage, temperature=0.9, seed=3).run.stats()
+    for column in ("removed_mass_after:logit_bias", "removed_mass_after:penalties"):
+        np.testing.assert_allclose(small[column], full[column], rtol=1e-4, atol=1e-6, err_msg=column)
+    assert (full["removed_mass_after:logit_bias"] > 0).all()
+
+
 def test_stage_names_work_as_selectors_and_survive_parquet(tiny_model, char_tokenizer, tmp_path):
     tracker = _generate(tiny_model, char_tokenizer)
     run = Run.load(tracker.to_parquet(tmp_path / "run.parquet"))

@@ -32,7 +32,8 @@ class Insight:
         ``surprisal_{stage}`` (``-log p_chosen``, nats) for every stage and,
         when the run has a stage per processor, ``removed_mass_after:<name>``:
         the natural probability mass each processor masked (net of what it
-        let back; NaN in top-k storage).
+        let back), from the statistics recorded with the rows where the run
+        has them (exact in every storage mode), else from the stored rows.
         """
         if sequence is None:
             frames = [
@@ -63,17 +64,21 @@ class Insight:
     def _removed_by_processor(self, sel: Any) -> dict[str, np.ndarray]:
         stages = self._processor_stages()
         names = display_stages(stages, self.metadata.stage_aliases)  # type: ignore[attr-defined]
-        if self.metadata.storage == "topk":  # type: ignore[attr-defined]
+        if self._has_stats(sel):  # type: ignore[attr-defined]
+            # each stage's removed mass against the natural row, recorded from the whole rows: exact in every storage
+            cumulative = [self._column(f"{stage}_removed_mass", sel) for stage in stages]  # type: ignore[attr-defined]
+        elif self.metadata.storage == "topk":  # type: ignore[attr-defined]
             return {name: np.full(sel.length, math.nan) for name in names}
-        parts = self._map(
-            sel,
-            ["natural", *stages],  # type: ignore[attr-defined]
-            lambda start, b: [metrics.removed_mass(b["natural"], b[stage]) for stage in stages],
-        )
+        else:
+            parts = self._map(
+                sel,
+                ["natural", *stages],  # type: ignore[attr-defined]
+                lambda start, b: [metrics.removed_mass(b["natural"], b[stage]) for stage in stages],
+            )
+            cumulative = [np.concatenate([p[j] for p in parts]) if parts else np.zeros(0) for j in range(len(stages))]
         out: dict[str, np.ndarray] = {}
         before = np.zeros(sel.length)
-        for j, name in enumerate(names):
-            now = np.concatenate([p[j] for p in parts]) if parts else np.zeros(0)
+        for name, now in zip(names, cumulative):
             out[name] = now - before
             before = now
         return out
