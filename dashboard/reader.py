@@ -44,6 +44,7 @@ from tracker.layout import (
     open_layout,
 )
 from tracker.schema import FIELD_DTYPE, META_RUN, RunMetadata, as_float32, run_schema
+from tracker.selection import sequence_end
 
 __all__ = [
     "BadRunError",
@@ -246,7 +247,7 @@ class RunReader:
         return ""
 
     def track(self, generation: int, sequence: int, *, include_finished: bool = False) -> Track:
-        """The rows of a sequence in step order (cut after its first end-of-sequence token by default)."""
+        """The rows of a sequence in step order (by default cut where it ended: :func:`tracker.selection.sequence_end`)."""
         key = ("track", generation, sequence, include_finished)
         cached = self._memo.get(key)
         if cached is not None:
@@ -262,11 +263,9 @@ class RunReader:
             )
         rows = rows[np.argsort(index["step"][rows], kind="stable")]
         chosen = index["chosen"][rows]
-        eos = self.metadata.eos_token_ids
-        if not include_finished and eos:
-            ends = np.nonzero(np.isin(chosen, eos))[0]
-            if ends.size:
-                rows, chosen = rows[: ends[0] + 1], chosen[: ends[0] + 1]
+        if not include_finished:
+            end = sequence_end(index["step"][rows], chosen, self.metadata, generation, sequence)
+            rows, chosen = rows[:end], chosen[:end]
         result = Track(generation, sequence, index["step"][rows].astype(np.int64), chosen.astype(np.int64), rows)
         self._memo[key] = result
         return result

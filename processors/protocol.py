@@ -252,6 +252,15 @@ class LogitsProcessor(abc.ABC):
         synchronise (the default does nothing).
         """
 
+    def on_generation_end(self, lengths: Sequence[int]) -> None:
+        """Hear, after the last step, how many tokens each row generated (its finishing token included).
+
+        A row that ends before the others (end of sequence, a stop string, its
+        own ``max_new_tokens``) is fed padding for the steps that follow.
+        logitscope's ``Generator`` calls it once per generation; hosts that do
+        not know never call it. Default: nothing.
+        """
+
     @property
     def wants_prefill_logits(self) -> bool:
         """True when the processor wants :meth:`on_prefill` (the host then keeps every prompt position's logits)."""
@@ -411,6 +420,10 @@ class ProcessorList(LogitsProcessor):
     def on_generation_start(self, sampling: Sequence[Mapping[str, Any]]) -> None:
         for processor in self.processors:
             processor.on_generation_start(sampling)
+
+    def on_generation_end(self, lengths: Sequence[int]) -> None:
+        for processor in self.processors:
+            processor.on_generation_end(lengths)
 
     def on_sampled(self, tokens: torch.Tensor, ctx: BatchContext) -> None:
         """Tell each processor the step's tokens (no synchronisation of its own)."""

@@ -242,6 +242,7 @@ class Generator:
         # the loop, then the outputs
         self._start_processors(rows, seeds)
         self._decode(batch, rows, draws)
+        self.logits_processor.on_generation_end([len(r.tokens) for r in rows])
         return self._outputs(prompts, encoded, per_request, rows)
 
     @staticmethod

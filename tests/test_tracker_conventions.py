@@ -262,3 +262,30 @@ def test_queries_never_change_the_recorded_rows(statistics):
     stored = tracker.to_arrow().column("natural_logits").to_pylist()
     assert np.isnan(stored[1][3]) and stored[2][5] == float("inf")
     assert tracker.to_arrow().column("natural_nonfinite").to_pylist() == [False, True, True]
+
+
+def test_a_sequence_that_stops_early_ends_there_not_in_the_padding_it_was_fed(tmp_path):
+    """Rows of one batch stop at different steps (their own max_new_tokens); each sequence ends where its
+    completion ended, in queries, in the dashboard's reader and after a round trip through Parquet."""
+    from dashboard.reader import RunReader
+    from tracker import Run
+
+    tokenizer = byte_tokenizer()
+    model = random_gpt2(len(tokenizer), seed=7)
+    gen = add_tracking(Generator(model, tokenizer))
+    requests = [SamplingParams(max_new_tokens=n, temperature=0.9, seed=n, ignore_eos=True) for n in (2, 7, 4)]
+    out = gen.generate(["ab", "abc", "b"], requests)
+    lengths = [len(o.outputs[0].token_ids) for o in out]
+    assert lengths == [2, 7, 4]
+    run = gen.logits_processor.run
+    saved = Run.load(run.to_parquet(tmp_path / "run.parquet"))
+    reader = RunReader(tmp_path / "run.parquet")
+    for s, (n, o) in enumerate(zip(lengths, out)):
+        for r in (run, saved):
+            stats = r.stats(sequence=s)
+            assert stats["position"].tolist() == list(range(n))
+            assert stats["chosen_id"].tolist() == o.outputs[0].token_ids
+            assert len(r.stats(sequence=s, include_finished=True)) == 7  # the padding is there when asked for
+            assert len(r.get_top_tokens(k=2, sequence=s)) == n
+        assert reader.track(0, s).length == n
+        assert reader.track(0, s, include_finished=True).length == 7

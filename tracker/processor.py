@@ -285,6 +285,13 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
         if self.processor is not None:
             self.processor.on_generation_start(sampling)
 
+    def on_generation_end(self, lengths: Sequence[int]) -> None:
+        """Keep how many tokens each row of the generation produced: queries end each sequence there
+        (unless ``include_finished``), so the padding a host fed a row that stopped early is not shown."""
+        self._shared.note_lengths([int(n) for n in lengths])
+        if self.processor is not None:
+            self.processor.on_generation_end(lengths)
+
     @property
     def wants_prefill_logits(self) -> bool:  # type: ignore[override]
         return self._records_prompt or (self.processor is not None and self.processor.wants_prefill_logits)

@@ -195,6 +195,13 @@ class SharedRecording:
             if not self.sampling_from_user:
                 self.sampling = _summarise_sampling(rows)
 
+    def note_lengths(self, lengths: list[int]) -> None:
+        """The tokens each row of the latest generation produced (the host tells when it ends)."""
+        with self.lock:
+            if self.generations and self.generations[-1].get("batch_size") == len(lengths):
+                self.generations[-1]["lengths"] = lengths
+                self.run_cache = None
+
     # ---------------------------------------------------------------- generations
 
     def open_generation(self, ctx: BatchContext, batch: int, pad_token_id: int | None) -> Generation:

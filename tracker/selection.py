@@ -3,8 +3,9 @@
 Selectors, on every call: ``generation`` (default ``-1``, the latest; negative
 values count from the end), ``sequence`` (the batch row, default 0) and
 ``include_finished`` (default False: a sequence ends at its first
-end-of-sequence token, as the rows a host keeps feeding a finished sequence
-are padding). "position" is the index of the generated token (0 is the first
+end-of-sequence token, or where the host said it ended, as logitscope's
+Generator does for rows that stop early; the rows a host keeps feeding a
+finished sequence are padding). "position" is the index of the generated token (0 is the first
 token after the prompt).
 """
 
@@ -23,7 +24,23 @@ from tracker.schema import RunMetadata
 if TYPE_CHECKING:
     from processors.vocab import Vocabulary
 
-__all__ = ["Selection", "Selecting"]
+__all__ = ["Selection", "Selecting", "sequence_end"]
+
+
+def sequence_end(steps: np.ndarray, chosen: np.ndarray, metadata: RunMetadata, generation: int, sequence: int) -> int:
+    """How many of a sequence's rows (in step order) are its own: up to its first end-of-sequence token,
+    and no further than the tokens it generated where the host said (a row that stopped early is fed
+    padding while the others go on)."""
+    end = chosen.size
+    if metadata.eos_token_ids:
+        ends = np.nonzero(np.isin(chosen, metadata.eos_token_ids))[0]
+        if ends.size:
+            end = int(ends[0]) + 1
+    record = next((g for g in metadata.generations if g.get("generation") == generation), None)
+    lengths = None if record is None else record.get("lengths")
+    if lengths is not None and 0 <= sequence < len(lengths):
+        end = min(end, int(np.searchsorted(steps, int(lengths[sequence]))))
+    return end
 
 
 @dataclass(frozen=True)
@@ -133,10 +150,9 @@ class Selecting:
                 raise ValueError(f"sequence={sequence} is not in generation {g}; its sequences are {present}")
             rows = rows[np.argsort(index["step"][rows], kind="stable")]
             chosen = index["chosen"][rows]
-            if not include_finished and self.metadata.eos_token_ids:
-                ends = np.nonzero(np.isin(chosen, self.metadata.eos_token_ids))[0]
-                if ends.size:
-                    rows, chosen = rows[: ends[0] + 1], chosen[: ends[0] + 1]
+            if not include_finished:
+                end = sequence_end(index["step"][rows], chosen, self.metadata, g, sequence)
+                rows, chosen = rows[:end], chosen[:end]
             batch_of, local = index["batch"][rows], index["local"][rows]
             blocks = []
             for b in np.unique(batch_of):
