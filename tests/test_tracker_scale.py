@@ -333,6 +333,12 @@ def test_a_step_whose_constraint_allows_nothing_has_the_same_statistics_recorded
     p = torch.softmax(x.double(), 1)
     np.testing.assert_allclose(stats["p_chosen_natural"], p.max(1).values.numpy(), rtol=1e-5)
     np.testing.assert_allclose(stats["p_chosen_constrained"], [p[0].max(), 0.0, p[2].max()], rtol=1e-5)
+    # to_dataframe still lists what the model wanted there, each masked (0)
+    frame = tracker.to_dataframe(min_value=0.05, token_ids=True)
+    at_dead = frame[frame.position == 1]
+    assert set(at_dead.token_id) == set(np.nonzero(p[1].numpy() >= 0.05)[0].tolist())
+    assert (at_dead.constrained == 0).all()
+    np.testing.assert_allclose(at_dead.natural, p[1].numpy()[at_dead.token_id], rtol=1e-5)
 
 
 # ---------------------------------------------------------------- queries inside the bound

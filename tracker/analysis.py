@@ -300,7 +300,8 @@ class Analysis(Passes):
             elif probs:
                 # Relaxed logit thresholds find the candidates; the exact test is on the probabilities.
                 slack = np.float32(math.log(min_value) - 1e-4 if min_value > 0 else -math.inf)
-                tn, tc = nat.lse + slack, con.lse + slack
+                # a row with nothing allowed (log-sum-exp -inf) has no entry to find: threshold +inf
+                tn, tc = (np.where(b.lse == -np.inf, np.float32(np.inf), b.lse + slack) for b in (nat, con))
             else:
                 tn = tc = np.full(t, min_value, dtype=np.float32)
             rows, ids, vn, vc = _entries(nat, con, tn, tc, same)
@@ -312,9 +313,9 @@ class Analysis(Passes):
         rows, ids, vn, vc = (np.concatenate([p[i] for p in parts]) for i in range(4))
         if probs:  # in one go: a few kernels per query, not per block (the pass above found the lse)
             lse_n, lse_c = self._lse("natural", sel), self._lse(con_stage, sel)
-            with np.errstate(invalid="ignore", over="ignore"):
-                vn = np.exp(vn - lse_n[rows])
-                vc = np.exp(vc - lse_c[rows])
+            with np.errstate(invalid="ignore", over="ignore"):  # a masked token is 0, even where nothing is allowed
+                vn = np.where(vn == -np.inf, np.float32(0.0), np.exp(vn - lse_n[rows]))
+                vc = np.where(vc == -np.inf, np.float32(0.0), np.exp(vc - lse_c[rows]))
         if min_value is not None:
             keep = (vn >= min_value) | (vc >= min_value)
             rows, ids, vn, vc = rows[keep], ids[keep], vn[keep], vc[keep]
