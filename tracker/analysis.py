@@ -351,8 +351,10 @@ class Analysis(Passes):
                 target = dense[start : start + block.rows]
                 target[...] = block.dense(vocab)
                 if probs:
+                    masked = target == -np.inf  # 0, even in a row with nothing allowed (-inf - -inf)
                     with np.errstate(invalid="ignore", over="ignore"):
                         np.exp(target - block.lse[:, None], out=target)
+                    target[masked] = 0.0
 
             self._map(sel, [stage], fill, raw=not probs)
             out[_KEYS.get(stage, stage)] = dense
@@ -461,8 +463,9 @@ class Analysis(Passes):
                 values = read_as_recorded(values, facts["nonfinite"][i : i + 1], valid)[0]
             else:
                 values = self._topk(stage, sel).dense(self.metadata.vocab_size)[i]
-            with np.errstate(invalid="ignore", over="ignore"):
-                out[_KEYS.get(stage, stage)] = np.exp(values.astype(np.float64) - float(facts["lse"][i]))
+            with np.errstate(invalid="ignore", over="ignore"):  # a masked token is 0, even where nothing is allowed
+                p = np.exp(values.astype(np.float64) - float(facts["lse"][i]))
+            out[_KEYS.get(stage, stage)] = np.where(values == -np.inf, 0.0, p)
         if "structured" not in out:
             out["structured"] = out["unstructured"]
         return out
