@@ -336,6 +336,7 @@ def test_a_step_whose_constraint_allows_nothing_has_the_same_statistics_recorded
     probs = tracker.get_probabilities()
     assert (probs["structured"][1] == 0).all()  # every token masked: 0, not NaN
     np.testing.assert_allclose(probs["structured"].sum(1), [1.0, 0.0, 1.0], rtol=1e-5)
+    assert tracker.continuation_probability("<3>", 1).probabilities["constrained"] == 0.0
     # to_dataframe still lists what the model wanted there, each masked (0)
     frame = tracker.to_dataframe(min_value=0.05, token_ids=True)
     at_dead = frame[frame.position == 1]
