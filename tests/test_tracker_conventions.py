@@ -289,3 +289,23 @@ def test_a_sequence_that_stops_early_ends_there_not_in_the_padding_it_was_fed(tm
             assert len(r.get_top_tokens(k=2, sequence=s)) == n
         assert reader.track(0, s).length == n
         assert reader.track(0, s, include_finished=True).length == 7
+
+
+def test_a_sequence_that_ignores_eos_goes_on_past_it():
+    """With ignore_eos the end-of-sequence token does not end the sequence: it ends where the Generator stopped it."""
+    tokenizer = byte_tokenizer()
+    model = random_gpt2(len(tokenizer), seed=7)
+    eos = tokenizer.eos_token_id
+
+    class EosAtStep1(LogitsProcessor):
+        def process(self, logits, ctx):
+            if ctx.num_generated == 1:
+                logits = torch.full_like(logits, float("-inf"))
+                logits[:, eos] = 0.0
+            return logits
+
+    gen = add_tracking(Generator(model, tokenizer, [EosAtStep1()]))
+    out = gen.generate(["ab"], SamplingParams(max_new_tokens=5, seed=1, ignore_eos=True))
+    tokens = out[0].outputs[0].token_ids
+    assert len(tokens) == 5 and tokens[1] == eos
+    assert gen.logits_processor.run.stats()["chosen_id"].tolist() == tokens

@@ -2,10 +2,9 @@
 
 Selectors, on every call: ``generation`` (default ``-1``, the latest; negative
 values count from the end), ``sequence`` (the batch row, default 0) and
-``include_finished`` (default False: a sequence ends at its first
-end-of-sequence token, or where the host said it ended, as logitscope's
-Generator does for rows that stop early; the rows a host keeps feeding a
-finished sequence are padding). "position" is the index of the generated token (0 is the first
+``include_finished`` (default False: a sequence ends where the host said it
+ended, as logitscope's Generator does, else at its first end-of-sequence
+token; the rows a host keeps feeding a finished sequence are padding). "position" is the index of the generated token (0 is the first
 token after the prompt).
 """
 
@@ -28,19 +27,18 @@ __all__ = ["Selection", "Selecting", "sequence_end"]
 
 
 def sequence_end(steps: np.ndarray, chosen: np.ndarray, metadata: RunMetadata, generation: int, sequence: int) -> int:
-    """How many of a sequence's rows (in step order) are its own: up to its first end-of-sequence token,
-    and no further than the tokens it generated where the host said (a row that stopped early is fed
-    padding while the others go on)."""
-    end = chosen.size
-    if metadata.eos_token_ids:
-        ends = np.nonzero(np.isin(chosen, metadata.eos_token_ids))[0]
-        if ends.size:
-            end = int(ends[0]) + 1
+    """How many of a sequence's rows (in step order) are its own: the tokens it generated where the host
+    said (logitscope's Generator does: a row that stopped early is fed padding while the others go on,
+    and a row that ignores EOS goes past it), else up to its first end-of-sequence token."""
     record = next((g for g in metadata.generations if g.get("generation") == generation), None)
     lengths = None if record is None else record.get("lengths")
     if lengths is not None and 0 <= sequence < len(lengths):
-        end = min(end, int(np.searchsorted(steps, int(lengths[sequence]))))
-    return end
+        return int(np.searchsorted(steps, int(lengths[sequence])))
+    if metadata.eos_token_ids:
+        ends = np.nonzero(np.isin(chosen, metadata.eos_token_ids))[0]
+        if ends.size:
+            return int(ends[0]) + 1
+    return int(chosen.size)
 
 
 @dataclass(frozen=True)
