@@ -31,7 +31,7 @@ from tracker import Vocabulary, metrics
 from tracker.block import Block, one_hot_rows, read_as_recorded
 from tracker.compare import first_divergence  # one definition, shared with tracker.compare
 from tracker.display import token_label  # one definition, shared with the notebook display
-from tracker.rows import nonfinite_rows
+from tracker.rows import nonfinite_rows, probabilities
 
 __all__ = [
     "COLOR_METRICS",
@@ -97,12 +97,9 @@ def _probabilities(stage: StageRow, values: np.ndarray) -> np.ndarray:
     a row holding ``+inf`` a one-hot on its ``+inf`` tokens; NaN where the value is not known."""
     if not stage.recorded:
         return np.full(values.size, np.nan)
-    with np.errstate(invalid="ignore", over="ignore"):
-        if stage.lse == np.inf:
-            prob = (values == np.inf) / max(stage.allowed, 1)
-        else:
-            prob = np.where(values == -np.inf, 0.0, np.exp(values - stage.lse))
-    return np.where(np.isnan(values), np.nan, prob)
+    if stage.lse == np.inf:
+        return np.where(np.isnan(values), np.nan, (values == np.inf) / max(stage.allowed, 1))
+    return probabilities(values, stage.lse)
 
 
 def _natural_topk_values(row: StepRow) -> dict[int, float]:

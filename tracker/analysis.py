@@ -29,6 +29,7 @@ from tracker.candidates import (
 )
 from tracker.continuation import Continuation, continuation
 from tracker.passes import Passes
+from tracker.rows import probabilities
 from tracker.selection import Selection
 from tracker.stages import resolve_stage
 
@@ -313,9 +314,7 @@ class Analysis(Passes):
         rows, ids, vn, vc = (np.concatenate([p[i] for p in parts]) for i in range(4))
         if probs:  # in one go: a few kernels per query, not per block (the pass above found the lse)
             lse_n, lse_c = self._lse("natural", sel), self._lse(con_stage, sel)
-            with np.errstate(invalid="ignore", over="ignore"):  # a masked token is 0, even where nothing is allowed
-                vn = np.where(vn == -np.inf, np.float32(0.0), np.exp(vn - lse_n[rows]))
-                vc = np.where(vc == -np.inf, np.float32(0.0), np.exp(vc - lse_c[rows]))
+            vn, vc = probabilities(vn, lse_n[rows]), probabilities(vc, lse_c[rows])
         if min_value is not None:
             keep = (vn >= min_value) | (vc >= min_value)
             rows, ids, vn, vc = rows[keep], ids[keep], vn[keep], vc[keep]
@@ -351,10 +350,7 @@ class Analysis(Passes):
                 target = dense[start : start + block.rows]
                 target[...] = block.dense(vocab)
                 if probs:
-                    masked = target == -np.inf  # 0, even in a row with nothing allowed (-inf - -inf)
-                    with np.errstate(invalid="ignore", over="ignore"):
-                        np.exp(target - block.lse[:, None], out=target)
-                    target[masked] = 0.0
+                    probabilities(target, block.lse[:, None], out=target)
 
             self._map(sel, [stage], fill, raw=not probs)
             out[_KEYS.get(stage, stage)] = dense
@@ -463,9 +459,7 @@ class Analysis(Passes):
                 values = read_as_recorded(values, facts["nonfinite"][i : i + 1], valid)[0]
             else:
                 values = self._topk(stage, sel).dense(self.metadata.vocab_size)[i]
-            with np.errstate(invalid="ignore", over="ignore"):  # a masked token is 0, even where nothing is allowed
-                p = np.exp(values.astype(np.float64) - float(facts["lse"][i]))
-            out[_KEYS.get(stage, stage)] = np.where(values == -np.inf, 0.0, p)
+            out[_KEYS.get(stage, stage)] = probabilities(values.astype(np.float64), float(facts["lse"][i]))
         if "structured" not in out:
             out["structured"] = out["unstructured"]
         return out

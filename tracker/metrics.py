@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tracker.block import Block
-from tracker.rows import NEG_INF, exp_floor, logsumexp_rows, masked
+from tracker.rows import NEG_INF, exp_floor, logsumexp_rows, masked, probabilities
 
 __all__ = ["entropy", "chosen", "p_eos", "allowed", "removed_mass", "margin", "step_metrics"]
 
@@ -32,13 +32,6 @@ def entropy(block: Block) -> np.ndarray:
     return -np.einsum("ij,ij->i", np.exp(logp), logp).astype(np.float64)
 
 
-def _probability(logit: np.ndarray, lse: np.ndarray) -> np.ndarray:
-    """``exp(logit - lse)``, 0 for a masked token (``-inf``) even in a row with nothing allowed, as the record
-    computes it (NaN, a logit not stored, stays NaN)."""
-    with np.errstate(invalid="ignore"):
-        return np.where(logit == NEG_INF, np.float32(0.0), np.exp(logit - lse))
-
-
 def chosen(block: Block, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(probability, rank)`` of the token ``ids[t]`` in each row (rank 0: the best; NaN when the id is
     unknown (-1) or not stored)."""
@@ -47,7 +40,7 @@ def chosen(block: Block, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     stored = ~np.isnan(block.values)
     with np.errstate(invalid="ignore"):
         rank = ((block.values > value) & stored).sum(axis=1).astype(np.float64)
-        prob = _probability(value[:, 0], block.lse).astype(np.float64)  # float32, as the record computes it
+        prob = probabilities(value[:, 0], block.lse).astype(np.float64)  # float32, as the record computes it
     ok = known & ~np.isnan(value[:, 0])
     return np.where(ok, prob, math.nan), np.where(ok, rank, math.nan)
 
@@ -57,7 +50,7 @@ def p_eos(block: Block, eos_ids: Sequence[int]) -> np.ndarray:
     if not len(eos_ids):
         return np.full(block.rows, math.nan)
     eos = np.broadcast_to(np.asarray(list(eos_ids), dtype=np.int64), (block.rows, len(eos_ids)))
-    probs = _probability(block.at(eos), block.lse[:, None])
+    probs = probabilities(block.at(eos), block.lse[:, None])
     found = ~np.isnan(probs).all(axis=1)
     return np.where(found, np.nansum(probs, axis=1, dtype=np.float32), math.nan).astype(np.float64)
 

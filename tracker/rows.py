@@ -29,6 +29,7 @@ __all__ = [
     "as_float32",
     "exp_floor",
     "logsumexp_rows",
+    "probabilities",
     "logsumexp_shared",
     "masked",
     "nonfinite_rows",
@@ -68,6 +69,18 @@ def exp_floor(vocab: int) -> np.ndarray:
     row = np.full((1, vocab), EXP_FLOOR, dtype=np.float32)
     row.flags.writeable = False
     return row
+
+
+def probabilities(logits: np.ndarray, lse: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``exp(logits - lse)`` (``lse`` broadcast), with the record's rule for a masked token: 0, even in a row
+    with nothing allowed (log-sum-exp ``-inf``, where the difference is NaN). NaN (a value not stored)
+    stays NaN. ``out`` may be ``logits`` itself (computed in place).
+    """
+    masked = logits == NEG_INF
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = np.exp(logits - lse, out=out)
+    p[masked] = 0.0
+    return p
 
 
 def logsumexp_rows(x: np.ndarray, shift: np.ndarray | None = None) -> np.ndarray:
