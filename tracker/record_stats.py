@@ -24,7 +24,7 @@ import math
 import numpy as np
 import torch
 
-from tracker.rows import EXP_FLOOR, NEG_INF, exp_floor, logsumexp_rows, masked
+from tracker.rows import EXP_FLOOR, NEG_INF, exp_floor, logsumexp_rows, masked, probabilities
 
 __all__ = ["CHOSEN_STATS", "ROW_STATS", "chosen_stats", "pair_stats", "probability", "row_stats", "stored_lse"]
 __all__ += ["stage_stats", "summarise_topk"]
@@ -121,9 +121,7 @@ def _row_stats_cpu(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Ten
     lse = np.where(nothing, NEG_INF, shift + log_total)
     entropy = np.where(nothing, np.nan, entropy)
     if eos is not None and eos.numel():
-        at = rows[:, eos.numpy()]
-        with np.errstate(invalid="ignore"):  # a masked EOS weighs 0, even in a row with nothing allowed
-            p_eos = np.where(at == NEG_INF, 0.0, np.exp(at - lse[:, None])).sum(axis=1)
+        p_eos = probabilities(rows[:, eos.numpy()], lse[:, None]).sum(axis=1)  # a masked EOS weighs 0
     else:
         p_eos = np.full(rows.shape[0], np.nan)
     if natural is not None:
@@ -170,8 +168,8 @@ def pair_stats(natural: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, to
     return torch.nan_to_num(removed, nan=0.0), margin
 
 
-def stored_lse(x: torch.Tensor, dtype: torch.dtype, exact: torch.Tensor) -> torch.Tensor:
-    """``[B]`` log-sum-exp of rows ``x`` as stored in ``dtype`` (float16 or bfloat16), NaN entries left out.
+def stored_lse(kept: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """``[B]`` log-sum-exp of rows as stored (``kept``: float16 or bfloat16), NaN entries left out.
 
     It normalises the probabilities a query reads off the stored rows, so that
     they sum to 1 (with the full row's ``exact`` log-sum-exp, a rounded-up
@@ -179,21 +177,22 @@ def stored_lse(x: torch.Tensor, dtype: torch.dtype, exact: torch.Tensor) -> torc
     not finite (nothing allowed, a ``+inf`` row, a logit past float16's
     range) it is ``exact``. Kernels on the rows' device; no synchronisation.
     """
-    rounded = x.to(dtype).float()
+    rounded = kept.to(device=exact.device, dtype=torch.float32)
     lse = torch.logsumexp(rounded.masked_fill(torch.isnan(rounded), NEG_INF), dim=1)
     return torch.where(torch.isfinite(lse) & torch.isfinite(exact), lse, exact)
 
 
 def stage_stats(
-    x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Tensor | None, kept: torch.dtype
+    x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Tensor | None, kept: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(stats, stored)``: :func:`row_stats` of rows ``x`` kept in ``kept``, and the values stored beside them,
-    the same but for a half-precision row's log-sum-exp (:func:`stored_lse`). No synchronisation."""
+    """``(stats, stored)``: :func:`row_stats` of rows ``x``, and the values stored beside them: the same, but
+    for rows kept in half precision (``kept``, the converted rows) their own log-sum-exp (:func:`stored_lse`).
+    No synchronisation."""
     stats = row_stats(x, eos, natural)
-    if kept not in (torch.float16, torch.bfloat16):
+    if kept is None:
         return stats, stats
     stored = stats.clone()
-    stored[:, 0] = stored_lse(x, kept, stats[:, 0])
+    stored[:, 0] = stored_lse(kept, stats[:, 0])
     return stats, stored
 
 

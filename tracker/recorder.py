@@ -267,8 +267,7 @@ class Recorder:
         if written is None:
             return  # the stage was added after this chunk began; later chunks carry it
         chunk.check_writable("write")
-        shape = values.shape
-        if len(shape) != 2 or shape[0] != rows.count or shape[1] != self.vocab_size:
+        if (shape := tuple(values.shape)) != (rows.count, self.vocab_size):
             raise ValueError(f"{stage} values must have shape {(rows.count, self.vocab_size)}, got {tuple(shape)}")
         staging = chunk.host is None
         start, end = rows.start, rows.end
@@ -276,8 +275,8 @@ class Recorder:
         retained = self._retained_rows if self._retained is rows else {}
         if stage != "natural" and natural is None and "natural" in retained:
             natural = retained["natural"][0]
-        if natural is not None:
-            natural = natural.detach()
+        natural = None if natural is None else natural.detach()
+        kept = None  # the rows as stored when that is half precision: converted once, on the device or by the copy
         if self.storage.full:
             name = f"{stage}:logits"
             dst = chunk.buffers[name]
@@ -288,6 +287,8 @@ class Recorder:
                 if staging and src.dtype != dst.dtype:
                     src = src.to(dst.dtype)  # convert on the device, copy the smaller row
                 dst[start:end].copy_(src, non_blocking=staging)
+            if dst.dtype != torch.float32:
+                kept = src if src.dtype == dst.dtype else dst[start:end]
             src = values.detach()
         else:
             k = self.storage.k_for(self.vocab_size or 0)
@@ -295,7 +296,6 @@ class Recorder:
             for name, tensor in summary.items():
                 chunk.buffers[f"{stage}:{name}"][start:end].copy_(tensor, non_blocking=staging)
         if f"{stage}:stats" in chunk.buffers:
-            kept = chunk.buffers[f"{stage}:logits"].dtype  # float32 in top-k storage
             stats, stored = stage_stats(src, self._eos_on(src.device), None if stage == "natural" else natural, kept)
             chunk.buffers[f"{stage}:stats"][start:end].copy_(stored, non_blocking=staging)
             if self._retained is not rows:
