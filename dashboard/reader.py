@@ -238,12 +238,12 @@ class RunReader:
         return sorted(set(index["sequence"][index["generation"] == generation].tolist()))
 
     def prompt(self, generation: int, sequence: int = 0) -> str:
-        """The prompt text of a row of a generation ("" when the run did not keep it)."""
+        """The prompt text of a row of a generation, special tokens by name ("" when the run did not keep it)."""
         for entry in self.metadata.generations:
             if int(entry.get("generation", -1)) == generation:
                 rows = entry.get("prompt_ids") or []
                 if 0 <= sequence < len(rows):
-                    return self.vocab.decode(rows[sequence])
+                    return self.vocab.decode_shown(rows[sequence])
         return ""
 
     def track(self, generation: int, sequence: int, *, include_finished: bool = False) -> Track:

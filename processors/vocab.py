@@ -189,6 +189,25 @@ class Vocabulary:
         """The text ``ids`` add after a prompt (:func:`decode_text` of their bytes)."""
         return decode_text(self.decode_bytes(ids))
 
+    def decode_shown(self, ids: Iterable[int]) -> str:
+        """:meth:`decode`, with each special token shown by its name (``<|endoftext|>``) where it stands.
+
+        For a prompt shown to a person: a prompt that is only a beginning-of-text
+        token would otherwise show as nothing.
+        """
+        special, size = self.special, self.size
+        parts: list[str] = []
+        run: list[int] = []
+        for i in map(int, ids):
+            if 0 <= i < size and not special[i]:
+                run.append(i)
+                continue
+            parts.append(self.decode(run))
+            run = []
+            parts.append(self.display[i] if 0 <= i < size else f"<{i}>")
+        parts.append(self.decode(run))
+        return "".join(parts)
+
     def prefixes(self, ids: Sequence[int]) -> list[str]:
         """``[decode(ids[:0]), decode(ids[:1]), ..., decode(ids)]``, decoding each byte once.
 

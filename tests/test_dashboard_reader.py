@@ -164,3 +164,21 @@ def test_discovery_finds_files_and_folders_and_skips_hidden_and_temporary_ones(t
     assert summary.prompt == "a" and summary.stages == "natural, constrained"
     with pytest.raises(FileNotFoundError, match="path: nothing at"):
         find_runs(tmp_path / "missing")
+
+
+def test_a_prompt_of_special_tokens_shows_them_by_name(demo, tmp_path):
+    """A prompt that is only the beginning-of-text token is shown as that token, not as an empty box."""
+    from sampling import Generator, SamplingParams
+    from tracker import add_tracking
+
+    model, tokenizer = demo
+    gen = add_tracking(Generator(model, tokenizer))
+    gen.generate(["<|endoftext|>", "<|endoftext|>Call Maria at "], SamplingParams(max_new_tokens=3))
+    path = tmp_path / "run.parquet"
+    gen.logits_processor.to_parquet(path)
+    reader = RunReader(path)
+    assert reader.prompt(0, 0) == "<|endoftext|>"
+    assert reader.prompt(0, 1) == "<|endoftext|>Call Maria at "
+    assert summarize(path).prompt == "<|endoftext|>"
+    # the text a model continues from is unchanged: special tokens spell nothing there
+    assert reader.vocab.decode(tokenizer("<|endoftext|>Hi")["input_ids"]) == "Hi"

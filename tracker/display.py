@@ -66,7 +66,7 @@ def sequence_html(run: Any, generation: int = -1, sequence: int = 0, *, alternat
     prompt_ids, _ = run._prompt_values(generation, sequence)
     parts = [_STYLE, '<div class="ls-text" style="font-family:monospace;line-height:1.8">']
     if prompt_ids:
-        parts.append(f'<span class="ls-prompt" title="prompt">{_e(run.vocab.decode(prompt_ids))}</span>')
+        parts.append(f'<span class="ls-prompt" title="prompt">{_e(run.vocab.decode_shown(prompt_ids))}</span>')
     chosen = stats["chosen_token"].tolist()
     probs = stats[f"p_chosen_{stage}"].to_numpy(dtype=np.float64)
     for i, (token, p) in enumerate(zip(chosen, probs)):
