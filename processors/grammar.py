@@ -396,7 +396,7 @@ class JSONLogitsProcessor(GrammarLogitsProcessor):
         if lenient:
             options["lenient"] = True
         self.schema = json.loads(text)
-        self.separators = separators
+        self.separators = None if separators is None else tuple(separators)
         self.lenient = bool(lenient)
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=options or None)
@@ -405,7 +405,10 @@ class JSONLogitsProcessor(GrammarLogitsProcessor):
         super().__init__(grammar, tokenizer, eos_token_id=eos_token_id, argument="schema", description="JSON schema")
 
     def __repr__(self) -> str:
-        return f"JSONLogitsProcessor(schema={json.dumps(self.schema)[:60]!r})"
+        """The whole schema and the options that differ from the defaults: a run keeps this text as its processor."""
+        options = "" if self.separators == (", ", ": ") else f", separators={self.separators!r}"
+        options += ", lenient=True" if self.lenient else ""
+        return f"JSONLogitsProcessor(schema={json.dumps(self.schema)!r}{options})"
 
 
 class CFGLogitsProcessor(GrammarLogitsProcessor):
@@ -444,4 +447,5 @@ class CFGLogitsProcessor(GrammarLogitsProcessor):
         )
 
     def __repr__(self) -> str:
-        return f"CFGLogitsProcessor(syntax={self.syntax!r}, grammar={self.grammar[:60]!r})"
+        """The whole grammar: a run keeps this text as its processor."""
+        return f"CFGLogitsProcessor(syntax={self.syntax!r}, grammar={self.grammar!r})"

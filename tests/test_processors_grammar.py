@@ -327,3 +327,21 @@ def test_schema_of_the_wrong_type(tok):
         TypeError, match="schema must be a JSON-schema dict, a JSON string or a pydantic model class, got int"
     ):
         JSONLogitsProcessor(42, tok)
+
+
+def test_a_run_keeps_the_whole_schema_and_grammar_it_was_constrained_by(tok):
+    """The processor's text a run keeps (and the dashboard shows) is the whole constraint, not a cut of it."""
+    import json
+
+    from tracker import LogitTrackingProcessor
+
+    schema = {**PERSON, "properties": {**PERSON["properties"], "city": {"enum": ["Lyon", "Oslo", "Lima"]}}}
+    compact = JSONLogitsProcessor(schema, tok, separators=[",", ":"], lenient=True)
+    for proc, parts in (
+        (JSONLogitsProcessor(schema, tok), [repr(json.dumps(schema))]),
+        (compact, [repr(json.dumps(schema)), "separators=(',', ':')", "lenient=True"]),
+        (CFGLogitsProcessor(ARITHMETIC, tok), [repr(ARITHMETIC)]),
+    ):
+        kept = LogitTrackingProcessor(proc, tokenizer=tok).run.metadata.processors
+        for part in parts:
+            assert part in kept
