@@ -133,7 +133,7 @@ def step_bars(
             customdata=custom,
             hovertemplate="%{customdata[0]}<br>"
             + _name(stage)
-            + ": p=%{customdata[1]:.4f}, logit=%{customdata[2]:.3f}<br>%{customdata[3]}<extra></extra>",
+            + ": p=%{customdata[1]:.3~g}, logit=%{customdata[2]:.3f}<br>%{customdata[3]}<extra></extra>",
         )
     natural = table[f"natural_{value}"].astype(float).replace(-np.inf, np.nan).fillna(0.0)
     for j, stage in enumerate(stages):

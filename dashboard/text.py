@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-from dashboard.views import COLOR_METRICS, WindowView, token_label
+from dashboard.views import COLOR_METRICS, WindowView, format_probability, token_label
 
 __all__ = [
     "intensity",
@@ -99,7 +99,7 @@ def token_hovers(window: WindowView, stages: Sequence[str]) -> list[str]:
             else f"step {position}: chosen token unknown"
         ]
         probs = [
-            f"{s} {stats[f'p_chosen_{s}'].iloc[i]:.3f}"
+            f"{s} {format_probability(stats[f'p_chosen_{s}'].iloc[i])}"
             for s in stages
             if f"p_chosen_{s}" in stats.columns and not pd.isna(stats[f"p_chosen_{s}"].iloc[i])
         ]
@@ -113,7 +113,7 @@ def token_hovers(window: WindowView, stages: Sequence[str]) -> list[str]:
             for _, entry in alt.iterrows():
                 masked = "constrained_prob" in alt.columns and entry["constrained_prob"] == 0
                 note = "  (masked)" if masked else ""
-                parts.append(f"  {token_label(entry['token'])}  {entry['natural_prob']:.3f}{note}")
+                parts.append(f"  {token_label(entry['token'])}  {format_probability(entry['natural_prob'])}{note}")
         out.append("\n".join(parts))
     return out
 

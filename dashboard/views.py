@@ -30,7 +30,7 @@ from dashboard.threads import one_torch_thread
 from tracker import Vocabulary, metrics
 from tracker.block import Block, one_hot_rows, read_as_recorded
 from tracker.compare import first_divergence  # one definition, shared with tracker.compare
-from tracker.display import token_label  # one definition, shared with the notebook display
+from tracker.display import format_probability, token_label  # one definition, shared with the notebook display
 from tracker.rows import nonfinite_rows, probabilities
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "step_summary",
     "step_table",
     "token_label",
+    "format_probability",
     "token_pieces",
     "window_view",
 ]

@@ -275,3 +275,21 @@ def test_the_shipped_sample_runs_all_open(tmp_path):
     at.switch_page("app_pages/overview.py").run()
     _ok(at)
     assert len(at.get("plotly_chart")) == 2
+
+
+def test_a_small_probability_reads_as_its_value_not_as_zero(tmp_path):
+    """At the JSON run's first step the schema forces a token the model gave about 2e-4: the replay says so."""
+    from tracker import Run
+
+    path = default_runs_path() / "json_record.parquet"
+    if not path.is_file():
+        pytest.skip(f"no sample run at {path}")
+    expected = float(Run.load(path).stats()["p_chosen_natural"].iloc[0])
+    assert 0 < expected < 1e-3
+    at = _app(path.parent, "replay")
+    at = _pick(at, "json_record.parquet", path.parent)
+    _ok(at)
+    shown = {_plain(m.label): m.value for m in at.metric}
+    natural = shown["p, model (natural)"]
+    assert natural != "0.000" and float(natural) == pytest.approx(expected, rel=0.05)
+    assert float(shown["p, after the constraint"]) == pytest.approx(1.0)

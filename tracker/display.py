@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SequenceView", "StepView", "run_html", "sequence_html", "step_html", "step_svg", "token_label"]
+__all__ = ["SequenceView", "StepView", "format_probability", "run_html", "sequence_html", "step_html", "step_svg"]
+__all__ += ["token_label"]
 
 _STAGE_COLOURS = ("#4c78a8", "#f58518", "#54a24b", "#b279a2", "#e45756", "#72b7b2", "#9d755d")
 _MAX_TABLE_STEPS = 64
@@ -49,8 +50,14 @@ def _colour(p: float) -> str:
     return f"hsl({120.0 * min(max(p, 0.0), 1.0):.0f},70%,82%)"
 
 
-def _fmt(p: float) -> str:
-    return "—" if p != p else f"{p:.3f}"
+def format_probability(p: float) -> str:
+    """A probability for a person: three decimals, or two significant digits below 0.001 (never a bare 0.000 for a
+    token the model gave 2e-4); exactly 0 as ``0``, unknown (NaN) as ``—``."""
+    if p != p:
+        return "—"
+    if p == 0:
+        return "0"
+    return f"{p:.1e}" if abs(p) < 1e-3 else f"{p:.3f}"
 
 
 def _display_names(run: Any) -> dict[str, str]:
@@ -72,9 +79,9 @@ def sequence_html(run: Any, generation: int = -1, sequence: int = 0, *, alternat
     for i, (token, p) in enumerate(zip(chosen, probs)):
         if token is None:
             break
-        lines = [f"step {i}: {token_label(token)}, p = {_fmt(p)}"]
+        lines = [f"step {i}: {token_label(token)}, p = {format_probability(p)}"]
         lines += (
-            [f"{token_label(t['token'])}  {_fmt(t['structured_prob'])}" for t in top[i]["tokens"]]
+            [f"{token_label(t['token'])}  {format_probability(t['structured_prob'])}" for t in top[i]["tokens"]]
             if i < len(top)
             else []
         )
@@ -95,7 +102,9 @@ def _compact_table(top: list[dict[str, Any]], chosen: list[str | None], probs: n
             f"{_e(token_label(t['token']))} {t['structured_prob']:.2f}" for t in entry["tokens"] if not t["is_chosen"]
         )
         name = _e(token_label(chosen[i])) if i < len(chosen) and chosen[i] is not None else "—"
-        rows.append(f"<tr><td>{entry['position']}</td><td>{name}</td><td>{_fmt(probs[i])}</td><td>{others}</td></tr>")
+        rows.append(
+            f"<tr><td>{entry['position']}</td><td>{name}</td><td>{format_probability(probs[i])}</td><td>{others}</td></tr>"
+        )
     rows.append("</table>")
     return "".join(rows)
 
@@ -139,9 +148,11 @@ def step_svg(run: Any, position: int, *, generation: int = -1, sequence: int = 0
             w = 0.0 if p != p else p * scale
             out.append(
                 f'<rect x="{label_w}" y="{y}" width="{w:.1f}" height="{bar - 1}" fill="{_STAGE_COLOURS[s % 7]}">'
-                f"<title>{_e(names[stage])}: {_fmt(p)}</title></rect>"
+                f"<title>{_e(names[stage])}: {format_probability(p)}</title></rect>"
             )
-            out.append(f'<text x="{label_w + w + 3:.1f}" y="{y + bar - 1}" font-size="9">{_fmt(p)}</text>')
+            out.append(
+                f'<text x="{label_w + w + 3:.1f}" y="{y + bar - 1}" font-size="9">{format_probability(p)}</text>'
+            )
             y += bar
         y += gap
     y += 10
@@ -164,7 +175,7 @@ def step_html(run: Any, position: int, *, generation: int = -1, sequence: int = 
     table = [f'<table class="ls-table"><tr><th>token</th>{head}</tr>']
     for token in ids.tolist():
         cls = ' class="ls-chosen"' if token == chosen else ""
-        cells = "".join(f"<td>{_fmt(rows[s][token])}</td>" for s in rows)
+        cells = "".join(f"<td>{format_probability(rows[s][token])}</td>" for s in rows)
         table.append(f"<tr{cls}><td>{_e(token_label(run.vocab.display[token]))}</td>{cells}</tr>")
     table.append("</table>")
     chosen_text = _e(token_label(run.vocab.display[chosen])) if chosen >= 0 else "unknown"

@@ -102,7 +102,7 @@ def _stepper() -> None:
     cells[0].metric("Chosen token", text.md_text(views.token_label(summary.chosen_token)))
     for cell, stage in zip(cells[1:], shown):
         p = summary.p_chosen[stage]
-        cell.metric(f"p, {text.md_text(charts.STAGE_NAMES.get(stage, stage))}", "—" if p != p else f"{p:.3f}")
+        cell.metric(f"p, {text.md_text(charts.STAGE_NAMES.get(stage, stage))}", views.format_probability(p))
     cells[-2].metric("Allowed tokens", f"{summary.allowed:,} / {summary.vocab_size:,}")
     removed = summary.removed_mass
     cells[-1].metric(
