@@ -370,9 +370,16 @@ def aligned(
     b: pd.DataFrame,
     columns: Sequence[str] = ("chosen_id", "chosen_token", "p_chosen_natural", "entropy_natural"),
 ) -> pd.DataFrame:
-    """Two stats frames lined up by position: ``position``, ``{col}_a``, ``{col}_b``, ``same``."""
+    """Two stats frames lined up by position: ``position``, ``{col}_a``, ``{col}_b``, ``same``.
+
+    Token text is shown as :func:`token_label` makes it visible (a space as ``␣``).
+    """
     left = a[["position", *[c for c in columns if c in a.columns]]]
     right = b[["position", *[c for c in columns if c in b.columns]]]
+    if "chosen_token" in columns:
+        left, right = (
+            f.assign(chosen_token=f["chosen_token"].map(token_label, na_action="ignore")) for f in (left, right)
+        )
     merged = left.merge(right, on="position", how="outer", suffixes=("_a", "_b")).sort_values("position")
     merged["same"] = (
         merged["chosen_id_a"].astype("Int64").eq(merged["chosen_id_b"].astype("Int64")).fillna(False).astype(bool)

@@ -227,7 +227,7 @@ def test_compare_lines_two_runs_up_by_step_and_says_where_they_diverge(runs):
     assert any(s.get("x0") == 2 for s in chart["layout"]["shapes"])
     table = at.dataframe[0].value
     assert table["same"].tolist() == [True, True, False, True]
-    assert table["chosen_token_b"].tolist() == [" b", "c", "e", "<eos>"]
+    assert table["chosen_token_b"].tolist() == ["␣b", "c", "e", "<eos>"]  # a space shows as ␣
     right = at.html[1].value
     assert "rgba(228,87,86,0.25)" in right and "e&lt;eos&gt;" in right
 

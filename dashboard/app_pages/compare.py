@@ -91,4 +91,5 @@ st.plotly_chart(
     width="stretch",
 )
 st.caption("Tokens whose probability changed most from A to B at each step")
-st.dataframe(diff.tokens, hide_index=True, width="stretch")
+tokens = diff.tokens.assign(token=diff.tokens["token"].map(views.token_label, na_action="ignore"))
+st.dataframe(tokens, hide_index=True, width="stretch")
