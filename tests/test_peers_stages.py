@@ -145,3 +145,59 @@ def test_stages_and_prompt_on_cuda(tiny_model, char_tokenizer):
         direct = torch.log_softmax(model(torch.tensor([prompt], device="cuda")).logits[0].double(), -1)
     expected = direct[:-1].gather(1, torch.tensor(prompt[1:], device="cuda")[:, None])[:, 0].cpu().numpy()
     np.testing.assert_allclose(run.prompt_logprobs()["logprob"][1:], expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "topk"])
+def test_the_chosen_tokens_statistics_are_those_of_each_stages_own_row(tiny_model, char_tokenizer, storage):
+    """A later processor that writes into the row it is given (the penalties) must not change what an earlier
+    stage recorded for the chosen token: its probability and rank there are those of the stage's stored row."""
+    gen = add_tracking(
+        Generator(tiny_model, char_tokenizer, _processors()),
+        storage=storage,
+        processor_stages=True,
+        statistics="record",
+    )
+    gen.generate(PROMPT, SamplingParams(max_new_tokens=12, temperature=0.9, seed=3))
+    recorded = gen.logits_processor.run.stats()
+    reference = _generate(tiny_model, char_tokenizer, "float32", temperature=0.9, seed=3).run
+    logits = reference.get_logits()
+    chosen = recorded["chosen_id"].to_numpy()
+    assert (chosen == reference.stats()["chosen_id"].to_numpy()).all()
+    for stage, key in (
+        ("natural", "unstructured"),
+        ("after:logit_bias", "after:logit_bias"),
+        ("constrained", "structured"),
+    ):
+        rows = logits[key].astype(np.float64)
+        logp = rows - np.logaddexp.reduce(rows, axis=1, keepdims=True)
+        at_chosen = logp[np.arange(len(chosen)), chosen]
+        np.testing.assert_allclose(recorded[f"p_chosen_{stage}"], np.exp(at_chosen), rtol=1e-5, err_msg=stage)
+        ranks = (rows > rows[np.arange(len(chosen)), chosen][:, None]).sum(axis=1)
+        np.testing.assert_array_equal(recorded[f"rank_chosen_{stage}"], ranks, err_msg=stage)
+
+
+def test_a_host_writing_into_the_returned_logits_does_not_change_what_was_recorded(tiny_model, char_tokenizer):
+    """``model.generate`` with a processor after the tracker that modifies the scores in place."""
+    from transformers import LogitsProcessorList
+
+    def halve_in_place(input_ids, scores):
+        return scores.mul_(0.5)
+
+    tracker = LogitTrackingProcessor(tokenizer=char_tokenizer, statistics="record")
+    torch.manual_seed(0)
+    tiny_model.generate(
+        torch.tensor([[ord(c) for c in PROMPT]]),
+        logits_processor=LogitsProcessorList([tracker, halve_in_place]),
+        do_sample=True,
+        max_new_tokens=8,
+        pad_token_id=0,
+    )
+    stats, rows = tracker.stats(), tracker.get_logits()["unstructured"].astype(np.float64)
+    known = (
+        stats["chosen_id"].notna().to_numpy()
+    )  # the last step's token reaches the tracker only with stopping_criteria
+    chosen = stats["chosen_id"].to_numpy(dtype=np.int64, na_value=0)[known]
+    logp = rows[known] - np.logaddexp.reduce(rows[known], axis=1, keepdims=True)
+    assert known.sum() >= 7
+    expected = np.exp(logp[np.arange(len(chosen)), chosen])
+    np.testing.assert_allclose(stats["p_chosen_natural"].to_numpy()[known], expected, rtol=1e-5)

@@ -277,6 +277,7 @@ class Recorder:
             natural = retained["natural"][0]
         natural = None if natural is None else natural.detach()
         kept = None  # the rows as stored when that is half precision: converted once, on the device or by the copy
+        exact = None  # an exact copy of the rows the recorder owns (a later processor may write into ``values``)
         if self.storage.full:
             name = f"{stage}:logits"
             dst = chunk.buffers[name]
@@ -289,6 +290,7 @@ class Recorder:
                 dst[start:end].copy_(src, non_blocking=staging)
             if dst.dtype != torch.float32:
                 kept = src if src.dtype == dst.dtype else dst[start:end]
+            exact = dst[start:end] if dst.dtype == values.dtype and dst.device == values.device else None
             src = values.detach()
         else:
             k = self.storage.k_for(self.vocab_size or 0)
@@ -300,10 +302,8 @@ class Recorder:
             chunk.buffers[f"{stage}:stats"][start:end].copy_(stored, non_blocking=staging)
             if self._retained is not rows:
                 self._retained, self._retained_rows = rows, {}
-            self._retained_rows[stage] = (src, stats)
-            if natural is not None and stage != "natural" and "natural" in self._retained_rows:
-                # an in-place processor changed the natural rows after they were written: keep its snapshot
-                self._retained_rows["natural"] = (natural, self._retained_rows["natural"][1])
+            # the chosen token comes later: keep the rows as written (a device copy where no exact copy is stored)
+            self._retained_rows[stage] = (src.clone() if exact is None else exact, stats)
         if staging:
             chunk.note_stream()
         written[start:end] = True
