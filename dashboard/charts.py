@@ -9,7 +9,7 @@ model's own distribution ("natural"), what the constraint left
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import numpy as np
@@ -24,6 +24,7 @@ __all__ = [
     "MASKED_NAMES",
     "STAGE_COLORS",
     "STAGE_NAMES",
+    "stage_names",
     "compare_timelines",
     "distance_timeline",
     "removed_by_processor",
@@ -58,8 +59,25 @@ def _color(stage: str, i: int = 0) -> str:
     return STAGE_COLORS.get(stage, _EXTRA_COLORS[i % len(_EXTRA_COLORS)])
 
 
-def _name(stage: str) -> str:
-    return STAGE_NAMES.get(stage, plot_text(stage))
+def stage_names(stages: Sequence[str], aliases: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What each recorded stage is called on screen (plain text): :data:`STAGE_NAMES`, except that in a run with a
+    stage per processor the constrained stage takes its last processor's name (``after:penalties``), as ``Run.why``
+    and the chart of mass removed by each processor call it."""
+    back = {target: alias for alias, target in (aliases or {}).items()}
+    return {s: back.get(s) or STAGE_NAMES.get(s, s) for s in stages}
+
+
+def _name(stage: str, names: Mapping[str, str] | None = None) -> str:
+    """A stage's on-screen name, escaped for plotly."""
+    return plot_text((names or {}).get(stage) or STAGE_NAMES.get(stage, stage))
+
+
+def _masked_name(stage: str, names: Mapping[str, str] | None = None) -> str:
+    """The legend entry of the ✕ markers of tokens ``stage`` removed."""
+    shown = (names or {}).get(stage) or STAGE_NAMES.get(stage, stage)
+    if stage in MASKED_NAMES and shown == STAGE_NAMES[stage]:
+        return MASKED_NAMES[stage]
+    return f"masked at {plot_text(shown)}"
 
 
 def _integer_steps(fig: go.Figure, steps: pd.Series | Sequence[int]) -> None:
@@ -90,6 +108,7 @@ def step_bars(
     value: Literal["prob", "logit"] = "prob",
     log_y: bool = False,
     title: str = "",
+    names: Mapping[str, str] | None = None,
 ) -> go.Figure:
     """Grouped bars of one step's tokens (from :func:`dashboard.views.step_table`), one colour per stage.
 
@@ -128,11 +147,11 @@ def step_bars(
             y=y,
             width=width,
             offset=centres[j] - width / 2,
-            name=_name(stage),
+            name=_name(stage, names),
             marker_color=_color(stage, j),
             customdata=custom,
             hovertemplate="%{customdata[0]}<br>"
-            + _name(stage)
+            + _name(stage, names)
             + ": p=%{customdata[1]:.3~g}, logit=%{customdata[2]:.3f}<br>%{customdata[3]}<extra></extra>",
         )
     natural = table[f"natural_{value}"].astype(float).replace(-np.inf, np.nan).fillna(0.0)
@@ -150,9 +169,9 @@ def step_bars(
             text=[word] * int(hit.sum()),
             textposition="top center",
             textfont=dict(color=color, size=11),
-            name=MASKED_NAMES.get(stage, f"masked at {stage}"),
+            name=_masked_name(stage, names),
             customdata=np.array(labels, dtype=object)[hit],
-            hovertemplate="%{customdata}: " + word + " (logit -inf)<extra>" + _name(stage) + "</extra>",
+            hovertemplate="%{customdata}: " + word + " (logit -inf)<extra>" + _name(stage, names) + "</extra>",
         )
     chosen = np.nonzero(table["chosen"].to_numpy())[0]
     if chosen.size:
@@ -188,6 +207,7 @@ def timelines(
     *,
     current: int | None = None,
     title: str = "",
+    names: Mapping[str, str] | None = None,
 ) -> go.Figure:
     """Per-step panels from ``Run.stats``: entropy per stage, chosen-token probability per stage,
     mass the constraint removed, margin (best token vs best allowed, nats) and end-of-sequence probability.
@@ -222,7 +242,7 @@ def timelines(
                 continue
             stage = column.rsplit("_", 1)[-1] if column.rsplit("_", 1)[-1] in stages else None
             color = _color(stage, stages.index(stage)) if stage else "#555"
-            name = _name(stage) if stage else label
+            name = _name(stage, names) if stage else label
             fig.add_scatter(
                 x=x,
                 y=stats[column],
@@ -266,6 +286,7 @@ def token_heatmap(
     *,
     stage: str = "natural",
     title: str = "",
+    names: Mapping[str, str] | None = None,
 ) -> go.Figure:
     """Tokens (rows) by steps (columns), coloured by ``stage``'s probability; ○ marks the chosen token.
 
@@ -286,7 +307,7 @@ def token_heatmap(
             zmax=1.0,
             colorscale="Blues",
             colorbar=dict(title=dict(text="p"), thickness=12),
-            hovertemplate="step %{x}<br>token %{y}<br>p=%{z:.4f}<extra>" + _name(stage) + "</extra>",
+            hovertemplate="step %{x}<br>token %{y}<br>p=%{z:.4f}<extra>" + _name(stage, names) + "</extra>",
         )
     )
     xs = [s for s, c in zip(steps, chosen) if c is not None]
@@ -313,6 +334,7 @@ def compare_timelines(
     stage: str = "natural",
     divergence: int | None = None,
     title: str = "",
+    names: Mapping[str, str] | None = None,
 ) -> go.Figure:
     """Two runs' chosen-token probability and entropy at ``stage``, step by step, with the divergence marked."""
     fig = make_subplots(
@@ -320,7 +342,10 @@ def compare_timelines(
         cols=1,
         shared_xaxes=True,
         vertical_spacing=0.1,
-        subplot_titles=[f"chosen token's probability ({_name(stage)})", f"entropy ({_name(stage)}, nats)"],
+        subplot_titles=[
+            f"chosen token's probability ({_name(stage, names)})",
+            f"entropy ({_name(stage, names)}, nats)",
+        ],
     )
     styles = (dict(color="#4C78A8", dash="solid"), dict(color="#E45756", dash="dash"))
     for frame, label, style in zip((a, b), labels, styles):
@@ -398,6 +423,7 @@ def distance_timeline(
     measure: Literal["tv", "kl", "js"] = "js",
     divergence: int | None = None,
     title: str = "",
+    names: Mapping[str, str] | None = None,
 ) -> go.Figure:
     """Per step, the distance between two runs' distributions (``tracker.compare``'s ``steps``), one line per stage."""
     labels = {"tv": "total variation", "kl": "KL(A‖B), nats", "js": "Jensen–Shannon, nats"}
@@ -412,9 +438,9 @@ def distance_timeline(
             y=y,
             mode="lines+markers",
             marker=dict(size=4),
-            name=_name(stage),
+            name=_name(stage, names),
             line=dict(color=_color(stage, i), **_LINES.get(stage, dict(width=1.6))),
-            hovertemplate="step %{x}<br>" + _name(stage) + ": %{y:.4g}<extra></extra>",
+            hovertemplate="step %{x}<br>" + _name(stage, names) + ": %{y:.4g}<extra></extra>",
         )
     if divergence is not None:
         fig.add_vline(x=divergence, line_dash="dot", line_color=MASK_COLOR)

@@ -131,6 +131,11 @@ def pieces(path: str, generation: int, sequence: int) -> list[str]:
     return _pieces(path, stamp(path), generation, sequence)
 
 
+def stage_aliases(path: str) -> dict[str, str]:
+    """The run's other names for its stages (``after:<last processor>`` -> ``constrained``)."""
+    return dict(reader(path).metadata.stage_aliases)
+
+
 def prompt(path: str, generation: int, sequence: int) -> str:
     """The prompt of one sequence ("" when the run did not keep it)."""
     return reader(path).prompt(generation, sequence)

@@ -180,11 +180,11 @@ def sidebar() -> None:
         st.caption(f"Runs from {md_text(root)}")
 
 
-def pick_stage(label: str, stages: list[str], key: str) -> str:
-    """A row of buttons choosing one of ``stages``, each shown by its display name."""
-    return st.radio(
-        label, stages, horizontal=True, key=key, format_func=lambda s: md_text(charts.STAGE_NAMES.get(s, s))
-    )
+def pick_stage(label: str, stages: list[str], key: str, names: dict[str, str] | None = None) -> str:
+    """A row of buttons choosing one of ``stages``, each shown by its display name (``names``, see
+    :func:`dashboard.charts.stage_names`)."""
+    shown = names or charts.stage_names(stages)
+    return st.radio(label, stages, horizontal=True, key=key, format_func=lambda s: md_text(shown.get(s, s)))
 
 
 def show_bad_run(label: str, reason: str) -> None:

@@ -293,3 +293,23 @@ def test_a_small_probability_reads_as_its_value_not_as_zero(tmp_path):
     natural = shown["p, model (natural)"]
     assert natural != "0.000" and float(natural) == pytest.approx(expected, rel=0.05)
     assert float(shown["p, after the constraint"]) == pytest.approx(1.0)
+
+
+def test_a_stage_per_processor_run_names_its_last_stage_after_its_processor(tmp_path):
+    """The replay, the timelines and the chart of mass removed by each processor call the last stage alike."""
+    path = default_runs_path() / "two_processors.parquet"
+    if not path.is_file():
+        pytest.skip(f"no sample run at {path}")
+    at = _pick(_app(path.parent, "replay"), "two_processors.parquet", path.parent)
+    _ok(at)
+    labels = [_plain(m.label) for m in at.metric]
+    assert "p, after:penalties" in labels and "p, after:regex" in labels
+    bars = {trace["name"] for trace in _charts(at)[0]["data"]}
+    assert {"model (natural)", "after:regex", "after:penalties", "sampled from"} <= bars
+    assert "after the constraint" not in bars
+    at.switch_page("app_pages/overview.py").run()
+    _ok(at)
+    timelines, by_processor = _charts(at)[:2]
+    names = {trace.get("name") for trace in timelines["data"]}
+    assert "after:penalties" in names and "after the constraint" not in names
+    assert {trace.get("name") for trace in by_processor["data"]} == {"after:regex", "after:penalties"}

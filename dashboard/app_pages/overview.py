@@ -34,6 +34,7 @@ except BadRunError as exc:
     st.stop()
 
 stages = picked.summary.stages.split(", ")
+names = charts.stage_names(stages, data.stage_aliases(picked.path))
 options = [
     label
     for label, (column, _) in COLOR_METRICS.items()
@@ -72,14 +73,20 @@ fourth.metric(
     "—" if prompt_ppl != prompt_ppl else f"{prompt_ppl:.2f}",
     help="Recorded with LogitTrackingProcessor(..., prompt_logprobs=True)",
 )
-st.plotly_chart(charts.timelines(view.stats, stages, title="Step by step"), key="timelines", width="stretch")
+st.plotly_chart(
+    charts.timelines(view.stats, stages, title="Step by step", names=names), key="timelines", width="stretch"
+)
 by_processor = charts.removed_by_processor(view.stats, title="Mass removed by each processor")
 if by_processor is not None:
     st.plotly_chart(by_processor, key="removed_by_processor", width="stretch")
-heat_stage = widgets.pick_stage("Heatmap of", stages, key="heat_stage")
+heat_stage = widgets.pick_stage("Heatmap of", stages, key="heat_stage", names=names)
 st.plotly_chart(
     charts.token_heatmap(
-        view.heat[heat_stage], view.heat_chosen, stage=heat_stage, title="Top candidates by step (○ chosen)"
+        view.heat[heat_stage],
+        view.heat_chosen,
+        stage=heat_stage,
+        title="Top candidates by step (○ chosen)",
+        names=names,
     ),
     key="heatmap",
     width="stretch",

@@ -49,13 +49,9 @@ def _slid() -> None:
 
 
 stages = picked.summary.stages.split(", ")
+names = charts.stage_names(stages, data.stage_aliases(picked.path))
 if len(stages) > 3:  # a stage per processor: pick the ones to draw
-    stages = (
-        st.multiselect(
-            "Stages", stages, default=stages, key="replay_stages", format_func=lambda s: charts.STAGE_NAMES.get(s, s)
-        )
-        or stages
-    )
+    stages = st.multiselect("Stages", stages, default=stages, key="replay_stages", format_func=names.get) or stages
 controls = st.columns([1, 1, 1, 2, 2, 2])
 playing = bool(st.session_state.get("playing", False))
 controls[0].button("⏸ Pause" if playing else "▶ Play", key="play", on_click=_toggle_play, width="stretch")
@@ -102,7 +98,7 @@ def _stepper() -> None:
     cells[0].metric("Chosen token", text.md_text(views.token_label(summary.chosen_token)))
     for cell, stage in zip(cells[1:], shown):
         p = summary.p_chosen[stage]
-        cell.metric(f"p, {text.md_text(charts.STAGE_NAMES.get(stage, stage))}", views.format_probability(p))
+        cell.metric(f"p, {text.md_text(names[stage])}", views.format_probability(p))
     cells[-2].metric("Allowed tokens", f"{summary.allowed:,} / {summary.vocab_size:,}")
     removed = summary.removed_mass
     cells[-1].metric(
@@ -114,7 +110,12 @@ def _stepper() -> None:
         st.warning("The wrapped processor raised at this step: only the model's distribution was recorded.")
     st.plotly_chart(
         charts.step_bars(
-            table, stages, value=value, log_y=scale == "log", title=f"Step {summary.step}: top {k} tokens by stage"
+            table,
+            stages,
+            value=value,
+            log_y=scale == "log",
+            title=f"Step {summary.step}: top {k} tokens by stage",
+            names=names,
         ),
         key="step_bars",
         width="stretch",
