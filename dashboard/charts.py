@@ -216,15 +216,19 @@ def timelines(
     storage cannot tell (top-k: entropy, removed mass, margin) say so; a run
     without a constraint has no removed-mass and margin panels.
     """
-    panels = [
-        ("entropy (nats)", [f"entropy_{s}" for s in stages]),
-        ("chosen token's probability", [f"p_chosen_{s}" for s in stages]),
-        ("mass removed by the constraint", ["removed_mass"]),
-        ("margin: best token − best allowed (nats)", ["margin"]),
-        ("end-of-sequence probability", [f"p_eos_{s}" for s in stages]),
+
+    def per_stage(metric: str) -> list[tuple[str, str | None]]:
+        return [(f"{metric}_{s}", s) for s in stages]  # the stage is kept: stage names may hold "_"
+
+    panels: list[tuple[str, list[tuple[str, str | None]]]] = [
+        ("entropy (nats)", per_stage("entropy")),
+        ("chosen token's probability", per_stage("p_chosen")),
+        ("mass removed by the constraint", [("removed_mass", None)]),
+        ("margin: best token − best allowed (nats)", [("margin", None)]),
+        ("end-of-sequence probability", per_stage("p_eos")),
     ]
     if "constrained" not in stages:  # no constraint: nothing removed, no margin; no panels of flat zeros
-        panels = [p for p in panels if p[1] not in (["removed_mass"], ["margin"])]
+        panels = [p for p in panels if p[1][0][1] is not None]
     fig = make_subplots(
         rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.045, subplot_titles=[p[0] for p in panels]
     )
@@ -237,10 +241,9 @@ def timelines(
     shown: set[str] = set()
     for row, (label, columns) in enumerate(panels, start=1):
         drawn = False
-        for column in columns:
+        for column, stage in columns:
             if not _present(stats, column):
                 continue
-            stage = column.rsplit("_", 1)[-1] if column.rsplit("_", 1)[-1] in stages else None
             color = _color(stage, stages.index(stage)) if stage else "#555"
             name = _name(stage, names) if stage else label
             fig.add_scatter(
@@ -261,7 +264,9 @@ def timelines(
             drawn = True
         if not drawn:
             fig.add_annotation(
-                text="not known in this run's storage" if any(c in stats.columns for c in columns) else "not recorded",
+                text="not known in this run's storage"
+                if any(c in stats.columns for c, _ in columns)
+                else "not recorded",
                 xref="x domain",
                 yref="y domain",
                 x=0.5,

@@ -288,3 +288,19 @@ def test_a_step_shows_what_the_tracker_says_in_every_storage_mode(storage, tmp_p
     assert table.loc[4, "natural_prob"] == table.loc[9, "natural_prob"] == 0.5
     assert table.loc[4, "constrained_prob"] == 1.0 and table.loc[9, "constrained_state"] == "masked"
     assert summary.removed_mass == pytest.approx(0.5)
+
+
+def test_timelines_name_each_stage_even_when_one_name_begins_another():
+    """``after:logit_bias`` and ``after:logit_bias_2`` each get their own line, colour and legend entry."""
+    stages = ["natural", "after:logit_bias", "after:logit_bias_2", "constrained"]
+    rng = np.random.default_rng(0)
+    frame = pd.DataFrame({"position": np.arange(4), "chosen_token": list("abcd")})
+    for stage in stages:
+        for metric in ("entropy", "p_chosen", "p_eos"):
+            frame[f"{metric}_{stage}"] = rng.random(4)
+    frame["removed_mass"] = rng.random(4)
+    frame["margin"] = rng.random(4)
+    fig = charts.timelines(frame, stages, names=charts.stage_names(stages, {"after:penalties": "constrained"}))
+    entropy = [t for t in fig.data if t.yaxis in (None, "y")]
+    assert [t.name for t in entropy] == ["model (natural)", "after:logit_bias", "after:logit_bias_2", "after:penalties"]
+    assert len({t.line.color for t in entropy}) == 4

@@ -201,3 +201,29 @@ def test_a_host_writing_into_the_returned_logits_does_not_change_what_was_record
     assert known.sum() >= 7
     expected = np.exp(logp[np.arange(len(chosen)), chosen])
     np.testing.assert_allclose(stats["p_chosen_natural"].to_numpy()[known], expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "topk"])
+def test_two_processors_of_one_kind_each_get_a_stage(tiny_model, char_tokenizer, storage, tmp_path):
+    """``after:logit_bias`` begins ``after:logit_bias_2``: each stage still reads its own columns."""
+    biases = [LogitBiasLogitsProcessor({ord("b"): 2.0}), LogitBiasLogitsProcessor({ord("c"): 3.0})]
+    gen = add_tracking(
+        Generator(
+            tiny_model, char_tokenizer, ProcessorList([*biases, PenaltiesLogitsProcessor(repetition_penalty=1.5)])
+        ),
+        storage=storage,
+        processor_stages=True,
+    )
+    gen.generate(PROMPT, SamplingParams(max_new_tokens=6, temperature=0.9, seed=1))
+    gen.logits_processor.to_parquet(tmp_path / "run.parquet")
+    run = Run.load(tmp_path / "run.parquet")
+    assert run.stages == ["natural", "after:logit_bias", "after:logit_bias_2", "constrained", "sampled"]
+    logits = run.get_logits()
+    stats = run.stats()
+    for stage, token in (("after:logit_bias", "b"), ("after:logit_bias_2", "c")):
+        rows = logits[stage]
+        before = logits["unstructured" if stage == "after:logit_bias" else "after:logit_bias"]
+        kept = ~np.isnan(rows[:, ord(token)]) & ~np.isnan(before[:, ord(token)])
+        bias = 2.0 if token == "b" else 3.0
+        np.testing.assert_allclose(rows[kept, ord(token)] - before[kept, ord(token)], bias, atol=0.05)
+        assert stats[f"p_chosen_{stage}"].notna().all()

@@ -20,7 +20,7 @@ import torch
 
 from tracker.buffers import HostBuffer
 from tracker.record_stats import CHOSEN_STATS, ROW_STATS
-from tracker.schema import STAT_COLUMNS
+from tracker.schema import STAT_COLUMNS, column_stages
 from tracker.storage import Storage
 
 __all__ = ["Chunk", "CudaStaging", "StepRows", "conform", "numpy_view", "to_batch"]
@@ -175,8 +175,9 @@ def to_batch(chunk: Chunk, schema: pa.Schema, stages: Sequence[str], storage: St
         pa.array(chunk.processor_error[:n].copy()),
     ]
     k = storage.k_for(vocab)
+    owner = column_stages(schema.names, stages)
     for stage in stages:
-        fields = [f for f in schema if f.name.startswith(f"{stage}_")]
+        fields = [f for f in schema if owner.get(f.name) == stage]
         written = chunk.written.get(stage)
         if written is None:  # stage added after this chunk began
             arrays += [pa.nulls(n, f.type) for f in fields]

@@ -58,7 +58,7 @@ facts travel in the schema metadata under :data:`META_RUN` (JSON) and
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -76,6 +76,7 @@ __all__ = [
     "RunMetadata",
     "value_column",
     "stage_fields",
+    "column_stages",
     "run_schema",
     "flag_column",
     "GENERATIONS_COLUMN",
@@ -152,6 +153,18 @@ def value_column(stage: str, storage: str) -> str:
 def flag_column(stage: str) -> str:
     """The column flagging rows of ``stage`` that hold NaN or +inf."""
     return f"{stage}_nonfinite"
+
+
+def column_stages(columns: Sequence[str], stages: Sequence[str]) -> dict[str, str]:
+    """The stage each of ``columns`` belongs to (``{stage}_...``; the longest stage name that fits, since one stage's
+    name may begin another's: ``after:bias`` and ``after:bias_2``). Columns of no stage are left out."""
+    by_length = sorted(stages, key=len, reverse=True)
+    out = {}
+    for column in columns:
+        stage = next((s for s in by_length if column.startswith(f"{s}_")), None)
+        if stage is not None:
+            out[column] = stage
+    return out
 
 
 def stage_fields(
