@@ -75,6 +75,21 @@ def test_recorded_logits_equal_generate_outputs(do_sample, last_token):
     assert len(tracker.generations()) == 1
 
 
+def test_an_in_place_processor_leaves_generates_raw_logits_as_the_model_gave_them():
+    """The tracker hands a processor that writes into its input a copy: ``output_logits`` stay raw."""
+    from processors import LogitBiasLogitsProcessor
+
+    tok = byte_tokenizer()
+    model = random_gpt2(len(tok), seed=4)
+    banned = {tok.convert_tokens_to_ids(t): float("-inf") for t in ("a", "t", "Ġ")}
+    tracker = LogitTrackingProcessor(LogitBiasLogitsProcessor(banned), tokenizer=tok)
+    enc, out = _generate(model, tok, tracker, do_sample=True, top_k=None)
+    raw = torch.stack(out.logits)
+    assert torch.isfinite(raw).all(), "the model's raw logits were written into"
+    assert (torch.stack(out.scores)[..., list(banned)] == float("-inf")).all()
+    _assert_matches(tracker, enc, out)
+
+
 def test_saved_run_matches_generate_outputs_without_model_or_tokenizer(tmp_path):
     tok = byte_tokenizer()
     model = random_gpt2(len(tok), seed=2)

@@ -253,18 +253,21 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
         processor = self.processor
         if processor is None:
             return logits
-        natural = logits.clone() if processor.inplace else logits  # the chosen token's statistics read it later
+        # an in-place processor works on a copy: the host's tensor (transformers keeps it as the raw logits
+        # of output_logits) stays as the model gave it, and the natural rows stay readable for the statistics
+        natural = logits
+        work = logits.clone() if processor.inplace else logits
         try:
             if len(self._stage_names) > 1:
                 names = self._stage_names
                 out = apply_recording(
                     processor,
-                    logits,
+                    work,
                     ctx,  # type: ignore[arg-type]
                     lambda i, x: recorder.write(rows, names[i], x, natural=natural),
                 )
             else:
-                out = check_logits(processor.name, processor.process(logits, ctx), logits)
+                out = check_logits(processor.name, processor.process(work, ctx), work)
         except Exception as exc:
             recorder.mark_error(rows)
             where = f"(the tracker recorded generation {gen.id}, step {step} with processor_error=True)"
