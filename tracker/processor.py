@@ -183,11 +183,6 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
     # ---------------------------------------------------------------- properties
 
     @property
-    def inplace(self) -> bool:  # type: ignore[override]
-        """True when the wrapped processor may modify the logits it is given."""
-        return self.processor is not None and self.processor.inplace
-
-    @property
     def tokenizer(self) -> Any:
         return self._shared.tokenizer
 
