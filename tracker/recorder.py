@@ -17,9 +17,10 @@ back through a memory map and its buffers are reused.
 
 Every stage's row also gets its statistics (:mod:`tracker.record_stats`)
 computed on the row's device when it is written, and the chosen token's
-logit, probability and rank when the chosen token arrives: the step's device
-rows stay referenced until then (one step's worth), and the few values per
-row are copied like the rest, without a sync.
+logit, probability and rank when the chosen token arrives: until then it keeps
+its own copy of the rows (the stored one where exact and on their device, else
+a device copy per stage), since a later processor or the host may write into
+the tensors it was given. Those few values are copied like the rest, no sync.
 
 Storage (:mod:`tracker.storage`): the whole row as float32, float16 or
 bfloat16 (converted on the device before the copy), the top ``k`` values with
@@ -272,9 +273,8 @@ class Recorder:
         staging = chunk.host is None
         start, end = rows.start, rows.end
         src = values.detach()
-        retained = self._retained_rows if self._retained is rows else {}
-        if stage != "natural" and natural is None and "natural" in retained:
-            natural = retained["natural"][0]
+        if stage != "natural" and natural is None and self._retained is rows and "natural" in self._retained_rows:
+            natural = self._retained_rows["natural"][0]
         natural = None if natural is None else natural.detach()
         kept = None  # the rows as stored when that is half precision: converted once, on the device or by the copy
         exact = None  # an exact copy of the rows the recorder owns (a later processor may write into ``values``)
