@@ -109,3 +109,21 @@ def test_dashboard_figures_from_comparison_and_processor_stages(tiny_model, char
     fig = charts.removed_by_processor(stats)
     assert [t.name for t in fig.data] == ["after:logit_bias", "after:penalties"]
     np.testing.assert_allclose(np.asarray(fig.data[0].y, dtype=float), stats["removed_mass_after:logit_bias"])
+
+
+def test_trackers_compare_as_the_runs_they_recorded_and_anything_else_is_named(tiny_model, char_tokenizer):
+    trackers = []
+    for seed in (0, 1):
+        gen = add_tracking(Generator(tiny_model, char_tokenizer), prompt_logprobs=True)
+        gen.generate("abc", SamplingParams(max_new_tokens=5, temperature=1.0, seed=seed))
+        trackers.append(gen.logits_processor)
+    a, b = trackers
+    by_tracker = compare(a, b)
+    by_run = compare(a.run, b.run)
+    assert by_tracker.summary() == by_run.summary()
+    assert by_tracker.steps.equals(by_run.steps)
+    assert a.diff(b).summary() == by_run.summary()
+    with pytest.raises(TypeError, match="run_b must be a tracker.Run or a LogitTrackingProcessor, got int"):
+        compare(a, 3)
+    assert a.stages == a.run.stages == ["natural", "sampled"]
+    assert a.prompt_logprobs().equals(a.run.prompt_logprobs())

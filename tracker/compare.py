@@ -136,6 +136,15 @@ def _top_changes(p: np.ndarray, q: np.ndarray, top: int) -> tuple[np.ndarray, np
     return rows[keep], ids[keep], np.take_along_axis(change, ids, axis=1)[keep]
 
 
+def _as_run(value: Any, argument: str) -> Any:
+    """A run, or the run a tracker recorded so far."""
+    if hasattr(value, "metadata") and hasattr(value, "get_probabilities"):
+        return value
+    if hasattr(value, "run") and hasattr(value.run, "metadata"):
+        return value.run
+    raise TypeError(f"{argument} must be a tracker.Run or a LogitTrackingProcessor, got {type(value).__name__}")
+
+
 def compare(
     run_a: Any,
     run_b: Any,
@@ -148,7 +157,8 @@ def compare(
     top: int = 5,
     include_finished: bool = False,
 ) -> Comparison:
-    """Compare a sequence of ``run_a`` with one of ``run_b`` (the same run, another generation, another run).
+    """Compare a sequence of ``run_a`` with one of ``run_b`` (the same run, another generation, another run;
+    a tracker stands for the run it recorded).
 
     ``generation_b``/``sequence_b`` default to A's. ``stages`` picks stages
     both runs recorded (default: all they share). Runs of different storage
@@ -156,6 +166,7 @@ def compare(
     """
     if not isinstance(top, int) or isinstance(top, bool) or top < 1:
         raise ValueError(f"top must be an int >= 1, got {top!r}")
+    run_a, run_b = _as_run(run_a, "run_a"), _as_run(run_b, "run_b")
     va, vb = run_a.metadata.vocab_size, run_b.metadata.vocab_size
     if va != vb:
         raise ValueError(

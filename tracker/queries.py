@@ -35,6 +35,11 @@ class RunQueries:
 
     run: Run
 
+    @property
+    def stages(self) -> list[str]:
+        """The recorded stages, in pipeline order (see :attr:`tracker.Run.stages`)."""
+        return self.run.stages
+
     def to_arrow(self):
         """The recorded run as an Arrow table (zero-copy; see :meth:`tracker.Run.to_arrow`)."""
         return self.run.to_arrow()
@@ -56,6 +61,7 @@ class RunQueries:
     continuation_probability = _on_run(Analysis.continuation_probability)
     generations = _on_run(Analysis.generations)
     sequences = _on_run(Analysis.sequences)
+    prompt_logprobs = _on_run(Insight.prompt_logprobs)
     why = _on_run(Insight.why)
     diff = _on_run(Insight.diff)
     perplexity = _on_run(Insight.perplexity)
