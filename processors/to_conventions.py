@@ -193,6 +193,34 @@ class TensorRTLLMProcessor:
                 logits.copy_(out.view_as(logits))
         return None
 
+    def end_request(self, req_id: Any, token_ids: Sequence[Sequence[int]]) -> None:
+        """The request ``req_id`` is over: ``token_ids`` are its final ids per beam (prompt and every token).
+
+        Its processor hears the last step's tokens (``on_sampled``; no call of
+        the host shows them) and each beam's generated length
+        (``on_generation_end``); then the request is forgotten. A tracker
+        records the last step's chosen tokens this way, as ``finish`` does for
+        other hosts. Does not synchronise.
+        """
+        state = self._requests.get(req_id)
+        if state is None:
+            raise ValueError(
+                f"req_id {req_id!r} is not a request in progress (none seen, ended, or dropped past max_requests)"
+            )
+        processor, boundary = state
+        lengths = {len(t) for t in token_ids}
+        seen, prompt = boundary.last_length, boundary.prompt_length
+        if len(token_ids) == 0 or lengths != {(seen or 0) + 1} or prompt is None:
+            raise ValueError(
+                f"token_ids must hold each beam's ids as the request's last call saw them ({seen}) plus the token "
+                f"chosen then, got lengths {sorted(lengths)}"
+            )
+        del self._requests[req_id]
+        ids = torch.as_tensor([list(t) for t in token_ids], dtype=torch.long)
+        ctx = BatchContext(input_ids=ids[:, :-1], prompt_length=prompt, request_ids=(req_id,) * ids.shape[0])
+        processor.on_sampled(ids[:, -1], ctx)
+        processor.on_generation_end([ids.shape[1] - prompt] * ids.shape[0])
+
     def batched(
         self,
         req_ids: Sequence[Any],

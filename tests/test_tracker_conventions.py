@@ -309,3 +309,24 @@ def test_a_sequence_that_ignores_eos_goes_on_past_it():
     tokens = out[0].outputs[0].token_ids
     assert len(tokens) == 5 and tokens[1] == eos
     assert gen.logits_processor.run.stats()["chosen_id"].tolist() == tokens
+
+
+def test_trtllm_end_request_records_the_last_tokens_and_checks_its_input():
+    tracker = LogitTrackingProcessor(MaskEven())
+    fn = to_trtllm(tracker)
+    gen = torch.Generator().manual_seed(4)
+    tokens = {"a": [[1, 2]], "b": [[3, 4, 5]]}
+    for _ in range(3):
+        for req in ("a", "b"):
+            logits = _step_rows(gen)[None]
+            fn(req, logits, tokens[req], None, None)
+            tokens[req][0].append(int(logits[0, 0].argmax()))
+    with pytest.raises(ValueError, match=r"plus the token chosen then, got lengths \[4\]"):
+        fn.end_request("a", [tokens["a"][0][:-1]])
+    for req in ("a", "b"):
+        fn.end_request(req, tokens[req])  # the refused call above left "a" in progress
+    with pytest.raises(ValueError, match="req_id 'a' is not a request in progress"):
+        fn.end_request("a", tokens["a"])
+    for g, req in ((0, "a"), (1, "b")):
+        assert tracker.stats(generation=g)["chosen_id"].tolist() == tokens[req][0][-3:]
+        assert tracker.sequence(generation=g) == tracker.run.vocab.decode(tokens[req][0][-3:])
