@@ -77,15 +77,19 @@ class VLLMProcessor:
 
     ``__call__(output_ids, logits)`` or, with ``with_prompt=True``,
     ``__call__(prompt_ids, output_ids, logits)``; returns the processed row.
-    vLLM makes one callable per request; when one instance sees a request
-    start again (no output yet, or fewer outputs than last time) it resets the
-    processor.
+    vLLM makes one callable per request and calls them interleaved, request
+    after request within a step, so each callable holds its own copy of the
+    processor (a tracker's copy shares its recording: each request becomes a
+    generation of the run). When one callable sees its request start again
+    (no output yet, or fewer outputs than last time) it resets the processor.
+    :meth:`finish` tells it the request's last token, which no call shows.
     """
 
     def __init__(self, processor: Any, *, with_prompt: bool = False) -> None:
-        self.processor = as_processor(processor)
+        self.processor = copy.deepcopy(as_processor(processor))
         self.with_prompt = bool(with_prompt)
         self._last_outputs: int | None = None
+        self._prompt: tuple[int, ...] = ()
 
     def __call__(self, *args: Any) -> torch.Tensor:
         """The processed row (no synchronisation of its own; see the module docstring)."""
@@ -100,11 +104,29 @@ class VLLMProcessor:
         n_out = len(output_ids)
         if self._last_outputs is not None and n_out <= self._last_outputs:
             self.processor.reset()
-        self._last_outputs = n_out
+        self._last_outputs, self._prompt = n_out, tuple(prompt_ids)
         ids = list(prompt_ids) + list(output_ids)
         ctx = _row_context(ids, len(prompt_ids), logits.device)
         out = self.processor.process(logits.reshape(1, -1), ctx)
         return out.view_as(logits)
+
+    def finish(self, output_ids: Sequence[int]) -> None:
+        """The request is over: ``output_ids`` are all its generated ids, the last one chosen after the last call.
+
+        The processor hears that token (``on_sampled``) and the request's
+        length (``on_generation_end``): a tracker records the last step's
+        chosen token this way. Does not synchronise.
+        """
+        if self._last_outputs is None or len(output_ids) != self._last_outputs + 1:
+            seen = "no call yet" if self._last_outputs is None else f"{self._last_outputs} outputs at the last call"
+            raise ValueError(
+                f"output_ids must be the request's outputs at its last call plus the token chosen then ({seen}), "
+                f"got {len(output_ids)} ids"
+            )
+        ids = [*self._prompt, *output_ids]
+        ctx = _row_context(ids[:-1], len(self._prompt), torch.device("cpu"))
+        self.processor.on_sampled(torch.tensor([ids[-1]], dtype=torch.long), ctx)
+        self.processor.on_generation_end([len(output_ids)])
 
 
 class DynamoProcessor:

@@ -98,11 +98,33 @@ def test_vllm_convention_per_request_callable():
             out = fn(prompt, output, row.clone())
             assert torch.isinf(out[::2]).all()
             output.append(int(out.argmax()))
-        tracker.finish(torch.tensor([prompt + output]))
+        fn.finish(output)  # the last token, which no call shows
         outputs.append(output)
     assert tracker.generations() == [0, 1]
     for g in (0, 1):
         assert tracker.stats(generation=g)["chosen_id"].tolist() == outputs[g]
+
+
+def test_vllm_requests_called_in_turn_each_become_a_generation():
+    """vLLM calls the requests' callables one after another within each step."""
+    tracker = LogitTrackingProcessor(MaskEven())
+    gen = torch.Generator().manual_seed(5)
+    requests = {name: ([1, 2, 3][:n], [], to_vllm(tracker, with_prompt=True)) for name, n in (("a", 3), ("b", 2))}
+    seen: dict[str, list] = {name: [] for name in requests}
+    for _ in range(3):
+        for name, (prompt, output, fn) in requests.items():
+            row = _step_rows(gen)[0]
+            seen[name].append(row.clone())
+            output.append(int(fn(prompt, output, row).argmax()))
+    with pytest.raises(ValueError, match="outputs at its last call plus the token chosen then"):
+        requests["a"][2].finish(requests["a"][1][:-1])
+    for _, output, fn in requests.values():
+        fn.finish(output)
+    assert tracker.generations() == [0, 1]
+    for g, (name, (prompt, output, _)) in enumerate(requests.items()):
+        assert tracker.stats(generation=g)["chosen_id"].tolist() == output
+        assert np.array_equal(tracker.get_logits(generation=g)["unstructured"], torch.stack(seen[name]).numpy())
+        assert tracker.run.metadata.generations[g]["prompt_ids"] == [prompt]
 
 
 def test_dynamo_convention_in_place_and_wrapping_an_in_place_processor():
