@@ -83,6 +83,8 @@ class VLLMProcessor:
     generation of the run). When one callable sees its request start again
     (no output yet, or fewer outputs than last time) it resets the processor.
     :meth:`finish` tells it the request's last token, which no call shows.
+    The copy is ``copy.deepcopy``: a processor that holds something large (a
+    model) should define ``__deepcopy__`` to share it.
     """
 
     def __init__(self, processor: Any, *, with_prompt: bool = False) -> None:
