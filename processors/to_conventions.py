@@ -136,11 +136,13 @@ class DynamoProcessor:
 
     ``__call__(input_ids, logits)`` modifies the row ``logits [V]`` in place
     and returns None. The first call after a reset (or an input that does not
-    grow) marks the prompt.
+    grow) marks the prompt. Dynamo makes one processor per request (streams
+    run concurrently), so the callable holds its own copy of the processor, as
+    :class:`VLLMProcessor` does; :meth:`finish` tells it the last token.
     """
 
     def __init__(self, processor: Any) -> None:
-        self.processor = as_processor(processor)
+        self.processor = copy.deepcopy(as_processor(processor))
         self._boundary = PromptBoundary()
 
     def reset(self) -> None:
@@ -155,6 +157,24 @@ class DynamoProcessor:
         ctx = _row_context(ids, self._boundary.observe(len(ids)), logits.device)
         _apply_in_place(self.processor, logits, ctx)
         return None
+
+    def finish(self, input_ids: Sequence[int]) -> None:
+        """The request is over: ``input_ids`` are its final ids, the last call's plus the token chosen then.
+
+        The processor hears that token (``on_sampled``) and the generated
+        length (``on_generation_end``): a tracker records the last step's
+        chosen token this way. Reads ``input_ids`` given as a device tensor.
+        """
+        ids = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else list(input_ids)
+        seen, prompt = self._boundary.last_length, self._boundary.prompt_length
+        if seen is None or prompt is None or len(ids) != seen + 1:
+            raise ValueError(
+                f"input_ids must be the ids of the last call ({seen}) plus the token chosen then, got {len(ids)} ids"
+            )
+        self.processor.on_sampled(
+            torch.tensor([ids[-1]], dtype=torch.long), _row_context(ids[:-1], prompt, torch.device("cpu"))
+        )
+        self.processor.on_generation_end([len(ids) - prompt])
 
 
 class TensorRTLLMProcessor:

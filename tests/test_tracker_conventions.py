@@ -127,6 +127,22 @@ def test_vllm_requests_called_in_turn_each_become_a_generation():
         assert tracker.run.metadata.generations[g]["prompt_ids"] == [prompt]
 
 
+def test_dynamo_requests_called_in_turn_each_become_a_generation():
+    tracker = LogitTrackingProcessor(MaskEven())
+    gen = torch.Generator().manual_seed(6)
+    requests = {name: ([1, 2, 3][:n], to_dynamo(tracker)) for name, n in (("a", 3), ("b", 2))}
+    for _ in range(3):
+        for ids, fn in requests.values():
+            row = _step_rows(gen)[0]
+            fn(ids, row)
+            ids.append(int(row.argmax()))
+    for ids, fn in requests.values():
+        fn.finish(ids)
+    assert tracker.generations() == [0, 1]
+    for g, (ids, _) in enumerate(requests.values()):
+        assert tracker.stats(generation=g)["chosen_id"].tolist() == ids[-3:]
+
+
 def test_dynamo_convention_in_place_and_wrapping_an_in_place_processor():
     def zero_first_half(ids, row):
         row[: V // 2] = float("-inf")
@@ -144,6 +160,10 @@ def test_dynamo_convention_in_place_and_wrapping_an_in_place_processor():
     natural = tracker.get_logits()["unstructured"]
     assert np.array_equal(natural, torch.stack(seen).numpy())  # snapshot taken before the in-place processor
     assert tracker.stats()["chosen_id"].tolist()[:2] == ids[2:4]
+    with pytest.raises(ValueError, match="the ids of the last call"):
+        fn.finish(ids[:-1])
+    fn.finish(ids)  # the last token, which no call shows
+    assert tracker.stats()["chosen_id"].tolist() == ids[2:]
 
 
 def test_trtllm_convention_copies_share_one_recording():

@@ -210,8 +210,8 @@ class TransformersHost:
             if gen is None or gen.last_rows is None:
                 raise ValueError(
                     "finish(output): no generation in progress; call it right after the tracked generate() "
-                    "(behind to_vllm or to_trtllm each request has its own copy: call the callable's finish or the "
-                    "adapter's end_request instead)"
+                    "(behind to_vllm, to_dynamo or to_trtllm each request has its own copy: call the callable's "
+                    "finish or the adapter's end_request instead)"
                 )
             tokens = last_tokens(output, gen)
             if isinstance(tokens, torch.Tensor):
