@@ -38,7 +38,7 @@ serve two threads at once; give each thread ``copy.deepcopy(tracker)``, which
 shares the recording and copies the wrapped processor. The tracker is itself a logitscope
 processor, so it works in every convention: transformers as it is, and
 ``processors.to_vllm/to_dynamo/to_trtllm(tracker)`` for the others.
-TensorRT-LLM's adapter copies the processor per request: copies made with
+Those adapters copy the processor per request: copies made with
 ``copy.deepcopy`` share this tracker's recording (each records its own
 generations) and deep-copy the wrapped processor.
 
