@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 from test_tracker_support import byte_tokenizer, random_gpt2
@@ -166,3 +167,25 @@ def test_out_of_range_chosen_token_on_the_gpu_is_refused_when_the_run_is_built()
     tracker.on_sampled(torch.tensor([3, 999], device="cuda"), ctx)  # not read here: no synchronisation per step
     with pytest.raises(ValueError, match=r"generation 0, row 1, step 0 is 999, outside the vocabulary \[0, 50\)"):
         _ = tracker.run
+
+
+def test_top_k_storage_reads_a_masked_token_as_0_where_every_allowed_token_was_kept(demo):
+    """At the phone regex's first step one token is allowed: everything else is known masked (0), not unknown."""
+    from processors import RegexLogitsProcessor
+    from sampling import Generator, SamplingParams
+    from tracker import add_tracking
+
+    model, tokenizer = demo
+    phone = RegexLogitsProcessor(r"\(\d{3}\) \d{3}-\d{4}\.", tokenizer)
+    gen = add_tracking(Generator(model, tokenizer, [phone]), storage="topk", top_k=5)
+    gen.generate(["Call Maria at "], SamplingParams(temperature=0.8, seed=0, max_new_tokens=3))
+    tracker = gen.logits_processor
+    allowed = tracker.stats()["allowed"].tolist()
+    assert allowed[0] == 1 and allowed[1] > 5  # step 0: "(" only; step 1: any digit, more than the 5 kept
+    probs = tracker.get_probabilities()["structured"]
+    assert np.nansum(probs[0]) == pytest.approx(1.0) and not np.isnan(probs[0]).any()
+    assert np.count_nonzero(probs[0]) == 1
+    assert np.isnan(probs[1]).sum() == probs.shape[1] - 5  # the rest of step 1 is not known
+    frame = tracker.to_dataframe(min_value=0.05).query("position == 0")
+    favourite = frame.sort_values("natural").iloc[-1]
+    assert favourite["token"] == "+" and favourite["constrained"] == 0.0  # as the README says, in top-k too

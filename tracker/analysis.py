@@ -54,7 +54,7 @@ def _candidates(nat: Block, con: Block, k: int, same: bool) -> Candidates:
 def _entries(nat: Block, con: Block, tn: np.ndarray | None, tc: np.ndarray | None, same: bool):
     """``(rows, ids, natural, constrained)`` of a block's entries at or above a threshold in either stage
     (every entry without thresholds); in top-k storage the stored ones (constrained list, then the
-    natural-only ones with an unknown constrained value), filtered later."""
+    natural-only ones, their constrained value as :meth:`Block.unstored` says), filtered later."""
     if con.full:
         if tn is None:
             t, v = nat.values.shape
@@ -71,7 +71,7 @@ def _entries(nat: Block, con: Block, tn: np.ndarray | None, tc: np.ndarray | Non
     keep = np.concatenate([np.ones(con.ids.shape, dtype=bool), extra], axis=1)
     ids = np.concatenate([con.ids, nat.ids], axis=1)
     vn = np.concatenate([c_nat, nat.values], axis=1)
-    vc = np.concatenate([con.values, np.full(nat.values.shape, np.nan, dtype=np.float32)], axis=1)
+    vc = np.concatenate([con.values, np.repeat(con.unstored(), nat.values.shape[1], axis=1)], axis=1)
     rows, ids, vn, vc = rows[keep], ids[keep], vn[keep], vc[keep]
     order = np.lexsort((ids, rows))
     return rows[order], ids[order], vn[order], vc[order]
@@ -325,7 +325,9 @@ class Analysis(Passes):
     ) -> dict[str, np.ndarray]:
         """``{"unstructured": [T, V], "structured": [T, V]}`` float32 logits (plus ``"sampled"`` when recorded).
 
-        In top-k storage, values that were not stored are NaN.
+        In top-k storage, a value that was not stored is ``-inf`` where the
+        row allowed no more tokens than were stored (all of them were kept, so
+        the rest were masked), else NaN (not known).
         """
         sel = self._select(generation, sequence, include_finished)
         return self._cached(

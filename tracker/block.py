@@ -55,20 +55,28 @@ class Block:
     def rows(self) -> int:
         return int(self.values.shape[0])
 
+    def unstored(self) -> np.ndarray:
+        """``[t, 1]`` float32: what a token top-k storage did not keep is known to be. ``-inf`` where the row's
+        allowed tokens all fit in the stored width (so every other token was masked), else NaN (not known)."""
+        width = self.values.shape[1]
+        with np.errstate(invalid="ignore"):  # a null row's allowed count is NaN: not known
+            complete = np.zeros(self.rows, bool) if self.allowed is None else np.asarray(self.allowed) <= width
+        return np.where(complete, np.float32(NEG_INF), np.float32(math.nan)).astype(np.float32)[:, None]
+
     def at(self, ids: np.ndarray) -> np.ndarray:
-        """``[t, j]`` float32 values at token ``ids`` ``[t, j]`` (NaN where not stored)."""
+        """``[t, j]`` float32 values at token ``ids`` ``[t, j]`` (where not stored: :meth:`unstored`)."""
         if self.ids is None:
             return np.take_along_axis(self.values, ids, axis=1)
         hit = self.ids[:, :, None] == ids[:, None, :]  # [t, w, j]
         found = hit.any(axis=1)
         where = hit.argmax(axis=1)
-        return np.where(found, np.take_along_axis(self.values, where, axis=1), np.float32(math.nan))
+        return np.where(found, np.take_along_axis(self.values, where, axis=1), self.unstored())
 
-    def dense(self, vocab_size: int, fill: float = math.nan) -> np.ndarray:
-        """``[t, V]`` float32 values, ``fill`` where not stored."""
+    def dense(self, vocab_size: int) -> np.ndarray:
+        """``[t, V]`` float32 values (where not stored: :meth:`unstored`)."""
         if self.ids is None:
             return self.values
-        out = np.full((self.rows, vocab_size), fill, dtype=np.float32)
+        out = np.repeat(self.unstored(), vocab_size, axis=1)
         np.put_along_axis(out, self.ids, self.values, axis=1)
         return out
 
