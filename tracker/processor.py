@@ -342,9 +342,10 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
         gen = self._current()
         if gen is None or gen.last_rows is None:
             raise RuntimeError(f"record_stage({stage!r}): no step in progress; call it after process() of the step")
-        if kind == "probs":
+        owned = kind == "probs"  # the tracker's own tensor: nobody can write into it before the token comes
+        if owned:
             values = torch.log(values.float())
-        self.recorder.write(gen.last_rows, stage, values)
+        self.recorder.write(gen.last_rows, stage, values, owned=owned)
 
     def sample_tap(self, values: Any, *args: Any, **kwargs: Any) -> None:
         """Observer for sampling taps: records the distribution sampled from as the ``"sampled"`` stage.

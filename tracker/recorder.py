@@ -12,15 +12,13 @@ finished. Nothing turns into Arrow until it is read.
 
 Past ``memory_limit`` bytes of host chunks, the oldest complete chunks go to
 disk (:mod:`tracker.spill_handoff`: Arrow IPC files, each written once by a
-background writer with a bounded queue); once a chunk is on disk it is read
-back through a memory map and its buffers are reused.
+background writer with a bounded queue), read back through a memory map.
 
-Every stage's row also gets its statistics (:mod:`tracker.record_stats`)
-computed on the row's device when it is written, and the chosen token's
-logit, probability and rank when the chosen token arrives: until then it keeps
-its own copy of the rows (the stored one where exact and on their device, else
-a device copy per stage), since a later processor or the host may write into
-the tensors it was given. Those few values are copied like the rest, no sync.
+Every stage's row also gets its statistics (:mod:`tracker.record_stats`) on
+its device when written, and the chosen token's logit, probability and rank
+when that token arrives: until then the recorder keeps rows nobody can write
+into (the stored copy where exact and on their device, ``owned`` rows, else a
+device copy per stage). Those few values are copied like the rest, no sync.
 
 Storage (:mod:`tracker.storage`): the whole row as float32, float16 or
 bfloat16 (converted on the device before the copy), the top ``k`` values with
@@ -126,8 +124,7 @@ class Recorder:
         self._next_index = 0
         self._arange = np.arange(64, dtype=np.int32)
         self._eos: dict[Any, torch.Tensor] = {}
-        # The last step's device rows and statistics, until its chosen tokens come.
-        self._retained: StepRows | None = None
+        self._retained: StepRows | None = None  # the last step, its rows and statistics until its tokens come
         self._retained_rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ---------------------------------------------------------------- state
@@ -239,17 +236,19 @@ class Recorder:
             self._arange = np.arange(max(batch, 2 * self._arange.shape[0]), dtype=np.int32)
         return self._arange[:batch]
 
-    def write(self, rows: StepRows, stage: str, values: torch.Tensor, natural: torch.Tensor | None = None) -> None:
+    def write(
+        self, rows: StepRows, stage: str, values: torch.Tensor, natural: torch.Tensor | None = None, owned: bool = False
+    ) -> None:
         """Record ``values [count, V]`` as ``stage`` for the reserved rows, with their statistics.
 
-        ``natural`` (the rows before the processor, unmodified) supplies the
-        natural logits at the stage's top-k ids and the removed mass and
-        margin; by default the natural rows written for this step are used.
+        ``natural`` (the rows before the processor, unmodified; by default
+        this step's) supplies the natural logits at the stage's top-k ids and
+        the removed mass and margin. ``owned``: nobody else holds ``values``.
         Runs every step and stage. Kernels and ``non_blocking`` copies only:
         does not synchronise with the device.
         """
         with self._lock:
-            self._write(rows, stage, values, natural)
+            self._write(rows, stage, values, natural, owned)
 
     def _eos_on(self, device: torch.device) -> torch.Tensor | None:
         """The EOS ids on ``device``, copied there once (a host-to-device copy; no synchronisation)."""
@@ -262,7 +261,9 @@ class Recorder:
             eos = self._eos[key] = torch.tensor(ids, dtype=torch.int64).to(device)
         return eos
 
-    def _write(self, rows: StepRows, stage: str, values: torch.Tensor, natural: torch.Tensor | None) -> None:
+    def _write(
+        self, rows: StepRows, stage: str, values: torch.Tensor, natural: torch.Tensor | None, owned: bool
+    ) -> None:
         chunk = rows.chunk
         written = chunk.written.get(stage)
         if written is None:
@@ -277,7 +278,7 @@ class Recorder:
             natural = self._retained_rows["natural"][0]
         natural = None if natural is None else natural.detach()
         kept = None  # the rows as stored when that is half precision: converted once, on the device or by the copy
-        exact = None  # an exact copy of the rows the recorder owns (a later processor may write into ``values``)
+        exact = values.detach() if owned else None  # rows nobody else can write into (a later processor may)
         if self.storage.full:
             name = f"{stage}:logits"
             dst = chunk.buffers[name]
@@ -290,7 +291,7 @@ class Recorder:
                 dst[start:end].copy_(src, non_blocking=staging)
             if dst.dtype != torch.float32:
                 kept = src if src.dtype == dst.dtype else dst[start:end]
-            exact = dst[start:end] if dst.dtype == values.dtype and dst.device == values.device else None
+            exact = dst[start:end] if dst.dtype == values.dtype and dst.device == values.device else exact
             src = values.detach()
         else:
             k = self.storage.k_for(self.vocab_size or 0)
@@ -302,7 +303,6 @@ class Recorder:
             chunk.buffers[f"{stage}:stats"][start:end].copy_(stored, non_blocking=staging)
             if self._retained is not rows:
                 self._retained, self._retained_rows = rows, {}
-            # the chosen token comes later: keep the rows as written (a device copy where no exact copy is stored)
             self._retained_rows[stage] = (src.clone() if exact is None else exact, stats)
         if staging:
             chunk.note_stream()
