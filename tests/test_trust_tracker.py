@@ -189,3 +189,13 @@ def test_top_k_storage_reads_a_masked_token_as_0_where_every_allowed_token_was_k
     frame = tracker.to_dataframe(min_value=0.05).query("position == 0")
     favourite = frame.sort_values("natural").iloc[-1]
     assert favourite["token"] == "+" and favourite["constrained"] == 0.0  # as the README says, in top-k too
+    # natural probabilities are known at the natural stage's stored ids and at the constrained stage's
+    # (it keeps the natural logits at its own ids), and equal a float32 run's
+    full = add_tracking(Generator(model, tokenizer, [phone]), storage="float32")
+    full.generate(["Call Maria at "], SamplingParams(temperature=0.8, seed=0, max_new_tokens=3))
+    natural = tracker.get_probabilities()["unstructured"]
+    expected = full.logits_processor.get_probabilities()["unstructured"]
+    known = ~np.isnan(natural)
+    np.testing.assert_allclose(natural[known], expected[known], rtol=1e-6)
+    constrained_kept = ~np.isnan(probs) & (probs > 0)
+    assert (known | ~constrained_kept).all() and known.sum() > 5 * len(natural)

@@ -327,7 +327,8 @@ class Analysis(Passes):
 
         In top-k storage, a value that was not stored is ``-inf`` where the
         row allowed no more tokens than were stored (all of them were kept, so
-        the rest were masked), else NaN (not known).
+        the rest were masked), else NaN (not known); the natural logits are
+        also known at the ids later stages kept.
         """
         sel = self._select(generation, sequence, include_finished)
         return self._cached(
@@ -351,10 +352,15 @@ class Analysis(Passes):
                 block = blocks[stage]
                 target = dense[start : start + block.rows]
                 target[...] = block.dense(vocab)
+                for other in blocks.values():  # top-k: later stages keep the natural logits at their own ids
+                    if other is not block and other.natural is not None:
+                        here = np.take_along_axis(target, other.ids, axis=1)
+                        np.put_along_axis(target, other.ids, np.where(np.isnan(other.natural), here, other.natural), 1)
                 if probs:
                     probabilities(target, block.lse[:, None], out=target)
 
-            self._map(sel, [stage], fill, raw=not probs)
+            read = list(self.stages) if stage == "natural" and not self._full else [stage]
+            self._map(sel, read, fill, raw=not probs)
             out[_KEYS.get(stage, stage)] = dense
         if "structured" not in out:
             out["structured"] = out["unstructured"]
