@@ -1,6 +1,6 @@
 """Time logitscope's compiled LogitsPipe against transformers' sampling warpers, in one run.
 
-    python benchmarks/bench_sampling.py [--repeats N] [--threads 2]
+    python benchmarks/bench_sampling.py [--repeats N] [--threads 2] [--algorithms cpu,sort,radix]
     python benchmarks/bench_sampling.py --device cuda [--repeats N] [--algorithms sort,radix]
 
 Baseline: ``TemperatureLogitsWarper`` + ``TopKLogitsWarper`` + ``TopPLogitsWarper``
@@ -235,7 +235,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15, help="timed calls per point (fewer at large points)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="cpu (the CPU goals) or cuda (the pipe grid)")
-    parser.add_argument("--algorithms", default="sort,radix", help="sync-free algorithms for --device cuda")
+    parser.add_argument(
+        "--algorithms",
+        default=None,
+        help="the pipe's algorithms, comma-separated (cuda default: sort,radix; cpu default: auto, which runs cpu)",
+    )
     args = parser.parse_args()
     if args.device != "cpu":
         if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -244,7 +248,7 @@ def main() -> None:
             )
         name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else args.device
         print(f"torch {torch.__version__}, {name}")
-        algorithms = [a for a in args.algorithms.split(",") if a]
+        algorithms = [a for a in (args.algorithms or "sort,radix").split(",") if a]
         print(format_grid(pipe_grid(args.device, repeats=args.repeats, algorithms=algorithms)))
         return
     torch.set_num_threads(args.threads)
@@ -252,12 +256,14 @@ def main() -> None:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU, load average {load}")
     print(
-        f"{'setting':<11} {'batch':>5} {'vocab':>7} {'transformers':>13} {'pipe':>10} {'ratio':>7}  goal        best-of ratio"
+        f"{'setting':<18} {'batch':>5} {'vocab':>7} {'transformers':>13} {'pipe':>10} {'ratio':>7}  goal        best-of ratio"
     )
-    for name, params in SETTINGS.items():
+    cpu_algorithms = [a for a in (args.algorithms or "auto").split(",") if a]
+    for (name, params), algorithm in ((item, a) for item in SETTINGS.items() for a in cpu_algorithms):
         goal = 10 if "top_k" in params else 2
         base = transformers_chain(**params)
-        pipe = logitscope_pipe(**params)
+        pipe = logitscope_pipe(**params, algorithm=algorithm)
+        name = name if algorithm == "auto" else f"{name} [{algorithm}]"
         for batch, vocab in POINTS:
             logits = torch.randn(batch, vocab, generator=gen) * 3
             small = batch * vocab <= 1_000_000
@@ -267,7 +273,7 @@ def main() -> None:
             ratio = t_base / t_pipe
             mark = "ok" if ratio >= goal else "MISSED"
             print(
-                f"{name:<11} {batch:>5} {vocab:>7} {t_base * 1e3:>10.3f} ms {t_pipe * 1e3:>7.3f} ms "
+                f"{name:<18} {batch:>5} {vocab:>7} {t_base * 1e3:>10.3f} ms {t_pipe * 1e3:>7.3f} ms "
                 f"{ratio:>6.1f}x  {f'>={goal}x':<5} {mark:<6} {min(ta) / min(tb):>7.1f}x"
             )
     tap_cost(gen, args.repeats)
