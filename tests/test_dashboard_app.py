@@ -313,3 +313,10 @@ def test_a_stage_per_processor_run_names_its_last_stage_after_its_processor(tmp_
     names = {trace.get("name") for trace in timelines["data"]}
     assert "after:penalties" in names and "after the constraint" not in names
     assert {trace.get("name") for trace in by_processor["data"]} == {"after:regex", "after:penalties"}
+
+
+def test_comparing_runs_of_two_vocabularies_says_so(runs):
+    at = _app(runs, "compare")
+    at.sidebar.selectbox(key="run_b").set_value(str(runs / "long.parquet")).run()
+    assert not at.exception, at.exception[0].message if at.exception else ""
+    assert any("only runs of one vocabulary compare" in e.value for e in at.error)

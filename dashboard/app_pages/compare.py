@@ -15,6 +15,14 @@ summary_b = by_path[other]
 if summary_b.error is not None:
     widgets.show_bad_run(summary_b.label, summary_b.error)
     st.stop()
+if summary_b.vocab_size != picked.summary.vocab_size:
+    st.error(
+        f"**{text.md_text(summary_b.label)}** has a vocabulary of {summary_b.vocab_size:,} tokens and "
+        f"**{text.md_text(picked.summary.label)}** of {picked.summary.vocab_size:,}: only runs of one vocabulary "
+        "compare (the same tokenizer). Pick another run under *Compare with*.",
+        icon=":material/error:",
+    )
+    st.stop()
 
 left, right = st.columns(2)
 name_a = picked.summary.title or picked.summary.label
