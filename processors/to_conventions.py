@@ -50,6 +50,13 @@ def _row_context(token_ids: Sequence[int], prompt_length: int, device: torch.dev
     return BatchContext(input_ids=ids, prompt_length=prompt_length)
 
 
+def _tell_last_token(processor: LogitsProcessor, ids: torch.Tensor, prompt_length: int, **ctx: Any) -> None:
+    """A request is over: ``ids [B, L]`` are its final ids; its processor hears the last column (``on_sampled``,
+    no call of the host shows it) and the generated lengths (``on_generation_end``). No synchronisation."""
+    processor.on_sampled(ids[:, -1], BatchContext(input_ids=ids[:, :-1], prompt_length=prompt_length, **ctx))
+    processor.on_generation_end([ids.shape[1] - prompt_length] * ids.shape[0])
+
+
 def _apply_in_place(processor: LogitsProcessor, row: torch.Tensor, ctx: BatchContext) -> None:
     batch = row.reshape(1, -1)
     out = processor.process(batch, ctx)
@@ -125,10 +132,9 @@ class VLLMProcessor:
                 f"output_ids must be the request's outputs at its last call plus the token chosen then ({seen}), "
                 f"got {len(output_ids)} ids"
             )
-        ids = [*self._prompt, *output_ids]
-        ctx = _row_context(ids[:-1], len(self._prompt), torch.device("cpu"))
-        self.processor.on_sampled(torch.tensor([ids[-1]], dtype=torch.long), ctx)
-        self.processor.on_generation_end([len(output_ids)])
+        _tell_last_token(
+            self.processor, torch.tensor([[*self._prompt, *output_ids]], dtype=torch.long), len(self._prompt)
+        )
 
 
 class DynamoProcessor:
@@ -171,10 +177,7 @@ class DynamoProcessor:
             raise ValueError(
                 f"input_ids must be the ids of the last call ({seen}) plus the token chosen then, got {len(ids)} ids"
             )
-        self.processor.on_sampled(
-            torch.tensor([ids[-1]], dtype=torch.long), _row_context(ids[:-1], prompt, torch.device("cpu"))
-        )
-        self.processor.on_generation_end([len(ids) - prompt])
+        _tell_last_token(self.processor, torch.tensor([ids], dtype=torch.long), prompt)
 
 
 class TensorRTLLMProcessor:
@@ -261,9 +264,7 @@ class TensorRTLLMProcessor:
             )
         del self._requests[req_id]
         ids = torch.as_tensor([list(t) for t in token_ids], dtype=torch.long)
-        ctx = BatchContext(input_ids=ids[:, :-1], prompt_length=prompt, request_ids=(req_id,) * ids.shape[0])
-        processor.on_sampled(ids[:, -1], ctx)
-        processor.on_generation_end([ids.shape[1] - prompt] * ids.shape[0])
+        _tell_last_token(processor, ids, prompt, request_ids=(req_id,) * ids.shape[0])
 
     def batched(
         self,
