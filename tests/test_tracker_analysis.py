@@ -95,6 +95,16 @@ def test_to_dataframe_matches_a_reference(show):
     assert set(both["sequence"]) == {0, 1}
 
 
+@pytest.mark.parametrize(("show", "threshold"), [("probs", 0.0), ("probs", -1.0), ("logits", -math.inf)])
+def test_a_threshold_at_or_below_every_value_keeps_the_masked_tokens(show, threshold):
+    tracker, nat, con, chosen = record(seed=4)
+    assert (~torch.isfinite(con[1])).any()  # the constraint masked tokens
+    frame = tracker.to_dataframe(show=show, min_value=threshold, sequence=1, token_ids=True)
+    assert len(frame) == 12 * V  # every token of every step, a masked one with constrained value 0 / -inf
+    masked = ~np.isfinite(con[1].numpy())[frame["position"].to_numpy(), frame["token_id"].to_numpy()]
+    assert (frame["constrained"].to_numpy()[masked] == (0.0 if show == "probs" else -np.inf)).all()
+
+
 def test_stats_match_a_reference():
     tracker, nat, con, chosen = record(seed=2)
     stats = tracker.stats(sequence=0)

@@ -237,9 +237,11 @@ def entries_above(
     rows_parts, ids_parts = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
     for a in range(0, natural.shape[0], _DENSE_ROWS):
         s = slice(a, a + _DENSE_ROWS)
-        with np.errstate(invalid="ignore"):
-            margin = np.maximum(natural[s] - tn[s, None], constrained[s] - tc[s, None])
-        rows, ids = np.nonzero(margin >= 0)
+        n, c = natural[s], constrained[s]
+        # two comparisons, not one on a difference: -inf - (-inf) is NaN, which would drop masked
+        # tokens under a threshold of -inf (a min_value of 0)
+        above = ((n >= tn[s, None]) | (c >= tc[s, None])) & ~np.isnan(n) & ~np.isnan(c)
+        rows, ids = np.nonzero(above)
         rows_parts.append(rows + a)
         ids_parts.append(ids)
     return np.concatenate(rows_parts), np.concatenate(ids_parts)
