@@ -119,6 +119,22 @@ def test_many_runs_form_one_dataset_for_pyarrow_and_duckdb(tmp_path):
         Run.load(tmp_path)
 
 
+def test_a_folder_of_separate_run_files_is_never_merged_and_run_id_is_honoured(tmp_path):
+    a, b = tracked(seed=0, steps=3), tracked(seed=1, steps=5)
+    a.to_parquet(tmp_path / "a.parquet")
+    b.to_parquet(tmp_path / "b.parquet")
+    with pytest.raises(ValueError, match="holds 2 runs in 2 files") as info:
+        Run.load(tmp_path)
+    assert a.run_id in str(info.value) and b.run_id in str(info.value)
+    one = Run.load(tmp_path, run_id=b.run_id)
+    assert one.sequence() == b.sequence() and one.stats().equals(b.stats())
+    with pytest.raises(ValueError, match="run_id='zzz' is not in"):
+        Run.load(tmp_path, run_id="zzz")
+    with pytest.raises(ValueError, match=f"run_id='zzz' is not in .* it holds run '{a.run_id}'"):
+        Run.load(tmp_path / "a.parquet", run_id="zzz")
+    assert Run.load(tmp_path / "a.parquet", run_id=a.run_id).sequence() == a.sequence()
+
+
 def test_to_arrow_is_zero_copy_and_carries_the_schema_metadata():
     tracker = tracked()
     table = tracker.to_arrow()

@@ -305,6 +305,29 @@ def _check(layout: RunLayout) -> None:
             raise RunFileError(layout.parts[0].path, str(exc)) from exc
 
 
+def _parts_of_one_run(
+    folder: Path, parts: list[Part], metas: list[RunMetadata], run_id: str | None
+) -> tuple[list[Part], list[RunMetadata]]:
+    """The parts of a folder that belong to one run: the one ``run_id`` names, or the only one there is.
+
+    A folder of separate run files (what ``logitscope demo --out`` writes) is not one run: its parts
+    are never merged; ValueError names the runs and asks for ``run_id`` or one file.
+    """
+    ids = list(dict.fromkeys(m.run_id for m in metas))
+    if run_id is not None:
+        keep = [i for i, m in enumerate(metas) if m.run_id == run_id]
+        if not keep:
+            raise ValueError(f"run_id={run_id!r} is not in '{folder}'; its runs are {ids}")
+        return [parts[i] for i in keep], [metas[i] for i in keep]
+    if len(ids) > 1:
+        files = [Path(p.path).name for p in parts]
+        raise ValueError(
+            f"'{folder}' holds {len(ids)} runs in {len(files)} files ({', '.join(files[:4])}"
+            f"{', ...' if len(files) > 4 else ''}); open one file, or pass run_id= one of {ids}"
+        )
+    return parts, metas
+
+
 def _dataset_member(root: Path, runs: list[Path], run_id: str | None) -> Path:
     """The ``run_id=...`` folder of a dataset root that ``run_id`` names (the only one when it is None)."""
     if run_id is None:
@@ -349,10 +372,12 @@ def open_layout(path: str | os.PathLike[str], run_id: str | None = None) -> RunL
         if not files:
             raise NoRunError(source, "the folder holds no .parquet parts and no spill files (_run.json)")
         parts = [open_part(p) for p in files]
+        metas = [_metadata(p.path, (p.schema.metadata or {}).get(META_RUN)) for p in parts]
+        parts, metas = _parts_of_one_run(source, parts, metas, run_id)
         meta = parts[0].schema.metadata or {}
-        layout = RunLayout(
-            source, "parts", parts, _metadata(files[0], meta.get(META_RUN)), meta.get(META_VOCAB), files[0]
-        )
+        layout = RunLayout(source, "parts", parts, metas[0], meta.get(META_VOCAB), parts[0].path)
+    if run_id is not None and layout.metadata.run_id != run_id:
+        raise ValueError(f"run_id={run_id!r} is not in '{source}': it holds run {layout.metadata.run_id!r}")
     layout = replace(layout, metadata=_with_generations(layout.metadata, layout.parts))
     _check(layout)
     return layout

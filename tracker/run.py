@@ -206,7 +206,9 @@ class Run(Insight, Analysis):
     def load(cls, path: str | os.PathLike[str], run_id: str | None = None) -> Run:
         """Load a run: a Parquet or Arrow IPC file, a run folder, a dataset root, or a spill folder.
 
-        A dataset root holding several ``run_id=...`` folders needs ``run_id``.
+        A dataset root holding several ``run_id=...`` folders, or a folder of
+        separate run files, needs ``run_id`` (runs are never merged); a
+        ``run_id`` that is not at ``path`` is a ValueError.
         No model and no tokenizer are needed: the vocabulary is in the file.
         FileNotFoundError when nothing is at ``path``; :class:`RunFileError`
         naming the file and the fault when it is not a readable run (see
