@@ -105,6 +105,19 @@ def test_a_threshold_at_or_below_every_value_keeps_the_masked_tokens(show, thres
     assert (frame["constrained"].to_numpy()[masked] == (0.0 if show == "probs" else -np.inf)).all()
 
 
+def test_positions_and_sequences_of_the_wrong_kind_are_refused_by_name():
+    tracker = record(seed=5)[0]
+    assert [r["position"] for r in tracker.get_top_tokens(k=1, positions=np.arange(2))] == [0, 1]
+    assert [r["position"] for r in tracker.get_top_tokens(k=1, positions=torch.tensor(3))] == [3]
+    for bad, kind in (("10", TypeError), ([2.7], TypeError), (True, TypeError), (-1, ValueError)):
+        with pytest.raises(kind, match="positions"):
+            tracker.get_top_tokens(k=1, positions=bad)
+    with pytest.raises(TypeError, match="sequence must be an int >= 0, got '0'"):
+        tracker.get_top_tokens(k=1, sequence="0")
+    with pytest.raises(TypeError, match="position must be an int >= 0, got '3'"):
+        tracker.run.step("3")
+
+
 def test_stats_match_a_reference():
     tracker, nat, con, chosen = record(seed=2)
     stats = tracker.stats(sequence=0)

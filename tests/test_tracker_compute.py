@@ -165,9 +165,8 @@ def test_grouped_searches_equal_whole_row_references_edge_rows_included():
             for min_value in (0.01, 1e-6):
                 slack = np.float32(math.log(min_value) - 1e-4)
                 got_rows, got_ids = candidates.entries_above(natural, constrained, ln + slack, lc + slack)
-                with np.errstate(invalid="ignore"):
-                    margin = np.maximum(natural - (ln + slack)[:, None], constrained - (lc + slack)[:, None])
-                want_rows, want_ids = np.nonzero(margin >= 0)
+                above = (natural >= (ln + slack)[:, None]) | (constrained >= (lc + slack)[:, None])
+                want_rows, want_ids = np.nonzero(above & ~np.isnan(natural) & ~np.isnan(constrained))
                 np.testing.assert_array_equal(got_rows, want_rows)
                 np.testing.assert_array_equal(got_ids, want_ids)
 

@@ -12,7 +12,8 @@ is free. Selectors as in :mod:`tracker.selection`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -30,7 +31,7 @@ from tracker.candidates import (
 from tracker.continuation import Continuation, continuation
 from tracker.passes import Passes
 from tracker.rows import probabilities
-from tracker.selection import Selection
+from tracker.selection import Selection, index_arg
 from tracker.stages import resolve_stage
 
 __all__ = ["Analysis", "Continuation", "Selection", "stage_matrix"]
@@ -221,15 +222,14 @@ class Analysis(Passes):
     def _positions(positions: int | Sequence[int] | None, sel: Selection) -> list[int]:
         if positions is None:
             return [int(s) for s in sel.steps.tolist()]
-        if isinstance(positions, (int, np.integer)) and not isinstance(positions, bool):
-            return [int(positions)]
-        try:
-            out = [int(p) for p in positions]  # type: ignore[union-attr]
-        except TypeError:
-            raise TypeError(
-                f"positions must be None, an int or a list of ints, got {type(positions).__name__}"
-            ) from None
-        return out
+        if not isinstance(positions, (bool, np.bool_)):
+            try:
+                return [index_arg("positions", operator.index(positions))]  # an int, numpy or 0-d tensor integer
+            except TypeError:
+                pass
+        if isinstance(positions, (str, bytes, bool)) or not isinstance(positions, Iterable):
+            raise TypeError(f"positions must be None, an int or a list of ints, got {positions!r}")
+        return [index_arg(f"positions[{i}]", p) for i, p in enumerate(positions)]
 
     def to_dataframe(
         self,

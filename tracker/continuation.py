@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tracker.selection import Selection
+from tracker.selection import Selection, index_arg
 
 __all__ = ["Continuation", "continuation"]
 
@@ -65,6 +65,7 @@ def continuation(
     if not isinstance(text, str) or not text:
         raise ValueError(f"text must be a non-empty string, got {text!r}")
     where = {int(s): i for i, s in enumerate(sel.steps.tolist())}
+    position = index_arg("position", position)
     if position not in where:
         raise ValueError(f"position={position} was not recorded; recorded positions are 0..{sel.length - 1}")
     matrix, lengths = byte_matrix

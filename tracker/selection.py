@@ -11,6 +11,7 @@ token after the prompt).
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,24 @@ from tracker.schema import RunMetadata
 if TYPE_CHECKING:
     from processors.vocab import Vocabulary
 
-__all__ = ["Selection", "Selecting", "sequence_end"]
+__all__ = ["Selection", "Selecting", "sequence_end", "index_arg"]
+
+
+def index_arg(name: str, value: Any) -> int:
+    """``value`` as a Python int: a sequence or a position (an int, numpy or 0-d tensor integer; not a bool; >= 0).
+
+    TypeError for anything else (a string, a float), ValueError for a negative value, each naming
+    the argument and the value.
+    """
+    try:
+        index = None if isinstance(value, (bool, np.bool_)) else operator.index(value)
+    except TypeError:
+        index = None
+    if index is None:
+        raise TypeError(f"{name} must be an int >= 0, got {value!r} ({type(value).__name__})")
+    if index < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {index}")
+    return index
 
 
 def sequence_end(steps: np.ndarray, chosen: np.ndarray, metadata: RunMetadata, generation: int, sequence: int) -> int:
@@ -126,7 +144,7 @@ class Selecting:
         if not ids:
             raise ValueError("nothing recorded yet: run a generation with the tracker first")
         if not isinstance(generation, (int, np.integer)) or isinstance(generation, bool):
-            raise TypeError(f"generation must be an int, got {type(generation).__name__}")
+            raise TypeError(f"generation must be an int, got {generation!r} ({type(generation).__name__})")
         if generation < 0:
             if -generation > len(ids):
                 raise ValueError(f"generation={generation} but only {len(ids)} generations were recorded")
@@ -137,6 +155,7 @@ class Selecting:
 
     def _select(self, generation: int = -1, sequence: int = 0, include_finished: bool = False) -> Selection:
         g = self._generation_id(generation)
+        sequence = index_arg("sequence", sequence)
         key = ("select", g, sequence, include_finished)
 
         def build() -> Selection:

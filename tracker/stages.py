@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from tracker.selection import index_arg
+
 if TYPE_CHECKING:  # the recording helpers take processors and tensors; the read side needs neither
     import torch
 
@@ -105,6 +107,7 @@ def step_probabilities(
     probs = run.get_probabilities(sequence=sequence, generation=generation, include_finished=True)
     sel = run._select(generation, sequence, True)
     where = {int(s): i for i, s in enumerate(sel.steps.tolist())}
+    position = index_arg("position", position)
     if position not in where:
         raise ValueError(f"position={position} was not recorded; recorded positions are 0..{sel.length - 1}")
     i = where[position]
