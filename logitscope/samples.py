@@ -100,7 +100,7 @@ RECIPES: tuple[Recipe, ...] = (
     Recipe(
         "bad_words",
         "Bad words",
-        "'city' is banned: the model's favourite next key is masked, so it writes 'job' instead. Compare with 'Greedy'.",
+        "'city' is banned: the model's favourite next key is masked, so it writes its second choice, 'email', instead. Compare with 'Greedy'.",
         (RECORD_START,),
         (SamplingParams(max_new_tokens=32),),
         lambda tok: BadWordsLogitsProcessor(["city"], tok),

@@ -172,3 +172,18 @@ def test_a_killed_exports_temporary_file_is_removed_by_the_next_export(tmp_path)
     recorded(steps=2, vocab=50).to_parquet(target)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "run.parquet"])
     Run.load(target)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "sample_runs").glob("*.parquet")), ids=lambda p: p.stem)
+def test_the_shipped_sample_runs_read_as_distributions(path):
+    """Every stored row of a shipped run reads as a distribution: no probability above 1, rows summing to 1.
+
+    (Runs recorded before half-precision rows kept the log-sum-exp of their rounded values read a
+    rounded-up favourite as p = 1.007; rebuild them with ``python -m logitscope.make_sample_runs``.)
+    """
+    run = Run.load(path)
+    for g in run.generations():
+        for s in run.sequences(g):
+            for stage, p in run.get_probabilities(sequence=s, generation=g, include_finished=True).items():
+                assert np.nanmax(p) <= 1.0 + 1e-6, (stage, float(np.nanmax(p)))
+                np.testing.assert_allclose(np.nansum(p, axis=1), 1.0, atol=1e-4, err_msg=stage)
