@@ -77,6 +77,28 @@ def test_score_prompt_serves_model_generate(tiny_model):
     np.testing.assert_allclose(frame["logprob"][1:], _direct(tiny_model, ids[0].tolist()), rtol=1e-4, atol=1e-5)
 
 
+def test_score_prompt_after_generate_scores_the_generation_it_names(tiny_model):
+    from transformers import LogitsProcessorList
+
+    ids = torch.tensor([[5, 9, 17, 33, 2]])
+    tracker = LogitTrackingProcessor(None)
+    out = tiny_model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        logits_processor=LogitsProcessorList([tracker]),
+        max_new_tokens=3,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    tracker.finish(out)
+    assert tracker.run.prompt_logprobs()["logprob"].isna().all()  # nothing scored yet
+    tracker.score_prompt(tiny_model, ids, generation=-1)
+    frame = tracker.run.prompt_logprobs()
+    np.testing.assert_allclose(frame["logprob"][1:], _direct(tiny_model, ids[0].tolist()), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="not its prompts"):
+        tracker.score_prompt(tiny_model, ids[:, :3], generation=0)
+
+
 def test_prompt_logprobs_checks_shapes_and_perplexity_of_known_values():
     with pytest.raises(ValueError, match="logits must be"):
         prompt_logprobs(torch.zeros(1, 3, 5), torch.zeros(1, 4, dtype=torch.long))

@@ -194,3 +194,27 @@ def test_a_run_outlives_its_tracker_and_a_dropped_tracker_frees_its_buffers_at_o
         assert SHARED_POOL.free_bytes > before  # returned by reference counting alone: no cycle holds the tracker
     finally:
         gc.enable()
+
+
+def test_arguments_of_the_wrong_kind_are_refused_by_name(tmp_path):
+    tok = byte_tokenizer()
+    for kwargs, message in (
+        ({"memory_limit": "2GB"}, "memory_limit must be a number of bytes"),
+        ({"chunk_bytes": None}, "chunk_bytes must be a number of bytes"),
+        ({"tokenizer": "gpt2"}, "tokenizer must be a tokenizer object"),
+        ({"processor_stages": "yes"}, "processor_stages must be True or False"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs must be True or False"),
+    ):
+        with pytest.raises(TypeError, match=message):
+            LogitTrackingProcessor(None, **kwargs)
+    with pytest.raises(TypeError, match="processor is a tokenizer"):
+        LogitTrackingProcessor(tok)
+    with pytest.raises(ValueError, match="nothing recorded yet"):
+        LogitTrackingProcessor(None, tokenizer=tok).to_parquet(tmp_path / "empty.parquet")
+    run = tracked().run
+    with pytest.raises(ValueError, match="compression must be None or one of .*got 'zip'"):
+        run.to_parquet(tmp_path / "a.parquet", compression="zip")
+    with pytest.raises(IsADirectoryError, match="is a folder; give a file name"):
+        run.to_parquet(tmp_path)
+    assert list(tmp_path.iterdir()) == []  # nothing half-written
+    assert Run.load(run.to_parquet(tmp_path / "b.parquet", compression="none")).sequence() == run.sequence()

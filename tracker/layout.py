@@ -430,6 +430,11 @@ def write_parquet(
     ``path``. Returns the path.
     """
     target = Path(path)
+    if target.is_dir():
+        raise IsADirectoryError(f"path: '{target}' is a folder; give a file name, e.g. '{target / 'run.parquet'}'")
+    codecs = [c for c in ("zstd", "snappy", "gzip", "brotli", "lz4") if pa.Codec.is_available(c)]
+    if compression is not None and (not isinstance(compression, str) or compression.lower() not in {*codecs, "none"}):
+        raise ValueError(f"compression must be None or one of {[*codecs, 'none']}, got {compression!r}")
     footer = _footer(metadata, table.num_rows > 0)
     table = table.replace_schema_metadata({**(table.schema.metadata or {}), META_RUN: footer})
     if table.num_rows:

@@ -51,6 +51,8 @@ hosts' quirks (:mod:`tracker.hosts`), the run's description and generations
 from __future__ import annotations
 
 import copy
+import numbers
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -79,6 +81,28 @@ from tracker.stages import apply_recording, per_processor
 __all__ = ["LogitTrackingProcessor", "find_tokenizer"]
 
 StageKind = Literal["logits", "logprobs", "probs"]
+
+
+def _check_arguments(
+    processor: Any, tokenizer: Any, memory_limit: Any, chunk_bytes: Any, processor_stages: Any, prompt_logprobs: Any
+) -> None:
+    """Refuse, by name, constructor arguments of the wrong kind (each would fail later, far from here)."""
+    if hasattr(processor, "convert_ids_to_tokens"):  # a tokenizer is callable, so it would pass as a processor
+        raise TypeError(
+            f"processor is a tokenizer ({type(processor).__name__}): pass it as tokenizer=, e.g. "
+            "LogitTrackingProcessor(my_processor, tokenizer=tok) or LogitTrackingProcessor(None, tokenizer=tok)"
+        )
+    if isinstance(tokenizer, (str, bytes, os.PathLike)):
+        raise TypeError(
+            f"tokenizer must be a tokenizer object (e.g. AutoTokenizer.from_pretrained(path)), got {tokenizer!r}: "
+            "logitscope does not load tokenizers by name"
+        )
+    for name, value, none_ok in (("memory_limit", memory_limit, True), ("chunk_bytes", chunk_bytes, False)):
+        if not (value is None and none_ok) and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            raise TypeError(f"{name} must be a number of bytes (an int{' or None' if none_ok else ''}), got {value!r}")
+    for name, value in (("processor_stages", processor_stages), ("prompt_logprobs", prompt_logprobs)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
@@ -145,6 +169,7 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
         pad_token_id: int | None = None,
         statistics: Literal["auto", "record", "read"] = "auto",
     ) -> None:
+        _check_arguments(processor, tokenizer, memory_limit, chunk_bytes, processor_stages, prompt_logprobs)
         self._stage_names: list[str] = []
         if processor_stages and processor is not None:
             processor, self._stage_names = per_processor(processor)
@@ -301,9 +326,25 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
         if self.processor is not None and self.processor.wants_prefill_logits:
             self.processor.on_prefill(logits, ctx)
 
-    def score_prompt(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
-        """Score the prompts of the next generation with one forward pass (for ``model.generate``)."""
-        self._shared.pending_prompt = score_prompt(model, input_ids, attention_mask)
+    def score_prompt(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        generation: int | None = None,
+    ) -> None:
+        """Score prompts with one forward pass (for ``model.generate``, which gives the tracker no prefill).
+
+        By default the scores go to the next generation (call it before
+        ``generate``); ``generation=`` gives them to one already recorded
+        (``-1``: the latest), whose prompts must be these (ValueError otherwise).
+        """
+        scores = score_prompt(model, input_ids, attention_mask)
+        if generation is None:
+            self._shared.pending_prompt = scores
+        else:
+            self._shared.attach_prompt_logprobs(self.run._generation_id(generation), scores)
 
     def on_sampled(self, tokens: torch.Tensor, ctx: BatchContext) -> None:
         """Record the tokens chosen at this step (hosts such as logitscope's Generator call it).

@@ -168,6 +168,10 @@ class Run(Insight, Analysis):
         Temporary files a killed export left beside ``path`` are removed
         first. Returns the path. (The file's layout: :func:`tracker.layout.write_parquet`.)
         """
+        if not self._batches and not self.metadata.vocab_size:
+            raise ValueError(
+                "nothing recorded yet: run a generation with the tracker first (an empty run is not written)"
+            )
         return write_parquet(self.to_arrow(), path, self.metadata, compression=compression)
 
     def to_dataset(self, root: str | os.PathLike[str], *, compression: str | None = "zstd") -> Path:

@@ -226,6 +226,19 @@ class SharedRecording:
         self.generations.append(record)
         return Generation(gid, batch, ctx.prompt_length, self.epoch)
 
+    def attach_prompt_logprobs(self, generation: int, scores: list[list[float | None]]) -> None:
+        """Give a recorded generation its prompts' log-probabilities (ValueError if its prompts differ)."""
+        with self.lock:
+            record = next(r for r in self.generations if r["generation"] == generation)
+            prompts = record.get("prompt_ids") or []
+            if [len(p) for p in prompts] != [len(s) for s in scores]:
+                raise ValueError(
+                    f"generation={generation} has prompts of {[len(p) for p in prompts]} tokens; the scored "
+                    f"input_ids have {[len(s) for s in scores]} (after left padding): they are not its prompts"
+                )
+            record["prompt_logprobs"] = scores
+            self.run_cache = None
+
     def restart(self) -> None:
         """Forget everything recorded; what follows is a new run (a new id and time)."""
         with self.lock:
