@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -25,6 +27,7 @@ from logitscope import __version__
 
 STORAGE_MODES = ("float32", "float16", "bfloat16", "topk")
 DEMO_MODEL_NAME = "logitscope demo model"
+CONSTRAINTS = ("--regex", "--json-schema", "--grammar", "--bad-words")
 
 
 def _fail(parser: argparse.ArgumentParser, argument: str | None, message: Any) -> NoReturn:
@@ -87,10 +90,8 @@ def _device(text: str) -> str:
 def _prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
     prompts = list(args.prompt or [])
     if args.prompt_file is not None:
-        path = Path(args.prompt_file)
-        if not path.is_file():
-            _fail(parser, "--prompt-file", f"no file at '{path}'")
-        prompts += [line.rstrip("\n") for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        text = _read_text(parser, "--prompt-file", args.prompt_file)
+        prompts += [line.rstrip("\n") for line in text.splitlines() if line.strip()]
     if not prompts:
         _fail(parser, "--prompt", "give at least one --prompt or a --prompt-file with one prompt per line")
     return prompts
@@ -117,9 +118,14 @@ def _params(args: argparse.Namespace, parser: argparse.ArgumentParser):
 
 def _read_text(parser: argparse.ArgumentParser, argument: str, file: str) -> str:
     path = Path(file)
-    if not path.is_file():
-        _fail(parser, argument, f"no file at '{path}'")
-    return path.read_text(encoding="utf-8")
+    if path.is_dir() or not path.exists():  # a pipe (<(...), /dev/stdin) is read like a file
+        _fail(parser, argument, f"'{path}' is a folder; give a file" if path.is_dir() else f"no file at '{path}'")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        _fail(parser, argument, f"'{path}' is not UTF-8 text")
+    except OSError as exc:
+        _fail(parser, argument, f"cannot read '{path}' ({exc.strerror})")
 
 
 def _constraints(args: argparse.Namespace, parser: argparse.ArgumentParser, tokenizer: Any) -> list[Any]:
@@ -142,9 +148,8 @@ def _constraints(args: argparse.Namespace, parser: argparse.ArgumentParser, toke
             made.append(JSONLogitsProcessor(schema, tokenizer))
         if args.grammar is not None:
             argument = "--grammar"
-            made.append(
-                CFGLogitsProcessor(_read_text(parser, argument, args.grammar), tokenizer, syntax=args.grammar_syntax)
-            )
+            text = _read_text(parser, argument, args.grammar)
+            made.append(CFGLogitsProcessor(text, tokenizer, syntax=args.grammar_syntax or "lark"))
         if args.bad_words:
             argument = "--bad-words"
             made.append(BadWordsLogitsProcessor(args.bad_words, tokenizer))
@@ -204,19 +209,22 @@ def _print_outputs(outputs, as_json: bool, out=None) -> None:
                 print(f"    ({len(c.token_ids)} tokens, finished: {c.finish_reason})", file=out)
 
 
-def _generate(gen, prompts: list[str], params, batch_size: int) -> list:
+def _generate(gen, prompts: list[str], params, batch_size: int) -> tuple[list, int]:
+    """The outputs, and the decode steps taken (each batch's longest sequence, added up)."""
     from tqdm import tqdm
 
-    outputs = []
+    outputs, steps = [], 0
     # a bar only where it can redraw itself: without a terminal it would print a line per update
     quiet = len(prompts) <= batch_size or not sys.stderr.isatty()
     with tqdm(total=len(prompts), desc="generating", unit="prompt", disable=quiet, file=sys.stderr) as bar:
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start : start + batch_size]
             # request indices count across the whole run, not per batch
-            outputs += [replace(out, request_index=start + i) for i, out in enumerate(gen.generate(chunk, params))]
+            done = [replace(out, request_index=start + i) for i, out in enumerate(gen.generate(chunk, params))]
+            outputs += done
+            steps += max(len(c.token_ids) for out in done for c in out.outputs)
             bar.update(len(chunk))
-    return outputs
+    return outputs, steps
 
 
 def _check_out_file(parser: argparse.ArgumentParser, out: str) -> Path:
@@ -225,32 +233,61 @@ def _check_out_file(parser: argparse.ArgumentParser, out: str) -> Path:
         _fail(parser, "--out", f"'{path}' is a folder; give a file name such as run.parquet")
     if not path.parent.is_dir():
         _fail(parser, "--out", f"no folder '{path.parent}' to write '{path.name}' into")
+    try:  # the folder may exist and still refuse files (permissions, a read-only or virtual file system)
+        tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".check").close()
+    except OSError as exc:
+        _fail(parser, "--out", f"cannot write '{path.name}' into the folder '{path.parent}' ({exc.strerror})")
     return path
+
+
+def _check_dependent_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuse options given without the option they only make sense with."""
+    if args.out is None and (args.storage is not None or args.title is not None):
+        _fail(parser, "--storage" if args.storage is not None else "--title", "is only used with --out RUN.parquet")
+    if args.storage_top_k is not None and args.storage != "topk":
+        _fail(parser, "--storage-top-k", f"{args.storage_top_k} is only used with --storage topk")
+    if args.grammar_syntax is not None and args.grammar is None:
+        _fail(parser, "--grammar-syntax", f"{args.grammar_syntax!r} is only used with --grammar FILE")
+
+
+def _check_inputs(gen, prompts: list[str], params, args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The Generator's checks of the prompts and parameters (empty prompt, too long for the model), before any run."""
+    try:
+        gen.check_inputs(prompts, params)
+    except (ValueError, TypeError) as exc:
+        index = re.match(r"prompts\[(\d+)\]", str(exc))  # the --prompt prompts come first, then the file's
+        _fail(parser, "--prompt-file" if index and int(index[1]) >= len(args.prompt or []) else "--prompt", exc)
 
 
 def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     prompts = _prompts(args, parser)
     params = _params(args, parser)
-    out = None
-    if args.out is not None:
-        out = _check_out_file(parser, args.out)
-    elif args.storage is not None or args.title is not None:
-        _fail(parser, "--storage" if args.storage is not None else "--title", "is only used with --out RUN.parquet")
+    _check_dependent_options(args, parser)
+    out = None if args.out is None else _check_out_file(parser, args.out)
     gen = _generator(args, parser)
+    _check_inputs(gen, prompts, params, args, parser)
     if out is not None:
         from tracker import add_tracking
 
         model_name = DEMO_MODEL_NAME if args.model is None else Path(args.model).resolve().name
-        add_tracking(gen, storage=args.storage or "float32", top_k=args.storage_top_k, model=model_name)
-    outputs = _generate(gen, prompts, params, args.batch_size)
+        add_tracking(gen, storage=args.storage or "float32", top_k=args.storage_top_k or 20, model=model_name)
+    from sampling import DeadRowError
+
+    try:
+        outputs, steps = _generate(gen, prompts, params, args.batch_size)
+    except DeadRowError:
+        if not (flags := [flag for flag in CONSTRAINTS if getattr(args, flag[2:].replace("-", "_"))]):
+            raise  # no constraint of the user's: not an argument error
+        _fail(parser, flags[-1], f"{' with '.join(flags)} leave no allowed token at some step; loosen them")
     _print_outputs(outputs, args.json)
     if out is not None:
         tracker = gen.logits_processor
         extra = {"title": args.title} if args.title else {}
         tracker.annotate(sampling=params.to_dict(), **extra)
         tracker.to_parquet(out)
-        steps = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        print(f"wrote {out} ({steps} steps); open it with: logitscope dashboard {out}", file=sys.stderr)
+        lengths = [len(c.token_ids) for o in outputs for c in o.outputs]
+        counts = f"{steps} steps, {len(lengths)} sequence{'s' * (len(lengths) > 1)}, {sum(lengths)} tokens"
+        print(f"wrote {out} ({counts}); open it with: logitscope dashboard {out}", file=sys.stderr)
     return 0
 
 
@@ -390,7 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     grammar.add_argument("--grammar", default=None, metavar="FILE", help="constrain the output to the grammar in FILE")
     run.add_argument(
-        "--grammar-syntax", choices=("lark", "gbnf"), default="lark", help="syntax of --grammar (default: lark)"
+        "--grammar-syntax", choices=("lark", "gbnf"), default=None, help="syntax of --grammar (default: lark)"
     )
     run.add_argument(
         "--bad-words", action="append", metavar="WORD", help="a word the output must not contain (repeatable)"
@@ -406,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--storage-top-k",
         type=_positive_int,
-        default=20,
+        default=None,
         metavar="K",
         help="tokens kept per step with --storage topk (default: 20)",
     )

@@ -10,7 +10,7 @@ the loop's one read per step is :class:`~sampling.step_copy.StepCopy`'s.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,11 @@ Prompt = str | Sequence[int]
 
 def prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     """``prompts`` as a non-empty list (one string or one list of ids is one prompt)."""
+    if isinstance(prompts, (bytes, bytearray, Mapping)) or not isinstance(prompts, Iterable):
+        raise TypeError(
+            "prompts must be a string, a list of token ids, or a list of those, "
+            f"got {type(prompts).__name__} {prompts!r}"
+        )
     if isinstance(prompts, str) or (
         isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts)
     ):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,11 @@ class Generator:
     def __init__(self, model: Any, tokenizer: Any, logits_processor: Any = None) -> None:
         if not callable(model):
             raise TypeError(f"model must be a transformers causal LM, got {type(model).__name__}")
+        if not callable(tokenizer) or not callable(getattr(tokenizer, "decode", None)):
+            raise TypeError(
+                f"tokenizer must be a transformers tokenizer (callable on text, with decode), "
+                f"got {type(tokenizer).__name__}"
+            )
         self.model = model
         self.tokenizer = tokenizer
         if logits_processor is None:
@@ -147,13 +153,59 @@ class Generator:
             params = SamplingParams()
         if isinstance(params, SamplingParams):
             return [params] * n_requests
-        params = list(params)
+        if not isinstance(params, (list, tuple)):
+            raise TypeError(f"params must be a SamplingParams or a list of them, one per prompt; {_given(params)}")
         if len(params) != n_requests:
             raise ValueError(f"params must be one SamplingParams or one per prompt ({n_requests}), got {len(params)}")
         for i, p in enumerate(params):
             if not isinstance(p, SamplingParams):
-                raise TypeError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}")
-        return params
+                raise TypeError(f"params[{i}] must be a SamplingParams; {_given(p)}")
+        return list(params)
+
+    def _check_context(self, encoded: list[list[int]], per_request: list[SamplingParams]) -> None:
+        """Refuse a request whose prompt and ``max_new_tokens`` exceed the model's context (when its config says)."""
+        config = getattr(self.model, "config", None)
+        for key in ("max_position_embeddings", "n_positions", "n_ctx"):
+            limit = getattr(config, key, None)
+            if isinstance(limit, int) and limit > 0:
+                break
+        else:
+            return
+        # rotary positions run past the trained length (worse text, no crash): a warning; learned ones cannot
+        rotary = getattr(config, "rope_theta", None) is not None or getattr(config, "rope_scaling", None) is not None
+        for i, (ids, params) in enumerate(zip(encoded, per_request)):
+            if len(ids) + params.max_new_tokens > limit:
+                fits = (
+                    f"give max_new_tokens <= {limit - len(ids)} or a shorter prompt"
+                    if len(ids) < limit
+                    else f"shorten the prompt to at most {limit - 1} tokens"
+                )
+                message = (
+                    f"prompts[{i}] has {len(ids)} tokens and max_new_tokens={params.max_new_tokens}: "
+                    f"{len(ids) + params.max_new_tokens} in all, more than the model's context of {limit} tokens "
+                    f"(config.{key}); {fits}"
+                )
+                if not rotary:
+                    raise ValueError(message)
+                warnings.warn(message + " (its rotary positions go on, untrained)", stacklevel=4)
+                return
+
+    def _requests(self, prompts: Any, params: Any, sampling: dict[str, Any]):
+        """The prompts as a list, their ids and each one's parameters, checked (no model call)."""
+        prompts = prompt_list(prompts)
+        encoded = self._encode(prompts)
+        per_request = self._params_per_request(params, len(prompts), sampling)
+        self._check_context(encoded, per_request)
+        return prompts, encoded, per_request
+
+    def check_inputs(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        **sampling: Any,
+    ) -> None:
+        """Raise the error :meth:`generate` would raise for these arguments, without running the model."""
+        self._requests(prompts, params, sampling)
 
     # ------------------------------------------------------------------ decode
 
@@ -216,16 +268,18 @@ class Generator:
 
         ``params`` is one :class:`SamplingParams` for all prompts or one per
         prompt; keyword arguments (``temperature=0.7, max_new_tokens=20``) build
-        one instead. Prompts are strings or lists of token ids.
+        one instead. Prompts are strings or lists of token ids. Every argument is
+        checked before the model runs (:meth:`check_inputs`): among others, a
+        prompt whose length plus ``max_new_tokens`` exceeds the model's context
+        (``max_position_embeddings``, ``n_positions`` or ``n_ctx`` of its
+        config) is a ``ValueError``.
 
         Each decode step synchronises once: the chosen ids, log-probabilities
         and validity flags reach the host together (:class:`StepCopy`); every
         decision in between is taken from host-side state.
         """
         # the requests: prompts as ids, each with its parameters and one row per sample
-        prompts = prompt_list(prompts)
-        encoded = self._encode(prompts)
-        per_request = self._params_per_request(params, len(prompts), sampling)
+        prompts, encoded, per_request = self._requests(prompts, params, sampling)
         rows = [Row(r, j, p) for r, p in enumerate(per_request) for j in range(p.n)]
         # the batch on the device, left-padded. No mask for the model when nothing is padded, unless it knows
         # a pad id: given no mask, transformers then looks for that id in the input (a device read per step).
@@ -362,6 +416,13 @@ class Generator:
     def __repr__(self) -> str:
         name = getattr(self.model.config, "_name_or_path", "") or type(self.model).__name__
         return f"Generator(model={name!r}, logits_processor={self.logits_processor!r})"
+
+
+def _given(value: Any) -> str:
+    """What was passed instead of a SamplingParams, and how to make one."""
+    if isinstance(value, dict):
+        return f"got a dict {value!r}; build one with SamplingParams(**d), or give the values as keywords"
+    return f"got {type(value).__name__} {value!r}"
 
 
 def _check_alive(valid: list[bool], live: list[int], logits: torch.Tensor) -> None:

@@ -27,6 +27,7 @@ tokens before it (equal ones: lower ids first) is ``< top_p``. See
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,11 +37,32 @@ __all__ = ["SamplingParams", "sampling_stages"]
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer, numpy's included; not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real number, numpy's included; not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _plain(value: Any) -> Any:
+    """A number as Python's int or float (numpy scalars included); anything else as it is."""
+    if _is_int(value):
+        return int(value)
+    return float(value) if _is_number(value) else value
+
+
+def _stop_strings(stop: Any) -> tuple[str, ...]:
+    """``stop`` as a tuple of non-empty strings (one string is one stop string)."""
+    if isinstance(stop, str):
+        stop = (stop,)
+    elif not isinstance(stop, (list, tuple, set, frozenset)):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+    return tuple(stop)
 
 
 @dataclass(frozen=True)
@@ -63,6 +85,9 @@ class SamplingParams:
         ignore_eos: keep generating after the end-of-sequence token.
         joint_top_k_top_p: use the joint top-k/top-p filter (no renormalisation
             after top-k; see the module docstring).
+
+    Numbers may be numpy scalars (kept as Python ints and floats); the two
+    flags must be bools. A wrong value raises ``ValueError`` naming it.
     """
 
     temperature: float | None = None
@@ -77,6 +102,8 @@ class SamplingParams:
     joint_top_k_top_p: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_k", "top_p", "min_p", "max_new_tokens", "seed", "n"):
+            object.__setattr__(self, name, _plain(getattr(self, name)))
         t = self.temperature
         if t is not None and (not _is_number(t) or not math.isfinite(t) or t < 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
@@ -93,13 +120,10 @@ class SamplingParams:
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
-        if not isinstance(self.joint_top_k_top_p, bool):
-            raise ValueError(f"joint_top_k_top_p must be a bool, got {self.joint_top_k_top_p!r}")
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        for s in stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
-        object.__setattr__(self, "stop", stop)
+        for name in ("ignore_eos", "joint_top_k_top_p"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
 
     @property
     def is_greedy(self) -> bool:

@@ -16,6 +16,8 @@ from logitscope.cli import main
 from logitscope.samples import RECIPES
 from tracker import Run
 
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
 
 def test_run_prints_generations(capsys):
     assert main(["run", "--prompt", "7 + 5 = ", "--prompt", "Call ", "--max-new-tokens", "12"]) == 0
@@ -68,6 +70,23 @@ def test_run_reads_a_prompt_file_and_prints_json(tmp_path, capsys):
             "argument --grammar: not allowed with argument --regex",
         ),
         (["run", "--prompt", "a", "--out", "no/such/folder/r.parquet"], "argument --out: no folder 'no/such/folder'"),
+        (["run", "--prompt", ""], "argument --prompt: prompts[0] is empty: it has no tokens"),
+        (
+            ["run", "--prompt", "Call " * 200, "--max-new-tokens", "100"],
+            "argument --prompt: prompts[0] has 400 tokens and max_new_tokens=100",
+        ),
+        (["run", "--prompt", "a", "--grammar-syntax", "gbnf"], "argument --grammar-syntax: 'gbnf' is only used with"),
+        (["run", "--prompt", "a", "--storage-top-k", "5"], "argument --storage-top-k: 5 is only used with --storage"),
+        (
+            ["run", "--prompt", "a", "--out", "r.parquet", "--storage", "float16", "--storage-top-k", "5"],
+            "argument --storage-top-k: 5 is only used with --storage topk",
+        ),
+        (["run", "--prompt-file", TESTS], f"argument --prompt-file: '{TESTS}' is a folder"),
+        (["run", "--prompt", "a", "--json-schema", TESTS], f"argument --json-schema: '{TESTS}' is a folder"),
+        (
+            ["run", "--prompt", "Hi", "--regex", "abc", "--bad-words", "a"],
+            "argument --bad-words: --regex with --bad-words leave no allowed token",
+        ),
     ],
 )
 def test_bad_arguments_exit_with_one_line_after_the_subcommand_usage(args, message, capsys):
@@ -78,6 +97,62 @@ def test_bad_arguments_exit_with_one_line_after_the_subcommand_usage(args, messa
     assert message in err
     assert err.startswith("usage: logitscope run") and "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("logitscope run: error: argument ")
+
+
+def test_prompt_errors_name_the_prompt_file_for_its_prompts(tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("fine\n" + "Call " * 200 + "\n", encoding="utf-8")
+    with pytest.raises(SystemExit):
+        main(["run", "--prompt", "a", "--prompt-file", str(prompts), "--max-new-tokens", "10"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("logitscope run: error: argument --prompt-file: prompts[2] has 400 tokens")
+    assert "context of 256 tokens" in line
+
+
+def test_prompt_files_that_are_not_text_are_one_line(tmp_path, capsys):
+    binary = tmp_path / "b.bin"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(SystemExit):
+        main(["run", "--prompt-file", str(binary)])
+    assert f"argument --prompt-file: '{binary}' is not UTF-8 text" in capsys.readouterr().err
+
+
+def test_an_out_folder_that_refuses_files_fails_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    import logitscope.cli as cli
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    def no_model(*args):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(cli.tempfile, "NamedTemporaryFile", refuse)
+    monkeypatch.setattr(cli, "_generator", no_model)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--prompt", "Hi", "--out", str(tmp_path / "r.parquet")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --out: cannot write 'r.parquet' into the folder '{tmp_path}' (Permission denied)" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc, a folder that takes no new files")
+def test_out_in_proc_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--prompt", "Hi", "--max-new-tokens", "2", "--out", "/proc/x.parquet"])
+    assert "argument --out: cannot write 'x.parquet' into the folder '/proc'" in capsys.readouterr().err
+
+
+def test_run_out_says_how_many_steps_sequences_and_tokens(tmp_path, capsys):
+    out = tmp_path / "r.parquet"
+    args = ["run", "--prompt", "Hi", "--prompt", "7 + 5 = ", "--prompt", "Call ", "--max-new-tokens", "6"]
+    assert main(args + ["--batch-size", "2", "--json", "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    lengths = [len(json.loads(line)["token_ids"]) for line in printed.out.splitlines()]
+    steps = max(lengths[:2]) + lengths[2]  # two batches: each takes as many steps as its longest sequence
+    assert f"wrote {out} ({steps} steps, 3 sequences, {sum(lengths)} tokens)" in printed.err
+    assert main(["run", "--prompt", "Hi", "--max-new-tokens", "3", "--out", str(out)]) == 0
+    assert "steps, 1 sequence, " in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a torch build without CUDA")
