@@ -33,4 +33,6 @@ if "run" not in st.session_state and not st.query_params.get("run"):
     if headline:
         st.session_state["run"] = headline[0]
 widgets.sidebar()
+if navigation.url_path != "replay":
+    widgets.follow_link("step", None)  # only the step replay has a step to link to
 navigation.run()

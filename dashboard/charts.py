@@ -3,7 +3,8 @@
 Nothing here reads files or calls Streamlit, so every figure is unit-tested
 on small hand-made runs. Colours are fixed per stage across all figures: the
 model's own distribution ("natural"), what the constraint left
-("constrained"), and what the sampler drew from ("sampled").
+("constrained"), and what the sampler drew from ("sampled"); a run's other
+stages take theirs by their place in the run (:mod:`dashboard.chart_style`).
 """
 
 from __future__ import annotations
@@ -17,13 +18,34 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from dashboard.chart_style import BAR_GAP as _BAR_GAP
+from dashboard.chart_style import LINES as _LINES
+from dashboard.chart_style import (
+    MASK_COLOR,
+    MASKED_NAMES,
+    NOT_STORED_COLOR,
+    NOT_STORED_NAME,
+    STAGE_COLORS,
+    STAGE_NAMES,
+    stage_colors,
+    stage_names,
+)
+from dashboard.chart_style import TOKEN_FONT as _TOKEN_FONT
+from dashboard.chart_style import color as _color
+from dashboard.chart_style import integer_steps as _integer_steps
+from dashboard.chart_style import layout as _layout
+from dashboard.chart_style import masked_name as _masked_name
+from dashboard.chart_style import name as _name
 from dashboard.text import plot_text
 from dashboard.views import token_label
 
 __all__ = [
     "MASKED_NAMES",
+    "MASK_COLOR",
+    "NOT_STORED_NAME",
     "STAGE_COLORS",
     "STAGE_NAMES",
+    "stage_colors",
     "stage_names",
     "compare_timelines",
     "distance_timeline",
@@ -33,72 +55,26 @@ __all__ = [
     "token_heatmap",
 ]
 
-STAGE_COLORS: dict[str, str] = {"natural": "#4C78A8", "constrained": "#F58518", "sampled": "#54A24B"}
-STAGE_NAMES: dict[str, str] = {
-    "natural": "model (natural)",
-    "constrained": "after the constraint",
-    "sampled": "sampled from",
-}
-#: What a marker on a masked token says, per stage that removed it.
-MASKED_NAMES: dict[str, str] = {"constrained": "masked by the constraint", "sampled": "cut by the sampler"}
-#: Line styles per stage, so that a later stage drawn over an equal earlier one leaves it visible.
-_LINES: dict[str, dict[str, object]] = {
-    "natural": dict(width=4, dash="solid"),
-    "constrained": dict(width=2, dash="solid"),
-    "sampled": dict(width=1.5, dash="dot"),
-}
-_EXTRA_COLORS = ("#B279A2", "#72B7B2", "#9D755D")
-_BAR_GAP = 0.25
-MASK_COLOR = "#E45756"
-_FONT = dict(family="Inter, Segoe UI, sans-serif", size=12)
-#: Token labels on axes: a monospace face at a larger size, where the ␣ and ↵ glyphs are full width.
-_TOKEN_FONT = dict(family="DejaVu Sans Mono, Menlo, Consolas, monospace", size=14)
 
-
-def _color(stage: str, i: int = 0) -> str:
-    return STAGE_COLORS.get(stage, _EXTRA_COLORS[i % len(_EXTRA_COLORS)])
-
-
-def stage_names(stages: Sequence[str], aliases: Mapping[str, str] | None = None) -> dict[str, str]:
-    """What each recorded stage is called on screen (plain text): :data:`STAGE_NAMES`, except that in a run with a
-    stage per processor the constrained stage takes its last processor's name (``after:penalties``), as ``Run.why``
-    and the chart of mass removed by each processor call it."""
-    back = {target: alias for alias, target in (aliases or {}).items()}
-    return {s: back.get(s) or STAGE_NAMES.get(s, s) for s in stages}
-
-
-def _name(stage: str, names: Mapping[str, str] | None = None) -> str:
-    """A stage's on-screen name, escaped for plotly."""
-    return plot_text((names or {}).get(stage) or STAGE_NAMES.get(stage, stage))
-
-
-def _masked_name(stage: str, names: Mapping[str, str] | None = None) -> str:
-    """The legend entry of the ✕ markers of tokens ``stage`` removed."""
-    shown = (names or {}).get(stage) or STAGE_NAMES.get(stage, stage)
-    if stage in MASKED_NAMES and shown == STAGE_NAMES[stage]:
-        return MASKED_NAMES[stage]
-    return f"masked at {plot_text(shown)}"
-
-
-def _integer_steps(fig: go.Figure, steps: pd.Series | Sequence[int]) -> None:
-    """Whole-number ticks on a step axis (no "0.5") when the steps are few."""
-    values = list(steps)
-    if values and max(values) - min(values) <= 20:
-        fig.update_xaxes(dtick=1)
-
-
-def _layout(fig: go.Figure, title: str, height: int) -> go.Figure:
-    fig.update_layout(
-        title=dict(text=title, x=0, xanchor="left"),
-        height=height,
-        margin=dict(l=50, r=20, t=60, b=40),
-        font=_FONT,
-        legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1),
-        plot_bgcolor="white",
+def _marks(fig: go.Figure, x: np.ndarray, y: np.ndarray, tokens: np.ndarray, mark: dict, hover: str) -> None:
+    """A row of ✕ (masked) or ? (not stored) markers, each labelled; ``mark`` gives word, colour, symbol, name."""
+    color = mark["color"]
+    fig.add_scatter(
+        x=x,
+        y=y,
+        mode="markers+text",
+        marker=dict(
+            symbol=mark["symbol"], size=12, color=color, line=dict(width=2 if mark["word"] == "?" else 3, color=color)
+        ),
+        text=[mark["word"]] * len(x),
+        textposition="top center",
+        textfont=dict(color=color, size=11),
+        name=mark["name"],
+        legendgroup=mark["name"],
+        showlegend=not any(t.name == mark["name"] for t in fig.data),
+        customdata=tokens,
+        hovertemplate="%{customdata}: " + hover,
     )
-    fig.update_xaxes(showgrid=False, linecolor="#ccc")
-    fig.update_yaxes(gridcolor="#eee", zerolinecolor="#ccc")
-    return fig
 
 
 def step_bars(
@@ -109,38 +85,42 @@ def step_bars(
     log_y: bool = False,
     title: str = "",
     names: Mapping[str, str] | None = None,
+    run_stages: Sequence[str] | None = None,
 ) -> go.Figure:
     """Grouped bars of one step's tokens (from :func:`dashboard.views.step_table`), one colour per stage.
 
     Tokens sit at x = 0, 1, 2, ... (labelled with their text), each with one
     bar slot per stage. A token a stage removed has no bar there; an ✕ fills
-    the slot, at the height the model gave the token, labelled "masked" (by
-    the constraint) or "cut" (by the sampler). The chosen token is marked
-    with an arrow and a bold label. ``log_y`` applies to probabilities
-    (logits are already a log scale).
+    the slot of the first stage drawn where it is masked (so hiding the stage
+    that masked it keeps the mark), at the height the model gave the token,
+    labelled "masked" or "cut" (by the sampler) and named after the stage
+    that removed it. A value top-k storage did not keep is marked "?" (not
+    stored), apart from masked ones. The chosen token is marked with an arrow
+    and a bold label. ``log_y`` applies to probabilities (logits are already
+    a log scale). The sampled stage holds log-probabilities, not logits: it
+    is left out when ``value`` is "logit". ``run_stages`` (default
+    ``stages``), the run's stages, fixes each stage's colour.
     """
     if value not in ("prob", "logit"):
         raise ValueError(f"value must be 'prob' or 'logit', got {value!r}")
-    labels = [plot_text(label) for label in table["label"].tolist()]  # token text: shown as text, not plotly HTML
+    colors = stage_colors(run_stages or stages)
+    stages = [s for s in stages if not (value == "logit" and s == "sampled")]
+    labels = np.array([plot_text(label) for label in table["label"].tolist()], dtype=object)  # text, not plotly HTML
     ticks = [f"<b>▶ {label}</b>" if chosen else label for label, chosen in zip(labels, table["chosen"].tolist())]
     positions = np.arange(len(table), dtype=float)
     width = (1.0 - _BAR_GAP) / max(1, len(stages))
     centres = [-(1.0 - _BAR_GAP) / 2 + (j + 0.5) * width for j in range(len(stages))]
     fig = go.Figure()
+    drawn = [table[f"natural_{value}"].astype(float).replace(-np.inf, np.nan)]
     for j, stage in enumerate(stages):
         states = table[f"{stage}_state"].tolist()
         y = table[f"{stage}_{value}"].astype(float).replace(-np.inf, np.nan)
         y = y.where(table[f"{stage}_state"] != "masked")
         if value == "prob" and log_y:
             y = y.where(y > 0)
+        drawn.append(y)
         custom = np.stack(
-            [
-                np.array(labels, dtype=object),
-                table[f"{stage}_prob"].astype(float),
-                table[f"{stage}_logit"].astype(float),
-                np.array(states, dtype=object),
-            ],
-            axis=1,
+            [labels, table[f"{stage}_prob"].astype(float), table[f"{stage}_logit"].astype(float), states], axis=1
         )
         fig.add_bar(
             x=positions,
@@ -148,31 +128,37 @@ def step_bars(
             width=width,
             offset=centres[j] - width / 2,
             name=_name(stage, names),
-            marker_color=_color(stage, j),
+            marker_color=colors.get(stage, _color(stage)),
             customdata=custom,
             hovertemplate="%{customdata[0]}<br>"
             + _name(stage, names)
             + ": p=%{customdata[1]:.3~g}, logit=%{customdata[2]:.3f}<br>%{customdata[3]}<extra></extra>",
         )
-    natural = table[f"natural_{value}"].astype(float).replace(-np.inf, np.nan).fillna(0.0)
+    # a mark sits at the model's value for the token; where that is unknown (or not drawable), at the bars' bottom
+    log_scale = log_y and value == "prob"
+    known = pd.concat(drawn).to_numpy()
+    known = known[np.isfinite(known) & ((known > 0) | (not log_scale))]
+    bottom = float(known.min()) if known.size and (log_scale or value == "logit") else 0.0
+    natural = drawn[0].to_numpy()
+    natural = np.where(np.isfinite(natural) & ((natural > 0) | (not log_scale)), natural, bottom)
+    slot = np.full(len(table), -1)
     for j, stage in enumerate(stages):
-        hit = (table["removed_by"] == stage).to_numpy()
-        if j == 0 or not hit.any():
-            continue
-        word = "cut" if stage == "sampled" else "masked"
-        color = MASK_COLOR if stage != "sampled" else "#666"
-        fig.add_scatter(
-            x=positions[hit] + centres[j],
-            y=natural[hit],
-            mode="markers+text",
-            marker=dict(symbol="x-thin", size=12, line=dict(width=3, color=color), color=color),
-            text=[word] * int(hit.sum()),
-            textposition="top center",
-            textfont=dict(color=color, size=11),
-            name=_masked_name(stage, names),
-            customdata=np.array(labels, dtype=object)[hit],
-            hovertemplate="%{customdata}: " + word + " (logit -inf)<extra>" + _name(stage, names) + "</extra>",
-        )
+        if stage != "natural":
+            slot = np.where((slot < 0) & (table[f"{stage}_state"] == "masked").to_numpy(), j, slot)
+    removed_by = table["removed_by"].to_numpy()
+    for j in range(len(stages)):
+        for by in dict.fromkeys(removed_by[(slot == j) & ~np.isin(removed_by, ["", "natural"])]):
+            hit = (slot == j) & (removed_by == by)
+            word, color = ("cut", "#666") if by == "sampled" else ("masked", MASK_COLOR)
+            mark = dict(word=word, color=color, symbol="x-thin", name=_masked_name(by, names))
+            hover = f"{word} (logit -inf)<extra>{_name(by, names)}</extra>"
+            _marks(fig, positions[hit] + centres[j], natural[hit], labels[hit], mark, hover)
+    for j, stage in enumerate(stages):
+        hit = (table[f"{stage}_state"] == "not stored").to_numpy()
+        if hit.any():
+            mark = dict(word="?", color=NOT_STORED_COLOR, symbol="circle-open", name=NOT_STORED_NAME)
+            hover = f"not stored (top-k storage keeps each row's best tokens)<extra>{_name(stage, names)}</extra>"
+            _marks(fig, positions[hit] + centres[j], natural[hit], labels[hit], mark, hover)
     chosen = np.nonzero(table["chosen"].to_numpy())[0]
     if chosen.size:
         i = int(chosen[0])
@@ -262,19 +248,18 @@ def timelines(
             )
             shown.add(name)
             drawn = True
-        if not drawn:
+        if not drawn:  # a note in the middle of the empty panel, in paper coordinates: the steps' range stays
+            panel = fig.get_subplot(row, 1)
             fig.add_annotation(
                 text="not known in this run's storage"
                 if any(c in stats.columns for c, _ in columns)
                 else "not recorded",
-                xref="x domain",
-                yref="y domain",
-                x=0.5,
-                y=0.5,
+                xref="paper",
+                yref="paper",
+                x=sum(panel.xaxis.domain) / 2,
+                y=sum(panel.yaxis.domain) / 2,
                 showarrow=False,
                 font=dict(color="#999"),
-                row=row,
-                col=1,
             )
     if current is not None:
         fig.add_vline(x=current, line_dash="dot", line_color="#333", row="all", col=1)
@@ -322,7 +307,7 @@ def token_heatmap(
         y=ys,
         mode="markers",
         name="chosen",
-        marker=dict(symbol="circle-open", size=11, line=dict(width=2, color=MASK_COLOR)),
+        marker=dict(symbol="circle-open", size=11, color=MASK_COLOR, line=dict(width=2)),  # open: marker.color
         hovertemplate="step %{x}: chose %{y}<extra></extra>",
     )
     fig.update_yaxes(autorange="reversed", type="category", tickfont=_TOKEN_FONT)
@@ -389,28 +374,34 @@ def compare_timelines(
     return _layout(fig, title, 460)
 
 
-def removed_by_processor(stats: pd.DataFrame, *, title: str = "") -> go.Figure | None:
-    """One line per processor: the natural probability mass it masked at each step (``removed_mass_after:*``).
+def removed_by_processor(
+    stats: pd.DataFrame, *, title: str = "", run_stages: Sequence[str] | None = None
+) -> go.Figure | None:
+    """One line per processor: the natural probability mass it masked at each step (``removed_mass_after:*``),
+    in its stage's colour. The last processor's stage is the run's "constrained" stage (``after:<last>`` is its
+    alias); ``run_stages``, the run's stages, fixes the colours (default: natural, then one stage per processor).
 
     None when the run has no stage per processor.
     """
     columns = [c for c in stats.columns if c.startswith("removed_mass_after:")]
     if not columns:
         return None
+    stages = [c[len("removed_mass_") :] for c in columns[:-1]] + ["constrained"]
+    colors = stage_colors(run_stages or ["natural", *stages])
     fig = go.Figure()
     tokens = (
         stats["chosen_token"].fillna("").map(lambda t: plot_text(token_label(t)))
         if "chosen_token" in stats.columns
         else None
     )
-    for i, column in enumerate(columns):
+    for column, stage in zip(columns, stages):
         name = column[len("removed_mass_") :]
         fig.add_scatter(
             x=stats["position"],
             y=stats[column],
             mode="lines+markers",
             marker=dict(size=4),
-            line=dict(color=_EXTRA_COLORS[i % len(_EXTRA_COLORS)] if i else STAGE_COLORS["constrained"], width=1.8),
+            line=dict(color=colors.get(stage, _color(stage)), width=1.8),
             name=name,
             customdata=tokens,
             hovertemplate="step %{x} %{customdata}<br>" + name + ": %{y:.4g}<extra></extra>",

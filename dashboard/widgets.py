@@ -2,7 +2,9 @@
 
 Selections live in ``st.session_state`` under fixed keys (``root``, ``run``,
 ``run_b``, ``generation``, ``sequence``), set by widgets drawn on every page
-(the sidebar), so they survive moving between pages.
+(the sidebar), so they survive moving between pages; a page's own controls
+survive it through :func:`keep`. The address's query string (``?run=``,
+``?compare=``) follows the picks.
 
 The served folder is the one the server was started on (``streamlit run
 app.py -- PATH``, or ``$LOGITSCOPE_RUNS`` as ``logitscope dashboard PATH``
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,8 @@ from dashboard.text import md_text
 
 __all__ = [
     "Selected",
+    "follow_link",
+    "keep",
     "pick_stage",
     "any_path_allowed",
     "choose_root",
@@ -118,10 +123,40 @@ def _unreadable(root: str, exc: OSError) -> str:
     return f"'{where}' cannot be read: {exc.strerror or exc}"
 
 
+_KEPT = "kept:"
+
+
+def keep(key: str, default: Any, options: Collection[Any] | None = None) -> None:
+    """Give the widget drawn next under ``key`` the value the user last chose in it, or ``default``.
+
+    Streamlit forgets the state of a widget that a run does not draw (a
+    page's controls while the user is on another page); a copy kept under
+    another key brings it back. A value no longer among ``options`` (for a
+    list, one holding something that is not) goes back to ``default``. Draw
+    the widget with no default of its own: it starts from this value.
+    """
+    value = st.session_state[key] if key in st.session_state else st.session_state.get(_KEPT + key, default)
+    if options is not None:
+        valid = all(v in options for v in value) if isinstance(value, list) else value in options
+        value = value if valid else default
+    if key not in st.session_state or st.session_state[key] != value:
+        st.session_state[key] = value
+    st.session_state[_KEPT + key] = value
+
+
 def _keep_choice(key: str, options: list[Any], default_index: int = 0) -> None:
-    """Reset a selectbox's remembered value when it is no longer among its options."""
-    if options and st.session_state.get(key) not in options:
-        st.session_state[key] = options[default_index]
+    """Keep a selectbox's value across pages, reset when it is no longer among its options."""
+    if options:
+        keep(key, options[default_index], options)
+
+
+def follow_link(name: str, value: str | None) -> None:
+    """Make the page's query parameter ``name`` say ``value`` (drop it for None): a link names what is shown."""
+    if value is None:
+        if name in st.query_params:
+            del st.query_params[name]
+    elif st.query_params.get(name) != value:
+        st.query_params[name] = value
 
 
 def _label(summary: RunSummary) -> str:
@@ -172,6 +207,8 @@ def sidebar() -> None:
             "Compare with", [""] + paths, key="run_b", format_func=lambda p: "—" if not p else _label(by_path[p])
         )
         summary = by_path[st.session_state["run"]]
+        follow_link("run", summary.label)  # the address follows the picks (a link applies once, on opening)
+        follow_link("compare", by_path[st.session_state["run_b"]].label if st.session_state["run_b"] else None)
         if summary.error is None:
             try:
                 pick_generation_sequence(summary.path)

@@ -39,51 +39,89 @@ try:
     size = min(data.window_steps(picked.path), data.window_steps(other))
     start = 0
     if longest > size:
+        widgets.keep("compare_start", 0, range(0, longest, size))
         start = st.slider("First step shown", 0, longest - 1, step=size, key="compare_start")
-    view_a = data.window(
-        picked.path, picked.generation, picked.sequence, min(start, track_a.length), min(track_a.length, start + size)
+    # a sequence that ends before the window has no steps in it: the other is shown alone
+    view_a = (
+        data.window(picked.path, picked.generation, picked.sequence, start, min(track_a.length, start + size))
+        if start < track_a.length
+        else None
     )
-    view_b = data.window(other, generation_b, sequence_b, min(start, track_b.length), min(track_b.length, start + size))
+    view_b = (
+        data.window(other, generation_b, sequence_b, start, min(track_b.length, start + size))
+        if start < track_b.length
+        else None
+    )
     prompt_a = data.prompt(picked.path, picked.generation, picked.sequence)
     prompt_b = data.prompt(other, generation_b, sequence_b)
     pieces_a = data.pieces(picked.path, picked.generation, picked.sequence)
     pieces_b = data.pieces(other, generation_b, sequence_b)
-    diff = data.comparison(
-        picked.path, picked.generation, picked.sequence, other, generation_b, sequence_b, start, start + size
+    diff = (
+        data.comparison(
+            picked.path, picked.generation, picked.sequence, other, generation_b, sequence_b, start, start + size
+        )
+        if view_a is not None and view_b is not None
+        else None
     )
 except BadRunError as exc:
     widgets.show_bad_run(exc.path, exc.reason)
     st.stop()
 
+
+def _tokens(n: int) -> str:
+    return f"{n:,} token" if n == 1 else f"{n:,} tokens"
+
+
 split = views.first_divergence(track_a.chosen, track_b.chosen)
+shorter = min(track_a.length, track_b.length)
+parted = split if split is not None and split < shorter else None  # where the charts mark the divergence
 if split is None:
-    st.success(f"The two sequences are the same: {track_a.length} identical tokens.")
-elif split >= min(track_a.length, track_b.length):
-    st.info(f"The two sequences agree on their first {split} tokens; then one of them ends.")
+    st.success(f"The two sequences are the same: {_tokens(track_a.length)}, identical.")
+elif parted is None:
+    ends, goes_on = ("A", "B") if track_a.length < track_b.length else ("B", "A")
+    st.info(
+        f"The two sequences agree on all {_tokens(shorter)} of {ends}; then {ends} ends (after step {shorter - 1}) "
+        f"and {goes_on} goes on to step {longest - 1}."
+    )
 else:
+    agree = f"agree on their first {_tokens(split)} and diverge at step {split}" if split else "diverge at step 0"
     st.warning(
-        f"The two sequences agree on their first {split} tokens and diverge at step {split}: "
-        f"A chose {text.md_text(views.token_label(pieces_a[split]))}, B chose {text.md_text(views.token_label(pieces_b[split]))}."
+        f"The two sequences {agree}: A chose {text.md_text(views.token_label(pieces_a[split]))}, "
+        f"B chose {text.md_text(views.token_label(pieces_b[split]))}."
     )
 left, right = st.columns(2)
 left.html(text.divergent_text_html(prompt_a, pieces_a, split))
 right.html(text.divergent_text_html(prompt_b, pieces_b, split))
 
+for label, track, view in (("A", track_a, view_a), ("B", track_b, view_b)):
+    if view is None:
+        ended = f"it ends at step {track.length - 1}" if track.length else "it has no recorded steps"
+        st.info(f"{label} has no steps from step {start} on: {ended}.")
+if view_a is None and view_b is None:
+    st.stop()
+stats_a = view_a.stats if view_a is not None else view_b.stats.iloc[0:0]  # type: ignore[union-attr]
+stats_b = view_b.stats if view_b is not None else stats_a.iloc[0:0]
 common = [s for s in picked.summary.stages.split(", ") if s in summary_b.stages.split(", ")]
-stage = widgets.pick_stage("Distribution", common, key="compare_stage")
+names = charts.stage_names(common, data.stage_aliases(picked.path))
+widgets.keep("compare_stage", common[0], common)
+stage = widgets.pick_stage("Distribution", common, key="compare_stage", names=names)
 st.plotly_chart(
     charts.compare_timelines(
-        view_a.stats, view_b.stats, labels=("A", "B"), stage=stage, divergence=split, title="Step by step, aligned"
+        stats_a, stats_b, labels=("A", "B"), stage=stage, divergence=parted, title="Step by step, aligned", names=names
     ),
     key="compare_chart",
     width="stretch",
 )
 columns = ("chosen_id", "chosen_token", f"p_chosen_{stage}", f"entropy_{stage}")
-st.dataframe(views.aligned(view_a.stats, view_b.stats, columns), hide_index=True, width="stretch")
+st.dataframe(views.aligned(stats_a, stats_b, columns), hide_index=True, width="stretch")
 
 st.subheader("How far apart the distributions are")
+if diff is None:
+    st.caption("Only steps both sequences have are compared: pick an earlier *First step shown*.")
+    st.stop()
 if diff.note:
     st.caption(diff.note)
+widgets.keep("compare_measure", "js", ["js", "tv", "kl"])
 measure = st.radio(
     "Distance",
     ["js", "tv", "kl"],
@@ -93,7 +131,12 @@ measure = st.radio(
 )
 st.plotly_chart(
     charts.distance_timeline(
-        diff.steps, diff.stages, measure=measure, divergence=split, title="Distance between A and B, step by step"
+        diff.steps,
+        diff.stages,
+        measure=measure,
+        divergence=parted,
+        title="Distance between A and B, step by step",
+        names=names,
     ),
     key="distance_chart",
     width="stretch",

@@ -17,6 +17,7 @@ try:
     size = data.window_steps(picked.path)
     start = 0
     if track.length > size:
+        widgets.keep("overview_start", 0, range(0, track.length, size))
         start = st.slider(
             "First step shown",
             0,
@@ -40,6 +41,7 @@ options = [
     for label, (column, _) in COLOR_METRICS.items()
     if column in view.stats.columns and (column != "removed_mass" or "constrained" in stages)
 ]
+widgets.keep("overview_metric", options[0], options)
 metric = st.radio("Colour tokens by", options, horizontal=True, key="overview_metric")
 column = COLOR_METRICS[metric][0]
 st.html(
@@ -76,9 +78,10 @@ fourth.metric(
 st.plotly_chart(
     charts.timelines(view.stats, stages, title="Step by step", names=names), key="timelines", width="stretch"
 )
-by_processor = charts.removed_by_processor(view.stats, title="Mass removed by each processor")
+by_processor = charts.removed_by_processor(view.stats, title="Mass removed by each processor", run_stages=stages)
 if by_processor is not None:
     st.plotly_chart(by_processor, key="removed_by_processor", width="stretch")
+widgets.keep("heat_stage", stages[0], stages)
 heat_stage = widgets.pick_stage("Heatmap of", stages, key="heat_stage", names=names)
 st.plotly_chart(
     charts.token_heatmap(

@@ -48,15 +48,21 @@ def _slid() -> None:
     st.session_state["step"] = st.session_state["step_slider"]
 
 
-stages = picked.summary.stages.split(", ")
+run_stages = picked.summary.stages.split(", ")
+stages = run_stages
 names = charts.stage_names(stages, data.stage_aliases(picked.path))
 if len(stages) > 3:  # a stage per processor: pick the ones to draw
-    stages = st.multiselect("Stages", stages, default=stages, key="replay_stages", format_func=names.get) or stages
+    widgets.keep("replay_stages", stages, stages)
+    stages = st.multiselect("Stages", stages, key="replay_stages", format_func=names.get) or stages
 controls = st.columns([1, 1, 1, 2, 2, 2])
 playing = bool(st.session_state.get("playing", False))
-controls[0].button("⏸ Pause" if playing else "▶ Play", key="play", on_click=_toggle_play, width="stretch")
-controls[1].button("◀ Back", key="back", on_click=_move, args=(-1,), width="stretch")
-controls[2].button("Next ▶", key="next", on_click=_move, args=(1,), width="stretch")
+one_step = last == 0  # nothing to play or move to
+controls[0].button(
+    "⏸ Pause" if playing else "▶ Play", key="play", on_click=_toggle_play, width="stretch", disabled=one_step
+)
+controls[1].button("◀ Back", key="back", on_click=_move, args=(-1,), width="stretch", disabled=one_step)
+controls[2].button("Next ▶", key="next", on_click=_move, args=(1,), width="stretch", disabled=one_step)
+widgets.keep("replay_value", "prob", ["prob", "logit"])
 value = controls[3].radio(
     "Show",
     ["prob", "logit"],
@@ -64,6 +70,7 @@ value = controls[3].radio(
     key="replay_value",
     format_func={"prob": "probability", "logit": "logit"}.get,
 )
+widgets.keep("replay_scale", "linear", ["linear", "log"])
 scale = controls[4].radio(
     "Scale",
     ["linear", "log"],
@@ -72,7 +79,8 @@ scale = controls[4].radio(
     disabled=value == "logit",
     help="A log scale shows the small probabilities; logits are already on one.",
 )
-k = controls[5].slider("Tokens shown", 3, 30, 10, key="replay_k")
+widgets.keep("replay_k", 10, range(3, 31))
+k = controls[5].slider("Tokens shown", 3, 30, key="replay_k")
 
 
 @st.fragment(run_every=PLAY_SECONDS if playing else None)
@@ -85,8 +93,12 @@ def _stepper() -> None:
         if st.session_state["step"] >= last:
             st.session_state["playing"] = False
             st.rerun()
-    st.slider("Step", 0, last, key="step_slider", on_change=_slid, help="Drag, or use Play / Back / Next above.")
+    if one_step:
+        st.caption("This sequence has one step: step 0.")
+    else:
+        st.slider("Step", 0, last, key="step_slider", on_change=_slid, help="Drag, or use Play / Back / Next above.")
     position = int(st.session_state["step"])
+    widgets.follow_link("step", str(position))  # a link to this page shows this step
     try:
         table, summary = data.step(picked.path, picked.generation, picked.sequence, position, int(k))
     except BadRunError as exc:
@@ -94,18 +106,25 @@ def _stepper() -> None:
         return
     st.html(text.text_so_far_html(prompt, pieces[:position], pieces[position]))
     shown = [s for s in stages if s in summary.p_chosen]
-    cells = st.columns(3 + len(shown))
-    cells[0].metric("Chosen token", text.md_text(views.token_label(summary.chosen_token)))
-    for cell, stage in zip(cells[1:], shown):
-        p = summary.p_chosen[stage]
-        cell.metric(f"p, {text.md_text(names[stage])}", views.format_probability(p))
-    cells[-2].metric("Allowed tokens", f"{summary.allowed:,} / {summary.vocab_size:,}")
     removed = summary.removed_mass
-    cells[-1].metric(
-        "Removed mass",
-        "—" if removed != removed else f"{removed:.1%}",
-        help="The model's probability mass on tokens the constraint masked",
-    )
+    numbers = [
+        ("Chosen token", text.md_text(views.token_label(summary.chosen_token)), None),
+        *((f"p, {text.md_text(names[s])}", views.format_probability(summary.p_chosen[s]), None) for s in shown),
+        ("Allowed tokens", f"{summary.allowed:,} / {summary.vocab_size:,}", None),
+        (
+            "Removed mass",
+            "—" if removed != removed else f"{removed:.1%}",
+            "The model's probability mass on tokens the constraint masked",
+        ),
+    ]
+    # each number as wide as its text (or its label, in smaller type) needs: a long token is not cut short
+    widths = [
+        max(4, len(shown_as.replace("\\", "")), 0.4 * len(label) + (3 if note else 1))
+        for label, shown_as, note in numbers
+    ]
+    cells = st.columns([min(16, w) for w in widths])
+    for cell, (label, shown_as, note) in zip(cells, numbers):
+        cell.metric(label, shown_as, help=note)
     if summary.processor_error:
         st.warning("The wrapped processor raised at this step: only the model's distribution was recorded.")
     st.plotly_chart(
@@ -116,12 +135,21 @@ def _stepper() -> None:
             log_y=scale == "log",
             title=f"Step {summary.step}: top {k} tokens by stage",
             names=names,
+            run_stages=run_stages,
         ),
         key="step_bars",
         width="stretch",
     )
+    if value == "logit" and "sampled" in stages:
+        st.caption(
+            f"*{text.md_text(names['sampled'])}* is not drawn as logits: the run records what the sampler drew "
+            "from as log-probabilities. Show probability to see it."
+        )
+    if (table[[f"{s}_state" for s in stages]] == "not stored").any(axis=None):
+        st.caption("? marks a value this run's top-k storage did not keep: unknown, not masked.")
     with st.expander("The numbers"):
-        st.dataframe(table.drop(columns=["label"]), hide_index=True, width="stretch")
+        # tokens labelled as in the chart (a space as ␣, a newline as ↵)
+        st.dataframe(table.drop(columns=["token"]).rename(columns={"label": "token"}), hide_index=True, width="stretch")
 
 
 _stepper()
