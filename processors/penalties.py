@@ -11,8 +11,11 @@
 
 Order as in vLLM: the repetition penalty first, then frequency and presence.
 Left padding is not counted when the context carries an attention mask
-(logitscope's ``Generator``); transformers passes none, and then padding
-tokens count as prompt tokens, as in transformers' own processor.
+(logitscope's ``Generator``). Passed to ``model.generate`` as a processor it
+sees only ``input_ids``, so in a left-padded batch the padding counts as prompt
+tokens (as transformers' ``RepetitionPenaltyLogitsProcessor`` does when passed
+the same way; ``generate(repetition_penalty=...)`` itself is told the padding
+and skips it): decode padded batches with the ``Generator`` to leave it out.
 """
 
 from __future__ import annotations

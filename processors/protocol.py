@@ -14,7 +14,8 @@ other conventions (vLLM, Dynamo, TensorRT-LLM) build on this module: see
 Hosts that know more than transformers does (logitscope's ``Generator``) build
 the context themselves; hosts that pass only ``input_ids`` get a context whose
 prompt boundary is inferred: the first call after :meth:`reset` sees the
-prompt, and an input that does not grow starts a new generation.
+prompt, and an input that is not exactly one token longer than the last call's
+starts a new generation (a shorter one, or a new, longer prompt).
 """
 
 from __future__ import annotations
@@ -141,8 +142,10 @@ class BatchContext:
 class PromptBoundary:
     """Infers the prompt boundary for hosts that pass only ``input_ids``.
 
-    The first call after a reset sees the whole prompt; an input that does not
-    grow means the host started a new generation.
+    The first call after a reset sees the whole prompt; the host adds one
+    token per step, so an input that is not exactly one token longer than the
+    last call's (shorter, as long, or longer by more: a new, longer prompt)
+    starts a new generation.
     """
 
     __slots__ = ("prompt_length", "last_length")
@@ -152,7 +155,7 @@ class PromptBoundary:
         self.last_length: int | None = None
 
     def starts_new_generation(self, length: int) -> bool:
-        return self.last_length is not None and length <= self.last_length
+        return self.last_length is not None and length != self.last_length + 1
 
     def observe(self, length: int) -> int:
         """Record a call's input length; return the prompt length in force."""
@@ -338,7 +341,15 @@ class FromTransformers(LogitsProcessor):
             reset()
 
     def __repr__(self) -> str:
-        return f"FromTransformers({self.name})"
+        """The wrapped processor and its plain settings (transformers' processors have no repr of their own)."""
+        settings = []
+        if type(self.fn).__repr__ is object.__repr__ and hasattr(self.fn, "__dict__"):
+            settings = [
+                f"{k}={v!r}"
+                for k, v in vars(self.fn).items()
+                if not k.startswith("_") and isinstance(v, (bool, int, float, str)) and len(repr(v)) <= 60
+            ]
+        return f"FromTransformers({self.name}" + (f"({', '.join(settings)})" if settings else "") + ")"
 
 
 def as_processor(item: Any) -> LogitsProcessor:

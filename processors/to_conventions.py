@@ -141,8 +141,8 @@ class DynamoProcessor:
     """A logitscope processor as a Dynamo-style in-place callable.
 
     ``__call__(input_ids, logits)`` modifies the row ``logits [V]`` in place
-    and returns None. The first call after a reset (or an input that does not
-    grow) marks the prompt. Dynamo makes one processor per request (streams
+    and returns None. The first call after a reset (or an input that is not
+    one token longer than the last) marks the prompt. Dynamo makes one processor per request (streams
     run concurrently), so the callable holds its own copy of the processor, as
     :class:`VLLMProcessor` does; :meth:`finish` tells it the last token.
     """

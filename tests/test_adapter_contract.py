@@ -25,6 +25,7 @@ from processors import (
     LogitsProcessor,
     ProcessorError,
     ProcessorList,
+    as_processor,
     from_dynamo,
     from_transformers,
     from_trtllm,
@@ -276,6 +277,11 @@ def test_transformers_host_infers_prompt_and_new_generations() -> None:
     ref.reset()
     out = ref(torch.tensor([[5, 6, 7, 8, 9]]), logits.clone())
     torch.testing.assert_close(out, expected(logits, [[5, 6, 7, 8, 9]], [[]]))
+    # and so does a new prompt longer than the whole last input, with no reset (a processor reused across
+    # model.generate calls): its tokens are prompt, not generated
+    out = ref(torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), logits.clone())
+    assert ref.calls == 1
+    torch.testing.assert_close(out, expected(logits, [[1, 2, 3, 4, 5, 6, 7]], [[]]))
 
 
 def test_trtllm_keeps_state_per_request() -> None:
@@ -288,3 +294,12 @@ def test_trtllm_keeps_state_per_request() -> None:
     assert proc._requests["b"][0].calls == 1
     with pytest.raises(ValueError, match=r"logits must be \[beam, 1, vocab\]"):
         proc("a", torch.randn(VOCAB), [[1]])
+
+
+def test_a_wrapped_transformers_processor_is_described_with_its_settings() -> None:
+    """A run keeps the processor's repr as its description: the wrapped processor's settings must be in it."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    text = repr(as_processor(RepetitionPenaltyLogitsProcessor(1.7)))
+    assert "RepetitionPenaltyLogitsProcessor" in text and "penalty=1.7" in text
+    assert repr(as_processor(lambda ids, scores: scores)) == "FromTransformers(<lambda>)"
