@@ -105,3 +105,42 @@ def test_prompt_logprobs_checks_shapes_and_perplexity_of_known_values():
     values = [None, -1.0, -2.0, -0.5]
     assert perplexity(values) == pytest.approx(math.exp((1.0 + 2.0 + 0.5) / 3))
     assert math.isnan(perplexity([None]))
+
+
+def test_score_prompt_keeps_scores_only_for_the_prompts_generated_from(demo):
+    """Left padding without a mask, num_return_sequences, and other prompts than those generated from."""
+    from transformers import LogitsProcessorList
+
+    model, tok = demo
+    side, tok.padding_side = tok.padding_side, "left"  # the fixture is shared: put the side back
+    try:
+        enc = tok(["Call Maria at ", "7 + 5 ="], return_tensors="pt", padding=True)
+        other = tok(["Hello there friend", "Call Maria at "], return_tensors="pt", padding=True)
+    finally:
+        tok.padding_side = side
+    assert (enc.attention_mask == 0).any()  # row 0 is padded
+
+    def generated(score, **options):
+        tracker = LogitTrackingProcessor(None, tokenizer=tok)
+        score(tracker)
+        out = model.generate(
+            **enc,
+            logits_processor=LogitsProcessorList([tracker]),
+            max_new_tokens=3,
+            return_dict_in_generate=True,
+            pad_token_id=tok.pad_token_id,
+            **options,
+        )
+        return tracker.finish(out)
+
+    direct = [np.exp(-_direct(model, tok(p)["input_ids"]).mean()) for p in ("Call Maria at ", "7 + 5 =")]
+    run = generated(lambda t: t.score_prompt(model, enc.input_ids))  # no mask: the leading pads are the padding
+    np.testing.assert_allclose(run.perplexity()["prompt_perplexity"], direct, rtol=1e-4)
+    assert run.prompt_logprobs(sequence=0)["token_id"].tolist() == tok("Call Maria at ")["input_ids"]
+    run = generated(
+        lambda t: t.score_prompt(model, enc.input_ids, enc.attention_mask), do_sample=True, num_return_sequences=2
+    )
+    np.testing.assert_allclose(run.perplexity()["prompt_perplexity"], np.repeat(direct, 2), rtol=1e-4)
+    with pytest.warns(UserWarning, match="are not its prompts"):
+        run = generated(lambda t: t.score_prompt(model, other.input_ids, other.attention_mask))
+    assert run.perplexity()["prompt_perplexity"].isna().all()

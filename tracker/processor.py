@@ -64,7 +64,7 @@ from processors import BatchContext, LogitsProcessor, ProcessorError, as_process
 from processors.protocol import check_logits
 from processors.vocab import eos_token_ids
 from tracker.hosts import TransformersHost, check_chosen, find_tokenizer
-from tracker.prompt import prompt_logprobs, score_prompt
+from tracker.prompt import leading_pad_mask, prompt_logprobs, prompt_rows, score_prompt
 from tracker.queries import RunQueries
 from tracker.recorder import Recorder, Storage
 from tracker.run import Run
@@ -322,7 +322,8 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
     def on_prefill(self, logits: torch.Tensor, ctx: BatchContext) -> None:
         """Keep the prompt's log-probabilities for the coming generation (see :mod:`tracker.prompt`)."""
         if self._records_prompt:
-            self._shared.pending_prompt = prompt_logprobs(logits, ctx.input_ids, ctx.attention_mask)
+            scores = prompt_logprobs(logits, ctx.input_ids, ctx.attention_mask)
+            self._shared.pending_prompt = (prompt_rows(ctx.input_ids, ctx.attention_mask), scores)
         if self.processor is not None and self.processor.wants_prefill_logits:
             self.processor.on_prefill(logits, ctx)
 
@@ -336,15 +337,21 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
     ) -> None:
         """Score prompts with one forward pass (for ``model.generate``, which gives the tracker no prefill).
 
-        By default the scores go to the next generation (call it before
-        ``generate``); ``generation=`` gives them to one already recorded
-        (``-1``: the latest), whose prompts must be these (ValueError otherwise).
+        Pass the ``input_ids`` and ``attention_mask`` given to ``generate``
+        (without a mask, each row's leading run of the pad id is its padding,
+        as the tracker reads the prompts). By default the scores go to the next
+        generation (call it before ``generate``): they are kept only if its
+        prompts are these (each may be repeated, as ``num_return_sequences``
+        does), else a warning says so. ``generation=`` gives them to one
+        already recorded (``-1``: the latest), ValueError if its prompts differ.
         """
-        scores = score_prompt(model, input_ids, attention_mask)
+        if attention_mask is None:
+            attention_mask = leading_pad_mask(input_ids, self.pad_token_id)
+        scored = (prompt_rows(input_ids, attention_mask), score_prompt(model, input_ids, attention_mask))
         if generation is None:
-            self._shared.pending_prompt = scores
+            self._shared.pending_prompt = scored
         else:
-            self._shared.attach_prompt_logprobs(self.run._generation_id(generation), scores)
+            self._shared.attach_prompt_logprobs(self.run._generation_id(generation), scored)
 
     def on_sampled(self, tokens: torch.Tensor, ctx: BatchContext) -> None:
         """Record the tokens chosen at this step (hosts such as logitscope's Generator call it).

@@ -29,7 +29,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["prompt_logprobs", "score_prompt", "perplexity"]
+__all__ = ["prompt_logprobs", "prompt_rows", "score_prompt", "perplexity", "leading_pad_mask"]
 
 _CHUNK_ELEMENTS = 1 << 24  # positions scored at a time: about 64 MiB of float32 logits
 
@@ -70,6 +70,26 @@ def prompt_logprobs(
         row_values += values[row, keep[1:] - 1].tolist()
         out.append(row_values)
     return out
+
+
+def prompt_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[list[int]]:
+    """Each row's real prompt ids (the columns ``attention_mask`` marks 1; every column without one).
+
+    Reads the ids to the host (once per generation)."""
+    ids = input_ids.cpu()
+    if attention_mask is None:
+        return ids.tolist()
+    return [row[mask].tolist() for row, mask in zip(ids, attention_mask.bool().cpu())]
+
+
+def leading_pad_mask(input_ids: torch.Tensor, pad_token_id: int | None) -> torch.Tensor | None:
+    """An attention mask marking 0 each row's leading run of ``pad_token_id`` (None without a pad id):
+    the left padding of a batch a host gives without its mask."""
+    if pad_token_id is None:
+        return None
+    import torch
+
+    return (torch.cumprod((input_ids == pad_token_id).to(torch.int64), dim=1) == 0).to(torch.int64)
 
 
 def score_prompt(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime as _dt
 import threading
 import uuid
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -77,6 +78,23 @@ def _strip_left_padding(prompts: torch.Tensor, pad_token_id: int | None) -> list
     return [row[int(n) :].tolist() for row, n in zip(rows, leading)]
 
 
+ScoredPrompts = tuple[list[list[int]], list[list[float | None]]]
+"""Prompts (each row's ids without its padding) and their log-probabilities, one list per row."""
+
+
+def _scores_for(prompts: list[list[int]], scored: ScoredPrompts) -> list[list[float | None]] | None:
+    """The log-probabilities of ``prompts`` from ``scored``: its rows in order, or each repeated ``k`` times in a
+    row (``num_return_sequences``, ``n`` samples per prompt); None when they are other prompts."""
+    rows, scores = scored
+    if rows == prompts:
+        return scores
+    if rows and prompts and len(prompts) % len(rows) == 0:
+        k = len(prompts) // len(rows)
+        if [r for r in rows for _ in range(k)] == prompts:
+            return [s for s in scores for _ in range(k)]
+    return None
+
+
 def _prompt_ids(ctx: BatchContext, pad_token_id: int | None) -> list[list[int]]:
     """Each row's prompt: without the columns the attention mask marks 0, else without leading pad ids."""
     prompts = ctx.input_ids[:, : ctx.prompt_length]
@@ -136,7 +154,7 @@ class SharedRecording:
     pending_sampling: list[dict[str, Any]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     stage_aliases: dict[str, str] = field(default_factory=dict)
-    pending_prompt: list[list[float | None]] | None = None
+    pending_prompt: ScoredPrompts | None = None
     generations: list[dict[str, Any]] = field(default_factory=list)
     next_generation: int = 0
     epoch: int = 0
@@ -220,21 +238,30 @@ class SharedRecording:
         if self.pending_sampling is not None and len(self.pending_sampling) == batch:
             record["sampling"] = self.pending_sampling
         self.pending_sampling = None
-        if self.pending_prompt is not None and len(self.pending_prompt) == batch:
-            record["prompt_logprobs"] = self.pending_prompt
+        if self.pending_prompt is not None:
+            scores = _scores_for(record["prompt_ids"], self.pending_prompt)
+            if scores is None:
+                warnings.warn(
+                    f"generation {gid}: the prompts scored before it (score_prompt) are not its prompts; "
+                    "their log-probabilities are not kept (score the input_ids and attention_mask given to generate)",
+                    stacklevel=4,
+                )
+            else:
+                record["prompt_logprobs"] = scores
         self.pending_prompt = None
         self.generations.append(record)
         return Generation(gid, batch, ctx.prompt_length, self.epoch)
 
-    def attach_prompt_logprobs(self, generation: int, scores: list[list[float | None]]) -> None:
+    def attach_prompt_logprobs(self, generation: int, scored: ScoredPrompts) -> None:
         """Give a recorded generation its prompts' log-probabilities (ValueError if its prompts differ)."""
         with self.lock:
             record = next(r for r in self.generations if r["generation"] == generation)
-            prompts = record.get("prompt_ids") or []
-            if [len(p) for p in prompts] != [len(s) for s in scores]:
+            scores = _scores_for(record.get("prompt_ids") or [], scored)
+            if scores is None:
                 raise ValueError(
-                    f"generation={generation} has prompts of {[len(p) for p in prompts]} tokens; the scored "
-                    f"input_ids have {[len(s) for s in scores]} (after left padding): they are not its prompts"
+                    f"generation={generation} has prompts of {[len(p) for p in record.get('prompt_ids') or []]} "
+                    f"tokens; the scored input_ids, without left padding, are not its prompts "
+                    f"({[len(r) for r in scored[0]]} tokens)"
                 )
             record["prompt_logprobs"] = scores
             self.run_cache = None
