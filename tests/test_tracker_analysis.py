@@ -215,6 +215,26 @@ def test_continuation_probability_sums_over_the_tokens_that_spell_it():
         run.continuation_probability("cat", position=7)
 
 
+def test_continuation_probability_in_top_k_storage_is_a_flagged_lower_bound():
+    pieces = [b"<eos>", b"c", b"ca", b"cat", b"catfish", b"cats", b"dog", b"f", b"fish", b"x"]
+    n = len(pieces)
+    results = {}
+    for storage in ("float32", "topk"):
+        tracker = LogitTrackingProcessor(None, eos_token_id=0, storage=storage, top_k=2)
+        gen = torch.Generator().manual_seed(6)
+        ids = torch.tensor([[9]])
+        for token in (3, 8, 9):
+            tracker(ids, torch.randn(1, n, generator=gen))
+            ids = torch.cat([ids, torch.tensor([[token]])], 1)
+        tracker.finish(ids)
+        run = tracker.run
+        run._vocab_source = Vocabulary.from_parts(pieces)
+        results[storage] = run.continuation_probability("catfish")
+    full, top = results["float32"], results["topk"]
+    assert not np.isnan(top.natural) and not top.exact  # values top-k did not keep count as 0: a lower bound
+    assert 0 <= top.natural <= full.natural + 1e-12
+
+
 @pytest.mark.parametrize("storage", ["float16", "bfloat16"])
 def test_half_storage_answers_close_to_float32(storage):
     full, nat, con, _ = record(seed=7)

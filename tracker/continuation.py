@@ -22,8 +22,9 @@ class Continuation:
     starts with the whole remainder, plus (along the recorded path) a token
     that is a proper prefix of it times the probability of the rest at the
     next step. ``exact`` is False when a prefix token other than the one
-    chosen had probability (its continuation was never computed) or the
-    record ended first: the values are then lower bounds.
+    chosen had probability (its continuation was never computed), the
+    record ended first, or top-k storage did not keep a value that counts
+    (counted as 0): the values are then lower bounds.
 
     Attributes:
         text: the continuation asked about.
@@ -83,12 +84,15 @@ def continuation(
             break
         probs = probability_row(i)
         covers, prefixes = _match(matrix, lengths, remaining)
-        for key, array in probs.items():
-            total[key] += path_prob[key] * float(array[covers].sum())
         chosen = int(sel.chosen[i])
         others = prefixes.copy()
         if chosen >= 0:
             others[chosen] = False
+        if any(np.isnan(array[covers | prefixes]).any() for array in probs.values()):
+            exact = False  # a value top-k storage did not keep: counted as 0, so the result is a lower bound
+            probs = {key: np.nan_to_num(array, nan=0.0) for key, array in probs.items()}
+        for key, array in probs.items():
+            total[key] += path_prob[key] * float(array[covers].sum())
         if any(float(array[others].sum()) > 0 for array in probs.values()):
             exact = False
         if chosen < 0 or not prefixes[chosen]:
