@@ -492,3 +492,22 @@ def test_auto_storage_keeps_500_steps_of_the_batch_within_the_bound():
     assert tracker.storage.kind == "bfloat16"
     with pytest.raises(ValueError, match="storage must be one of .* or 'auto', got 'int8'"):
         LogitTrackingProcessor(None, storage="int8")
+
+
+@pytest.mark.parametrize("storage", ["float16", "bfloat16"])
+def test_half_precision_rows_keep_exact_statistics_even_when_read_is_asked(storage):
+    """statistics="read" would sum up the rounded rows: half-precision storage records them from the full rows."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(6, 3000, generator=gen) * 4 + 12  # logits around 12: bfloat16 rounds them by up to 0.03
+    frames = {}
+    for mode, statistics in (("float32", "record"), (storage, "read")):
+        tracker = LogitTrackingProcessor(MaskThird(), storage=mode, statistics=statistics)
+        ids = torch.tensor([[1]])
+        for t in range(6):
+            tracker(ids, x[t : t + 1].clone())
+            ids = torch.cat([ids, x[t : t + 1].argmax(1, keepdim=True)], 1)
+        tracker.finish(ids)
+        frames[mode] = tracker.stats()
+    exact, half = frames["float32"], frames[storage]
+    for column in ("entropy_natural", "p_chosen_natural", "rank_chosen_natural", "margin", "removed_mass"):
+        np.testing.assert_allclose(half[column], exact[column], rtol=1e-5, atol=1e-6, err_msg=column)

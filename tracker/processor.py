@@ -145,8 +145,9 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
         statistics: when each row's statistics (entropy, the chosen token's
             probability and rank, removed mass, margin, EOS probability) are
             computed: ``"record"`` as rows are recorded (on their device, no
-            synchronisation), ``"read"`` when a query needs them (full storage
-            only), ``"auto"``: when recorded, except for float32 rows on a
+            synchronisation), ``"read"`` when a query needs them (float32
+            storage only; other modes record them, as only the full row gives
+            them exactly), ``"auto"``: when recorded, except for float32 rows on a
             CPU, which keep the whole row exactly: there they are computed
             when read (the same values; the passes over every row would cost
             the CPU more than the step's copy).

@@ -24,7 +24,8 @@ _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 #: When rows get their statistics (entropy, chosen token's probability and rank, removed mass, margin, ...):
 #: ``"record"``, as they are recorded (kernels on the rows' device, copied with them: cheap and asynchronous
 #: on an accelerator; several passes over each row on a CPU); ``"read"``, computed from the stored rows when
-#: a query needs them (full storage only); ``"auto"``: when recorded unless the rows are kept whole in float32
+#: a query needs them (float32 storage only: other modes record them whatever is asked, since their stored rows
+#: would give inexact statistics); ``"auto"``: when recorded unless the rows are kept whole in float32
 #: on a CPU (top-k, float16 and bfloat16 rows are not the full-precision row the statistics need; on an
 #: accelerator recording them costs a few asynchronous kernels), else when read (exactly the same values).
 STATISTICS = ("auto", "record", "read")
@@ -108,6 +109,8 @@ class Storage:
 
 def stats_when_recorded(statistics: str, storage: Storage, device: torch.device) -> bool:
     """Whether rows in ``storage`` on ``device`` get their statistics as they are recorded (see :data:`STATISTICS`)."""
+    if storage.kind != "float32":
+        return True  # half-precision and top-k rows are not the full row: only recording keeps them exact
     if statistics != "auto":
         return statistics == "record"
-    return storage.kind != "float32" or device.type != "cpu"
+    return device.type != "cpu"
