@@ -43,7 +43,7 @@ from tracker.layout import (
     arrow_reason,
     open_layout,
 )
-from tracker.schema import FIELD_DTYPE, META_RUN, RunMetadata, as_float32, run_schema
+from tracker.schema import FIELD_DTYPE, META_RUN, RunMetadata, as_float32, row_offsets, run_schema
 from tracker.selection import sequence_end
 
 __all__ = [
@@ -384,6 +384,8 @@ class RunReader:
             child = column.values.slice((column.offset + local) * width, width)
             kind = (table.schema.field(f"{stage}_logits").metadata or {}).get(FIELD_DTYPE, b"float32")
             logits = as_float32(child.to_numpy(zero_copy_only=False), kind)
+            offset = row_offsets(table, stage, np.array([local]))
+            logits = logits if offset is None else logits + offset[0]  # half precision: kept minus the row's max
             lse, allowed = _row_lse(logits)
             return StageRow(stage, True, logits=logits, lse=lse, allowed=allowed, recorded_stats=stats)
         ids_column = _single(table.column(f"{stage}_topk_ids"))

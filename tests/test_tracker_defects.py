@@ -117,7 +117,10 @@ def test_5_bfloat16_logits_work():
     assert np.array_equal(natural, torch.stack([s[0] for s in seen]).numpy())  # bf16 -> f32 is exact
     stored_bf16 = LogitTrackingProcessor(MaskBelow(8), storage="bfloat16")
     ids, seen = drive(stored_bf16, 3, dtype=torch.bfloat16)
-    assert np.array_equal(stored_bf16.get_logits()["unstructured"], torch.stack([s[0] for s in seen]).numpy())
+    exact = torch.stack([s[0] for s in seen]).double().numpy()
+    got = stored_bf16.get_logits()["unstructured"]
+    top = exact.max(axis=1, keepdims=True)  # rows are kept minus their largest logit: within half a bf16 step
+    np.testing.assert_array_less(np.abs(got - exact), 2.0**-8 * np.abs(exact - top) + 1e-6)
     assert len(stored_bf16.get_top_tokens(k=3)) == 3
 
 

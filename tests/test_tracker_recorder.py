@@ -50,7 +50,13 @@ def test_full_storage_keeps_rows_exactly_in_the_storage_type(kind):
     stored = column_matrix(table, "constrained_logits", 40)
     if kind == "bfloat16":
         stored = torch.from_numpy(stored.view(np.int16).copy()).view(torch.bfloat16).float().numpy()
-    expected = constrained.transpose(0, 1).reshape(-1, 40).to(dtype).float().numpy()
+    rows = constrained.transpose(0, 1).reshape(-1, 40).float()
+    if kind == "float32":
+        expected = rows.numpy()
+    else:  # half precision keeps each row minus its largest logit (the constrained_max column)
+        top = rows.amax(dim=1, keepdim=True)
+        expected = (rows - top).to(dtype).float().numpy()
+        assert np.array_equal(table.column("constrained_max").to_numpy(), top[:, 0].numpy())
     assert np.array_equal(stored.astype(np.float32), expected)
 
 
@@ -276,5 +282,9 @@ def test_any_logits_dtype_into_any_storage(logits_dtype, kind):
     if kind == "topk":
         values, ids = torch.topk(x[1].float(), 4)
         assert np.array_equal(got[ids.numpy()], values.numpy()) and np.isnan(got).sum() == 36
-    else:
-        assert np.array_equal(got, x[1].to(getattr(torch, kind)).float().numpy())
+    elif kind == "float32":
+        assert np.array_equal(got, x[1].float().numpy())
+    else:  # kept minus the row's largest logit, rounded, read back plus it
+        top = x[1].float().max()
+        expected = (x[1].float() - top).to(getattr(torch, kind)).float().numpy() + np.float32(top)
+        assert np.array_equal(got, expected) and got.max() == np.float32(top)

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from tracker.rows import NEG_INF, as_float32, effective
-from tracker.schema import FIELD_DTYPE, value_column
+from tracker.schema import FIELD_DTYPE, row_offsets, value_column
 
 __all__ = ["Block", "stage_matrix", "full_rows", "read_as_recorded", "one_hot_rows", "topk_columns", "contiguous"]
 
@@ -110,6 +110,9 @@ def full_rows(
     matrix = stage_matrix(batch, stage, vocab_size)
     block = matrix[int(rows[0]) : int(rows[-1]) + 1] if contiguous(rows) else matrix[rows]
     block = as_float32(block)
+    offsets = row_offsets(batch, stage, rows)
+    if offsets is not None:  # half-precision rows kept relative to their largest logit
+        block += offsets[:, None]  # a fresh float32 array (as_float32 converted)
     valid = None
     if column.null_count:
         valid = column.is_valid().to_numpy(zero_copy_only=False)[rows]

@@ -26,7 +26,8 @@ import torch
 
 from tracker.rows import EXP_FLOOR, NEG_INF, exp_floor, logsumexp_rows, masked, probabilities
 
-__all__ = ["CHOSEN_STATS", "ROW_STATS", "chosen_stats", "pair_stats", "probability", "row_stats", "stored_lse"]
+__all__ = ["CHOSEN_STATS", "ROW_STATS", "chosen_stats", "offset_rows", "pair_stats", "probability", "row_stats"]
+__all__ += ["stored_lse"]
 __all__ += ["stage_stats", "summarise_topk"]
 
 #: Order of the values :func:`row_stats` packs per row (the schema's statistics columns up to the margin).
@@ -182,17 +183,38 @@ def stored_lse(kept: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(lse) & torch.isfinite(exact), lse, exact)
 
 
-def stage_stats(
-    x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Tensor | None, kept: torch.Tensor | None
+def offset_rows(
+    x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(stats, stored)``: :func:`row_stats` of rows ``x``, and the values stored beside them: the same, but
-    for rows kept in half precision (``kept``, the converted rows) their own log-sum-exp (:func:`stored_lse`).
-    No synchronisation."""
+    """``(stats, offset)``: :func:`row_stats` of rows ``x`` and the offset half-precision storage subtracts
+    from each row before rounding: its largest logit (0 where that is not finite). Stored as ``x - offset``,
+    the best logits lie near 0, where float16 and bfloat16 are finest; the run's ``{stage}_max`` column
+    gives the offset back (:data:`tracker.schema.FIELD_OFFSET`). No synchronisation."""
     stats = row_stats(x, eos, natural)
+    top = stats[:, 2]
+    return stats, torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+
+
+def stage_stats(
+    x: torch.Tensor,
+    eos: torch.Tensor | None,
+    natural: torch.Tensor | None,
+    kept: torch.Tensor | None,
+    stats: torch.Tensor | None = None,
+    offset: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(stats, stored)``: :func:`row_stats` of rows ``x`` (or ``stats``, already computed), and the values
+    stored beside them: the same, but for rows kept in half precision (``kept``, the converted rows, stored
+    minus ``offset`` when given) their own log-sum-exp (:func:`stored_lse`). No synchronisation."""
+    stats = row_stats(x, eos, natural) if stats is None else stats
     if kept is None:
         return stats, stats
     stored = stats.clone()
-    stored[:, 0] = stored_lse(kept, stats[:, 0])
+    if offset is None:
+        stored[:, 0] = stored_lse(kept, stats[:, 0])
+    else:
+        offset = offset.to(stats.device)
+        stored[:, 0] = stored_lse(kept, stats[:, 0] - offset) + offset
     return stats, stored
 
 

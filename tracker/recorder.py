@@ -20,10 +20,9 @@ when that token arrives: until then the recorder keeps rows nobody can write
 into (the stored copy where exact and on their device, ``owned`` rows, else a
 device copy per stage). Those few values are copied like the rest, no sync.
 
-Storage (:mod:`tracker.storage`): the whole row as float32, float16 or
-bfloat16 (converted on the device before the copy), the top ``k`` values with
-their ids (selected on the device), or ``"auto"``: the fullest of those that
-keeps 500 steps of the batch within the memory bound, at the first step.
+Storage (:mod:`tracker.storage`): the whole row as float32, or as float16 or bfloat16 minus its largest
+logit (converted on the device before the copy), the top ``k`` values with their ids (selected on the
+device), or ``"auto"``: the fullest that keeps 500 steps of the batch within the memory bound.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ import torch
 from tracker.buffers import SHARED_POOL, BufferPool
 from tracker.chunk_memory import ChunkMemory, Layout
 from tracker.chunks import Chunk, CudaStaging, StepRows, conform, to_batch
-from tracker.record_stats import chosen_stats, stage_stats, summarise_topk
+from tracker.record_stats import chosen_stats, offset_rows, stage_stats, summarise_topk
 from tracker.schema import run_schema
 from tracker.spill_handoff import Describe, SpillHandoff, SpillWarning
 from tracker.storage import STATISTICS, Storage, stats_when_recorded
@@ -271,17 +270,18 @@ class Recorder:
         chunk.check_writable("write")
         if (shape := tuple(values.shape)) != (rows.count, self.vocab_size):
             raise ValueError(f"{stage} values must have shape {(rows.count, self.vocab_size)}, got {tuple(shape)}")
-        staging = chunk.host is None
-        start, end = rows.start, rows.end
-        src = values.detach()
+        staging, start, end, src = chunk.host is None, rows.start, rows.end, values.detach()
         if stage != "natural" and natural is None and self._retained is rows and "natural" in self._retained_rows:
             natural = self._retained_rows["natural"][0]
-        natural = None if natural is None else natural.detach()
-        kept = None  # the rows as stored when that is half precision: converted once, on the device or by the copy
+        nat = None if natural is None or stage == "natural" else natural.detach()
+        kept = pre = shift = None  # half-precision rows as stored; their statistics, and the max they are kept minus
         exact = values.detach() if owned else None  # rows nobody else can write into (a later processor may)
         if self.storage.full:
             name = f"{stage}:logits"
             dst = chunk.buffers[name]
+            if dst.dtype != torch.float32 and f"{stage}:stats" in chunk.buffers:
+                pre, shift = offset_rows(src, self._eos_on(src.device), nat)
+                src = src.float() - shift[:, None]
             if not staging and src.dtype == dst.dtype and src.dtype in _MEMCPY and src.device.type == "cpu":
                 # a plain memcpy: torch would split a long row across threads for no gain
                 np.copyto(chunk.arrays[name][start:end], src.numpy())
@@ -291,15 +291,14 @@ class Recorder:
                 dst[start:end].copy_(src, non_blocking=staging)
             if dst.dtype != torch.float32:
                 kept = src if src.dtype == dst.dtype else dst[start:end]
-            exact = dst[start:end] if dst.dtype == values.dtype and dst.device == values.device else exact
-            src = values.detach()
+            same = dst.dtype == values.dtype and dst.device == values.device and shift is None
+            exact, src = dst[start:end] if same else exact, values.detach()
         else:
-            k = self.storage.k_for(self.vocab_size or 0)
-            summary = summarise_topk(src, k, None if stage == "natural" else natural)
+            summary = summarise_topk(src, self.storage.k_for(self.vocab_size or 0), nat)
             for name, tensor in summary.items():
                 chunk.buffers[f"{stage}:{name}"][start:end].copy_(tensor, non_blocking=staging)
         if f"{stage}:stats" in chunk.buffers:
-            stats, stored = stage_stats(src, self._eos_on(src.device), None if stage == "natural" else natural, kept)
+            stats, stored = stage_stats(src, self._eos_on(src.device), nat, kept, pre, shift)
             chunk.buffers[f"{stage}:stats"][start:end].copy_(stored, non_blocking=staging)
             if self._retained is not rows:
                 self._retained, self._retained_rows = rows, {}

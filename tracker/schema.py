@@ -15,6 +15,9 @@ column                           type                                  storage
 ``processor_error``              bool: the wrapped processor failed    all
 ``{stage}_logits``               fixed_size_list<V> of float32,        full
                                  float16, or uint16 holding bfloat16
+                                 (half precision with statistics: the
+                                 logits minus ``{stage}_max``, see
+                                 :data:`FIELD_OFFSET`)
 ``{stage}_topk_ids``             fixed_size_list<k> of int32           top-k
 ``{stage}_topk_logits``          fixed_size_list<k> of float32         top-k
 ``{stage}_topk_natural``         natural logits at those ids           top-k
@@ -71,6 +74,8 @@ __all__ = [
     "META_RUN",
     "META_VOCAB",
     "FIELD_DTYPE",
+    "FIELD_OFFSET",
+    "row_offsets",
     "STORAGE_KINDS",
     "StorageKind",
     "RunMetadata",
@@ -97,6 +102,9 @@ META_RUN = b"logitscope.run"
 META_VOCAB = b"logitscope.vocab"
 #: Field metadata key naming the element type of a value column ("bfloat16" is stored as uint16).
 FIELD_DTYPE = b"logitscope.dtype"
+#: Field metadata key of a half-precision value column stored relative to a per-row offset: the name of the
+#: statistics column holding it (``b"max"``: ``{stage}_max``, the row's largest logit; 0 where not finite).
+FIELD_OFFSET = b"logitscope.offset"
 
 StorageKind = Literal["float32", "float16", "bfloat16", "topk"]
 STORAGE_KINDS: tuple[str, ...] = ("float32", "float16", "bfloat16", "topk")
@@ -145,6 +153,17 @@ def as_float32(values: np.ndarray, dtype: bytes) -> np.ndarray:
     return values.astype(np.float32, copy=False)
 
 
+def row_offsets(data: pa.RecordBatch | pa.Table, stage: str, rows: np.ndarray | slice) -> np.ndarray | None:
+    """``[rows]`` float32: what to add to the stored values of ``stage`` at ``rows`` to give the logits
+    (:data:`FIELD_OFFSET`); None when the column is stored as the logits themselves."""
+    field = data.schema.field(f"{stage}_logits") if f"{stage}_logits" in data.schema.names else None
+    name = None if field is None else (field.metadata or {}).get(FIELD_OFFSET)
+    if name is None:
+        return None
+    offsets = data.column(f"{stage}_{name.decode()}").to_numpy(zero_copy_only=False)[rows].astype(np.float32)
+    return np.where(np.isfinite(offsets), offsets, np.float32(0))
+
+
 def value_column(stage: str, storage: str) -> str:
     """The column holding a stage's values: ``{stage}_logits`` or ``{stage}_topk_logits``."""
     return f"{stage}_topk_logits" if storage == "topk" else f"{stage}_logits"
@@ -185,11 +204,13 @@ def stage_fields(
                 pa.field(f"{stage}_allowed", pa.int32()),
             ]
     elif storage in _FULL_TYPES:
+        # half-precision rows with statistics keep logit - max: the best logits, near 0, keep their digits
+        offset = {FIELD_OFFSET: b"max"} if stats and storage != "float32" else {}
         fields = [
             pa.field(
                 f"{stage}_logits",
                 pa.list_(_FULL_TYPES[storage], int(vocab_size)),
-                metadata={FIELD_DTYPE: storage.encode()},
+                metadata={FIELD_DTYPE: storage.encode(), **offset},
             )
         ]
     else:
