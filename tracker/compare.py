@@ -15,6 +15,17 @@ row does not know every token, the distributions are compared on the tokens
 both runs know plus one bucket for all the rest; TV, KL and JS of that
 coarser pair are lower bounds of the exact values (``exact`` is False and
 ``note`` says so). The token table then lists only tokens both runs stored.
+A run's mass on the tokens it did not store is read in float64 from its
+stored logits and the recorded log-sum-exp of the whole row
+(``-expm1(logsumexp(stored) - lse)``), which keeps a small remainder
+exact. That log-sum-exp is float32, so a remainder below its rounding
+cannot be told from 0: KL takes B's bucket at the most it can hold (the
+remainder plus that rounding), so that it stays a finite lower bound where
+B is peaked. KL and JS are never negative (rounding is clipped at 0).
+
+``stages`` may name a stage by an alias (``after:<processor>`` for the
+last processor of a run recorded with ``processor_stages=True``, stored as
+``constrained``); the columns use the names asked for.
 """
 
 from __future__ import annotations
@@ -27,11 +38,14 @@ import numpy as np
 import pandas as pd
 
 from tracker.display import token_label
+from tracker.stages import resolve_stage
 
 __all__ = ["Comparison", "compare", "distances"]
 
 _KEYS = {"natural": "unstructured", "constrained": "structured"}
 _BLOCK_ELEMENTS = 1 << 22
+#: Bound on a recorded float32 log-sum-exp's error, beside ``4 ulp`` of its value (measured: under 0.7 ulp + 2.6e-7).
+_LSE_SLACK = 2.0**-20
 
 
 @dataclass(frozen=True)
@@ -47,7 +61,7 @@ class Comparison:
         tokens: per step and stage, the ``top`` tokens whose probability
             changed most: ``step, stage, token_id, token, p_a, p_b, change``
             (``p_b - p_a``); unchanged tokens are left out.
-        stages: the stages compared.
+        stages: the stages compared, named as asked (an alias stays an alias).
         length_a, length_b: steps in each sequence.
         exact: False when some distances are lower bounds (top-k storage).
         note: what the approximation is, when there is one.
@@ -93,24 +107,78 @@ def first_divergence(a: np.ndarray, b: np.ndarray) -> int | None:
     return None if len(a) == len(b) else n
 
 
-def distances(p: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def distances(
+    p: np.ndarray,
+    q: np.ndarray,
+    hidden_p: np.ndarray | None = None,
+    hidden_q: np.ndarray | None = None,
+    slack_q: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per row of ``p, q [t, V]`` (probabilities, NaN = unknown): TV, KL(p‖q), JS, and whether the row was exact.
 
     Rows with unknown values are compared on the tokens both know plus one
-    bucket holding each side's remaining mass (see the module docstring).
+    bucket holding each side's remaining mass (see the module docstring): its
+    known probabilities on tokens the other side does not know, plus its mass
+    on its own unknown tokens, ``hidden_p``/``hidden_q`` ``[t]`` (NaN or
+    None: 1 minus its known probabilities). ``slack_q`` ``[t]`` bounds the
+    error of ``hidden_q``; KL reads B's bucket as that much larger.
     """
     p64, q64 = np.asarray(p, dtype=np.float64), np.asarray(q, dtype=np.float64)
-    known = ~(np.isnan(p64) | np.isnan(q64))
+    nan_p, nan_q = np.isnan(p64), np.isnan(q64)
+    known = ~(nan_p | nan_q)
     exact = known.all(axis=1)
+    rest_p = np.where(exact, 0.0, _rest(p64, nan_p, nan_q, hidden_p))
+    rest_q = np.where(exact, 0.0, _rest(q64, nan_q, nan_p, hidden_q))
     p64, q64 = np.where(known, p64, 0.0), np.where(known, q64, 0.0)
-    rest_p = np.where(exact, 0.0, np.clip(1.0 - p64.sum(axis=1), 0.0, None))
-    rest_q = np.where(exact, 0.0, np.clip(1.0 - q64.sum(axis=1), 0.0, None))
     p64 = np.concatenate([p64, rest_p[:, None]], axis=1)
     q64 = np.concatenate([q64, rest_q[:, None]], axis=1)
     tv = 0.5 * np.abs(p64 - q64).sum(axis=1)
     m = 0.5 * (p64 + q64)
     js = 0.5 * (_kl(p64, m) + _kl(q64, m))
-    return tv, _kl(p64, q64), np.clip(js, 0.0, None), exact
+    if slack_q is not None:
+        unsure = nan_q.any(axis=1) & ~exact
+        q64[:, -1] += np.where(unsure, np.nan_to_num(np.asarray(slack_q, dtype=np.float64)), 0.0)
+    return tv, np.clip(_kl(p64, q64), 0.0, None), np.clip(js, 0.0, None), exact
+
+
+def _rest(x: np.ndarray, own: np.ndarray, other: np.ndarray, hidden: np.ndarray | None) -> np.ndarray:
+    """``[t]`` a side's mass outside the tokens both know: on tokens only it knows, and on its own unknown ones."""
+    shown = np.where(other & ~own, x, 0.0).sum(axis=1)
+    fallback = np.clip(1.0 - np.where(own, 0.0, x).sum(axis=1), 0.0, None)
+    if hidden is None:
+        hidden = fallback
+    else:
+        hidden = np.asarray(hidden, dtype=np.float64)
+        hidden = np.where(np.isnan(hidden), fallback, hidden)
+    return shown + np.where(own.any(axis=1), hidden, 0.0)
+
+
+def _unseen(run: Any, stage: str, logits: np.ndarray, sel: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(hidden, slack)`` per row of ``stage``: its mass on the tokens not stored and a bound on that value's error.
+
+    ``hidden = -expm1(logsumexp(stored logits) - lse)`` in float64 with the
+    recorded log-sum-exp ``lse`` of the whole row (NaN where that cannot be
+    read); ``slack`` bounds the float32 rounding of ``lse``. None for a
+    run-like object without the recorded log-sum-exp.
+    """
+    if not hasattr(run, "_lse"):
+        return None
+    n = logits.shape[0]
+    lse = np.asarray(run._lse(stage, sel), dtype=np.float64)[:n]
+    hidden = np.full(n, np.nan)
+    block = max(1, _BLOCK_ELEMENTS // max(1, logits.shape[1]))
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        for a in range(0, n, block):
+            x = logits[a : a + block].astype(np.float64)
+            x[np.isnan(x)] = -np.inf
+            top = x.max(axis=1, initial=-np.inf)
+            top = np.where(np.isfinite(top), top, 0.0)
+            stored = top + np.log(np.exp(x - top[:, None]).sum(axis=1))
+            hidden[a : a + block] = -np.expm1(stored - lse[a : a + block])
+        hidden = np.where(np.isfinite(hidden), np.clip(hidden, 0.0, 1.0), np.nan)
+        ulp = np.spacing(np.abs(lse).astype(np.float32)).astype(np.float64)
+        slack = np.where(np.isfinite(lse), 4.0 * ulp + _LSE_SLACK, 0.0)
+    return hidden, slack
 
 
 def _kl(p: np.ndarray, q: np.ndarray) -> np.ndarray:
@@ -145,6 +213,37 @@ def _as_run(value: Any, argument: str) -> Any:
     raise TypeError(f"{argument} must be a tracker.Run or a LogitTrackingProcessor, got {type(value).__name__}")
 
 
+def _pick_stages(run_a: Any, run_b: Any, stages: Sequence[str] | None) -> list[tuple[str, str, str]]:
+    """``(name, stage of A, stage of B)`` per stage compared: all both recorded, or those asked for (aliases
+    resolved in each run as :func:`tracker.stages.resolve_stage` does)."""
+    shared = [s for s in run_a.stages if s in run_b.stages]
+    if stages is None:
+        return [(s, s, s) for s in shared]
+    if isinstance(stages, str):
+        stages = [stages]
+    aliases = [getattr(r.metadata, "stage_aliases", None) or {} for r in (run_a, run_b)]
+    picked, missing = [], []
+    for name in dict.fromkeys(stages):
+        try:
+            picked.append((name, *(resolve_stage(r.stages, al, name) for r, al in zip((run_a, run_b), aliases))))
+        except ValueError:
+            missing.append(name)
+    if missing:
+        both = shared + [a for a in aliases[0] if a in aliases[1] and aliases[0][a] in shared]
+        raise ValueError(f"stages {missing} are not recorded by both runs; both have {both}")
+    return picked
+
+
+def _unseen_rows(
+    run: Any, stage: str, sel: Any, sequence: int, generation: int, include_finished: bool, n: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`_unseen` of the first ``n`` rows of a sequence (None when the run keeps whole rows)."""
+    if getattr(run.metadata, "storage", None) != "topk" or not hasattr(run, "get_logits"):
+        return None
+    logits = run.get_logits(sequence=sequence, generation=generation, include_finished=include_finished)
+    return _unseen(run, stage, logits[_KEYS.get(stage, stage)][:n], sel)
+
+
 def compare(
     run_a: Any,
     run_b: Any,
@@ -161,8 +260,9 @@ def compare(
     a tracker stands for the run it recorded).
 
     ``generation_b``/``sequence_b`` default to A's. ``stages`` picks stages
-    both runs recorded (default: all they share). Runs of different storage
-    modes can be compared (see the module docstring on top-k storage).
+    both runs recorded, by name or alias (default: all they share). Runs of
+    different storage modes can be compared (see the module docstring on
+    top-k storage).
     """
     if not isinstance(top, int) or isinstance(top, bool) or top < 1:
         raise ValueError(f"top must be an int >= 1, got {top!r}")
@@ -174,14 +274,8 @@ def compare(
         )
     generation_b = generation_a if generation_b is None else generation_b
     sequence_b = sequence_a if sequence_b is None else sequence_b
-    shared = [s for s in run_a.stages if s in run_b.stages]
-    if stages is None:
-        stages = shared
-    else:
-        stages = list(stages)
-        missing = [s for s in stages if s not in shared]
-        if missing:
-            raise ValueError(f"stages {missing} are not recorded by both runs; both have {shared}")
+    picked = _pick_stages(run_a, run_b, stages)
+    stages = [name for name, _, _ in picked]
     sel_a = run_a._select(generation_a, sequence_a, include_finished)
     sel_b = run_b._select(generation_b, sequence_b, include_finished)
     chosen_a, chosen_b = sel_a.chosen, sel_b.chosen
@@ -200,12 +294,17 @@ def compare(
     token_parts: list[pd.DataFrame] = []
     exact = True
     block = max(1, _BLOCK_ELEMENTS // max(1, va))
-    for stage in stages:
-        pa_, pb_ = probs_a[_KEYS.get(stage, stage)][:n], probs_b[_KEYS.get(stage, stage)][:n]
+    for stage, stage_a, stage_b in picked:
+        pa_, pb_ = probs_a[_KEYS.get(stage_a, stage_a)][:n], probs_b[_KEYS.get(stage_b, stage_b)][:n]
+        unseen_a = _unseen_rows(run_a, stage_a, sel_a, sequence_a, generation_a, include_finished, n)
+        unseen_b = _unseen_rows(run_b, stage_b, sel_b, sequence_b, generation_b, include_finished, n)
         parts: list[tuple[np.ndarray, ...]] = []
         for a in range(0, n, block):
-            tv, kl, js, ok = distances(pa_[a : a + block], pb_[a : a + block])
-            rows, ids, change = _top_changes(pa_[a : a + block], pb_[a : a + block], top)
+            span = slice(a, a + block)
+            hidden_a = None if unseen_a is None else unseen_a[0][span]
+            hidden_b, slack_b = (None, None) if unseen_b is None else (unseen_b[0][span], unseen_b[1][span])
+            tv, kl, js, ok = distances(pa_[span], pb_[span], hidden_a, hidden_b, slack_b)
+            rows, ids, change = _top_changes(pa_[span], pb_[span], top)
             parts.append((tv, kl, js, ok))
             rows = rows + a
             token_parts.append(
