@@ -76,31 +76,43 @@ def sequence_html(run: Any, generation: int = -1, sequence: int = 0, *, alternat
         parts.append(f'<span class="ls-prompt" title="prompt">{_e(run.vocab.decode_shown(prompt_ids))}</span>')
     chosen = stats["chosen_token"].tolist()
     probs = stats[f"p_chosen_{stage}"].to_numpy(dtype=np.float64)
+    both = stage != "natural"
     for i, (token, p) in enumerate(zip(chosen, probs)):
         if token is None:
             break
         lines = [f"step {i}: {token_label(token)}, p = {format_probability(p)}"]
-        lines += (
-            [f"{token_label(t['token'])}  {format_probability(t['structured_prob'])}" for t in top[i]["tokens"]]
-            if i < len(top)
-            else []
-        )
+        if i < len(top):
+            lines.append(_alternatives_heading(run, stage))
+            lines += [_alternative(t, both) for t in top[i]["tokens"]]
         parts.append(
             f'<span class="ls-tok" style="background:{_colour(p)}" title="{_e(chr(10).join(lines))}">{_e(token)}</span>'
         )
     parts.append("</div>")
-    parts.append(_compact_table(top[:_MAX_TABLE_STEPS], chosen, probs))
+    parts.append(_compact_table(top[:_MAX_TABLE_STEPS], chosen, probs, _alternatives_heading(run, stage), both))
     if len(top) > _MAX_TABLE_STEPS:
         parts.append(f"<p>… {len(top) - _MAX_TABLE_STEPS} more steps (see <code>get_top_tokens</code>)</p>")
     return "".join(parts)
 
 
-def _compact_table(top: list[dict[str, Any]], chosen: list[str | None], probs: np.ndarray) -> str:
-    rows = ['<table class="ls-table"><tr><th>step</th><th>chosen</th><th>p</th><th>best alternatives</th></tr>']
+def _alternatives_heading(run: Any, stage: str) -> str:
+    """What the alternatives list: ordered by the larger of the two probabilities, both shown."""
+    if stage == "natural":
+        return "best alternatives: p"
+    return f"best alternatives: p {_display_names(run)[stage]} / natural"
+
+
+def _alternative(token: dict[str, Any], both: bool) -> str:
+    """One alternative as ``label p`` or, when there is a constraint, ``label p_constrained / p_natural``."""
+    text = f"{token_label(token['token'])} {format_probability(token['structured_prob'])}"
+    return text + (f" / {format_probability(token['unstructured_prob'])}" if both else "")
+
+
+def _compact_table(
+    top: list[dict[str, Any]], chosen: list[str | None], probs: np.ndarray, heading: str, both: bool
+) -> str:
+    rows = [f'<table class="ls-table"><tr><th>step</th><th>chosen</th><th>p</th><th>{_e(heading)}</th></tr>']
     for i, entry in enumerate(top):
-        others = ", ".join(
-            f"{_e(token_label(t['token']))} {t['structured_prob']:.2f}" for t in entry["tokens"] if not t["is_chosen"]
-        )
+        others = ", ".join(_e(_alternative(t, both)) for t in entry["tokens"] if not t["is_chosen"])
         name = _e(token_label(chosen[i])) if i < len(chosen) and chosen[i] is not None else "—"
         rows.append(
             f"<tr><td>{entry['position']}</td><td>{name}</td><td>{format_probability(probs[i])}</td><td>{others}</td></tr>"
@@ -109,13 +121,15 @@ def _compact_table(top: list[dict[str, Any]], chosen: list[str | None], probs: n
     return "".join(rows)
 
 
-def _step_rows(run: Any, position: int, generation: int, sequence: int, k: int):
+def _step_rows(run: Any, position: int, generation: int, sequence: int, k: int, include_finished: bool = False):
     """The k tokens with the highest probability in any stage at one step: ids and ``{stage: probs}``."""
     # imported here: tracker.stages also wraps processors (the recording side), which token_label's users
     # (the dashboard, tracker.compare) have no need to load
     from tracker.stages import step_probabilities
 
-    rows, chosen, i = step_probabilities(run, position, sequence=sequence, generation=generation)
+    rows, chosen, i = step_probabilities(
+        run, position, sequence=sequence, generation=generation, include_finished=include_finished
+    )
     best = np.nanmax(np.stack(list(rows.values())), axis=0)
     best = np.where(np.isnan(best), -1.0, best)
     ids = np.argsort(-best, kind="stable")[: min(k, best.size)]
@@ -123,9 +137,11 @@ def _step_rows(run: Any, position: int, generation: int, sequence: int, k: int):
     return ids, rows, chosen, i
 
 
-def step_svg(run: Any, position: int, *, generation: int = -1, sequence: int = 0, k: int = 10) -> str:
+def step_svg(
+    run: Any, position: int, *, generation: int = -1, sequence: int = 0, k: int = 10, include_finished: bool = False
+) -> str:
     """The replay chart of one step as inline SVG: the ``k`` best tokens, one bar per stage."""
-    ids, rows, chosen, _ = _step_rows(run, position, generation, sequence, k)
+    ids, rows, chosen, _ = _step_rows(run, position, generation, sequence, k, include_finished)
     names = _display_names(run)
     stages = list(rows)
     bar, gap, label_w, width = 9, 6, 150, 300
@@ -166,9 +182,14 @@ def step_svg(run: Any, position: int, *, generation: int = -1, sequence: int = 0
     return "".join(out)
 
 
-def step_html(run: Any, position: int, *, generation: int = -1, sequence: int = 0, k: int = 10) -> str:
-    """One step: the text so far, the top-``k`` table (probability per stage) and the chart."""
-    ids, rows, chosen, i = _step_rows(run, position, generation, sequence, k)
+def step_html(
+    run: Any, position: int, *, generation: int = -1, sequence: int = 0, k: int = 10, include_finished: bool = False
+) -> str:
+    """One step: the text so far, the top-``k`` table (probability per stage) and the chart.
+
+    A position past the sequence's end (padding) raises ValueError unless ``include_finished`` is True.
+    """
+    ids, rows, chosen, i = _step_rows(run, position, generation, sequence, k, include_finished)
     names = _display_names(run)
     so_far = run.sequence(i, sequence=sequence, generation=generation, include_finished=True)
     head = "".join(f"<th>{_e(names[s])}</th>" for s in rows)
@@ -183,7 +204,8 @@ def step_html(run: Any, position: int, *, generation: int = -1, sequence: int = 
         f"{_STYLE}<div><p><b>Step {position}</b> (generation {run._generation_id(generation)}, sequence {sequence}): "
         f'chose {chosen_text}</p><p style="font-family:monospace;white-space:pre-wrap">{_e(so_far)}</p>'
         f'<div style="display:flex;gap:24px;align-items:flex-start">{"".join(table)}'
-        f"{step_svg(run, position, generation=generation, sequence=sequence, k=k)}</div></div>"
+        f"{step_svg(run, position, generation=generation, sequence=sequence, k=k, include_finished=include_finished)}"
+        "</div></div>"
     )
 
 
@@ -242,12 +264,22 @@ class StepView:
     generation: int = -1
     sequence: int = 0
     k: int = 10
+    include_finished: bool = False
 
     def _repr_html_(self) -> str:
-        return step_html(self.run, self.position, generation=self.generation, sequence=self.sequence, k=self.k)
+        return step_html(
+            self.run,
+            self.position,
+            generation=self.generation,
+            sequence=self.sequence,
+            k=self.k,
+            include_finished=self.include_finished,
+        )
 
     def why(self) -> Any:
-        return self.run.why(self.position, sequence=self.sequence, generation=self.generation)
+        return self.run.why(
+            self.position, sequence=self.sequence, generation=self.generation, include_finished=self.include_finished
+        )
 
 
 def show(view: Any) -> Any:

@@ -16,6 +16,7 @@ import pandas as pd
 
 from tracker import metrics
 from tracker.prompt import perplexity as _perplexity
+from tracker.selection import index_arg
 from tracker.stages import display_stages, why
 
 __all__ = ["Insight"]
@@ -87,6 +88,7 @@ class Insight:
 
     def _prompt_values(self, generation: int, sequence: int) -> tuple[list[int], list[float | None] | None]:
         g = self._generation_id(generation)  # type: ignore[attr-defined]
+        sequence = index_arg("sequence", sequence)
         record = next((r for r in self.metadata.generations if r.get("generation") == g), {})  # type: ignore[attr-defined]
         prompts = record.get("prompt_ids") or []
         if not 0 <= sequence < max(len(prompts), 1):
@@ -149,18 +151,42 @@ class Insight:
         section: Literal["steps", "prompt"] = "steps",
         **kwargs: Any,
     ) -> pd.DataFrame:
-        """:meth:`tracker.analysis.Analysis.to_dataframe`; ``section="prompt"`` gives :meth:`prompt_logprobs`."""
+        """:meth:`tracker.analysis.Analysis.to_dataframe`; ``section="prompt"`` gives :meth:`prompt_logprobs`.
+
+        ``section="prompt"`` takes one sequence (an int) and ``generation``;
+        ``show``, ``min_value`` and the other options of the steps table do
+        not apply to it and raise ValueError when given.
+        """
         if section == "prompt":
-            return self.prompt_logprobs(generation=kwargs.get("generation", -1), sequence=kwargs.get("sequence", 0))
+            given = {"show": show} if show != "probs" else {}
+            given.update({"min_value": min_value} if min_value is not None else {})
+            given.update({name: kwargs[name] for name in sorted(set(kwargs) - {"generation", "sequence"})})
+            if given:
+                shown = ", ".join(f"{name}={value!r}" for name, value in given.items())
+                raise ValueError(
+                    f"section='prompt' takes only sequence= and generation=, got {shown} (options of section='steps')"
+                )
+            sequence = kwargs.get("sequence", 0)
+            if sequence is None:
+                raise ValueError(
+                    "section='prompt' takes one sequence (an int >= 0), got sequence=None; "
+                    "call it for each of run.sequences(generation)"
+                )
+            return self.prompt_logprobs(generation=kwargs.get("generation", -1), sequence=sequence)
         if section != "steps":
             raise ValueError(f"section must be 'steps' or 'prompt', got {section!r}")
         return super().to_dataframe(show, min_value, **kwargs)  # type: ignore[misc]
 
     # ---------------------------------------------------------------- one step, two runs, display
 
-    def why(self, position: int, *, sequence: int = 0, generation: int = -1) -> pd.DataFrame:
-        """Which stage changed the chosen token and the model's favourite at ``position`` (see :func:`tracker.stages.why`)."""
-        return why(self, position, sequence=sequence, generation=generation)
+    def why(
+        self, position: int, *, sequence: int = 0, generation: int = -1, include_finished: bool = False
+    ) -> pd.DataFrame:
+        """Which stage changed the chosen token and the model's favourite at ``position`` (see :func:`tracker.stages.why`).
+
+        A position past the sequence's end raises ValueError unless ``include_finished`` is True.
+        """
+        return why(self, position, sequence=sequence, generation=generation, include_finished=include_finished)
 
     def diff(self, other: Any, **options: Any) -> Any:
         """This run compared with ``other`` step by step (see :func:`tracker.compare.compare`)."""
@@ -175,22 +201,40 @@ class Insight:
         self._select(generation, sequence, False)  # type: ignore[attr-defined]
         return SequenceView(self, generation, sequence)
 
-    def step(self, position: int, *, generation: int = -1, sequence: int = 0, k: int = 10) -> Any:
-        """One step, shown in a notebook as its top-``k`` table and chart; ``.why()`` explains it."""
+    def step(
+        self, position: int, *, generation: int = -1, sequence: int = 0, k: int = 10, include_finished: bool = False
+    ) -> Any:
+        """One step, shown in a notebook as its top-``k`` table and chart; ``.why()`` explains it.
+
+        A position past the sequence's end raises ValueError unless ``include_finished`` is True.
+        """
         from tracker.display import StepView, step_html
 
-        view = StepView(self, position, generation, sequence, k)
-        step_html(self, position, generation=generation, sequence=sequence, k=k)  # checks the arguments now
+        view = StepView(self, position, generation, sequence, k, include_finished)
+        step_html(  # checks the arguments now
+            self, position, generation=generation, sequence=sequence, k=k, include_finished=include_finished
+        )
         return view
 
-    def show(self, step: int | None = None, *, generation: int = -1, sequence: int = 0, k: int = 10) -> Any:
-        """Draw a step's replay chart (or, with ``step=None``, the sequence) inline in a notebook; returns the view."""
+    def show(
+        self,
+        step: int | None = None,
+        *,
+        generation: int = -1,
+        sequence: int = 0,
+        k: int = 10,
+        include_finished: bool = False,
+    ) -> Any:
+        """Draw a step's replay chart (or, with ``step=None``, the sequence) inline in a notebook; returns the view.
+
+        A step past the sequence's end raises ValueError unless ``include_finished`` is True.
+        """
         from tracker.display import show
 
         return show(
             self.view(generation, sequence)
             if step is None
-            else self.step(step, generation=generation, sequence=sequence, k=k)
+            else self.step(step, generation=generation, sequence=sequence, k=k, include_finished=include_finished)
         )
 
     def _repr_html_(self) -> str:
