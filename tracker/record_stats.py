@@ -143,10 +143,10 @@ def _pair_stats_cpu(natural: torch.Tensor, x: torch.Tensor) -> tuple[np.ndarray,
         removed, margin = pair_stats(natural, x)
         return removed.numpy(), margin.numpy()
     kept = masked(nat, x.detach().float().numpy())  # natural where x allows the token, -inf where it masked it
-    removed = np.clip(1.0 - np.exp(logsumexp_rows(kept) - logsumexp_rows(nat)), 0.0, 1.0)
-    removed = np.nan_to_num(removed, nan=0.0)
-    margin = nat.max(axis=1) - kept.max(axis=1)
-    return removed, margin
+    with np.errstate(invalid="ignore"):  # a natural row with nothing allowed: -inf - -inf, as pair_stats gives
+        removed = np.clip(1.0 - np.exp(logsumexp_rows(kept) - logsumexp_rows(nat)), 0.0, 1.0)
+        margin = nat.max(axis=1) - kept.max(axis=1)
+    return np.nan_to_num(removed, nan=0.0), margin
 
 
 def pair_stats(natural: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
