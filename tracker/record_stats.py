@@ -6,9 +6,9 @@ exactly: :func:`row_stats` (log-sum-exp, allowed count, maximum, entropy, NaN
 count, EOS probability, and against the natural row the removed mass and
 margin), :func:`chosen_stats` once the chosen token is known (its logit,
 probability and rank), and :func:`summarise_topk` for top-k storage. A
-half-precision row is stored with the log-sum-exp of its rounded values
-(:func:`stored_lse`), which its probabilities are read with; its statistics
-are the full row's.
+half-precision row is stored minus its largest logit (:func:`offset_rows`)
+with the log-sum-exp of its rounded values (:func:`stored_lse`), which its
+probabilities are read with; its statistics are the full row's.
 
 These run once per recorded stage and step. None of them synchronises with
 the device: whole-row kernels whose small results are copied to the host
