@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import base64
-import json
 import re
 from dataclasses import replace
 
@@ -12,6 +10,7 @@ import pandas as pd
 import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
+from test_dashboard_app import _charts, _ok
 
 from dashboard import charts, data
 from dashboard.paths import APP
@@ -97,29 +96,8 @@ def _pick(at: AppTest, name: str, root, key: str = "run") -> AppTest:
     return at.sidebar.selectbox(key=key).set_value(str(root / name)).run()
 
 
-def _ok(at: AppTest) -> None:
-    assert not at.exception, at.exception[0].message if at.exception else ""
-
-
 def _plain(markdown: str) -> str:
     return re.sub(r"\\(.)", r"\1", markdown)
-
-
-def _decoded(value):
-    if isinstance(value, dict) and "bdata" in value and "dtype" in value:
-        array = np.frombuffer(base64.b64decode(value["bdata"]), dtype=np.dtype(value["dtype"]))
-        if "shape" in value:
-            array = array.reshape([int(n) for n in str(value["shape"]).split(",")])
-        return array.tolist()
-    if isinstance(value, dict):
-        return {k: _decoded(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_decoded(v) for v in value]
-    return value
-
-
-def _charts(at: AppTest) -> list[dict]:
-    return [_decoded(json.loads(chart.proto.spec)) for chart in at.get("plotly_chart")]
 
 
 def _texts(at: AppTest) -> str:
