@@ -14,8 +14,9 @@ other conventions (vLLM, Dynamo, TensorRT-LLM) build on this module: see
 Hosts that know more than transformers does (logitscope's ``Generator``) build
 the context themselves; hosts that pass only ``input_ids`` get a context whose
 prompt boundary is inferred: the first call after :meth:`reset` sees the
-prompt, and an input that is not exactly one token longer than the last call's
-starts a new generation (a shorter one, or a new, longer prompt).
+prompt, and an input that is not the last call's plus one token (shorter, as
+long, longer by more, another batch size or, for inputs on the CPU, other first
+columns) starts a new generation.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ __all__ = [
     "ProcessorError",
     "check_logits",
     "as_processor",
+    "continues",
     "FromTransformers",
 ]
 
@@ -143,19 +145,26 @@ class PromptBoundary:
     """Infers the prompt boundary for hosts that pass only ``input_ids``.
 
     The first call after a reset sees the whole prompt; the host adds one
-    token per step, so an input that is not exactly one token longer than the
-    last call's (shorter, as long, or longer by more: a new, longer prompt)
-    starts a new generation.
+    token per step, so an input that is not the last call's plus one token
+    (shorter, as long, longer by more: a new prompt; with tensors, another
+    batch size or, on the CPU, other first columns) starts a new generation.
     """
 
-    __slots__ = ("prompt_length", "last_length")
+    __slots__ = ("prompt_length", "last_length", "last_ids")
 
     def __init__(self) -> None:
         self.prompt_length: int | None = None
         self.last_length: int | None = None
+        self.last_ids: torch.Tensor | None = None  # the last call's input (transformers convention)
 
-    def starts_new_generation(self, length: int) -> bool:
-        return self.last_length is not None and length != self.last_length + 1
+    def starts_new_generation(self, length: int, input_ids: torch.Tensor | None = None) -> bool:
+        """Whether a call with an input of ``length`` (``input_ids``, when the host gives a tensor) is not the
+        next step of the last call. Does not synchronise (see :func:`continues`)."""
+        if self.last_length is None:
+            return False
+        if input_ids is not None and self.last_ids is not None:
+            return not continues(input_ids, self.last_ids)
+        return length != self.last_length + 1
 
     def observe(self, length: int) -> int:
         """Record a call's input length; return the prompt length in force."""
@@ -167,6 +176,21 @@ class PromptBoundary:
     def clear(self) -> None:
         self.prompt_length = None
         self.last_length = None
+        self.last_ids = None
+
+
+def continues(input_ids: torch.Tensor, last: torch.Tensor) -> bool:
+    """Whether ``input_ids`` is the step after ``last``: same rows, one token longer, same first columns.
+
+    The columns are compared only for tensors on the CPU (free there); on an
+    accelerator that would read the device every step, so batch and length
+    decide. Does not synchronise with the device.
+    """
+    if input_ids.shape[0] != last.shape[0] or input_ids.shape[1] != last.shape[1] + 1:
+        return False
+    if input_ids.device.type != "cpu" or last.device.type != "cpu":
+        return True
+    return bool(torch.equal(input_ids[:, :-1], last))
 
 
 def check_logits(name: str, out: Any, like: torch.Tensor) -> torch.Tensor:
@@ -289,9 +313,10 @@ class LogitsProcessor(abc.ABC):
         if boundary is None:
             boundary = self.__dict__["_host_boundary"] = PromptBoundary()
         length = int(input_ids.shape[1])
-        if boundary.starts_new_generation(length):
+        if boundary.starts_new_generation(length, input_ids):
             self.reset()
         ctx = BatchContext(input_ids=input_ids, prompt_length=boundary.observe(length))
+        boundary.last_ids = input_ids
         return self.process(scores, ctx)
 
     def _forget_host(self) -> None:

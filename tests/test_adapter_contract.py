@@ -282,6 +282,10 @@ def test_transformers_host_infers_prompt_and_new_generations() -> None:
     out = ref(torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), logits.clone())
     assert ref.calls == 1
     torch.testing.assert_close(out, expected(logits, [[1, 2, 3, 4, 5, 6, 7]], [[]]))
+    # a new prompt exactly one token longer is told apart by its first columns (inputs on the CPU)
+    out = ref(torch.tensor([[9, 9, 9, 9, 9, 9, 9, 9]]), logits.clone())
+    assert ref.calls == 1
+    torch.testing.assert_close(out, expected(logits, [[9, 9, 9, 9, 9, 9, 9, 9]], [[]]))
 
 
 def test_trtllm_keeps_state_per_request() -> None:

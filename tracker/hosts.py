@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from processors import BatchContext
+from processors.protocol import continues
 from processors.vocab import hf_tokenizer
 from tracker.recorder import Recorder
 from tracker.run import Run
@@ -89,20 +90,6 @@ class HostState:
 
     prompt_length: int = 0
     last_ids: torch.Tensor | None = None
-
-
-def continues(input_ids: torch.Tensor, last: torch.Tensor) -> bool:
-    """Whether ``input_ids`` is the step after ``last``: same rows, one token longer, same first columns.
-
-    The columns are compared only for tensors on the CPU (free there); on an
-    accelerator that would read the device every step, so batch and length
-    decide. Does not synchronise with the device.
-    """
-    if input_ids.shape[0] != last.shape[0] or input_ids.shape[1] != last.shape[1] + 1:
-        return False
-    if input_ids.device.type != "cpu" or last.device.type != "cpu":
-        return True
-    return bool(torch.equal(input_ids[:, :-1], last))
 
 
 def last_tokens(output: Any, gen: Generation) -> torch.Tensor | list[int]:
