@@ -12,7 +12,6 @@ is free. Selectors as in :mod:`tracker.selection`.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
@@ -222,13 +221,11 @@ class Analysis(Passes):
     def _positions(positions: int | Sequence[int] | None, sel: Selection) -> list[int]:
         if positions is None:
             return [int(s) for s in sel.steps.tolist()]
-        if not isinstance(positions, (bool, np.bool_)):
-            try:
-                return [index_arg("positions", operator.index(positions))]  # an int, numpy or 0-d tensor integer
-            except TypeError:
-                pass
-        if isinstance(positions, (str, bytes, bool)) or not isinstance(positions, Iterable):
-            raise TypeError(f"positions must be None, an int or a list of ints, got {positions!r}")
+        try:
+            return [index_arg("positions", positions)]  # an int, numpy or 0-d tensor integer
+        except TypeError:
+            if isinstance(positions, (str, bytes, bool, np.bool_)) or not isinstance(positions, Iterable):
+                raise TypeError(f"positions must be None, an int or a list of ints, got {positions!r}") from None
         return [index_arg(f"positions[{i}]", p) for i, p in enumerate(positions)]
 
     def to_dataframe(

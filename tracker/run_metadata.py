@@ -21,11 +21,11 @@ from importlib import metadata as _importlib_metadata
 from typing import Any
 
 import numpy as np
-import torch
 
 from processors import BatchContext
 from processors.vocab import Vocabulary, vocab_for
 from tracker.chunks import StepRows
+from tracker.prompt import leading_pad_mask, prompt_rows
 from tracker.recorder import Recorder
 from tracker.run import Run
 from tracker.schema import RunMetadata
@@ -69,15 +69,6 @@ class Generation:
     chosen_known: bool = True
 
 
-def _strip_left_padding(prompts: torch.Tensor, pad_token_id: int | None) -> list[list[int]]:
-    """Each row of ``prompts [B, P]`` without its leading run of ``pad_token_id``."""
-    rows = prompts.cpu()
-    if pad_token_id is None or rows.shape[1] == 0:
-        return rows.tolist()
-    leading = torch.cumprod((rows == pad_token_id).to(torch.int64), dim=1).sum(dim=1).tolist()
-    return [row[int(n) :].tolist() for row, n in zip(rows, leading)]
-
-
 ScoredPrompts = tuple[list[list[int]], list[list[float | None]]]
 """Prompts (each row's ids without its padding) and their log-probabilities, one list per row."""
 
@@ -97,11 +88,10 @@ def _scores_for(prompts: list[list[int]], scored: ScoredPrompts) -> list[list[fl
 
 def _prompt_ids(ctx: BatchContext, pad_token_id: int | None) -> list[list[int]]:
     """Each row's prompt: without the columns the attention mask marks 0, else without leading pad ids."""
-    prompts = ctx.input_ids[:, : ctx.prompt_length]
+    prompts = ctx.input_ids[:, : ctx.prompt_length].cpu()
     if ctx.attention_mask is not None:
-        keep = ctx.attention_mask[:, : ctx.prompt_length].bool().cpu()
-        return [row[mask].tolist() for row, mask in zip(prompts.cpu(), keep)]
-    return _strip_left_padding(prompts, pad_token_id)
+        return prompt_rows(prompts, ctx.attention_mask[:, : ctx.prompt_length])
+    return prompt_rows(prompts, leading_pad_mask(prompts, pad_token_id))
 
 
 def _summarise_sampling(rows: list[dict[str, Any]]) -> Any:
