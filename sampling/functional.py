@@ -94,7 +94,9 @@ class RowGroup:
     """Rows that share a pipe: their indices, the pipe's key and their parameters.
 
     A parameter is a Python scalar when every row of the group has the same
-    value (cheaper: no per-row tensor), else a ``[n]`` tensor; a per-row
+    value (cheaper: no per-row tensor), else a ``[n]`` tensor, float64 for
+    the float parameters so that a row's value is the same number either way
+    (a float32 top-p of 0.3 would move a cut that lies between tied tokens); a per-row
     ``top_k`` comes with ``max_top_k``, its largest value as a host int, so
     the pipe knows the candidates' width without reading the device.
     """
@@ -128,11 +130,11 @@ def _plan(
         rows = [i for i, k in enumerate(keys) if k == key]
         params: dict[str, Any] = {}
         if not key[0]:
-            params["temperature"] = _column([eff[i][0] for i in rows], torch.float32, device)
+            params["temperature"] = _column([eff[i][0] for i in rows], torch.float64, device)
             for on, name, index, dtype in (
-                (key[1], "min_p", 3, torch.float32),
+                (key[1], "min_p", 3, torch.float64),
                 (key[2], "top_k", 1, torch.long),
-                (key[3], "top_p", 2, torch.float32),
+                (key[3], "top_p", 2, torch.float64),
             ):
                 if on:
                     params[name] = _column([eff[i][index] for i in rows], dtype, device)
@@ -149,10 +151,10 @@ class RowParams:
     """Per-row sampling parameters as tensors, and the rows grouped by pipe (built once per generation)."""
 
     greedy: torch.Tensor  # bool [B]
-    temperature: torch.Tensor  # float32 [B]; 1.0 in greedy rows (never divided by zero)
+    temperature: torch.Tensor  # float64 [B]; 1.0 in greedy rows (never divided by zero)
     top_k: torch.Tensor  # int64 [B]; 0 = off
-    top_p: torch.Tensor  # float32 [B]
-    min_p: torch.Tensor  # float32 [B]
+    top_p: torch.Tensor  # float64 [B]
+    min_p: torch.Tensor  # float64 [B]
     joint: torch.Tensor | None = None  # bool [B]: the joint top-k/top-p filter
     groups: tuple[RowGroup, ...] = ()
 
@@ -164,11 +166,11 @@ class RowParams:
         return cls(
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             temperature=torch.tensor(
-                [1.0 if g else e[0] for g, e in zip(greedy, eff)], dtype=torch.float32, device=device
+                [1.0 if g else e[0] for g, e in zip(greedy, eff)], dtype=torch.float64, device=device
             ),
             top_k=torch.tensor([e[1] for e in eff], dtype=torch.long, device=device),
-            top_p=torch.tensor([e[2] for e in eff], dtype=torch.float32, device=device),
-            min_p=torch.tensor([e[3] for e in eff], dtype=torch.float32, device=device),
+            top_p=torch.tensor([e[2] for e in eff], dtype=torch.float64, device=device),
+            min_p=torch.tensor([e[3] for e in eff], dtype=torch.float64, device=device),
             joint=torch.tensor(joint, dtype=torch.bool, device=device),
             groups=_plan(greedy, eff, joint, device),
         )

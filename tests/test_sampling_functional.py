@@ -92,6 +92,31 @@ def test_a_row_draws_the_same_token_alone_and_in_any_batch():
     assert batch.logprobs[1] == alone.logprobs[0]
 
 
+@pytest.mark.parametrize("algorithm", ["cpu", "sort", "radix"])
+@pytest.mark.parametrize("top_k", [None, 50])
+@pytest.mark.parametrize(("tied", "top_p"), [(10, 0.3), (10, 0.7), (5, 0.6), (20, 0.1)])
+def test_a_top_p_cut_between_ties_is_the_same_alone_and_beside_other_top_p(algorithm, top_k, tied, top_p):
+    # `tied` equal tokens and top_p a multiple of their mass: a cut on a float boundary, which must land on the
+    # same side whether the row's top_p reaches the pipe alone (a scalar) or beside other rows' values (a column)
+    x = torch.full((1, 3000), float("-inf"))
+    x[0, :tied] = 0.0
+    x[0, tied : tied + 200] = -40.0  # a tail far below, so that the whole-vocabulary path sees many weights
+    mine = SamplingParams(top_p=top_p, top_k=top_k, seed=1)
+    other = SamplingParams(top_p=0.95, top_k=top_k, seed=2)
+    u = torch.rand(64, dtype=torch.float64, generator=torch.Generator().manual_seed(tied))
+    runs = []
+    for params, logits in (([mine], x), ([mine, other], torch.cat([x, _logits(1, 3000, seed=9)]))):
+        seen: list[torch.Tensor] = []
+        built = RowParams.build(params, "cpu")
+        sample(logits, built, _u(len(params)), taps=[seen.append], algorithm=algorithm)
+        tokens = [int(sample(logits, built, u[i : i + len(params)], algorithm=algorithm).tokens[0]) for i in range(32)]
+        runs.append((seen[0][0], tokens))
+    (alone, alone_tokens), (beside, beside_tokens) = runs
+    assert torch.equal(alone, beside)
+    assert alone_tokens == beside_tokens
+    assert int((alone > 0).sum()) in (round(top_p * tied), round(top_p * tied) + 1)  # either side of the boundary
+
+
 def test_row_params_made_by_hand_still_sample():
     x = _logits(3, 80, seed=6)
     built = RowParams.build([SamplingParams(top_k=3), SamplingParams(), SamplingParams(top_p=0.5)], "cpu")
