@@ -99,6 +99,28 @@ def test_probs_input_counts_as_summing_to_one_on_every_algorithm():
             assert torch.equal(pipe[algorithm](x, u=u, top_p=top_p), expected), (algorithm, top_p)
 
 
+@pytest.mark.parametrize("algorithm", ["cpu", *SYNC_FREE])
+def test_top_p_on_logits_keeps_the_float64_prefix_on_a_large_flat_row(algorithm):
+    # near-flat rows of 20,000 tokens: a float32 softmax sums to 1 - 1e-5 or so, enough to move a top-p cut by a
+    # token when the cut is measured against 1 instead of the row's own total
+    g = torch.Generator().manual_seed(5)
+    pipe = LogitsPipe([Softmax(), TopP(), Sample()], algorithm=algorithm)
+    checked = 0
+    for _ in range(8):
+        x = torch.randint(0, 2, (1, 20000), generator=g).float() * 1e-3
+        p = torch.softmax(x[0].double(), -1)
+        ordered = p[torch.sort(x[0], descending=True, stable=True).indices]
+        before = ordered.cumsum(0) - ordered
+        kept = int((before < 0.99).sum())
+        if min(0.99 - before[kept - 1], before[kept] - 0.99) < 0.02 * ordered[kept - 1]:
+            continue  # within rounding of a boundary: either side is right
+        seen: list[torch.Tensor] = []
+        pipe(x, u=_u(1), top_p=0.99, taps=[Tap(SAMPLED, lambda t, s=seen: s.append(t.data))])
+        assert int((seen[0] > 0).sum()) == kept
+        checked += 1
+    assert checked >= 4
+
+
 @pytest.mark.parametrize("algorithm", SYNC_FREE)
 @pytest.mark.parametrize(
     "case", ["top_p", "min_p", "temperature top_k top_p", "min_p top_p", "joint top_k top_p", "top_k at a tie"]

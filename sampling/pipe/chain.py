@@ -94,7 +94,9 @@ class Chain:
         w = x.float() if self.t is None or not self.from_logits else x.float() / K.as_column(self.t, x)
         w = torch.softmax(w, dim=-1) if self.from_logits else w
         cut: K.Cut | None = None
-        norm = _ones(w)  # the mass that counts as 1 for the next top-p
+        # the mass that counts as 1 for the next top-p: PROBS count as summing to 1; a float32 softmax is
+        # measured by its own total (NaN: the row's histogram total), which may miss 1 by 1e-5
+        norm = torch.full_like(_ones(w), float("nan")) if self.from_logits else _ones(w)
         shared = None
         for f in self.filters:
             if f.kind == "min_p":
