@@ -15,7 +15,8 @@ sees the renormalised survivors of both (vLLM's order; transformers applies
 min-p after top-p instead). ``joint_top_k_top_p=True`` asks for FlashInfer's
 joint filter instead: no renormalisation after top-k, so top-p counts mass
 against the whole distribution (a different distribution, kept only when
-both top-k and top-p are set).
+both top-k and top-p are set). With min-p set as well, min-p runs first and
+renormalises, so the joint top-p counts against the min-p survivors' mass.
 
 Ties and boundaries: top-k keeps exactly ``k`` tokens, the lower ids among
 equal probabilities; top-p keeps a token iff the mass of the more probable

@@ -149,6 +149,12 @@ def test_a_probs_row_of_zeros_is_dead():
         pipe(x, top_p=0.9)
 
 
+def test_a_dead_row_from_a_per_row_temperature_of_zero_names_the_unchecked_tensor():
+    pipe = LogitsPipe([Temperature(), Softmax(), TopK(), TopP(), Sample()])
+    with pytest.raises(DeadRowError, match=r"rows \[0\] .*per-row tensors \['temperature'\] are not checked"):
+        pipe(_rand(2, 50), u=_u(2), temperature=torch.tensor([0.0, 1.0]), top_k=2, top_p=0.5)
+
+
 # ----------------------------------------------------------------------------- log-probabilities
 
 

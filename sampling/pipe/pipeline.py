@@ -54,9 +54,13 @@ def _join(names: Iterable[str]) -> str:
     return " -> ".join(names)
 
 
-def dead_row_error(x: TaggedTensor, dead: torch.Tensor, rows: Sequence[int] | None = None) -> DeadRowError:
+def dead_row_error(
+    x: TaggedTensor, dead: torch.Tensor, rows: Sequence[int] | None = None, tensors: Iterable[str] = ()
+) -> DeadRowError:
     """A :class:`DeadRowError` naming the dead rows of ``x`` and why (``rows`` renames them).
 
+    ``tensors`` names the parameters the call gave as per-row tensors, whose
+    values are not checked (a temperature of 0 there also leaves a row dead).
     Synchronises: reads which rows are dead and whether they hold NaN (only once a call is to raise).
     """
     index = dead.nonzero().flatten()
@@ -70,6 +74,12 @@ def dead_row_error(x: TaggedTensor, dead: torch.Tensor, rows: Sequence[int] | No
     if other:
         what = "every logit is -inf or +inf" if x.type is TensorType.LOGITS else "every probability is 0 or inf"
         parts.append(f"rows {other} have no allowed token ({what}, or a stage removed every token)")
+    tensors = sorted(tensors)
+    if tensors:
+        parts.append(
+            f"the per-row tensors {tensors} are not checked value by value: a temperature <= 0, a NaN or a value "
+            "outside its range there also leaves a row with nothing to sample"
+        )
     return DeadRowError("cannot sample: " + "; ".join(parts) + " (pass on_dead='flag' for a validity flag)")
 
 
@@ -343,5 +353,7 @@ class LogitsPipe:
                 rt.emit(op.stage, y)
             x = y
         if on_dead == "raise" and rt.valid is not None and not bool(rt.valid.all()):
-            raise dead_row_error(tagged, ~rt.valid)
+            raise dead_row_error(
+                tagged, ~rt.valid, tensors=[k for k, v in rt.params.items() if isinstance(v, torch.Tensor)]
+            )
         return x
