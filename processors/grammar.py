@@ -18,7 +18,9 @@ grammar is complete, or that has ended, is allowed EOS only (hosts keep
 finished rows in the batch and feed them padding). A pattern, schema or
 grammar that cannot be compiled fails at construction with the engine's
 message. The llguidance tokenizer set-up (about a second at 128k tokens) is
-made once per tokenizer and cached.
+made once per tokenizer and cached; it reads each token's bytes from
+logitscope's own vocabulary, so every tokenizer family
+:mod:`processors.vocab` reads can be constrained.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch
 from processors.bitmask import HostBitmask, apply_bitmask_, bitmask_words, pack_bool, unpack_bitmask
 from processors.protocol import BatchContext, LogitsProcessor
 from processors.token_feed import TokenFeed
+from processors.vocab import Vocabulary, hf_tokenizer, vocab_for
 
 __all__ = [
     "GrammarLogitsProcessor",
@@ -66,25 +69,89 @@ def _eos_key(eos_token_id: int | Sequence[int] | None) -> tuple[int, ...] | None
     return tuple(ids)
 
 
-def llguidance_tokenizer(tokenizer: Any, eos_token_id: int | Sequence[int] | None = None) -> llguidance.LLTokenizer:
-    """llguidance's view of a transformers fast tokenizer, made once per tokenizer and cached.
+class _VocabularyTokens:
+    """What ``llguidance.TokenizerWrapper`` reads: each token's bytes as logitscope's vocabulary spells them.
 
-    ``eos_token_id`` overrides the tokenizer's end-of-sequence id(s) (for
-    models whose generation config ends on other tokens).
+    llguidance's own reading of a Hugging Face tokenizer takes a Metaspace
+    piece ``▁w`` for the bytes of ``▁`` and ``w`` and refuses WordPiece and
+    other decoders; :class:`~processors.vocab.Vocabulary` reads every family
+    (a token's bytes are what it adds in the middle of a text). Special
+    tokens go by name and are marked special, so a grammar cannot spell them
+    as text. Holds no strong reference to the tokenizer (the cache is keyed
+    by it, weakly).
+    """
+
+    def __init__(self, vocab: Vocabulary, eos_token_id: int | None, bos_token_id: int | None) -> None:
+        special = vocab.special
+        self.tokens = [vocab.display[i].encode() if special[i] else vocab.token_bytes(i) for i in range(vocab.size)]
+        self.special_token_ids = [i for i in range(vocab.size) if special[i]]
+        self.eos_token_id = eos_token_id
+        self.bos_token_id = bos_token_id
+        self._vocab = vocab
+        self._ids: dict[bytes, int] = {}
+        for i in reversed(range(vocab.size)):  # the lowest id of equal pieces wins
+            if not special[i] and self.tokens[i]:
+                self._ids[self.tokens[i]] = i
+        self._longest = max(map(len, self._ids), default=1)
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        """Tokens that spell ``text`` exactly in the middle of a text (llguidance tokenizes forced text with it).
+
+        The tokenizer's own split when it spells the text exactly, else the
+        longest pieces first (a WordPiece word cannot start a text without its
+        space, but ``##`` pieces can spell it). llguidance allows the tokens
+        given here, so they must spell nothing else.
+        """
+        if isinstance(text, str):
+            text = text.encode("utf-8")
+        if not text:
+            return []
+        fragment = self._vocab.encode_fragment(text.decode("utf-8", errors="replace"))
+        if fragment.exact and self._vocab.decode_bytes(fragment.ids) == text:
+            return list(fragment.ids)
+        out, start = [], 0
+        while start < len(text):
+            for end in range(min(len(text), start + self._longest), start, -1):
+                token = self._ids.get(text[start:end])
+                if token is not None:
+                    out.append(token)
+                    start = end
+                    break
+            else:
+                break  # a byte no token spells: llguidance handles the rest
+        return out
+
+
+def llguidance_tokenizer(tokenizer: Any, eos_token_id: int | Sequence[int] | None = None) -> llguidance.LLTokenizer:
+    """llguidance's view of a tokenizer, from logitscope's vocabulary, made once per tokenizer and cached.
+
+    Every family :mod:`processors.vocab` reads works (byte-level BPE,
+    SentencePiece with or without byte fallback, WordPiece). ``eos_token_id``
+    overrides the tokenizer's end-of-sequence id(s) (for models whose
+    generation config ends on other tokens).
     """
     key = _eos_key(eos_token_id)
     with _TOKENIZERS_LOCK:
         per_tokenizer = _TOKENIZERS.setdefault(tokenizer, {})
         cached = per_tokenizer.get(key)
         if cached is None:
-            import llguidance.hf  # imports transformers: only when a grammar is first built
-
             try:
-                cached = llguidance.hf.from_tokenizer(tokenizer, eos_token=None if key is None else list(key))
+                vocab = vocab_for(tokenizer)
+                hf = hf_tokenizer(tokenizer)
             except Exception as exc:
                 raise TypeError(
-                    f"tokenizer: llguidance needs a transformers fast tokenizer, got {type(tokenizer).__name__} ({exc})"
+                    f"tokenizer: a grammar needs a Hugging Face tokenizer (or a host's wrapper of one), "
+                    f"got {type(tokenizer).__name__} ({exc})"
                 ) from exc
+            eos = getattr(hf, "eos_token_id", None)
+            if key is None and not isinstance(eos, int):
+                raise ValueError(
+                    f"tokenizer: {type(hf).__name__} has no end-of-sequence token; pass eos_token_id= to the constraint"
+                )
+            tokens = _VocabularyTokens(vocab, eos, getattr(hf, "bos_token_id", None))
+            cached = llguidance.LLTokenizer(
+                llguidance.TokenizerWrapper(tokens), eos_token=None if key is None else list(key)
+            )
             per_tokenizer[key] = cached
         return cached
 
@@ -107,6 +174,10 @@ def _executor() -> llguidance.LLExecutor:
 class GrammarLogitsProcessor(LogitsProcessor):
     """Allow, in each row, only the tokens that keep its text inside an llguidance grammar.
 
+    Where the grammar forces the next bytes, llguidance allows only the
+    tokenizer's own split of them (after ``Pa`` in ``Paris|Lima``: ``ris``,
+    not ``r``), so a valid token split otherwise is masked there.
+
     Works in place: sets the logits of disallowed tokens to -inf in the
     tensor it is given and returns it (``inplace = True``). Tokens the
     tokenizer does not have (a model's vocabulary may be wider) are never
@@ -114,7 +185,7 @@ class GrammarLogitsProcessor(LogitsProcessor):
 
     Args:
         grammar: an llguidance grammar (see ``llguidance.grammar_from``).
-        tokenizer: the model's transformers fast tokenizer.
+        tokenizer: the model's Hugging Face tokenizer (any family :mod:`processors.vocab` reads).
         eos_token_id: end-of-sequence id(s), default the tokenizer's.
         argument, description: how construction errors name the user's input.
     """
@@ -131,6 +202,7 @@ class GrammarLogitsProcessor(LogitsProcessor):
         description: str = "grammar",
     ) -> None:
         self.tokenizer = tokenizer
+        self.description = description
         self._ll_tokenizer = llguidance_tokenizer(tokenizer, eos_token_id)
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._ll_tokenizer)
         if failed:
@@ -229,7 +301,14 @@ class GrammarLogitsProcessor(LogitsProcessor):
                 bitmask[row] = self._eos_only
         for matcher, row in live:
             if matcher.is_error():
-                raise ValueError(f"{self.name}: the matcher of row {row} failed: {matcher.get_error().strip()}")
+                error = matcher.get_error().strip()
+                if error.startswith("NoExtensionBias"):
+                    raise ValueError(
+                        f"{self.name}: row {row}: no token of this tokenizer spells a continuation the "
+                        f"{self.description} allows here (a WordPiece tokenizer, for one, cannot start a generated "
+                        f"text without a space)"
+                    )
+                raise ValueError(f"{self.name}: the matcher of row {row} failed: {error}")
         return bitmask
 
     def _host_masks(self, device: torch.device) -> HostBitmask:
@@ -356,7 +435,7 @@ class JSONLogitsProcessor(GrammarLogitsProcessor):
 
     Args:
         schema: a JSON-schema dict, its JSON text, or a pydantic model class.
-        tokenizer: the model's transformers fast tokenizer.
+        tokenizer: the model's Hugging Face tokenizer (any family :mod:`processors.vocab` reads).
         separators: the whitespace policy. An ``(item, key)`` pair fixes the
             separators and allows no other whitespace; the default
             ``(", ", ": ")`` is how most training text writes JSON, and leaves
@@ -417,7 +496,7 @@ class CFGLogitsProcessor(GrammarLogitsProcessor):
     Args:
         grammar: the grammar text, its start rule named ``start`` (Lark) or
             ``root`` (GBNF).
-        tokenizer: the model's transformers fast tokenizer.
+        tokenizer: the model's Hugging Face tokenizer (any family :mod:`processors.vocab` reads).
         syntax: ``"lark"`` (llguidance's Lark dialect) or ``"gbnf"``
             (llama.cpp's GBNF).
 

@@ -20,6 +20,7 @@ from processors import (
     BatchContext,
     ForcedTextLogitsProcessor,
     LogitBiasLogitsProcessor,
+    RegexLogitsProcessor,
     vocab_for,
 )
 from sampling import Generator, SamplingParams
@@ -188,3 +189,65 @@ def test_one_text_in_the_generator_the_tracker_and_model_generate(tok, cut):
     assert tracker_hf.sequence() == expected
     last = tracker_hf.get_top_tokens(k=1)[-1]
     assert last["text_so_far"] == tracker_hf.sequence(pos=len(new) - 1)
+
+
+# ---------------------------------------------------------------- grammar constraints
+
+
+def _words(data: bytes) -> bool:
+    """Whether ``data`` can start a text matching ``[a-z]+( [a-z]+)+``."""
+    return bool(data) and set(data) <= set(b"abcdefghijklmnopqrstuvwxyz ") and data[:1] != b" " and b"  " not in data
+
+
+def _no_space(data: bytes) -> bool:
+    """Whether ``data`` (valid UTF-8) can start a text matching ``[^ ]+``."""
+    return bool(data) and b" " not in data
+
+
+@pytest.mark.parametrize(("pattern", "viable"), [(r"[a-z]+( [a-z]+)+", _words), (r"[^ ]+", _no_space)])
+def test_a_regex_allows_exactly_the_tokens_that_can_start_a_match(tok, pattern, viable):
+    # llguidance must read every token as the bytes it adds in a text (a SentencePiece "▁w" is " w", not "▁w")
+    vocab = vocab_for(tok)
+    proc = RegexLogitsProcessor(pattern, tok)
+    prompt = ids_of(tok, "We went to")
+    allowed = set(
+        torch.isfinite(proc.process(torch.zeros(1, len(tok)), ctx([prompt], len(prompt)))[0])
+        .nonzero()
+        .flatten()
+        .tolist()
+    )
+    expected = set()
+    for i in range(vocab.size):
+        data = vocab.token_bytes(i)
+        if vocab.special[i]:
+            continue
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            allowed.discard(i)  # a piece of a character: whether it may start one is the engine's business
+            continue
+        if viable(data):
+            expected.add(i)
+    assert allowed == expected, {vocab.display[i] for i in allowed ^ expected}
+
+
+def test_a_regex_spelled_by_the_generator_in_every_family(tok):
+    model = random_gpt2(len(tok) + PAD, seed=4)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    text = " Hello world and Paris"
+    generator = add_tracking(Generator(model, tok, logits_processor=[RegexLogitsProcessor(text, tok)]))
+    prompt = ids_of(tok, "We went to")
+    (out,) = generator.generate([prompt], SamplingParams(temperature=1.0, seed=0, max_new_tokens=20))
+    completion = out.outputs[0]
+    assert completion.text == text
+    assert completion.finish_reason == "stop"
+    assert in_context(tok, prompt, completion.token_ids) == text
+    assert generator.logits_processor.sequence() == text
+
+
+def test_a_regex_no_token_can_start_says_so():
+    tok = build("wordpiece")  # a WordPiece word mid-text always brings its space
+    proc = RegexLogitsProcessor("Hello", tok)
+    prompt = ids_of(tok, "We went to")
+    with pytest.raises(ValueError, match="no token of this tokenizer spells a continuation the regex 'Hello' allows"):
+        proc.process(torch.zeros(1, len(tok)), ctx([prompt], len(prompt)))
