@@ -38,7 +38,7 @@ def _check_words(words: Any) -> tuple[str, ...]:
     if not items:
         raise ValueError("words must hold at least one word, got an empty list")
     for i, word in enumerate(items):
-        if not isinstance(word, str) or not word.strip():
+        if not isinstance(word, str) or not word:
             raise ValueError(f"words[{i}] must be a non-empty string, got {word!r}")
     return items
 
@@ -98,7 +98,8 @@ class BadWordsLogitsProcessor(LogitsProcessor):
         """Single banned tokens, and per prefix length the (prefixes, last tokens) of longer words."""
         sequences: set[tuple[int, ...]] = set()
         for word in self.words:
-            for text in (word.lstrip(), " " + word.lstrip()):
+            bare = word.lstrip() or word  # a word of whitespace only ("\n\n") is banned as it is
+            for text in (bare, " " + bare):
                 ids = tuple(encode(text))
                 if ids:
                     sequences.add(ids)

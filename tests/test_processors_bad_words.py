@@ -88,6 +88,17 @@ def test_text_mode_bans_every_spelling(tok):
             assert (token in banned_after(proc, ids(tok, prefix), width)) is completes, (prefix, token)
 
 
+@pytest.mark.parametrize("word", ["\n\n", "  "])
+def test_a_word_of_whitespace_only_is_banned_like_any_other(tok, word):
+    proc = BadWordsLogitsProcessor([word], tok)
+    pieces = vocab_for(tok).pieces
+    for prefix in ["Alice", "Alice" + word[0]]:
+        proc.reset()
+        banned = banned_after(proc, ids(tok, prefix), len(tok))
+        assert banned == {t for t in range(len(tok)) if word.encode() in prefix.encode() + pieces[t]}, prefix
+    assert BadWordsLogitsProcessor([word], tok, mode="tokens").words == (word,)
+
+
 def test_text_mode_follows_bytes_across_many_tokens_and_rows(tok):
     proc = BadWordsLogitsProcessor(["Alice", "Zoë"], tok)
     single = [ids(tok, c)[0] for c in "Alic"]
