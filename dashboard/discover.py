@@ -106,6 +106,7 @@ class RunSummary:
     vocab_size: int = 0
     size_bytes: int = 0
     error: str | None = None
+    note: str | None = None
 
 
 def _sampling_text(sampling: object) -> str:
@@ -146,6 +147,7 @@ def summary_of(reader: RunReader, label: str) -> RunSummary:
         stages=", ".join(m.stages),
         vocab_size=m.vocab_size,
         size_bytes=reader.size_bytes,
+        note=reader.note,
     )
 
 

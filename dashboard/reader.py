@@ -163,6 +163,7 @@ class RunReader:
         self._layout = self._open(self.path)
         self._parts: list[Part] = self._layout.parts
         self.metadata: RunMetadata = self._layout.metadata
+        self.note: str | None = self._layout.note  # e.g. a spill folder holds only the spilled rows
         self._index = self._read_index()
 
     # ---------------------------------------------------------------- opening

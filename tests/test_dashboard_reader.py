@@ -108,7 +108,11 @@ def test_a_dataset_partition_and_a_spill_folder_are_runs(tmp_path):
     track.recorder.flush()  # chunks go to disk on a background writer: wait for it
     found = [p for p in find_runs(spill) if p.is_dir()]
     assert found, "the spill folder should be found as a run"
-    assert RunReader(found[0]).track(0, 0).length >= 1
+    reader = RunReader(found[0])
+    assert reader.track(0, 0).length >= 1
+    assert "spill folder" in reader.note and "still held in memory are not in it" in reader.note
+    assert summarize(found[0]).note == reader.note  # the Runs and Overview pages show it
+    assert RunReader(folder).note is None
 
 
 def _write_with_metadata(table: pa.Table, path, change) -> None:

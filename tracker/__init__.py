@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from tracker.analysis import Continuation
     from tracker.compare import Comparison, compare
     from tracker.integrate import add_tracking
+    from tracker.layout import PartialRunWarning
     from tracker.processor import LogitTrackingProcessor
     from tracker.recorder import Recorder, Storage
     from tracker.run import Run
@@ -44,6 +45,7 @@ __all__ = [
     "Storage",
     "Recorder",
     "SCHEMA_VERSION",
+    "PartialRunWarning",
 ]
 
 #: Where each public name lives. Imported on first use (PEP 562), so that reading a run
@@ -60,6 +62,7 @@ _HOMES = {
     "Storage": "tracker.recorder",
     "Recorder": "tracker.recorder",
     "SCHEMA_VERSION": "tracker.schema",
+    "PartialRunWarning": "tracker.layout",
 }
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

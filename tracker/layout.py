@@ -43,6 +43,7 @@ from tracker.schema import (
 from tracker.spill import CHUNK_GLOB, RUN_JSON, VOCAB_FILE, atomic_path, remove_orphans
 
 __all__ = [
+    "PartialRunWarning",
     "IPC_SUFFIXES",
     "PARQUET_SUFFIXES",
     "ID_COLUMNS",
@@ -72,6 +73,10 @@ class RunFileError(ValueError):
         self.path = str(path)
         self.reason = reason
         super().__init__(f"'{path}' cannot be read as a logitscope run: {reason}")
+
+
+class PartialRunWarning(UserWarning):
+    """A run read from a spill folder: only the rows that had spilled to disk (see :attr:`RunLayout.note`)."""
 
 
 class NoRunError(FileNotFoundError):
@@ -243,6 +248,17 @@ class RunLayout:
     metadata: RunMetadata
     vocab_raw: bytes | None
     vocab_path: Path
+
+    @property
+    def note(self) -> str | None:
+        """What a reader should know about how much of the run this is (None: the whole run as exported)."""
+        if self.kind != "spill":
+            return None
+        return (
+            f"'{self.path}' is a spill folder: it holds the rows that had spilled to disk when its tracker stopped "
+            "(or was cleared or died); rows the tracker still held in memory are not in it. The whole run is in "
+            "the tracker's exports (to_parquet, to_dataset)."
+        )
 
     def vocabulary(self) -> Vocabulary | None:
         """The run's vocabulary (None when it carries none); RunFileError when it is damaged."""

@@ -24,6 +24,7 @@ naming the file and what is wrong with it. Files are read and written through
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -35,6 +36,7 @@ from processors.vocab import Vocabulary
 from tracker.analysis import Analysis, stage_matrix
 from tracker.insight import Insight
 from tracker.layout import (
+    PartialRunWarning,
     RunFileError,
     metadata_from,
     open_layout,
@@ -214,9 +216,13 @@ class Run(Insight, Analysis):
         separate run files, needs ``run_id`` (runs are never merged); a
         ``run_id`` that is not at ``path`` is a ValueError.
         No model and no tokenizer are needed: the vocabulary is in the file.
+        A spill folder holds only the rows that had spilled to disk: loading
+        one warns (:class:`~tracker.layout.PartialRunWarning`).
         FileNotFoundError when nothing is at ``path``; :class:`RunFileError`
         naming the file and the fault when it is not a readable run (see
         :mod:`tracker.layout`).
         """
         layout = open_layout(path, run_id)
+        if layout.note is not None:
+            warnings.warn(layout.note, PartialRunWarning, stacklevel=2)
         return cls(layout.batches(), layout.metadata, layout.vocabulary())

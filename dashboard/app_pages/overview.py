@@ -12,6 +12,8 @@ if picked is None:
     st.stop()
 title = picked.summary.title or picked.summary.label
 st.title(f"Overview · {text.md_text(title)}")
+if picked.summary.note:
+    st.warning(text.md_text(picked.summary.note))
 try:
     track = data.track(picked.path, picked.generation, picked.sequence)
     size = data.window_steps(picked.path)

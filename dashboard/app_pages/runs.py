@@ -65,6 +65,8 @@ for bad in (s for s in summaries if s.error is not None):
 picked = st.session_state.get("summaries", {}).get(st.session_state.get("run"))
 if picked is not None and picked.error is None:
     st.subheader(md_text(picked.title or picked.label))
+    if picked.note:
+        st.warning(md_text(picked.note))
     left, right = st.columns(2)
     left.markdown("**Prompt**")
     left.code(picked.prompt, language=None, wrap_lines=True)
