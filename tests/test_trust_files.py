@@ -57,6 +57,19 @@ def test_prompts_far_past_the_footer_limit_round_trip(tmp_path):
     del prompt, run, reader
 
 
+@pytest.mark.parametrize("name", ["run.arrow", "run.feather", "run.ipc", "run.data"])
+def test_a_file_reads_by_what_it_holds_whatever_its_suffix(tmp_path, name):
+    tracker = recorded(steps=4, vocab=300)
+    expected = tracker.get_logits()["unstructured"]
+    parquet = tracker.to_parquet(tmp_path / name)  # Parquet, whatever the name says
+    ipc = tmp_path / ("ipc-" + name)
+    with pa.OSFile(str(ipc), "wb") as sink, pa.ipc.new_file(sink, tracker.run.to_arrow().schema) as writer:
+        writer.write_table(tracker.run.to_arrow())
+    for path in (parquet, ipc):
+        np.testing.assert_array_equal(Run.load(path).get_logits()["unstructured"], expected)
+        assert RunReader(path).track(0, 0).length == 4
+
+
 def test_generation_metadata_survives_the_file_and_the_dashboard_reader(tmp_path):
     tok = byte_tokenizer()
     tracker = LogitTrackingProcessor(None, tokenizer=tok)

@@ -215,9 +215,14 @@ class _IpcPart:
 
 
 def open_part(path: Path) -> Part:
-    """Open one run file by its suffix (IPC or Parquet); RunFileError naming it when it cannot be read."""
+    """Open one run file (IPC or Parquet, told by its first bytes, else its suffix); RunFileError naming it
+    when it cannot be read."""
     try:
-        if path.suffix in IPC_SUFFIXES:
+        with open(path, "rb") as f:
+            magic = f.read(6)
+        if magic.startswith(b"PAR1"):
+            return _ParquetPart(path)
+        if magic == b"ARROW1" or path.suffix in IPC_SUFFIXES:
             return _IpcPart(path)
         return _ParquetPart(path)
     except (pa.ArrowException, OSError, ValueError) as exc:
