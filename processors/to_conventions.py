@@ -57,8 +57,20 @@ def _tell_last_token(processor: LogitsProcessor, ids: torch.Tensor, prompt_lengt
     processor.on_generation_end([ids.shape[1] - prompt_length] * ids.shape[0])
 
 
+def _one_row(logits: Any) -> torch.Tensor:
+    """``logits`` as ``[1, V]``: a host of one row per call hands ``[V]`` (or ``[1, V]``); anything else is refused."""
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a torch.Tensor row [vocab], got {type(logits).__name__}")
+    if not (logits.ndim == 1 or (logits.ndim == 2 and logits.shape[0] == 1)) or logits.shape[-1] == 0:
+        raise ValueError(
+            f"logits must be one request's row, shape [vocab] or [1, vocab] with vocab > 0, got shape "
+            f"{tuple(logits.shape)} (this convention calls the processor once per request)"
+        )
+    return logits.reshape(1, -1)
+
+
 def _apply_in_place(processor: LogitsProcessor, row: torch.Tensor, ctx: BatchContext) -> None:
-    batch = row.reshape(1, -1)
+    batch = _one_row(row)
     out = processor.process(batch, ctx)
     if out.shape != batch.shape:
         raise ProcessorError(
@@ -110,13 +122,14 @@ class VLLMProcessor:
             prompt_ids, output_ids, logits = args
         else:
             prompt_ids, (output_ids, logits) = (), args
+        row = _one_row(logits)
         n_out = len(output_ids)
         if self._last_outputs is not None and n_out <= self._last_outputs:
             self.processor.reset()
         self._last_outputs, self._prompt = n_out, tuple(prompt_ids)
         ids = list(prompt_ids) + list(output_ids)
         ctx = _row_context(ids, len(prompt_ids), logits.device)
-        out = self.processor.process(logits.reshape(1, -1), ctx)
+        out = self.processor.process(row, ctx)
         return out.view_as(logits)
 
     def finish(self, output_ids: Sequence[int]) -> None:
@@ -157,6 +170,7 @@ class DynamoProcessor:
 
     def __call__(self, input_ids: Sequence[int], logits: torch.Tensor) -> None:
         """Process the row in place (synchronises only to read ``input_ids`` given as a device tensor)."""
+        _one_row(logits)
         ids = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else list(input_ids)
         if self._boundary.starts_new_generation(len(ids)):
             self.reset()

@@ -262,6 +262,25 @@ def test_wrong_shape_and_none_are_named() -> None:
         from_dynamo(lambda ids, row: None, factory=lambda: None)
 
 
+@pytest.mark.parametrize("convention", ["vllm", "dynamo"])
+@pytest.mark.parametrize("shape", [(2, VOCAB), (1, 0), (0,), (2, 1, VOCAB)])
+def test_one_row_conventions_refuse_logits_that_are_not_one_row(convention: str, shape: tuple[int, ...]) -> None:
+    # a [2, V] batch read as one row of 2V tokens recorded the wrong vocabulary and masked row 1 whole
+    from tracker import LogitTrackingProcessor
+
+    tracker = LogitTrackingProcessor(None)
+    fn = to_vllm(tracker) if convention == "vllm" else to_dynamo(tracker)
+    with pytest.raises(ValueError, match=r"logits must be one request's row, shape \[vocab\] or \[1, vocab\]"):
+        fn([1, 2], torch.randn(shape))
+    with pytest.raises(TypeError, match="logits must be a torch.Tensor row"):
+        fn([1, 2], [0.1] * VOCAB)
+    assert tracker.run.num_rows == 0
+    row = torch.randn(1, VOCAB)
+    fn([1, 2], row.clone())  # [1, V] and [V] are both one row
+    fn([1, 2, 3], row[0].clone())
+    assert tracker.run.num_rows == 2 and tracker.run.metadata.vocab_size == VOCAB
+
+
 def test_transformers_host_infers_prompt_and_new_generations() -> None:
     """Called as transformers does, a processor learns the prompt and sees restarts."""
     ref = Reference()

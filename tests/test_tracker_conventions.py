@@ -191,13 +191,18 @@ def test_transformers_convention_is_the_tracker_itself():
 # ---------------------------------------------------------------- bad input
 
 
-def test_logits_of_the_wrong_rank_are_an_error():
+def test_logits_of_the_wrong_rank_are_an_error(tmp_path):
     tracker = LogitTrackingProcessor(MaskEven())
-    with pytest.raises(ValueError, match=r"logits must be 2-D \[batch, vocab\], got shape \(1, 1, 32\)"):
+    with pytest.raises(ValueError, match=r"logits must be 2-D \[batch, vocab\] .*, got shape \(1, 1, 32\)"):
         tracker(torch.tensor([[1]]), torch.randn(1, 1, V))
     with pytest.raises(ValueError, match="logits has 2 rows but input_ids has 1"):
         tracker(torch.tensor([[1]]), torch.randn(2, V))
+    for empty in ((0, V), (1, 0)):  # nothing to record: refused before a generation starts
+        with pytest.raises(ValueError, match=rf"batch >= 1 and vocab >= 1, got shape \({empty[0]}, {empty[1]}\)"):
+            tracker(torch.zeros(empty[0], 1, dtype=torch.long), torch.randn(empty))
     assert tracker.recorder.rows == 0
+    with pytest.raises(ValueError, match="nothing recorded yet"):
+        tracker.to_parquet(tmp_path / "never-written.parquet")
 
 
 def test_a_vocabulary_that_changes_size_midway_is_an_error():

@@ -256,8 +256,10 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
         """
         if not isinstance(logits, torch.Tensor):
             raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
-        if logits.ndim != 2:
-            raise ValueError(f"logits must be 2-D [batch, vocab], got shape {tuple(logits.shape)}")
+        if logits.ndim != 2 or 0 in logits.shape:
+            raise ValueError(
+                f"logits must be 2-D [batch, vocab] with batch >= 1 and vocab >= 1, got shape {tuple(logits.shape)}"
+            )
         if not logits.is_floating_point():
             raise TypeError(f"logits must be floating point, got {logits.dtype}")
         batch = int(logits.shape[0])
