@@ -149,6 +149,13 @@ def test_a_probs_row_of_zeros_is_dead():
         pipe(x, top_p=0.9)
 
 
+def test_a_row_holding_plus_inf_among_finite_logits_is_named_for_it():
+    x = _rand(3, 50)
+    x[1, [7, 9]] = float("inf")
+    with pytest.raises(DeadRowError, match=r"cannot sample: rows \[1\] hold \+inf logits \("):
+        LogitsPipe([Temperature(), Softmax(), TopP(), Sample()])(x, u=_u(3), temperature=0.8, top_p=0.9)
+
+
 def test_a_dead_row_from_a_per_row_temperature_of_zero_names_the_unchecked_tensor():
     pipe = LogitsPipe([Temperature(), Softmax(), TopK(), TopP(), Sample()])
     with pytest.raises(DeadRowError, match=r"rows \[0\] .*per-row tensors \['temperature'\] are not checked"):

@@ -118,6 +118,19 @@ def test_positions_and_sequences_of_the_wrong_kind_are_refused_by_name():
         tracker.run.step("3")
 
 
+def test_numpy_scalars_count_as_the_numbers_they_hold():
+    # what a user computes with numpy (k from an array's length, a threshold from probabilities.max() / 2)
+    tracker = record()[0]
+    probs = tracker.get_probabilities()["unstructured"]
+    threshold = probs.max() / 2  # a numpy float32
+    assert tracker.get_top_tokens(k=np.int64(3)) == tracker.get_top_tokens(k=3)
+    assert tracker.to_dataframe(min_value=threshold).equals(tracker.to_dataframe(min_value=float(threshold)))
+    topk = LogitTrackingProcessor(storage="topk", top_k=np.int32(5))
+    assert topk.storage.top_k == 5 and type(topk.storage.top_k) is int
+    with pytest.raises(ValueError, match=r"k must be an int >= 1, got np.True_"):
+        tracker.get_top_tokens(k=np.bool_(True))
+
+
 def test_stats_match_a_reference():
     tracker, nat, con, chosen = record(seed=2)
     stats = tracker.stats(sequence=0)

@@ -12,6 +12,7 @@ is free. Selectors as in :mod:`tracker.selection`.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
@@ -169,8 +170,9 @@ class Analysis(Passes):
         listed). ``stage`` names the stage shown as "structured"
         (default ``constrained``; e.g. ``"after:regex"``).
         """
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        if not isinstance(k, numbers.Integral) or isinstance(k, (bool, np.bool_)) or k < 1:
             raise ValueError(f"k must be an int >= 1, got {k!r}")
+        k = int(k)
         sel = self._select(generation, sequence, include_finished)
         top = self._top(sel, k, stage)
         texts = self._texts(sel)
@@ -251,8 +253,11 @@ class Analysis(Passes):
         """
         if show not in ("probs", "logits"):
             raise ValueError(f"show must be 'probs' or 'logits', got {show!r}")
-        if min_value is not None and (not isinstance(min_value, (int, float)) or math.isnan(min_value)):
+        if min_value is not None and (
+            not isinstance(min_value, numbers.Real) or isinstance(min_value, (bool, np.bool_)) or math.isnan(min_value)
+        ):
             raise ValueError(f"min_value must be a number or None, got {min_value!r}")
+        min_value = None if min_value is None else float(min_value)
         if sequence is None:
             frames = [
                 self.to_dataframe(

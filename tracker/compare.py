@@ -30,6 +30,7 @@ last processor of a run recorded with ``processor_stages=True``, stored as
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -264,8 +265,9 @@ def compare(
     different storage modes can be compared (see the module docstring on
     top-k storage).
     """
-    if not isinstance(top, int) or isinstance(top, bool) or top < 1:
+    if not isinstance(top, numbers.Integral) or isinstance(top, (bool, np.bool_)) or top < 1:
         raise ValueError(f"top must be an int >= 1, got {top!r}")
+    top = int(top)
     run_a, run_b = _as_run(run_a, "run_a"), _as_run(run_b, "run_b")
     va, vb = run_a.metadata.vocab_size, run_b.metadata.vocab_size
     if va != vb:

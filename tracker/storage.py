@@ -9,6 +9,7 @@ bound. :data:`STATISTICS` lists when each row's statistics are computed.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,7 +54,7 @@ class Storage:
         if storage not in STORAGE_KINDS and storage != "auto":
             raise ValueError(f"storage must be one of {STORAGE_KINDS} or 'auto', got {storage!r}")
         if storage in ("topk", "auto"):
-            if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+            if not isinstance(top_k, numbers.Integral) or isinstance(top_k, (bool, np.bool_)) or top_k < 1:
                 raise ValueError(f"top_k must be an int >= 1 for storage='topk', got {top_k!r}")
             return cls(storage, int(top_k))
         return cls(storage, 0)

@@ -61,16 +61,21 @@ def dead_row_error(
 
     ``tensors`` names the parameters the call gave as per-row tensors, whose
     values are not checked (a temperature of 0 there also leaves a row dead).
-    Synchronises: reads which rows are dead and whether they hold NaN (only once a call is to raise).
+    Synchronises: reads which rows are dead and whether they hold NaN or +inf (only once a call is to raise).
     """
     index = dead.nonzero().flatten()
     names = [rows[i] for i in index.tolist()] if rows is not None else index.tolist()
-    nan = torch.isnan(x.data.index_select(0, index)).any(-1).tolist()
+    picked = x.data.index_select(0, index)
+    nan = torch.isnan(picked).any(-1).tolist()
+    posinf = torch.isposinf(picked).any(-1).tolist()
     nan_rows = [r for r, n in zip(names, nan) if n]
-    other = [r for r, n in zip(names, nan) if not n]
+    inf_rows = [r for r, n, i in zip(names, nan, posinf) if i and not n]
+    other = [r for r, n, i in zip(names, nan, posinf) if not (n or i)]
     parts = []
     if nan_rows:
         parts.append(f"rows {nan_rows} hold NaN {x.type.name.lower()}")
+    if inf_rows:
+        parts.append(f"rows {inf_rows} hold +inf {x.type.name.lower()}")
     if other:
         what = "every logit is -inf or +inf" if x.type is TensorType.LOGITS else "every probability is 0 or inf"
         parts.append(f"rows {other} have no allowed token ({what}, or a stage removed every token)")
