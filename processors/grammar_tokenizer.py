@@ -24,6 +24,7 @@ _TOKENIZERS: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...] | None, llguida
     weakref.WeakKeyDictionary()
 )
 _TOKENIZERS_LOCK = threading.Lock()
+_SPLITS_KEPT = 4096  # forced texts whose tokens a tokenizer remembers (llguidance asks once per row and step)
 
 
 def _eos_key(eos_token_id: int | Sequence[int] | None) -> tuple[int, ...] | None:
@@ -38,13 +39,9 @@ def _eos_key(eos_token_id: int | Sequence[int] | None) -> tuple[int, ...] | None
 class _VocabularyTokens:
     """What ``llguidance.TokenizerWrapper`` reads: each token's bytes as logitscope's vocabulary spells them.
 
-    llguidance's own reading of a Hugging Face tokenizer takes a Metaspace
-    piece ``▁w`` for the bytes of ``▁`` and ``w`` and refuses WordPiece and
-    other decoders; :class:`~processors.vocab.Vocabulary` reads every family
-    (a token's bytes are what it adds in the middle of a text). Special
-    tokens go by name and are marked special, so a grammar cannot spell them
-    as text. Holds no strong reference to the tokenizer (the cache is keyed
-    by it, weakly).
+    Special tokens go by name and are marked special, so a grammar cannot
+    spell them as text. Holds no strong reference to the tokenizer (the
+    cache is keyed by it, weakly).
     """
 
     def __init__(self, vocab: Vocabulary, eos_token_id: int | None, bos_token_id: int | None) -> None:
@@ -59,6 +56,7 @@ class _VocabularyTokens:
             if not special[i] and self.tokens[i]:
                 self._ids[self.tokens[i]] = i
         self._longest = max(map(len, self._ids), default=1)
+        self._split: dict[bytes, list[int]] = {}  # forced texts repeat across rows and steps
 
     def __call__(self, text: str | bytes) -> list[int]:
         """Tokens that spell ``text`` exactly in the middle of a text (llguidance tokenizes forced text with it).
@@ -72,6 +70,14 @@ class _VocabularyTokens:
             text = text.encode("utf-8")
         if not text:
             return []
+        known = self._split.get(text)
+        if known is None:
+            if len(self._split) >= _SPLITS_KEPT:
+                self._split.clear()
+            known = self._split[text] = self._spell(text)
+        return list(known)
+
+    def _spell(self, text: bytes) -> list[int]:
         fragment = self._vocab.encode_fragment(text.decode("utf-8", errors="replace"))
         if fragment.exact and self._vocab.decode_bytes(fragment.ids) == text:
             return list(fragment.ids)
