@@ -12,7 +12,6 @@ is free. Selectors as in :mod:`tracker.selection`.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
@@ -20,6 +19,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from processors.checks import is_number
 from tracker import metrics
 from tracker.block import Block, full_rows, read_as_recorded, stage_matrix
 from tracker.candidates import (
@@ -31,7 +31,7 @@ from tracker.candidates import (
 from tracker.continuation import Continuation, continuation
 from tracker.passes import Passes
 from tracker.rows import probabilities
-from tracker.selection import Selection, index_arg
+from tracker.selection import Selection, count_arg, index_arg
 from tracker.stages import resolve_stage
 
 __all__ = ["Analysis", "Continuation", "Selection", "stage_matrix"]
@@ -170,9 +170,7 @@ class Analysis(Passes):
         listed). ``stage`` names the stage shown as "structured"
         (default ``constrained``; e.g. ``"after:regex"``).
         """
-        if not isinstance(k, numbers.Integral) or isinstance(k, (bool, np.bool_)) or k < 1:
-            raise ValueError(f"k must be an int >= 1, got {k!r}")
-        k = int(k)
+        k = count_arg("k", k)
         sel = self._select(generation, sequence, include_finished)
         top = self._top(sel, k, stage)
         texts = self._texts(sel)
@@ -253,9 +251,7 @@ class Analysis(Passes):
         """
         if show not in ("probs", "logits"):
             raise ValueError(f"show must be 'probs' or 'logits', got {show!r}")
-        if min_value is not None and (
-            not isinstance(min_value, numbers.Real) or isinstance(min_value, (bool, np.bool_)) or math.isnan(min_value)
-        ):
+        if min_value is not None and (not is_number(min_value) or math.isnan(min_value)):
             raise ValueError(f"min_value must be a number or None, got {min_value!r}")
         min_value = None if min_value is None else float(min_value)
         if sequence is None:

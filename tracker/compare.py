@@ -30,7 +30,6 @@ last processor of a run recorded with ``processor_stages=True``, stored as
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +38,7 @@ import numpy as np
 import pandas as pd
 
 from tracker.display import token_label
+from tracker.selection import count_arg
 from tracker.stages import resolve_stage
 
 __all__ = ["Comparison", "compare", "distances"]
@@ -265,9 +265,7 @@ def compare(
     different storage modes can be compared (see the module docstring on
     top-k storage).
     """
-    if not isinstance(top, numbers.Integral) or isinstance(top, (bool, np.bool_)) or top < 1:
-        raise ValueError(f"top must be an int >= 1, got {top!r}")
-    top = int(top)
+    top = count_arg("top", top)
     run_a, run_b = _as_run(run_a, "run_a"), _as_run(run_b, "run_b")
     va, vb = run_a.metadata.vocab_size, run_b.metadata.vocab_size
     if va != vb:

@@ -261,7 +261,7 @@ class RunLayout:
             return None
         return (
             f"'{self.path}' is a spill folder: it holds the rows that had spilled to disk when its tracker stopped "
-            "(or was cleared or died); rows the tracker still held in memory are not in it. The whole run is in "
+            "(or its process died); rows the tracker still held in memory are not in it. The whole run is in "
             "the tracker's exports (to_parquet, to_dataset)."
         )
 

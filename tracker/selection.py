@@ -24,7 +24,7 @@ from tracker.schema import RunMetadata
 if TYPE_CHECKING:
     from processors.vocab import Vocabulary
 
-__all__ = ["Selection", "Selecting", "sequence_end", "index_arg"]
+__all__ = ["Selection", "Selecting", "sequence_end", "index_arg", "count_arg"]
 
 
 def index_arg(name: str, value: Any) -> int:
@@ -42,6 +42,18 @@ def index_arg(name: str, value: Any) -> int:
     if index < 0:
         raise ValueError(f"{name} must be an int >= 0, got {index}")
     return index
+
+
+def count_arg(name: str, value: Any, minimum: int = 1, context: str = "") -> int:
+    """``value`` as a Python int ``>= minimum`` (an int or numpy integer, not a bool); ValueError naming the
+    argument, the value and what is allowed (``context`` says more, e.g. " for storage='topk'")."""
+    try:
+        count = None if isinstance(value, (bool, np.bool_)) else operator.index(value)
+    except TypeError:
+        count = None
+    if count is None or count < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}{context}, got {value!r}")
+    return count
 
 
 def sequence_end(steps: np.ndarray, chosen: np.ndarray, metadata: RunMetadata, generation: int, sequence: int) -> int:

@@ -9,7 +9,6 @@ bound. :data:`STATISTICS` lists when each row's statistics are computed.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,6 +17,7 @@ import torch
 
 from tracker.record_stats import CHOSEN_STATS, ROW_STATS
 from tracker.schema import STORAGE_KINDS
+from tracker.selection import count_arg
 
 __all__ = ["AUTO_STEPS", "STATISTICS", "Storage", "stats_when_recorded"]
 
@@ -54,9 +54,7 @@ class Storage:
         if storage not in STORAGE_KINDS and storage != "auto":
             raise ValueError(f"storage must be one of {STORAGE_KINDS} or 'auto', got {storage!r}")
         if storage in ("topk", "auto"):
-            if not isinstance(top_k, numbers.Integral) or isinstance(top_k, (bool, np.bool_)) or top_k < 1:
-                raise ValueError(f"top_k must be an int >= 1 for storage='topk', got {top_k!r}")
-            return cls(storage, int(top_k))
+            return cls(storage, count_arg("top_k", top_k, context=" for storage='topk'"))
         return cls(storage, 0)
 
     def resolve(self, stages: Sequence[str], vocab_size: int, batch: int, memory_limit: int | None) -> Storage:
