@@ -2,6 +2,7 @@
 
     logitscope demo                      # record sample runs with the demo model, open the dashboard
     logitscope dashboard [PATH]          # the dashboard on a run or a folder of runs
+    logitscope inspect PATH [--steps 0:5]  # a run in the terminal
     logitscope run --prompt "Call " --regex "\\(\\d{3}\\) \\d{3}-\\d{4}" --out r.parquet
 
 Every mistake in the arguments ends in one line naming the argument and what
@@ -21,67 +22,17 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-from logitscope import __version__
+from logitscope import __version__, inspect_run
+from logitscope.cli_args import device as _device
+from logitscope.cli_args import fail as _fail
+from logitscope.cli_args import port as _port
+from logitscope.cli_args import positive_int as _positive_int
 
 STORAGE_MODES = ("float32", "float16", "bfloat16", "topk")
 DEMO_MODEL_NAME = "logitscope demo model"
 CONSTRAINTS = ("--regex", "--json-schema", "--grammar", "--bad-words")
-
-
-def _fail(parser: argparse.ArgumentParser, argument: str | None, message: Any) -> NoReturn:
-    """Exit with the subcommand's usage and one line: ``argument X: message`` (status 2)."""
-    text = " ".join(str(message).split())  # library messages may span lines (grammar carets): keep one line
-    parser.error(f"argument {argument}: {text}" if argument else text)
-
-
-# ---------------------------------------------------------------- argument types
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a port number in [1, 65535], got {text!r}") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port in [1, 65535], got {value}")
-    return value
-
-
-def _device(text: str) -> str:
-    """``cpu``, ``cuda``, ``cuda:N`` or ``mps``, and only one this torch build can use."""
-    import torch
-
-    allowed = "cpu, cuda, cuda:N or mps"
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use {allowed}") from None
-    if device.type == "cpu":
-        return text
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            why = "this torch is a CPU-only build" if torch.version.cuda is None else "no CUDA GPU is visible"
-            raise argparse.ArgumentTypeError(f"{text!r} is not available ({why}); use cpu")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise argparse.ArgumentTypeError(f"{text!r}: there are {torch.cuda.device_count()} CUDA devices")
-        return text
-    if device.type == "mps":
-        if not torch.backends.mps.is_available():
-            raise argparse.ArgumentTypeError(f"{text!r} is not available on this machine; use cpu")
-        return text
-    raise argparse.ArgumentTypeError(f"{text!r} is not supported; use {allowed}")
 
 
 # ---------------------------------------------------------------- run
@@ -479,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, command in (("run", run), ("demo", demo), ("dashboard", dashboard)):
         command.set_defaults(handler=globals()[f"cmd_{name}"], command_parser=command)
+    inspect_run.add_parser(sub)
     return parser
 
 

@@ -64,6 +64,12 @@ for page in (None, "overview", "replay", "compare"):
     shown[page or "runs"] = {"errors": [e.value for e in at.error], "charts": len(at.get("plotly_chart")),
                               "titles": [t.value for t in at.title] + [s.value for s in at.subheader]}
 results["pages"] = shown
+import contextlib, io
+from logitscope.cli import main
+printed = io.StringIO()
+with contextlib.redirect_stdout(printed):
+    codes = [main(["inspect", str(root)]), main(["inspect", str(root / "topk.parquet"), "--steps", "all", "--json"])]
+results["inspect"] = {"codes": codes, "printed": printed.getvalue()}
 results["loaded"] = sorted({m.split(".")[0] for m in sys.modules} & set(STACK))
 (out / "results.json").write_text(json.dumps(results))
 """
@@ -151,6 +157,12 @@ def test_the_dashboard_and_run_load_work_with_only_the_viewer_install(tmp_path):
     for page, shown in pages.items():
         assert shown["errors"] == [], (page, shown["errors"])
     assert "Overview · Greedy" in " ".join(pages["overview"]["titles"]).replace("\\", "")
+    inspect = results.pop("inspect")
+    assert (
+        inspect["codes"] == [0, 0]
+        and "greedy.parquet: " in inspect["printed"]
+        and '"step_details"' in inspect["printed"]
+    )
     assert pages["overview"]["charts"] >= 2 and pages["replay"]["charts"] >= 1 and pages["compare"]["charts"] >= 1
     for path in sorted(root.glob("*.parquet")):
         run = Run.load(path)  # here, with torch: the reference

@@ -1,0 +1,63 @@
+"""What the subcommands of the ``logitscope`` command line share: argument types and the one-line failure.
+
+Every mistake in the arguments ends in one line naming the argument and what
+is allowed, after the usage of the subcommand concerned (exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, NoReturn
+
+__all__ = ["fail", "positive_int", "port", "device"]
+
+
+def fail(parser: argparse.ArgumentParser, argument: str | None, message: Any) -> NoReturn:
+    """Exit with the subcommand's usage and one line: ``argument X: message`` (status 2)."""
+    text = " ".join(str(message).split())  # library messages may span lines (grammar carets): keep one line
+    parser.error(f"argument {argument}: {text}" if argument else text)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port number in [1, 65535], got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [1, 65535], got {value}")
+    return value
+
+
+def device(text: str) -> str:
+    """``cpu``, ``cuda``, ``cuda:N`` or ``mps``, and only one this torch build can use."""
+    import torch
+
+    allowed = "cpu, cuda, cuda:N or mps"
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use {allowed}") from None
+    if device.type == "cpu":
+        return text
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is a CPU-only build" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise argparse.ArgumentTypeError(f"{text!r} is not available ({why}); use cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text!r}: there are {torch.cuda.device_count()} CUDA devices")
+        return text
+    if device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise argparse.ArgumentTypeError(f"{text!r} is not available on this machine; use cpu")
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not supported; use {allowed}")

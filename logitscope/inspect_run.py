@@ -1,0 +1,300 @@
+"""``logitscope inspect``: a recorded run in the terminal, without a browser (and without torch).
+
+    logitscope inspect runs/                       # one line per run under a folder
+    logitscope inspect run.parquet                 # what the run holds, and each sequence's text
+    logitscope inspect run.parquet --steps 0:5     # and, step by step, the best tokens at every stage
+    logitscope inspect run.parquet --steps 3 --json
+
+It reads runs the way the dashboard does (:class:`dashboard.reader.RunReader`:
+the metadata and the id columns, then only the blocks holding the steps asked
+for), and shows the dashboard's numbers: the same step table
+(:func:`dashboard.views.step_table`) and headline numbers
+(:func:`dashboard.views.step_summary`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+from logitscope.cli_args import fail, positive_int
+
+__all__ = ["add_parser", "cmd_inspect", "parse_steps"]
+
+
+def parse_steps(text: str) -> slice:
+    """``N``, ``A:B``, ``A:``, ``:B`` or ``all``: which recorded steps to show (step numbers, ``B`` excluded)."""
+    allowed = "a step number N, a range A:B (A or B may be left out) or 'all'"
+    if text.strip() == "all":
+        return slice(None)
+    parts = text.split(":")
+    try:
+        bounds = [int(p) if p.strip() else None for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}") from None
+    if len(bounds) == 1 and bounds[0] is not None:
+        return slice(bounds[0], bounds[0] + 1)
+    if len(bounds) != 2 or any(b is not None and b < 0 for b in bounds):
+        raise argparse.ArgumentTypeError(f"must be {allowed} with steps >= 0, got {text!r}")
+    return slice(bounds[0], bounds[1])
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add the ``inspect`` subcommand to the command line's subparsers."""
+    command = sub.add_parser(
+        "inspect",
+        help="print what a run holds (or list the runs under a folder), without a browser",
+        description="Print what a recorded run holds: its model, storage, stages and each sequence's text; "
+        "with --steps, the best tokens at every stage of those steps (the dashboard's step table). "
+        "Given a folder of runs, print one line per run.",
+    )
+    command.add_argument("path", metavar="PATH", help="a run file, a run folder, or a folder of runs")
+    command.add_argument("--generation", type=int, default=None, help="only this generation (default: all)")
+    command.add_argument("--sequence", type=int, default=None, help="only this sequence (default: all)")
+    command.add_argument(
+        "--steps",
+        type=parse_steps,
+        default=None,
+        metavar="RANGE",
+        help="show these steps: N, A:B (B excluded), A:, :B or all (default: none, the text only)",
+    )
+    command.add_argument("--top", type=positive_int, default=5, metavar="K", help="tokens per step (default: 5)")
+    command.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+    command.set_defaults(handler=cmd_inspect, command_parser=command)
+    return command
+
+
+# ---------------------------------------------------------------- gathering
+
+
+def _number(value: float) -> float | None:
+    """A float for JSON: NaN (unknown) as null."""
+    return None if value != value else float(value)
+
+
+def _selected(reader: Any, args: argparse.Namespace, parser: argparse.ArgumentParser) -> Iterator[tuple[int, int]]:
+    generations = reader.generations()
+    if args.generation is not None and args.generation not in generations:
+        fail(parser, "--generation", f"{args.generation} is not in this run; its generations are {generations}")
+    for g in generations if args.generation is None else [args.generation]:
+        sequences = reader.sequences(g)
+        if args.sequence is not None and args.sequence not in sequences:
+            fail(parser, "--sequence", f"{args.sequence} is not in generation {g}; its sequences are {sequences}")
+        for s in sequences if args.sequence is None else [args.sequence]:
+            yield g, s
+
+
+def _step_record(reader: Any, track: Any, position: int, top: int) -> dict[str, Any]:
+    from dashboard.views import step_summary, step_table
+
+    row = reader.step(track, position)
+    table = step_table(row, reader.vocab, top)
+    summary = step_summary(row, reader.vocab)
+    stages = list(row.stages)
+    tokens = []
+    for rank, record in enumerate(table.to_dict("records"), start=1):
+        tokens.append(
+            {
+                "rank": rank,
+                "token_id": int(record["token_id"]),
+                "token": record["token"],
+                "chosen": bool(record["chosen"]),
+                "prob": {s: _number(record[f"{s}_prob"]) for s in stages},
+                "state": {s: record[f"{s}_state"] for s in stages},
+                "removed_by": record["removed_by"] or None,
+            }
+        )
+    return {
+        "step": int(summary.step),
+        "chosen_id": int(summary.chosen_id),
+        "chosen_token": summary.chosen_token,
+        "allowed": int(summary.allowed),
+        "removed_mass": _number(summary.removed_mass),
+        "entropy": {s: _number(v) for s, v in summary.entropy.items()},
+        "p_chosen": {s: _number(v) for s, v in summary.p_chosen.items()},
+        "processor_error": bool(summary.processor_error),
+        "tokens": tokens,
+    }
+
+
+def _sequence_record(reader: Any, generation: int, sequence: int, steps: slice | None, top: int) -> dict[str, Any]:
+    from dashboard.views import token_pieces
+
+    track = reader.track(generation, sequence)
+    record: dict[str, Any] = {
+        "generation": generation,
+        "sequence": sequence,
+        "steps": track.length,
+        "prompt": reader.prompt(generation, sequence),
+        "text": "".join(token_pieces(reader.vocab, track.chosen)),
+    }
+    if steps is not None:
+        start = 0 if steps.start is None else steps.start
+        stop = None if steps.stop is None else steps.stop
+        shown = [p for p, n in enumerate(track.steps.tolist()) if start <= n and (stop is None or n < stop)]
+        record["step_details"] = [_step_record(reader, track, p, top) for p in shown]
+    return record
+
+
+# ---------------------------------------------------------------- printing
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return ""
+
+
+def _summary_lines(summary: Any) -> list[str]:
+    fields = [
+        ("title", summary.title),
+        ("model", summary.model),
+        ("created", summary.created_at),
+        ("storage", summary.storage),
+        ("stages", summary.stages),
+        ("vocabulary", f"{summary.vocab_size} tokens"),
+        ("processors", summary.processors),
+        ("sampling", summary.sampling),
+        (
+            "holds",
+            f"{summary.generations} generation(s), up to {summary.sequences} sequence(s) each, "
+            f"up to {summary.steps} step(s)",
+        ),
+        ("note", summary.note),
+    ]
+    width = max(len(name) for name, _ in fields)
+    return [f"  {name:<{width}}  {value}" for name, value in fields if value]
+
+
+def _probability(p: float | None, state: str) -> str:
+    from tracker.display import format_probability
+
+    if state != "kept":
+        return state
+    return format_probability(math.nan if p is None else p)
+
+
+def _step_lines(step: dict[str, Any], stages: list[str], names: dict[str, str]) -> list[str]:
+    from tracker.display import format_probability, token_label
+
+    chosen = f"{token_label(step['chosen_token'])!r} (id {step['chosen_id']})" if step["chosen_id"] >= 0 else "unknown"
+    lines = [
+        f"  step {step['step']}: chose {chosen}"
+        + ("  [the wrapped processor failed]" if step["processor_error"] else "")
+    ]
+    for label, values in (("p(chosen)", step["p_chosen"]), ("entropy (nats)", step["entropy"])):
+        shown = ", ".join(
+            f"{names[s]} {format_probability(math.nan if v is None else v) if label == 'p(chosen)' else _nats(v)}"
+            for s, v in values.items()
+        )
+        lines.append(f"    {label}: {shown}")
+    removed = step["removed_mass"] if "constrained" in stages else None  # nothing to remove without a constraint
+    lines.append(f"    allowed: {step['allowed']}" + _removed(removed))
+    header = ["", "token", "id", *(names[s] for s in stages), "removed by"]
+    rows = [
+        [
+            "*" if t["chosen"] else "",
+            token_label(t["token"]),
+            str(t["token_id"]),
+            *(_probability(t["prob"][s], t["state"][s]) for s in stages),
+            names.get(t["removed_by"], t["removed_by"]) if t["removed_by"] else "",
+        ]
+        for t in step["tokens"]
+    ]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
+        lines.append("    " + "  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    return lines
+
+
+def _nats(v: float | None) -> str:
+    return "—" if v is None else f"{v:.3f}"
+
+
+def _removed(mass: float | None) -> str:
+    return "" if mass is None else f", probability mass removed by constraints: {mass:.3f}"
+
+
+def _print_run(out: TextIO, summary: Any, sequences: list[dict[str, Any]], names: dict[str, str]) -> None:
+    print(f"{summary.path}  (run {summary.run_id}, {_size(summary.size_bytes)})", file=out)
+    for line in _summary_lines(summary):
+        print(line, file=out)
+    for seq in sequences:
+        print(file=out)
+        print(f"generation {seq['generation']}, sequence {seq['sequence']}: {seq['steps']} step(s)", file=out)
+        print(f"  prompt: {seq['prompt']!r}", file=out)
+        print(f"  text:   {seq['text']!r}", file=out)
+        for step in seq.get("step_details", []):
+            stages = list(step["p_chosen"])
+            for line in _step_lines(step, stages, names):
+                print(line, file=out)
+        if "step_details" in seq and not seq["step_details"]:
+            print("  (no recorded step in the range asked for)", file=out)
+
+
+def _print_listing(out: TextIO, summaries: list[Any]) -> None:
+    for s in summaries:
+        if s.error:
+            print(f"{s.label}: not a readable run: {s.error}", file=out)
+            continue
+        prompt = s.prompt if len(s.prompt) <= 40 else s.prompt[:39] + "…"
+        line = (
+            f"{s.label}: {s.steps} step(s), {s.generations} generation(s) x {s.sequences} sequence(s), "
+            f"{s.storage}, {s.model or 'unknown model'}, prompt {prompt!r}"
+        )
+        print(line + (f" ({s.note})" if s.note else ""), file=out)
+
+
+# ---------------------------------------------------------------- the command
+
+
+def cmd_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser, out: TextIO | None = None) -> int:
+    """Print a run (or the runs under a folder); exit status 1 if a run asked for cannot be read."""
+    from dashboard.discover import find_runs, summarize, summary_of
+    from dashboard.reader import BadRunError, RunReader
+
+    out = out or sys.stdout
+    path = Path(args.path)
+    try:
+        found = find_runs(path)
+    except (FileNotFoundError, PermissionError) as exc:
+        fail(parser, "PATH", f"cannot read '{path}': {exc}")
+    if not found:
+        fail(parser, "PATH", f"no runs under '{path}' (runs are .parquet/.arrow files or run folders)")
+    if len(found) > 1 or found[0] != path:
+        if args.steps is not None or args.generation is not None or args.sequence is not None:
+            fail(
+                parser,
+                "PATH",
+                f"'{path}' is a folder of runs; --steps, --generation and --sequence need one run "
+                f"(give one of its {len(found)} runs)",
+            )
+        summaries = [summarize(p, path) for p in found]
+        if args.json:
+            json.dump([vars(s) for s in summaries], out, indent=1, ensure_ascii=False)
+            print(file=out)
+        else:
+            _print_listing(out, summaries)
+        return 1 if any(s.error for s in summaries) else 0
+    try:
+        reader = RunReader(path)
+        summary = summary_of(reader, path.name)
+    except BadRunError as exc:
+        print(f"logitscope inspect: '{path}' is not a readable run: {exc.reason}", file=sys.stderr)
+        return 1
+    sequences = [_sequence_record(reader, g, s, args.steps, args.top) for g, s in _selected(reader, args, parser)]
+    if args.json:
+        json.dump({"run": vars(summary), "sequences": sequences}, out, indent=1, ensure_ascii=False)
+        print(file=out)
+        return 0
+    back = {v: k for k, v in reader.metadata.stage_aliases.items()}
+    names = {s: back.get(s, s) for s in reader.stages}
+    _print_run(out, summary, sequences, names)
+    return 0

@@ -1,0 +1,139 @@
+"""``logitscope inspect``: a run in the terminal, with the numbers the dashboard shows, checked against float64."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dashboard.synthetic import hand_made_run
+from logitscope.cli import main
+
+V = 40
+
+
+def _softmax64(row: np.ndarray) -> np.ndarray:
+    x = row.astype(np.float64)
+    e = np.exp(x - x[np.isfinite(x)].max())
+    return e / e.sum()
+
+
+@pytest.fixture()
+def recorded(tmp_path):
+    """A two-sequence run from fresh random logits, a constraint masking about a third of each row."""
+    rng = np.random.default_rng()
+    natural = (rng.normal(size=(2, 6, V)) * 2).astype(np.float32)
+    constrained = np.where(rng.random(natural.shape) < 0.35, -np.inf, natural).astype(np.float32)
+    constrained[..., 0] = natural[..., 0]  # never an empty row
+    chosen = np.argmax(np.where(np.isfinite(constrained), constrained, -np.inf), axis=-1)
+    tokens = [f"w{i}" for i in range(V)]
+    path = hand_made_run(natural, chosen, tokens, constrained=constrained, title="random").to_parquet(
+        tmp_path / "run.parquet"
+    )
+    return path, natural, constrained, chosen
+
+
+def _json(capsys, *argv: str):
+    assert main(["inspect", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_steps_show_each_stages_probabilities_as_a_float64_softmax(recorded, capsys):
+    path, natural, constrained, chosen = recorded
+    doc = _json(capsys, str(path), "--sequence", "1", "--steps", "1:4", "--top", "6")
+    assert doc["run"]["title"] == "random" and doc["run"]["vocab_size"] == V
+    (seq,) = doc["sequences"]
+    assert (seq["generation"], seq["sequence"], seq["steps"]) == (0, 1, 6)
+    assert seq["text"] == "".join(f"w{i}" for i in chosen[1])
+    assert [s["step"] for s in seq["step_details"]] == [1, 2, 3]
+    for step in seq["step_details"]:
+        t = step["step"]
+        p_nat, p_con = _softmax64(natural[1, t]), _softmax64(constrained[1, t])
+        assert step["chosen_id"] == chosen[1, t] and step["chosen_token"] == f"w{chosen[1, t]}"
+        masked = ~np.isfinite(constrained[1, t])
+        assert step["allowed"] == int((~masked).sum())
+        assert step["removed_mass"] == pytest.approx(p_nat[masked].sum(), abs=1e-6)
+        assert step["entropy"]["natural"] == pytest.approx(-(p_nat * np.log(p_nat)).sum(), abs=1e-5)
+        assert step["p_chosen"]["constrained"] == pytest.approx(p_con[chosen[1, t]], abs=1e-6)
+        listed = [tok["token_id"] for tok in step["tokens"]]
+        assert int(np.argmax(p_nat)) in listed and chosen[1, t] in listed
+        for tok in step["tokens"]:
+            i = tok["token_id"]
+            assert tok["token"] == f"w{i}" and tok["chosen"] == (i == chosen[1, t])
+            assert tok["prob"]["natural"] == pytest.approx(p_nat[i], abs=1e-6)
+            if masked[i]:
+                assert tok["state"]["constrained"] == "masked" and tok["removed_by"] == "constrained"
+            else:
+                assert tok["prob"]["constrained"] == pytest.approx(p_con[i], abs=1e-6)
+                assert tok["state"]["constrained"] == "kept" and tok["removed_by"] is None
+
+
+def test_the_text_view_names_the_chosen_token_and_its_probabilities(recorded, capsys):
+    path, natural, constrained, chosen = recorded
+    assert main(["inspect", str(path), "--generation", "0", "--sequence", "0", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    c = int(chosen[0, 2])
+    p = _softmax64(natural[0, 2])[c]
+    assert "title       random" in out and "stages      natural, constrained" in out
+    assert f"text:   {''.join(f'w{i}' for i in chosen[0])!r}" in out
+    assert f"step 2: chose 'w{c}' (id {c})" in out
+    assert f"p(chosen): natural {p:.3f}" in out
+    chosen_line = next(line for line in out.splitlines() if line.strip().startswith(f"*  w{c} "))
+    assert f"{p:.3f}" in chosen_line
+    assert "step 1:" not in out and "step 3:" not in out
+    assert "generation 0, sequence 1" not in out
+
+
+def test_a_folder_lists_its_runs_and_names_the_one_it_cannot_read(recorded, tmp_path, capsys):
+    path, *_ = recorded
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 this is not a run")
+    assert main(["inspect", str(tmp_path)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("broken.parquet: not a readable run")
+    assert lines[1].startswith("run.parquet: 6 step(s), 1 generation(s) x 2 sequence(s), float32")
+    assert main(["inspect", str(tmp_path), "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert [(r["label"], r["error"] is None, r["steps"]) for r in doc] == [
+        ("broken.parquet", False, 0),
+        ("run.parquet", True, 6),
+    ]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "two"], "argument --steps: must be a step number N, a range A:B"),
+        (["--steps", "3:-1"], "argument --steps: must be a step number N, a range A:B"),
+        (["--top", "0"], "argument --top: must be >= 1, got 0"),
+        (["--generation", "4"], "argument --generation: 4 is not in this run; its generations are [0]"),
+        (["--sequence", "7"], "argument --sequence: 7 is not in generation 0; its sequences are [0, 1]"),
+    ],
+)
+def test_bad_arguments_name_the_argument_and_what_is_allowed(recorded, capsys, argv, message):
+    path, *_ = recorded
+    with pytest.raises(SystemExit) as exit_info:
+        main(["inspect", str(path), *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_missing_path_and_a_folder_with_step_options_are_refused(recorded, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["inspect", str(tmp_path / "nothing")])
+    assert f"argument PATH: cannot read '{tmp_path / 'nothing'}'" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):
+        main(["inspect", str(tmp_path / "empty")])
+    assert "argument PATH: no runs under" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["inspect", str(tmp_path), "--steps", "0"])
+    assert "is a folder of runs; --steps, --generation and --sequence need one run" in capsys.readouterr().err
+
+
+def test_a_file_that_is_not_a_run_exits_1_saying_why(tmp_path, capsys):
+    bad = tmp_path / "notes.parquet"
+    bad.write_bytes(b"PAR1 not a run")
+    assert main(["inspect", str(bad)]) == 1
+    assert f"'{bad}' is not a readable run" in capsys.readouterr().err
