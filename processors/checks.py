@@ -25,9 +25,13 @@ def check_number(
     allow_neg_inf: bool = False,
 ) -> float:
     """``value`` as a float if it is a finite number in range, else ``ValueError`` saying what is allowed."""
-    lo = "(" if low_open else "["
-    bounds = f"in {lo}{'-inf' if low is None else low}, {'inf' if high is None else high}]"
-    allowed = f"a finite number {bounds}" + (" or -inf" if allow_neg_inf else "")
+    if low is not None and high is not None:
+        bounds = f" in {'(' if low_open else '['}{low:g}, {high:g}]"
+    elif low is not None:
+        bounds = f" {'>' if low_open else '>='} {low:g}"
+    else:
+        bounds = "" if high is None else f" <= {high:g}"
+    allowed = f"a finite number{bounds}" + (" or -inf" if allow_neg_inf else "")
     if not is_number(value):
         raise ValueError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__})")
     number = float(value)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import numbers
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -205,8 +206,8 @@ class TensorRTLLMProcessor:
     """
 
     def __init__(self, processor: Any, *, max_requests: int = 1024) -> None:
-        if max_requests < 1:
-            raise ValueError(f"max_requests must be >= 1, got {max_requests}")
+        if isinstance(max_requests, bool) or not isinstance(max_requests, numbers.Integral) or max_requests < 1:
+            raise ValueError(f"max_requests must be an int >= 1, got {max_requests!r}")
         self.processor = as_processor(processor)
         self.max_requests = int(max_requests)
         self._requests: OrderedDict[Any, tuple[LogitsProcessor, PromptBoundary]] = OrderedDict()

@@ -317,6 +317,9 @@ def test_trtllm_keeps_state_per_request() -> None:
     assert proc._requests["b"][0].calls == 1
     with pytest.raises(ValueError, match=r"logits must be \[beam, 1, vocab\]"):
         proc("a", torch.randn(VOCAB), [[1]])
+    for bad in ("5", 2.5, 0, True):
+        with pytest.raises(ValueError, match=f"max_requests must be an int >= 1, got {bad!r}"):
+            to_trtllm(Reference(), max_requests=bad)
 
 
 def test_a_wrapped_transformers_processor_is_described_with_its_settings() -> None:

@@ -47,7 +47,7 @@ def test_temperature_divides_in_place_and_keeps_the_dtype(dtype):
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "hot", True, None])
 def test_temperature_rejects_bad_values(bad):
-    with pytest.raises(ValueError, match=r"temperature must be a finite number in \(0\.0, inf\]"):
+    with pytest.raises(ValueError, match=r"temperature must be a finite number > 0, got"):
         TemperatureLogitsProcessor(bad)
 
 
@@ -131,7 +131,7 @@ def test_bias_entries_on_the_same_token_add_up(tok):
 @pytest.mark.parametrize(
     "bias, message",
     [
-        ({3: "high"}, r"bias\[3\] must be a finite number .*got 'high'"),
+        ({3: "high"}, r"bias\[3\] must be a finite number or -inf, got 'high'"),
         ({3: float("nan")}, r"bias\[3\] must be a finite number .*got nan"),
         ({3: True}, r"bias\[3\] must be a finite number"),
         ({5000: 1.0}, r"bias key 5000 must be a token id in \[0, 300\), got 5000"),
@@ -223,9 +223,9 @@ def test_penalties_make_repeats_lose_the_argmax():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"repetition_penalty": 0}, r"repetition_penalty must be a finite number in \(0\.0, inf\], got 0"),
-        ({"presence_penalty": 3}, r"presence_penalty must be a finite number in \[-2\.0, 2\.0\], got 3"),
-        ({"frequency_penalty": "x"}, r"frequency_penalty must be a finite number in \[-2\.0, 2\.0\], got 'x'"),
+        ({"repetition_penalty": 0}, r"repetition_penalty must be a finite number > 0, got 0"),
+        ({"presence_penalty": 3}, r"presence_penalty must be a finite number in \[-2, 2\], got 3"),
+        ({"frequency_penalty": "x"}, r"frequency_penalty must be a finite number in \[-2, 2\], got 'x'"),
     ],
 )
 def test_penalties_reject_bad_values(kwargs, message):

@@ -116,6 +116,9 @@ def test_positions_and_sequences_of_the_wrong_kind_are_refused_by_name():
         tracker.get_top_tokens(k=1, sequence="0")
     with pytest.raises(TypeError, match="position must be an int >= 0, got '3'"):
         tracker.run.step("3")
+    with pytest.raises(TypeError, match=r"pos must be an int >= 0, got True \(bool\)"):
+        tracker.sequence(pos=True)  # True is not the position 1
+    assert tracker.sequence(pos=np.int64(2)) == tracker.sequence()[: len(tracker.sequence(pos=2))]
 
 
 def test_numpy_scalars_count_as_the_numbers_they_hold():

@@ -217,4 +217,10 @@ def test_arguments_of_the_wrong_kind_are_refused_by_name(tmp_path):
     with pytest.raises(IsADirectoryError, match="is a folder; give a file name"):
         run.to_parquet(tmp_path)
     assert list(tmp_path.iterdir()) == []  # nothing half-written
+    for call, name in ((run.to_parquet, "path"), (run.to_dataset, "root"), (Run.load, "path")):
+        with pytest.raises(TypeError, match=f"{name} must be a path \\(a str or os.PathLike\\), got None"):
+            call(None)
+        with pytest.raises(ValueError, match=f"{name} must be a path, got ''"):
+            call("")  # not the current folder
+    assert list(tmp_path.iterdir()) == []
     assert Run.load(run.to_parquet(tmp_path / "b.parquet", compression="none")).sequence() == run.sequence()

@@ -101,9 +101,7 @@ class Analysis(Passes):
         sel = self._select(generation, sequence, include_finished)
         ids = sel.known_chosen
         if pos is not None:
-            if not isinstance(pos, (int, np.integer)) or pos < 0:
-                raise ValueError(f"pos must be an int >= 0 or None, got {pos!r}")
-            ids = ids[: int(pos)]
+            ids = ids[: index_arg("pos", pos)]
         return self.vocab.decode(ids)
 
     def _texts(self, sel: Selection) -> list[str]:

@@ -44,6 +44,7 @@ from tracker.spill import CHUNK_GLOB, RUN_JSON, VOCAB_FILE, atomic_path, remove_
 
 __all__ = [
     "PartialRunWarning",
+    "path_arg",
     "IPC_SUFFIXES",
     "PARQUET_SUFFIXES",
     "ID_COLUMNS",
@@ -362,6 +363,15 @@ def _dataset_member(root: Path, runs: list[Path], run_id: str | None) -> Path:
     return folder
 
 
+def path_arg(name: str, value: object) -> Path:
+    """``value`` as a Path: a non-empty ``str`` or an ``os.PathLike``; else an error naming the argument and the value."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a path (a str or os.PathLike), got {value!r} ({type(value).__name__})")
+    if str(value) == "":
+        raise ValueError(f"{name} must be a path, got '' (an empty string)")
+    return Path(value)
+
+
 def open_layout(path: str | os.PathLike[str], run_id: str | None = None) -> RunLayout:
     """Open the run at ``path`` (any layout of the module docstring) by its metadata and schemas.
 
@@ -371,7 +381,7 @@ def open_layout(path: str | os.PathLike[str], run_id: str | None = None) -> RunL
     for a file or folder that is not a readable run, and ValueError when a
     dataset root holds several runs and ``run_id`` names none of them.
     """
-    source = Path(path)
+    source = path_arg("path", path)
     if not source.exists():
         raise NoRunError(source, "there is no file or folder at this path")
     if source.is_file():
@@ -450,7 +460,7 @@ def write_parquet(
     renamed), after removing temporary files a killed writer left beside
     ``path``. Returns the path.
     """
-    target = Path(path)
+    target = path_arg("path", path)
     if target.is_dir():
         raise IsADirectoryError(f"path: '{target}' is a folder; give a file name, e.g. '{target / 'run.parquet'}'")
     codecs = [c for c in ("zstd", "snappy", "gzip", "brotli", "lz4") if pa.Codec.is_available(c)]

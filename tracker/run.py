@@ -40,6 +40,7 @@ from tracker.layout import (
     RunFileError,
     metadata_from,
     open_layout,
+    path_arg,
     vocabulary_from,
     write_parquet,
 )
@@ -183,7 +184,7 @@ class Run(Insight, Analysis):
         ``pyarrow.dataset.dataset(root, partitioning="hive")`` and DuckDB's
         ``hive_partitioning`` add ``run_id`` to every row. Returns the file.
         """
-        folder = Path(root) / f"run_id={self.run_id}"
+        folder = path_arg("root", root) / f"run_id={self.run_id}"
         return self.to_parquet(folder / "part-00000.parquet", compression=compression)
 
     # ---------------------------------------------------------------- reading
