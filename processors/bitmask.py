@@ -164,7 +164,10 @@ def _apply_by_words_(logits: torch.Tensor, bitmask: torch.Tensor) -> bool:
 def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, n_tokens: int | None = None) -> torch.Tensor:
     """Set to -inf, in place, the logits of the tokens ``bitmask`` does not allow; return ``logits``.
 
-    Allowed logits are left exactly as they were. Reads nothing back from
+    Allowed logits are left exactly as they were. The mask is added as a
+    0 / -inf bias, so a banned token whose logit is +inf (a model that
+    overflowed) becomes NaN, which the sampler reports as a dead row rather
+    than sampling from it. Reads nothing back from
     the device: a mask on the CPU is copied to the logits' device (send it
     on the device already, from pinned memory, as the grammar processors do,
     and the host never waits).
