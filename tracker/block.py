@@ -89,11 +89,14 @@ def stage_matrix(batch: pa.RecordBatch, stage: str, vocab_size: int) -> np.ndarr
     """A full-storage stage of a record batch as a ``[rows, V]`` array in its stored type, without a copy
     (bfloat16 as its uint16 bits: :func:`tracker.rows.as_float32` reads it).
 
-    Rows that are null hold unspecified values; check the column's validity.
+    Rows that are null hold unspecified values; check the column's validity. (A null row's values are
+    themselves null once read from Parquet: the batch is then copied, with zeros there.)
     """
     name = value_column(stage, "full")
     column = batch.column(name)
     child = column.values.slice(column.offset * vocab_size, len(column) * vocab_size)
+    if child.null_count:
+        child = child.fill_null(0)
     matrix = child.to_numpy(zero_copy_only=True).reshape(len(column), vocab_size)
     stored = batch.schema.field(name).metadata or {}
     if stored.get(FIELD_DTYPE) == b"bfloat16":
@@ -160,6 +163,7 @@ def topk_columns(batches: list[pa.RecordBatch], blocks: tuple[tuple[int, np.ndar
             column = batch.column(col_name)
             width = column.type.list_size
             child = column.values.slice(column.offset * width, len(column) * width)
+            child = child.fill_null(0) if child.null_count else child  # a null row's values, read from Parquet
             values = child.to_numpy(zero_copy_only=False).reshape(len(column), width)[rows]
             if column.null_count:
                 valid = column.is_valid().to_numpy(zero_copy_only=False)[rows]
