@@ -165,6 +165,8 @@ class RunReader:
         self.metadata: RunMetadata = self._layout.metadata
         self.note: str | None = self._layout.note  # e.g. a spill folder holds only the spilled rows
         self._index = self._read_index()
+        if not self._index["step"].size:  # nothing to pick or show (a filtered or sliced table written as a run)
+            raise BadRunError(self.path, "it holds no recorded steps (0 rows)")
 
     # ---------------------------------------------------------------- opening
 

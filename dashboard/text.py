@@ -95,7 +95,7 @@ def token_hovers(window: WindowView, stages: Sequence[str]) -> list[str]:
         token = stats["chosen_token"].iloc[i]
         parts = [
             f"step {position}: chose {token_label(token)}"
-            if token is not None
+            if isinstance(token, str)  # None or NaN where the chosen token is unknown
             else f"step {position}: chosen token unknown"
         ]
         probs = [

@@ -17,6 +17,7 @@ top-k storage gives exact values for the tokens it kept.
 from __future__ import annotations
 
 import codecs
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -218,16 +219,21 @@ def _block(stage: StageRow) -> Block:
 def step_summary(row: StepRow, vocab: Vocabulary) -> StepSummary:
     """Allowed tokens, removed mass, each stage's entropy and chosen-token probability at one step
     (the tracker's metrics, :mod:`tracker.metrics`, on this one row)."""
-    blocks = {name: _block(stage) for name, stage in row.stages.items()}
+    blocks = {name: _block(stage) for name, stage in row.stages.items() if stage.recorded}
     chosen = np.array([row.chosen])
-    # the statistics recorded from the whole row where the run has them (exact in top-k and half precision)
+    # the statistics recorded from the whole row where the run has them (exact in top-k and half precision);
+    # NaN for a stage not recorded at this step (the wrapped processor raised)
     entropy = {
-        name: row.stages[name].recorded_stats.get("entropy", float(metrics.entropy(block)[0]))
-        for name, block in blocks.items()
+        name: row.stages[name].recorded_stats.get("entropy", float(metrics.entropy(blocks[name])[0]))
+        if name in blocks
+        else math.nan
+        for name in row.stages
     }
     p_chosen = {
-        name: row.stages[name].recorded_stats.get("p_chosen", float(metrics.chosen(block, chosen)[0][0]))
-        for name, block in blocks.items()
+        name: row.stages[name].recorded_stats.get("p_chosen", float(metrics.chosen(blocks[name], chosen)[0][0]))
+        if name in blocks
+        else math.nan
+        for name in row.stages
     }
     natural = row.stages.get("natural")
     constrained = row.stages.get("constrained")
@@ -336,7 +342,9 @@ def _window_view(run: tracker.Run, generation: int, sequence: int, alternatives:
         is_chosen = np.isin(pool, chosen)
         order = np.lexsort((-peak, ~is_chosen))[: max(heat_tokens, 1)]
         pool = pool[np.sort(order)]
-        pool = pool[np.argsort(-natural[:, pool].max(axis=0), kind="stable")] if natural.shape[0] else pool
+        # NaN where top-k storage did not keep a token at a step: rank by the steps where it did
+        best = np.nan_to_num(natural[:, pool], nan=-1.0).max(axis=0)
+        pool = pool[np.argsort(-best, kind="stable")] if natural.shape[0] else pool
     labels = _unique_labels(pool, vocab)
     heat = {
         name: pd.DataFrame(

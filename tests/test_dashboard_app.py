@@ -16,6 +16,7 @@ from streamlit.testing.v1 import AppTest
 from dashboard import data
 from dashboard.paths import APP, default_runs_path
 from dashboard.synthetic import hand_made_run, write_large_run
+from tracker import LogitTrackingProcessor, Run
 from tracker.schema import META_RUN
 
 TOKENS = ["a", " b", "c", "d", "e", "<eos>"]
@@ -55,6 +56,7 @@ def runs(tmp_path_factory):
     whole = (folder / "alpha.parquet").read_bytes()
     (folder / "truncated.parquet").write_bytes(whole[: len(whole) // 2])
     (folder / "notes.parquet").write_text("these are notes, not a run")
+    Run.from_arrow(table.slice(0, 0)).to_parquet(folder / "empty.parquet")  # a filtered table written as a run
     return folder
 
 
@@ -112,6 +114,7 @@ def test_the_run_browser_lists_runs_with_their_details_and_names_bad_files(runs)
     assert "**future.parquet** cannot be shown" in errors and "schema version '2.0'" in errors
     assert "**truncated.parquet** cannot be shown: the file is truncated" in errors
     assert "**notes.parquet** cannot be shown" in errors
+    assert "**empty.parquet** cannot be shown: it holds no recorded steps (0 rows)" in errors
     assert at.sidebar.selectbox(key="run").value == str(runs / "alpha.parquet")
     assert _plain(at.subheader[0].value) == "Alpha"
 
@@ -122,6 +125,7 @@ def test_the_run_browser_lists_runs_with_their_details_and_names_bad_files(runs)
         ("truncated.parquet", "the file is truncated"),
         ("future.parquet", "run schema version '2.0'"),
         ("notes.parquet", "not a Parquet/Arrow file"),
+        ("empty.parquet", "it holds no recorded steps (0 rows)"),
     ],
 )
 @pytest.mark.parametrize("page", ["overview", "replay", "compare"])
@@ -320,3 +324,46 @@ def test_comparing_runs_of_two_vocabularies_says_so(runs):
     at.sidebar.selectbox(key="run_b").set_value(str(runs / "long.parquet")).run()
     assert not at.exception, at.exception[0].message if at.exception else ""
     assert any("only runs of one vocabulary compare" in e.value for e in at.error)
+
+
+class _FailsOnThirdCall:
+    """A transformers-style processor that masks odd ids, and raises on its third call."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, ids, scores):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("the grammar broke")
+        out = scores.clone()
+        out[:, 1::2] = float("-inf")
+        return out
+
+
+@pytest.mark.parametrize("storage", ["float32", "topk"])
+def test_a_run_cut_short_by_a_failing_processor_shows_on_every_page(tmp_path, storage):
+    """The third step's constraint raised (only the model's row was recorded) and no token was chosen there,
+    as after a generate() that raised: every page shows it; replay says what happened at that step."""
+    import torch
+    from test_tracker_support import byte_tokenizer
+
+    tok = byte_tokenizer()
+    tracker = LogitTrackingProcessor(_FailsOnThirdCall(), tokenizer=tok, storage=storage, top_k=8)
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.tensor(tok(["the cat", "hello"], padding=True)["input_ids"])
+    with pytest.raises(Exception, match="the grammar broke"):
+        for _ in range(4):
+            out = tracker(ids, torch.randn(2, len(tok), generator=gen) * 3)
+            ids = torch.cat([ids, out.argmax(1, keepdim=True)], 1)
+    tracker.to_parquet(tmp_path / "cut.parquet")
+    for page in ("overview", "compare"):
+        at = _app(tmp_path, page)
+        _ok(at)
+        assert not at.error and at.get("plotly_chart")
+    at = _app(tmp_path, "replay")
+    for step in (0, 1, 2):
+        at.slider(key="step_slider").set_value(step).run()
+        _ok(at)
+        failed = [w.value for w in at.warning if "wrapped processor raised" in w.value]
+        assert bool(failed) == (step == 2)

@@ -78,7 +78,7 @@ def sequence_html(run: Any, generation: int = -1, sequence: int = 0, *, alternat
     probs = stats[f"p_chosen_{stage}"].to_numpy(dtype=np.float64)
     both = stage != "natural"
     for i, (token, p) in enumerate(zip(chosen, probs)):
-        if token is None:
+        if not isinstance(token, str):  # None or NaN: the chosen token is unknown from here on
             break
         lines = [f"step {i}: {token_label(token)}, p = {format_probability(p)}"]
         if i < len(top):
