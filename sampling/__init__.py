@@ -9,11 +9,11 @@ The sampling stages are a :class:`~sampling.pipe.LogitsPipe` (see
 request uses, and ``generator.sample_taps`` observes what each step samples from.
 """
 
-from sampling.functional import DeadRowError, SampleTap
+from sampling.functional import SampleTap
 from sampling.generator import Generator, load_model
 from sampling.outputs import Completion, RequestOutput
 from sampling.params import SamplingParams
-from sampling.pipe import LogitsPipe, SampleResult, Tap
+from sampling.pipe import DeadRowError, LogitsPipe, SampleResult, Tap
 
 __all__ = [
     "Generator",

@@ -24,21 +24,9 @@ from typing import Any
 import torch
 
 from sampling.params import SamplingParams, sampling_stages
-from sampling.pipe import SAMPLED, DeadRowError, Greedy, LogitsPipe, SampleResult, TaggedTensor, Tap
+from sampling.pipe import SAMPLED, Greedy, LogitsPipe, SampleResult, TaggedTensor, Tap
 from sampling.pipe.kernels import Algorithm
 from sampling.pipe.pipeline import dead_row_error
-
-__all__ = [
-    "RowParams",
-    "RowGroup",
-    "SampleOutput",
-    "SampleTap",
-    "DeadRowError",
-    "row_keys",
-    "uniforms",
-    "sample",
-    "group_pipe",
-]
 
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
 _MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
@@ -104,92 +92,46 @@ class RowGroup:
     rows: torch.Tensor  # int64 [n]
     key: GroupKey
     params: dict[str, Any]
-    whole_batch: bool  # the group is every row, in order
 
     @property
     def pipe(self) -> LogitsPipe:
         return group_pipe(self.key)
 
 
-def _column(values: list[Any], dtype: torch.dtype, device: torch.device | str) -> Any:
-    return values[0] if len(set(values)) == 1 else torch.tensor(values, dtype=dtype, device=device)
-
-
-def _plan(
-    greedy: list[bool],
-    eff: list[tuple[float, int, float, float]],
-    joint: list[bool],
-    device: torch.device | str,
-) -> tuple[RowGroup, ...]:
-    """Group rows by the stages they need; parameters per group (host-side lists, built once)."""
-    keys: list[GroupKey] = []
-    for g, (_, k, p, m), j in zip(greedy, eff, joint):
-        keys.append((True, False, False, False, False) if g else (False, m > 0, k > 0, p < 1, j and k > 0 and p < 1))
-    groups = []
-    for key in dict.fromkeys(keys):
-        rows = [i for i, k in enumerate(keys) if k == key]
-        params: dict[str, Any] = {}
-        if not key[0]:
-            params["temperature"] = _column([eff[i][0] for i in rows], torch.float64, device)
-            for on, name, index, dtype in (
-                (key[1], "min_p", 3, torch.float64),
-                (key[2], "top_k", 1, torch.long),
-                (key[3], "top_p", 2, torch.float64),
-            ):
-                if on:
-                    params[name] = _column([eff[i][index] for i in rows], dtype, device)
-            if key[2] and isinstance(params["top_k"], torch.Tensor):
-                params["max_top_k"] = max(eff[i][1] for i in rows)  # the candidates' width, known on the host
-        groups.append(
-            RowGroup(torch.tensor(rows, dtype=torch.long, device=device), key, params, len(rows) == len(keys))
-        )
-    return tuple(groups)
-
-
 @dataclass(frozen=True)
 class RowParams:
-    """Per-row sampling parameters as tensors, and the rows grouped by pipe (built once per generation)."""
+    """The rows of a batch grouped by the stages they need, with each group's parameters (built once per generation)."""
 
-    greedy: torch.Tensor  # bool [B]
-    temperature: torch.Tensor  # float64 [B]; 1.0 in greedy rows (never divided by zero)
-    top_k: torch.Tensor  # int64 [B]; 0 = off
-    top_p: torch.Tensor  # float64 [B]
-    min_p: torch.Tensor  # float64 [B]
-    joint: torch.Tensor | None = None  # bool [B]: the joint top-k/top-p filter
-    groups: tuple[RowGroup, ...] = ()
+    size: int  # rows in the batch
+    groups: tuple[RowGroup, ...]
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], device: torch.device | str) -> RowParams:
-        eff = [p.effective for p in params]
-        greedy = [p.is_greedy for p in params]
-        joint = [p.joint_top_k_top_p for p in params]
-        return cls(
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            temperature=torch.tensor(
-                [1.0 if g else e[0] for g, e in zip(greedy, eff)], dtype=torch.float64, device=device
-            ),
-            top_k=torch.tensor([e[1] for e in eff], dtype=torch.long, device=device),
-            top_p=torch.tensor([e[2] for e in eff], dtype=torch.float64, device=device),
-            min_p=torch.tensor([e[3] for e in eff], dtype=torch.float64, device=device),
-            joint=torch.tensor(joint, dtype=torch.bool, device=device),
-            groups=_plan(greedy, eff, joint, device),
-        )
+        """Group rows by :attr:`~sampling.params.SamplingParams.active` (host values only)."""
+        keys: list[GroupKey] = [(p.is_greedy, *p.active) for p in params]
+        eff = [dict(zip(("temperature", "top_k", "top_p", "min_p"), p.effective)) for p in params]
+        groups = []
+        for key in dict.fromkeys(keys):
+            rows = [i for i, k in enumerate(keys) if k == key]
+            values: dict[str, Any] = {}
+            for on, name in ((not key[0], "temperature"), (key[1], "min_p"), (key[2], "top_k"), (key[3], "top_p")):
+                column = [eff[i][name] for i in rows]
+                if on and len(set(column)) == 1:
+                    values[name] = column[0]
+                elif on:
+                    values[name] = torch.tensor(
+                        column, dtype=torch.long if name == "top_k" else torch.float64, device=device
+                    )
+            if isinstance(values.get("top_k"), torch.Tensor):
+                values["max_top_k"] = max(eff[i]["top_k"] for i in rows)  # the candidates' width, known on the host
+            groups.append(RowGroup(torch.tensor(rows, dtype=torch.long, device=device), key, values))
+        return cls(len(keys), tuple(groups))
 
     def plan(self) -> tuple[RowGroup, ...]:
-        """The row groups (computed from the tensors when the instance was not made by :meth:`build`)."""
-        if self.groups:
-            return self.groups
-        greedy = self.greedy.tolist()
-        eff = list(zip(self.temperature.tolist(), self.top_k.tolist(), self.top_p.tolist(), self.min_p.tolist()))
-        joint = self.joint.tolist() if self.joint is not None else [False] * len(greedy)
-        return _plan(greedy, eff, joint, self.greedy.device)
+        return self.groups
 
     def __len__(self) -> int:
-        return int(self.greedy.shape[0])
-
-
-SampleOutput = SampleResult
-"""What :func:`sample` returns: ``tokens``, ``logprobs`` (in the distribution sampled from) and ``valid``."""
+        return self.size
 
 
 def sample(
@@ -200,27 +142,25 @@ def sample(
     taps: Sequence[SampleTap] | None = None,
     on_dead: str = "raise",
     algorithm: Algorithm = "auto",
-) -> SampleOutput:
+) -> SampleResult:
     """Draw one token per row of ``logits [B, V]`` (float32) with the row's parameters.
 
     Greedy rows take the arg-max (lowest id among equals) and report the
-    log-probability under the softmax of ``logits``. Sampling rows report the
-    log-probability in the final (temperature, min-p, top-k, top-p)
-    distribution. Rows that are NaN or have nothing allowed are dead: with
-    ``on_dead="raise"`` (synchronises once to look) a :class:`DeadRowError`
-    names them; with ``on_dead="flag"`` nothing is read from the device and
-    ``SampleOutput.valid`` marks them, for the caller to check once the step's
-    values reach the host. The pipes pick their algorithm by the device
-    (:mod:`sampling.pipe.kernels`): on an accelerator a call with
-    ``on_dead="flag"`` and ``u`` on the device does not synchronise; on a CPU
-    the faster CPU algorithms read tensor values (no device to wait for).
-    ``algorithm`` forces one (``"sort"`` runs the accelerator path on a CPU,
-    as the test that counts host reads per step does).
+    log-probability under the softmax of ``logits``; sampling rows report it in
+    the final (temperature, min-p, top-k, top-p) distribution. Rows that are
+    NaN or have nothing allowed are dead: with ``on_dead="raise"``
+    (synchronises once to look) a :class:`DeadRowError` names them; with
+    ``on_dead="flag"`` nothing is read from the device and ``valid`` marks
+    them. ``algorithm`` is the pipes' (:class:`~sampling.pipe.LogitsPipe`):
+    ``"auto"`` picks by the device, so that on an accelerator a call with
+    ``on_dead="flag"`` and ``u`` on the device does not synchronise, while on
+    a CPU the faster CPU algorithms read tensor values; ``"sort"`` runs the
+    accelerator path on a CPU (as the test that counts host reads does).
 
-    ``taps``: observers of the distribution actually sampled from, each called
-    once with float32 probabilities ``[B, V]`` (rows sum to 1, exactly 0 for
-    tokens removed by top-k, top-p or min-p, one-hot for greedy rows), on the
-    device, without a copy or a synchronisation. Built only when a tap is given.
+    ``taps``: observers of the distribution actually sampled from (the pipe's
+    ``"sampled"`` stage, see :mod:`sampling.pipe.types`; one-hot for greedy
+    rows), each called once with float32 ``[B, V]`` on the device, without a
+    copy or a synchronisation. Built only when a tap is given.
     """
     if logits.ndim != 2:
         raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
@@ -237,9 +177,9 @@ def sample(
     sampled: torch.Tensor | None = None
     captured: list[torch.Tensor] = []
     pipe_taps = [Tap(SAMPLED, lambda t: captured.append(t.data))] if taps else None
-    groups = params.plan()
-    if len(groups) == 1 and groups[0].whole_batch:
-        group = groups[0]
+    groups = params.groups
+    if len(groups) == 1:  # every row, in order
+        (group,) = groups
         out = group_pipe(group.key, algorithm).sample(logits, u=u, on_dead="flag", taps=pipe_taps, **group.params)
         tokens, logprobs, valid = out.tokens, out.logprobs, out.valid
         sampled = captured[0] if taps else None
@@ -264,4 +204,4 @@ def sample(
     if sampled is not None:
         for fn in taps or ():
             fn(sampled)
-    return SampleOutput(tokens, logprobs, valid)
+    return SampleResult(tokens, logprobs, valid)

@@ -117,12 +117,23 @@ def test_a_top_p_cut_between_ties_is_the_same_alone_and_beside_other_top_p(algor
     assert int((alone > 0).sum()) in (round(top_p * tied), round(top_p * tied) + 1)  # either side of the boundary
 
 
-def test_row_params_made_by_hand_still_sample():
-    x = _logits(3, 80, seed=6)
-    built = RowParams.build([SamplingParams(top_k=3), SamplingParams(), SamplingParams(top_p=0.5)], "cpu")
-    by_hand = RowParams(built.greedy, built.temperature, built.top_k, built.top_p, built.min_p)
-    u = _u(3)
-    assert torch.equal(sample(x, built, u).tokens, sample(x, by_hand, u).tokens)
+def test_each_row_of_a_batch_samples_as_its_own_params_pipe():
+    """Grouping rows by the stages they need gives each row the token and log-probability of its own to_pipe()."""
+    params = [
+        SamplingParams(top_k=3),
+        SamplingParams(),
+        SamplingParams(top_p=0.5),
+        SamplingParams(top_k=7, temperature=0.8),
+        SamplingParams(min_p=0.1, top_p=0.9),
+        SamplingParams(temperature=0.9, top_k=15, top_p=0.5, joint_top_k_top_p=True),
+    ]
+    x = _logits(len(params), 80, seed=6)
+    u = _u(len(params))
+    out = sample(x, RowParams.build(params, "cpu"), u)
+    for i, p in enumerate(params):
+        alone = p.to_pipe().sample(x[i : i + 1], u=u[i : i + 1])
+        assert out.tokens[i] == alone.tokens[0], p
+        assert out.logprobs[i] == alone.logprobs[0], p
 
 
 def test_taps_see_the_distribution_each_row_was_sampled_from():

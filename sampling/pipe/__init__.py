@@ -8,13 +8,12 @@ Processors (:mod:`~sampling.pipe.stages`) legalize into ops
 (:mod:`~sampling.pipe.ops`) for the tensor type they receive
 (:mod:`~sampling.pipe.types`); :mod:`~sampling.pipe.fusion` checks and fuses
 them; every filter and sampler runs one filter chain
-(:class:`~sampling.pipe.chain.Chain`) over the maths of
+(:class:`~sampling.pipe.ops.Chain`) over the maths of
 :mod:`~sampling.pipe.kernels`, which also states the tie and boundary rules.
 Taps observe any stage.
 """
 
 from sampling.pipe.fusion import FusionRule, default_rules
-from sampling.pipe.op import Op, Runtime
 from sampling.pipe.pipeline import LogitsPipe
 from sampling.pipe.stages import Apply, Greedy, MinP, Sample, Softmax, Stage, Temperature, TopK, TopP
 from sampling.pipe.types import (
@@ -23,38 +22,16 @@ from sampling.pipe.types import (
     CompileError,
     DeadRowError,
     LegalizationError,
+    Op,
     PipeError,
     RawLogprobs,
+    Runtime,
     SampleResult,
     TaggedTensor,
     Tap,
     TensorType,
 )
 
-__all__ = [
-    "LogitsPipe",
-    "Stage",
-    "Temperature",
-    "Softmax",
-    "TopK",
-    "TopP",
-    "MinP",
-    "Sample",
-    "Greedy",
-    "Apply",
-    "Op",
-    "Runtime",
-    "FusionRule",
-    "default_rules",
-    "Tap",
-    "INPUT",
-    "SAMPLED",
-    "TensorType",
-    "TaggedTensor",
-    "SampleResult",
-    "RawLogprobs",
-    "PipeError",
-    "LegalizationError",
-    "CompileError",
-    "DeadRowError",
-]
+__all__ = ["LogitsPipe", "Stage", "Temperature", "Softmax", "TopK", "TopP", "MinP", "Sample", "Greedy", "Apply"]
+__all__ += ["Op", "Runtime", "FusionRule", "default_rules", "Tap", "INPUT", "SAMPLED", "TensorType", "TaggedTensor"]
+__all__ += ["SampleResult", "RawLogprobs", "PipeError", "LegalizationError", "CompileError", "DeadRowError"]

@@ -15,8 +15,7 @@ one, so fused ops fuse again (a cascade):
     -> FusedTemperatureSoftmaxTopKTopPSample           (softmax_into_sample)
 
 The last op never computes a softmax over the vocabulary: it selects the
-top-k candidates from the logits and does the rest on them. A check is
-``check(ops, input_type)`` and raises :class:`CompileError`.
+top-k candidates from the logits and does the rest on them.
 """
 
 from __future__ import annotations
@@ -24,13 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from sampling.pipe.chain import fusable
-from sampling.pipe.op import Op
-from sampling.pipe.ops import FilterOp, SampleOp, SoftmaxOp, TemperatureOp, TemperatureSoftmaxOp
-from sampling.pipe.types import CompileError, TensorType
-
-__all__ = ["FusionRule", "default_rules", "fuse", "compile_ops", "ValidityCheck", "default_checks"]
-__all__ += ["check_types", "check_single_softmax", "check_nothing_after_indices"]
+from sampling.pipe.ops import FilterOp, SampleOp, SoftmaxOp, TemperatureOp, TemperatureSoftmaxOp, fusable
+from sampling.pipe.types import CompileError, Op, TensorType
 
 ValidityCheck = Callable[[Sequence[Op], TensorType], None]
 """``check(ops, input_type)`` raises :class:`CompileError` when the ops break a rule."""
@@ -49,12 +43,12 @@ class FusionRule(NamedTuple):
 def _filter_guard(window: Sequence[Op]) -> bool:
     """A filter joins the sampler after it if both see the same tensor type and the joined chain runs exactly."""
     f, sampler = window
-    return f.IN is sampler.IN and fusable((f.filter, *sampler.filters))
+    return f.IN is sampler.IN and fusable((f, *sampler.filters))
 
 
 def _build_filter(window: Sequence[Op]) -> Op:
     f, sampler = window  # top-k on logits commutes with the sampler's temperature
-    return SampleOp(f.IN, parts=window, filters=(f.filter, *sampler.filters), temperature=sampler.temperature)
+    return SampleOp(f.IN, parts=window, filters=(f, *sampler.filters), temperature=sampler.temperature)
 
 
 def _build_softmax(window: Sequence[Op]) -> Op:
@@ -122,21 +116,4 @@ def check_nothing_after_indices(ops: Sequence[Op], input_type: TensorType) -> No
             )
 
 
-def default_checks() -> list[ValidityCheck]:
-    return [check_types, check_single_softmax, check_nothing_after_indices]
-
-
-def compile_ops(
-    ops: Sequence[Op], input_type: TensorType, rules: Sequence[FusionRule], checks: Sequence[ValidityCheck]
-) -> list[Op]:
-    """Check ``ops`` with every check, fuse them, and check that the fusion kept the types."""
-    if not ops:
-        raise CompileError("cannot compile an empty list of ops")
-    for check in checks:
-        check(ops, input_type)
-    fused = fuse(ops, rules)
-    try:
-        check_types(fused, input_type)
-    except CompileError as e:
-        raise CompileError(f"a fusion rule broke the chain of types: {e}") from e
-    return fused
+DEFAULT_CHECKS: tuple[ValidityCheck, ...] = (check_types, check_single_softmax, check_nothing_after_indices)

@@ -38,11 +38,6 @@ from typing import Literal, NamedTuple
 
 import torch
 
-__all__ = ["Param", "Algorithm", "ALGORITHMS", "resolve_algorithm", "as_column", "SORT_BELOW", "Crossing", "Cut"]
-__all__ += ["top_k_candidates", "top_k_column", "sync_free_candidates", "nth_equal_scan", "nth_equal", "Radix"]
-__all__ += ["radix", "mass_crossing", "top_p_cut", "cut_mask", "shorter", "sample_weights", "candidate_masses"]
-__all__ += ["Length", "prefix_mass", "shorten", "min_p_length", "top_p_length", "sample_prefix"]
-
 Param = float | int | torch.Tensor
 """A runtime parameter: one value for every row, or a ``[B]`` tensor."""
 
@@ -99,12 +94,6 @@ def as_column(value: Param, like: torch.Tensor, dtype: torch.dtype | None = None
     if isinstance(value, torch.Tensor):
         return value.to(device=like.device, dtype=dtype or like.dtype).reshape(-1, 1)
     return value
-
-
-def _per_row(value: Param, batch: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value.to(device=device, dtype=dtype).reshape(-1).expand(batch)
-    return torch.full((batch,), value, device=device, dtype=dtype)
 
 
 # --------------------------------------------------------------------------- top-k
@@ -308,8 +297,7 @@ def top_p_cut(
 
     Synchronises as :func:`mass_crossing` does (not with ``sync_free``).
     """
-    batch = w.shape[0]
-    fraction = _per_row(top_p, batch, w.device, torch.float64)
+    fraction = top_p.to(w.device, torch.float64).reshape(-1) if isinstance(top_p, torch.Tensor) else top_p
     c = mass_crossing(w, fraction, of_mass, inclusive=True, shared=shared, sync_free=sync_free)
     safe = torch.where(c.value > 0, c.value, torch.ones_like(c.value)).double()
     count = torch.ceil((c.target - c.above) / safe).clamp_(min=1)

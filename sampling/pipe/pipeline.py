@@ -23,14 +23,13 @@ cannot raise: ``on_dead="flag"``, a per-row ``top_k`` tensor given with
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import torch
 
-from sampling.pipe.fusion import FusionRule, ValidityCheck, compile_ops, default_checks, default_rules
+from sampling.pipe.fusion import DEFAULT_CHECKS, FusionRule, ValidityCheck, check_types, default_rules, fuse
 from sampling.pipe.kernels import ALGORITHMS, Algorithm, resolve_algorithm
-from sampling.pipe.op import Op, Runtime, check_param
 from sampling.pipe.stages import Stage
 from sampling.pipe.types import (
     INPUT,
@@ -38,75 +37,45 @@ from sampling.pipe.types import (
     CompileError,
     DeadRowError,
     LegalizationError,
+    Op,
     PipeError,
     RawLogprobs,
+    Runtime,
     SampleResult,
     TaggedTensor,
     Tap,
     TapFn,
     TensorType,
+    check_param,
 )
-
-__all__ = ["LogitsPipe", "dead_row_error", "group_taps", "raw_logprobs"]
 
 
 def _join(names: Iterable[str]) -> str:
     return " -> ".join(names)
 
 
-def dead_row_error(
-    x: TaggedTensor, dead: torch.Tensor, rows: Sequence[int] | None = None, tensors: Iterable[str] = ()
-) -> DeadRowError:
-    """A :class:`DeadRowError` naming the dead rows of ``x`` and why (``rows`` renames them).
+def dead_row_error(x: TaggedTensor, dead: torch.Tensor, tensors: Iterable[str] = ()) -> DeadRowError:
+    """A :class:`DeadRowError` naming the dead rows of ``x`` and why.
 
     ``tensors`` names the parameters the call gave as per-row tensors, whose
     values are not checked (a temperature of 0 there also leaves a row dead).
     Synchronises: reads which rows are dead and whether they hold NaN or +inf (only once a call is to raise).
     """
     index = dead.nonzero().flatten()
-    names = [rows[i] for i in index.tolist()] if rows is not None else index.tolist()
     picked = x.data.index_select(0, index)
-    nan = torch.isnan(picked).any(-1).tolist()
-    posinf = torch.isposinf(picked).any(-1).tolist()
-    nan_rows = [r for r, n in zip(names, nan) if n]
-    inf_rows = [r for r, n, i in zip(names, nan, posinf) if i and not n]
-    other = [r for r, n, i in zip(names, nan, posinf) if not (n or i)]
-    parts = []
-    if nan_rows:
-        parts.append(f"rows {nan_rows} hold NaN {x.type.name.lower()}")
-    if inf_rows:
-        parts.append(f"rows {inf_rows} hold +inf {x.type.name.lower()}")
-    if other:
+    nan, posinf = torch.isnan(picked).any(-1).tolist(), torch.isposinf(picked).any(-1).tolist()
+    holds = ["NaN" if n else "+inf" if i else "" for n, i in zip(nan, posinf)]
+    by_kind = {kind: [r for r, h in zip(index.tolist(), holds) if h == kind] for kind in ("NaN", "+inf", "")}
+    parts = [f"rows {rows} hold {kind} {x.type.name.lower()}" for kind, rows in by_kind.items() if kind and rows]
+    if by_kind[""]:
         what = "every logit is -inf or +inf" if x.type is TensorType.LOGITS else "every probability is 0 or inf"
-        parts.append(f"rows {other} have no allowed token ({what}, or a stage removed every token)")
-    tensors = sorted(tensors)
-    if tensors:
+        parts.append(f"rows {by_kind['']} have no allowed token ({what}, or a stage removed every token)")
+    if tensors := sorted(tensors):
         parts.append(
-            f"the per-row tensors {tensors} are not checked value by value: a temperature <= 0, a NaN or a value "
-            "outside its range there also leaves a row with nothing to sample"
+            f"the per-row tensors {tensors} are not checked value by value: a temperature <= 0, a NaN or a "
+            "value outside its range there also leaves a row with nothing to sample"
         )
     return DeadRowError("cannot sample: " + "; ".join(parts) + " (pass on_dead='flag' for a validity flag)")
-
-
-def group_taps(taps: Iterable[Tap] | None, allowed: Iterable[str]) -> Mapping[str, tuple[TapFn, ...]]:
-    """Taps grouped by stage; an unknown stage or a non-callable is an error naming what is allowed.
-
-    Does not synchronise.
-    """
-    if not taps:
-        return {}
-    allowed = tuple(allowed)
-    grouped: dict[str, list[TapFn]] = {}
-    for i, tap in enumerate(taps):
-        if not isinstance(tap, tuple) or len(tap) != 2:
-            raise PipeError(f"taps[{i}] must be a Tap(stage, fn), got {tap!r}")
-        stage, fn = tap
-        if stage not in allowed:
-            raise PipeError(f"taps[{i}]: unknown stage {stage!r}; this pipe has stages {list(allowed)}")
-        if not callable(fn):
-            raise PipeError(f"taps[{i}]: fn must be callable, got {type(fn).__name__}")
-        grouped.setdefault(stage, []).append(fn)
-    return {stage: tuple(fns) for stage, fns in grouped.items()}
 
 
 def raw_logprobs(x: TaggedTensor, tokens: torch.Tensor, top: int) -> RawLogprobs:
@@ -169,7 +138,7 @@ class LogitsPipe:
         self.input_type = input_type
         self.stage_names = self._name_stages()
         self.ops = self._legalize()
-        self.checks = [*default_checks(), *validity_checks]
+        self.checks = [*DEFAULT_CHECKS, *validity_checks]
         for check in self.checks:
             check(self.ops, input_type)
         self.compiled_ops: list[Op] | None = None
@@ -207,11 +176,12 @@ class LogitsPipe:
 
     def compile(self, fusion_rules: Sequence[FusionRule] = (), *, defaults: bool = True) -> None:
         """Fuse the ops with the default rules (unless ``defaults=False``) and ``fusion_rules``."""
-        rules = [*(default_rules() if defaults else []), *fusion_rules]
+        fused = fuse(self.ops, [*(default_rules() if defaults else []), *fusion_rules])
         try:
-            self.compiled_ops = compile_ops(self.ops, self.input_type, rules, self.checks)
+            check_types(fused, self.input_type)
         except CompileError as e:
-            raise CompileError(f"Compilation failed: {e}") from e
+            raise CompileError(f"Compilation failed: a fusion rule broke the chain of types: {e}") from e
+        self.compiled_ops = fused
 
     # ------------------------------------------------------------------ description
 
@@ -257,8 +227,7 @@ class LogitsPipe:
         and under the ``"cpu"`` algorithm; otherwise does not synchronise
         (see the module docstring); ``on_dead="flag"`` gives a dead row token -1.
         """
-        tagged, rt = self._prepare(x, u, generator, taps, params, max_top_k, on_dead)
-        return self._run(tagged, rt, on_dead).data
+        return self._run(x, u, generator, taps, params, max_top_k, on_dead)[2]
 
     def sample(
         self,
@@ -287,13 +256,12 @@ class LogitsPipe:
             raise PipeError(f"sample() needs a pipe that ends in a sampler, this one ends in {self.output_type.name}")
         if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or top_logprobs < 0:
             raise PipeError(f"top_logprobs must be an int >= 0, got {top_logprobs!r}")
-        tagged, rt = self._prepare(x, u, generator, taps, params, max_top_k, on_dead)
-        tokens = self._run(tagged, rt, on_dead).data
+        tagged, rt, tokens = self._run(x, u, generator, taps, params, max_top_k, on_dead)
         assert rt.logprobs is not None and rt.valid is not None
         extra = raw_logprobs(tagged, tokens, top_logprobs) if raw or top_logprobs else None
         return SampleResult(tokens, rt.logprobs, rt.valid, extra)
 
-    def _prepare(
+    def _run(
         self,
         x: torch.Tensor | TaggedTensor,
         u: torch.Tensor | None,
@@ -302,8 +270,13 @@ class LogitsPipe:
         params: dict[str, Any],
         max_top_k: int | None,
         on_dead: str,
-    ) -> tuple[TaggedTensor, Runtime]:
-        """Check a call's arguments (no tensor value is read) and set up its runtime."""
+    ) -> tuple[TaggedTensor, Runtime, torch.Tensor]:
+        """Check a call's arguments (no tensor value is read), run the ops, and read whether a row is dead.
+
+        The ops are the compiled ones if any, except that a tap on a stage that a
+        fused op hides runs the plain ops, which emit every stage (and draw the
+        same tokens). Reads the device only with ``on_dead="raise"``.
+        """
         if on_dead not in ("raise", "flag"):
             raise PipeError(f"on_dead must be 'raise' or 'flag', got {on_dead!r}")
         if isinstance(x, TaggedTensor):
@@ -332,33 +305,34 @@ class LogitsPipe:
         if max_top_k is not None and (not isinstance(max_top_k, int) or isinstance(max_top_k, bool) or max_top_k < 1):
             raise PipeError(f"max_top_k must be an int >= 1 (a bound of the per-row top_k), got {max_top_k!r}")
         algorithm = resolve_algorithm(self.algorithm, data.device)
-        taps_by_stage = group_taps(taps, self.tap_stages)
+        taps_by_stage: dict[str, tuple[TapFn, ...]] = {}
+        allowed = self.tap_stages
+        for i, tap in enumerate(taps or ()):
+            if not isinstance(tap, tuple) or len(tap) != 2:
+                raise PipeError(f"taps[{i}] must be a Tap(stage, fn), got {tap!r}")
+            stage, fn = tap
+            if stage not in allowed:
+                raise PipeError(f"taps[{i}]: unknown stage {stage!r}; this pipe has stages {list(allowed)}")
+            if not callable(fn):
+                raise PipeError(f"taps[{i}]: fn must be callable, got {type(fn).__name__}")
+            taps_by_stage[stage] = (*taps_by_stage.get(stage, ()), fn)
         rt = Runtime(batch, data.device, checked, u, generator, taps_by_stage, on_dead == "flag", algorithm, max_top_k)
-        return tagged, rt
-
-    def _run(self, x: TaggedTensor, rt: Runtime, on_dead: str) -> TaggedTensor:
-        """Run the ops (compiled if compiled); with ``on_dead="raise"`` reads whether a row is dead.
-
-        A tap on a stage that a fused op hides runs the plain ops instead,
-        which emit every stage (they draw the same tokens as the compiled ops).
-        """
-        tagged = x
         ops = self.compiled_ops if self.compiled_ops is not None else self.ops
         if any(part.ends_stage and rt.wants(part.stage) for op in ops for part in op.parts[:-1]):
             ops = self.ops
-        rt.emit(INPUT, x)
+        y = tagged
+        rt.emit(INPUT, y)
         for i, op in enumerate(ops):
             try:
-                y = op(x, rt)
+                y = op(y, rt)
             except (PipeError, DeadRowError):
                 raise
             except Exception as e:
                 raise PipeError(f"op {i} ({op.name}, stage {op.stage!r}) failed: {e}") from e
             if op.ends_stage and rt.wants(op.stage):
                 rt.emit(op.stage, y)
-            x = y
         if on_dead == "raise" and rt.valid is not None and not bool(rt.valid.all()):
             raise dead_row_error(
                 tagged, ~rt.valid, tensors=[k for k, v in rt.params.items() if isinstance(v, torch.Tensor)]
             )
-        return x
+        return tagged, rt, y.data

@@ -19,10 +19,7 @@ from typing import Any, ClassVar
 import torch
 
 import sampling.pipe.ops as O
-from sampling.pipe.op import Op, check_param
-from sampling.pipe.types import LegalizationError, TensorType
-
-__all__ = ["Stage", "Temperature", "Softmax", "TopK", "TopP", "MinP", "Sample", "Greedy", "Apply"]
+from sampling.pipe.types import LegalizationError, Op, TensorType, check_param
 
 LOGITS, PROBS, INDICES = TensorType.LOGITS, TensorType.PROBS, TensorType.INDICES
 
