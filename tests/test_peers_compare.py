@@ -66,6 +66,37 @@ def test_distances_equal_a_float64_reference_on_random_rows():
     assert exact.all()
 
 
+def test_topk_runs_whose_stored_tokens_do_not_overlap_get_bounds_that_say_they_differ(tmp_path):
+    """Two peaked sequences with disjoint favourites: the bucket of 'the rest' alone reads both as all-bucket
+    (distance ~0); the bounds must stay below the float64 truth and still say the rows are far apart."""
+    from dashboard.synthetic import hand_made_run
+
+    rng = np.random.default_rng()
+    vocab, steps = 300, 6
+    natural = rng.normal(size=(2, steps, vocab)).astype(np.float32)
+    favourites = rng.permutation(vocab)[:10].reshape(2, 5)
+    for s in range(2):
+        natural[s][:, favourites[s]] += rng.uniform(6, 8, size=(steps, 5)).astype(np.float32)
+    chosen = natural.argmax(-1)
+    run = hand_made_run(natural, chosen, [f"t{i}" for i in range(vocab)], storage="topk", top_k=5)
+    run = Run.load(run.to_parquet(tmp_path / "peaked.parquet"))
+    got = compare(run, run, sequence_a=0, sequence_b=1, stages=["natural"]).steps
+    x = natural.astype(np.float64)
+    p = np.exp(x - x.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    a, b = p[0], p[1]
+    m = (a + b) / 2
+    true = {
+        "tv": 0.5 * np.abs(a - b).sum(-1),
+        "kl": (a * np.log(a / b)).sum(-1),
+        "js": 0.5 * (a * np.log(a / m)).sum(-1) + 0.5 * (b * np.log(b / m)).sum(-1),
+    }
+    for name, exact in true.items():
+        assert (got[f"{name}_natural"].to_numpy() <= exact + 1e-6).all(), name  # still lower bounds
+    assert (got["tv_natural"].to_numpy() >= 0.5 * true["tv"]).all()  # and not ~0 where they differ most
+    assert (got["js_natural"].to_numpy() > 0.1).all()
+
+
 def test_topk_against_full_storage_gives_lower_bounds_and_says_so(tiny_model, char_tokenizer, tmp_path):
     full_a, full_b = _run(tiny_model, char_tokenizer, 0), _run(tiny_model, char_tokenizer, 1)
     topk_b = Run.load(_run_saved(tiny_model, char_tokenizer, tmp_path))

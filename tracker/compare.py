@@ -14,7 +14,11 @@ Top-k storage: a probability is known only where a run stored it. Where a
 row does not know every token, the distributions are compared on the tokens
 both runs know plus one bucket for all the rest; TV, KL and JS of that
 coarser pair are lower bounds of the exact values (``exact`` is False and
-``note`` says so). The token table then lists only tokens both runs stored.
+``note`` says so). Where the stored tokens barely overlap that pair reads
+two different rows as equal, so the larger of it and a second bound is
+kept: what each run stored where the other did not, less the other's mass
+on its unstored tokens (:func:`distances`). The token table then lists
+only tokens both runs stored.
 A run's mass on the tokens it did not store is read in float64 from its
 stored logits and the recorded log-sum-exp of the whole row
 (``-expm1(logsumexp(stored) - lse)``), which keeps a small remainder
@@ -114,23 +118,36 @@ def distances(
     hidden_p: np.ndarray | None = None,
     hidden_q: np.ndarray | None = None,
     slack_q: np.ndarray | None = None,
+    slack_p: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per row of ``p, q [t, V]`` (probabilities, NaN = unknown): TV, KL(p‖q), JS, and whether the row was exact.
 
-    Rows with unknown values are compared on the tokens both know plus one
-    bucket holding each side's remaining mass (see the module docstring): its
-    known probabilities on tokens the other side does not know, plus its mass
-    on its own unknown tokens, ``hidden_p``/``hidden_q`` ``[t]`` (NaN or
-    None: 1 minus its known probabilities). ``slack_q`` ``[t]`` bounds the
-    error of ``hidden_q``; KL reads B's bucket as that much larger.
+    Rows with unknown values get lower bounds, the larger of two:
+
+    - the distances of the tokens both know plus one bucket holding each
+      side's remaining mass (see the module docstring): its known
+      probabilities on tokens the other side does not know, plus its mass on
+      its own unknown tokens, ``hidden_p``/``hidden_q`` ``[t]`` (NaN or None:
+      1 minus its known probabilities);
+    - a split bound, for rows whose known tokens barely overlap (where the
+      bucket reads two different distributions as equal): on the tokens only
+      A knows, ``Σ|p - q| >= Σ p - (B's mass on its unknown tokens)``, and
+      the same the other way; KL and JS then from Pinsker's inequality
+      (``KL >= 2 TV²``, ``JS >= TV² / 2``, in nats).
+
+    ``slack_p``/``slack_q`` ``[t]`` bound the error of ``hidden_p``/``hidden_q``;
+    the bounds read each side's unknown mass as that much larger.
     """
     p64, q64 = np.asarray(p, dtype=np.float64), np.asarray(q, dtype=np.float64)
     nan_p, nan_q = np.isnan(p64), np.isnan(q64)
     known = ~(nan_p | nan_q)
     exact = known.all(axis=1)
-    rest_p = np.where(exact, 0.0, _rest(p64, nan_p, nan_q, hidden_p))
-    rest_q = np.where(exact, 0.0, _rest(q64, nan_q, nan_p, hidden_q))
+    hid_p, only_p = _hidden(p64, nan_p, hidden_p), np.where(nan_q & ~nan_p, p64, 0.0).sum(axis=1)
+    hid_q, only_q = _hidden(q64, nan_q, hidden_q), np.where(nan_p & ~nan_q, q64, 0.0).sum(axis=1)
+    rest_p = np.where(exact, 0.0, only_p + np.where(nan_p.any(axis=1), hid_p, 0.0))
+    rest_q = np.where(exact, 0.0, only_q + np.where(nan_q.any(axis=1), hid_q, 0.0))
     p64, q64 = np.where(known, p64, 0.0), np.where(known, q64, 0.0)
+    common = np.abs(p64 - q64).sum(axis=1)
     p64 = np.concatenate([p64, rest_p[:, None]], axis=1)
     q64 = np.concatenate([q64, rest_q[:, None]], axis=1)
     tv = 0.5 * np.abs(p64 - q64).sum(axis=1)
@@ -138,20 +155,30 @@ def distances(
     js = 0.5 * (_kl(p64, m) + _kl(q64, m))
     if slack_q is not None:
         unsure = nan_q.any(axis=1) & ~exact
-        q64[:, -1] += np.where(unsure, np.nan_to_num(np.asarray(slack_q, dtype=np.float64)), 0.0)
-    return tv, np.clip(_kl(p64, q64), 0.0, None), np.clip(js, 0.0, None), exact
+        q64[:, -1] += np.where(unsure, _slack(slack_q), 0.0)
+    kl = _kl(p64, q64)
+    # the split bound: B's unknown mass (at the most it can be) covers part of what only A knows, and the other way
+    most_q = np.where(nan_q.any(axis=1), hid_q + _slack(slack_q), 0.0)
+    most_p = np.where(nan_p.any(axis=1), hid_p + _slack(slack_p), 0.0)
+    split = 0.5 * (common + np.clip(only_p - most_q, 0.0, None) + np.clip(only_q - most_p, 0.0, None))
+    split = np.where(exact, 0.0, np.clip(split, 0.0, 1.0))
+    tv = np.maximum(tv, split)
+    kl = np.maximum(kl, 2.0 * split**2)
+    js = np.maximum(js, 0.5 * split**2)
+    return tv, np.clip(kl, 0.0, None), np.clip(js, 0.0, None), exact
 
 
-def _rest(x: np.ndarray, own: np.ndarray, other: np.ndarray, hidden: np.ndarray | None) -> np.ndarray:
-    """``[t]`` a side's mass outside the tokens both know: on tokens only it knows, and on its own unknown ones."""
-    shown = np.where(other & ~own, x, 0.0).sum(axis=1)
+def _slack(slack: np.ndarray | None) -> np.ndarray | float:
+    return 0.0 if slack is None else np.nan_to_num(np.asarray(slack, dtype=np.float64))
+
+
+def _hidden(x: np.ndarray, own: np.ndarray, hidden: np.ndarray | None) -> np.ndarray:
+    """``[t]`` a side's mass on its own unknown tokens: ``hidden`` where given, else 1 minus its known mass."""
     fallback = np.clip(1.0 - np.where(own, 0.0, x).sum(axis=1), 0.0, None)
     if hidden is None:
-        hidden = fallback
-    else:
-        hidden = np.asarray(hidden, dtype=np.float64)
-        hidden = np.where(np.isnan(hidden), fallback, hidden)
-    return shown + np.where(own.any(axis=1), hidden, 0.0)
+        return fallback
+    hidden = np.asarray(hidden, dtype=np.float64)
+    return np.where(np.isnan(hidden), fallback, hidden)
 
 
 def _unseen(run: Any, stage: str, logits: np.ndarray, sel: Any) -> tuple[np.ndarray, np.ndarray] | None:
@@ -301,9 +328,9 @@ def compare(
         parts: list[tuple[np.ndarray, ...]] = []
         for a in range(0, n, block):
             span = slice(a, a + block)
-            hidden_a = None if unseen_a is None else unseen_a[0][span]
+            hidden_a, slack_a = (None, None) if unseen_a is None else (unseen_a[0][span], unseen_a[1][span])
             hidden_b, slack_b = (None, None) if unseen_b is None else (unseen_b[0][span], unseen_b[1][span])
-            tv, kl, js, ok = distances(pa_[span], pb_[span], hidden_a, hidden_b, slack_b)
+            tv, kl, js, ok = distances(pa_[span], pb_[span], hidden_a, hidden_b, slack_b, slack_a)
             rows, ids, change = _top_changes(pa_[span], pb_[span], top)
             parts.append((tv, kl, js, ok))
             rows = rows + a
@@ -339,8 +366,9 @@ def compare(
         ""
         if exact
         else (
-            "top-k storage: distances are computed on the tokens both runs stored plus one bucket for the rest, "
-            "so TV, KL and JS are lower bounds; the token table lists only tokens both runs stored"
+            "top-k storage: a run knows only the tokens it stored, so TV, KL and JS are lower bounds (from the "
+            "tokens both runs stored and the mass each stored where the other did not); the token table lists "
+            "only tokens both runs stored"
         )
     )
     return Comparison(
