@@ -367,3 +367,27 @@ def test_a_run_cut_short_by_a_failing_processor_shows_on_every_page(tmp_path, st
         _ok(at)
         failed = [w.value for w in at.warning if "wrapped processor raised" in w.value]
         assert bool(failed) == (step == 2)
+
+
+def test_every_page_of_a_spill_folder_says_it_holds_only_the_spilled_rows(tmp_path):
+    """A tracker killed mid-run leaves a spill folder: each page that shows it warns that rows may be missing."""
+    import torch
+
+    from processors import BatchContext
+
+    rng = np.random.default_rng()
+    with pytest.warns(UserWarning, match="spill"):
+        track = LogitTrackingProcessor(None, memory_limit=0, spill_dir=tmp_path / "spill", chunk_bytes=64)
+        ids = torch.zeros(1, 1, dtype=torch.long)
+        for _ in range(6):
+            ctx = BatchContext(input_ids=ids, prompt_length=1)
+            track.process(torch.from_numpy(rng.standard_normal((1, 6)).astype(np.float32)), ctx)
+            token = torch.tensor([1])
+            track.on_sampled(token, ctx)
+            ids = torch.cat([ids, token[:, None]], dim=1)
+        track.recorder.flush()  # chunks go to disk on a background writer: wait for it
+    for page in ("overview", "replay", "compare"):
+        at = _app(tmp_path / "spill", page)
+        _ok(at)
+        warnings = " ".join(_plain(w.value) for w in at.warning)
+        assert "spill folder" in warnings and "still held in memory are not in it" in warnings, page

@@ -12,6 +12,8 @@ st.title("Compare")
 by_path = st.session_state.get("summaries", {})
 other = st.session_state.get("run_b") or picked.path
 summary_b = by_path[other]
+for note in dict.fromkeys(n for n in (picked.summary.note, summary_b.note) if n):  # e.g. a spill folder's rows
+    st.warning(text.md_text(note))
 if summary_b.error is not None:
     widgets.show_bad_run(summary_b.label, summary_b.error)
     st.stop()

@@ -11,6 +11,8 @@ picked = widgets.selected()
 if picked is None:
     st.stop()
 st.title(f"Step replay · {text.md_text(picked.summary.title or picked.summary.label)}")
+if picked.summary.note:
+    st.warning(text.md_text(picked.summary.note))
 try:
     track = data.track(picked.path, picked.generation, picked.sequence)
     pieces = data.pieces(picked.path, picked.generation, picked.sequence)
@@ -133,7 +135,7 @@ def _stepper() -> None:
             stages,
             value=value,
             log_y=scale == "log",
-            title=f"Step {summary.step}: top {k} tokens by stage",
+            title=f"Step {summary.step}: top {min(k, len(table))} tokens by stage",  # top-k storage may hold fewer
             names=names,
             run_stages=run_stages,
         ),
