@@ -18,10 +18,31 @@ import torch
 from tracker.buffers import BufferPool, HostBuffer, PinnedRing
 from tracker.chunks import Chunk, CudaStaging, numpy_view
 
-__all__ = ["ChunkMemory", "Layout"]
+__all__ = ["ChunkMemory", "Layout", "IN_FLIGHT", "chunk_rows"]
 
 #: Buffer name -> (shape, dtype) of a whole chunk's buffer.
 Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+#: Chunks in memory beside the rows kept and the spill queue's: the one filling, the one being
+#: written, one written but not yet mapped back, and a spare whose buffers wait for the next chunk.
+IN_FLIGHT = 4
+
+_MAX_CHUNK_ROWS = 4096
+_MIN_SHARE = 1 << 20  # below this a bound is kept only as well as chunks of one step allow
+
+
+def chunk_rows(batch: int, row_bytes: int, chunk_bytes: int, memory_limit: int | None, spill_queue: int) -> int:
+    """Rows per chunk: about ``chunk_bytes``, in whole steps of ``batch`` rows (at least one step).
+
+    Under a memory bound a chunk is also at most ``memory_limit / (spill_queue + IN_FLIGHT)`` bytes (but
+    not less than 1 MiB): past the bound that many chunks are in memory while others go to disk, so
+    larger chunks would hold the bound only in the recorder's count of rows kept, not in memory.
+    """
+    target = chunk_bytes
+    if memory_limit is not None:
+        target = min(target, max(memory_limit // (spill_queue + IN_FLIGHT), _MIN_SHARE))
+    rows = min(_MAX_CHUNK_ROWS, target // max(row_bytes, 1))
+    return max(1, rows // batch) * batch
 
 
 class ChunkMemory:

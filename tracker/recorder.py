@@ -37,7 +37,7 @@ import pyarrow as pa
 import torch
 
 from tracker.buffers import SHARED_POOL, BufferPool
-from tracker.chunk_memory import ChunkMemory, Layout
+from tracker.chunk_memory import IN_FLIGHT, ChunkMemory, Layout, chunk_rows
 from tracker.chunks import Chunk, CudaStaging, StepRows, conform, to_batch
 from tracker.record_stats import chosen_stats, offset_rows, stage_stats, summarise_topk
 from tracker.schema import run_schema
@@ -46,7 +46,6 @@ from tracker.storage import STATISTICS, Storage, stats_when_recorded
 
 __all__ = ["Storage", "StepRows", "Recorder", "SpillWarning"]
 
-_MAX_CHUNK_ROWS = 4096
 _MEMCPY = (torch.float32, torch.float16)
 
 
@@ -56,10 +55,11 @@ class Recorder:
     Args:
         storage: how each stage's row is kept (:class:`Storage`).
         stages: the stages recorded, in order (more can be added later).
-        chunk_bytes: target size of one chunk of rows (a chunk always holds at
-            least one step of the batch).
+        chunk_bytes: target size of one chunk of rows, at most
+            ``memory_limit / (spill_queue + 4)`` (:func:`~tracker.chunk_memory.chunk_rows`);
+            a chunk always holds at least one step of the batch.
         memory_limit: bytes of host chunks kept in memory (chunks on their
-            way to disk included); past it, complete chunks spill to Arrow IPC
+            way to disk, and a spare one for the next, included); past it, complete chunks spill to Arrow IPC
             files, written once each by a background writer. ``None`` never
             spills.
         spill_dir: folder for spilled chunks (a subfolder per run is made);
@@ -407,8 +407,7 @@ class Recorder:
 
     def _capacity(self, batch: int) -> int:
         per_row = self.storage.row_bytes(self.stages, self.vocab_size or 0, self.record_stats)
-        rows = max(batch, min(_MAX_CHUNK_ROWS, self.chunk_bytes // max(per_row, 1)))
-        return -(-rows // batch) * batch  # whole steps
+        return chunk_rows(batch, per_row, self.chunk_bytes, self.memory_limit, self._spill_queue)
 
     def _new_chunk(self, batch: int, device: torch.device) -> Chunk:
         index = self._next_index
@@ -464,7 +463,7 @@ class Recorder:
             return
         sizes = [c.nbytes for c in self._chunks if c.nbytes]
         on_the_way = sum(c.nbytes for c in self._chunks if c.spilling)
-        room = (sizes[-1] if sizes else 0) * (self._spill_queue + 3)  # next, queued, being written, spare
+        room = (sizes[-1] if sizes else 0) * (self._spill_queue + IN_FLIGHT)  # queued, and IN_FLIGHT's
         excess = self.host_bytes - on_the_way + room - self.memory_limit
         for chunk in list(self._chunks):
             if excess <= 0:

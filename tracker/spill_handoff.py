@@ -6,7 +6,9 @@ there: it makes the run's spill folder (a temporary one, removed with the
 recorder, unless the user gave ``spill_dir``), writes the run's metadata
 beside the chunks once per generation reaching the disk, queues each chunk
 once for :class:`~tracker.spill.SpillWriter`, maps the written files back
-when the recorder next looks, and says once that the run spills.
+when the recorder next looks, and says once that the run spills. Every few
+MB written, the writer thread also hands the C heap's free pages back
+(:func:`~tracker.buffers.trim_heap`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from tracker.buffers import trim_heap
 from tracker.chunks import Chunk
 from tracker.schema import META_VOCAB
 from tracker.spill import (
@@ -36,6 +39,8 @@ from tracker.spill import (
 from tracker.storage import Storage
 
 __all__ = ["Describe", "SpillHandoff", "SpillWarning"]
+
+_TRIM_EVERY = 4 << 20  # bytes written between two trims of the C heap (each costs a few milliseconds)
 
 #: What the recorder calls for the files beside spilled chunks: the run's metadata as JSON, and its
 #: serialised vocabulary or None when the run has no real one (readers then show ``<id>`` placeholders).
@@ -72,6 +77,7 @@ class SpillHandoff:
         self._described_generation = -1
         self._noticed = False
         self._cleanup: Any = None
+        self._untrimmed = [0]  # bytes written since the heap was last trimmed (by the writer thread only)
 
     @property
     def pending(self) -> bool:
@@ -114,10 +120,14 @@ class SpillHandoff:
             self._described_generation = newest
         path = folder / chunk_name(chunk.index)
         chunk.spilling = True
-        landed = self._landed
+        landed, untrimmed = self._landed, self._untrimmed  # not self: the writer thread keeps the last callback
 
         def done(nbytes: int, seconds: float) -> None:
             landed.append((chunk, path, nbytes))  # list.append is atomic; mapped by the recording thread
+            untrimmed[0] += nbytes
+            if untrimmed[0] >= _TRIM_EVERY:  # on the writer thread, off the recording path
+                untrimmed[0] = 0
+                trim_heap()
 
         self.writer.submit(path, batch, schema, done)
 
