@@ -238,6 +238,7 @@ def test_arguments_of_the_wrong_kind_are_refused_by_name(tmp_path):
         ({"tokenizer": "gpt2"}, "tokenizer must be a tokenizer object"),
         ({"processor_stages": "yes"}, "processor_stages must be True or False"),
         ({"prompt_logprobs": 1}, "prompt_logprobs must be True or False"),
+        ({"spill_dir": 5}, r"spill_dir must be a path \(a str or os.PathLike\), got 5"),
     ):
         with pytest.raises(TypeError, match=message):
             LogitTrackingProcessor(None, **kwargs)

@@ -64,6 +64,7 @@ from processors import BatchContext, LogitsProcessor, ProcessorError, as_process
 from processors.protocol import check_logits
 from processors.vocab import eos_token_ids
 from tracker.hosts import TransformersHost, check_chosen, find_tokenizer
+from tracker.layout import path_arg
 from tracker.prompt import leading_pad_mask, prompt_logprobs, prompt_rows, score_prompt
 from tracker.queries import RunQueries
 from tracker.recorder import Recorder, Storage
@@ -183,6 +184,8 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
         statistics: Literal["auto", "record", "read"] = "auto",
     ) -> None:
         _check_arguments(processor, tokenizer, memory_limit, chunk_bytes, processor_stages, prompt_logprobs)
+        if spill_dir is not None:
+            path_arg("spill_dir", spill_dir)
         self._stage_names: list[str] = []
         if processor_stages and processor is not None:
             processor, self._stage_names = per_processor(processor)
