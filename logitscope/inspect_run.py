@@ -145,11 +145,12 @@ def _sequence_record(reader: Any, generation: int, sequence: int, steps: slice |
 
 
 def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return ""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
 
 
 def _summary_lines(summary: Any) -> list[str]:
@@ -173,28 +174,28 @@ def _summary_lines(summary: Any) -> list[str]:
     return [f"  {name:<{width}}  {value}" for name, value in fields if value]
 
 
+def _nan(value: float | None) -> float:
+    return math.nan if value is None else value
+
+
 def _probability(p: float | None, state: str) -> str:
     from tracker.display import format_probability
 
-    if state != "kept":
-        return state
-    return format_probability(math.nan if p is None else p)
+    return format_probability(_nan(p)) if state == "kept" else state
 
 
 def _step_lines(step: dict[str, Any], stages: list[str], names: dict[str, str]) -> list[str]:
     from tracker.display import format_probability, token_label
 
     chosen = f"{token_label(step['chosen_token'])!r} (id {step['chosen_id']})" if step["chosen_id"] >= 0 else "unknown"
+    failed = "  [the wrapped processor raised at this step]" if step["processor_error"] else ""
+    p_chosen = ", ".join(f"{names[s]} {format_probability(_nan(v))}" for s, v in step["p_chosen"].items())
+    entropy = ", ".join(f"{names[s]} {_nats(v)}" for s, v in step["entropy"].items())
     lines = [
-        f"  step {step['step']}: chose {chosen}"
-        + ("  [the wrapped processor failed]" if step["processor_error"] else "")
+        f"  step {step['step']}: chose {chosen}{failed}",
+        f"    p(chosen): {p_chosen}",
+        f"    entropy (nats): {entropy}",
     ]
-    for label, values in (("p(chosen)", step["p_chosen"]), ("entropy (nats)", step["entropy"])):
-        shown = ", ".join(
-            f"{names[s]} {format_probability(math.nan if v is None else v) if label == 'p(chosen)' else _nats(v)}"
-            for s, v in values.items()
-        )
-        lines.append(f"    {label}: {shown}")
     removed = step["removed_mass"] if "constrained" in stages else None  # nothing to remove without a constraint
     lines.append(f"    allowed: {step['allowed']}" + _removed(removed))
     header = ["", "token", "id", *(names[s] for s in stages), "removed by"]
@@ -219,7 +220,9 @@ def _nats(v: float | None) -> str:
 
 
 def _removed(mass: float | None) -> str:
-    return "" if mass is None else f", probability mass removed by constraints: {mass:.3f}"
+    from tracker.display import format_probability
+
+    return "" if mass is None else f", probability mass removed by constraints: {format_probability(mass)}"
 
 
 def _print_run(out: TextIO, summary: Any, sequences: list[dict[str, Any]], names: dict[str, str]) -> None:
