@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from processors import LogitsProcessor
-from tracker import LogitTrackingProcessor, Vocabulary
+from tracker import LogitTrackingProcessor, Run, Vocabulary
 
 V = 48
 EOS = 0
@@ -132,6 +132,37 @@ def test_numpy_scalars_count_as_the_numbers_they_hold():
     assert topk.storage.top_k == 5 and type(topk.storage.top_k) is int
     with pytest.raises(ValueError, match=r"k must be an int >= 1, got np.True_"):
         tracker.get_top_tokens(k=np.bool_(True))
+
+
+class MaskLeastLikely(LogitsProcessor):
+    """Masks each row's ``n`` least likely tokens: a removed mass far below float32's 1e-7 resolution of 1 - kept."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def process(self, logits, ctx):
+        least = torch.nan_to_num(logits, nan=float("inf")).argsort(dim=1)[:, : self.n]
+        return logits.scatter(1, least, float("-inf"))
+
+
+@pytest.mark.parametrize("storage", ["float32", "float16", "topk"])
+@pytest.mark.parametrize("n", [1, 5])
+def test_a_tiny_removed_mass_is_measured_not_rounded_to_zero(storage, n, tmp_path):
+    gen = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 31)))
+    logits = torch.randn(2, 1000, generator=gen) * 2
+    logits[1, 3] = float("nan")  # a row holding NaN takes the whole-row torch path
+    tracker = LogitTrackingProcessor(MaskLeastLikely(n), storage=storage, top_k=8)
+    ids = torch.zeros(2, 1, dtype=torch.long)
+    tracker(ids, logits.clone())
+    tracker.finish(torch.cat([ids, torch.ones(2, 1, dtype=torch.long)], 1))
+    x = torch.nan_to_num(logits.double(), nan=float("-inf"))
+    p = torch.softmax(x, 1)
+    least = torch.nan_to_num(logits, nan=float("inf")).argsort(dim=1)[:, :n]
+    want = p.gather(1, least).sum(1).numpy()
+    assert (want < 1e-5).all()  # near or below what 1 - (mass kept) can tell from 0 in float32 (1e-7)
+    for run in (tracker.run, Run.load(tracker.to_parquet(tmp_path / "run.parquet"))):
+        got = np.array([run.stats(sequence=s)["removed_mass"].iloc[0] for s in (0, 1)])
+        np.testing.assert_allclose(got, want, rtol=1e-4)
 
 
 def test_stats_match_a_reference():

@@ -71,7 +71,9 @@ def removed_mass(natural: Block, constrained: Block, kept: np.ndarray | None = N
     kept = _kept(natural, constrained) if kept is None else kept
     if kept is None:
         return np.full(natural.rows, math.nan)
-    return np.clip(1.0 - np.exp(logsumexp_rows(kept) - natural.lse).astype(np.float64), 0.0, 1.0)
+    gone = np.where(kept == NEG_INF, natural.values, NEG_INF)  # summed directly: 1 - kept loses a small mass
+    with np.errstate(invalid="ignore"):  # a row with nothing allowed: -inf - -inf
+        return np.clip(np.exp(logsumexp_rows(gone) - natural.lse).astype(np.float64), 0.0, 1.0)
 
 
 def margin(natural: Block, constrained: Block, kept: np.ndarray | None = None) -> np.ndarray:

@@ -143,8 +143,9 @@ def _pair_stats_cpu(natural: torch.Tensor, x: torch.Tensor) -> tuple[np.ndarray,
         removed, margin = pair_stats(natural, x)
         return removed.numpy(), margin.numpy()
     kept = masked(nat, x.detach().float().numpy())  # natural where x allows the token, -inf where it masked it
+    gone = np.where(kept == NEG_INF, nat, NEG_INF)  # natural where x masked the token: summed directly, not 1 - kept
     with np.errstate(invalid="ignore"):  # a natural row with nothing allowed: -inf - -inf, as pair_stats gives
-        removed = np.clip(1.0 - np.exp(logsumexp_rows(kept) - logsumexp_rows(nat)), 0.0, 1.0)
+        removed = np.clip(np.exp(logsumexp_rows(gone) - logsumexp_rows(nat)), 0.0, 1.0)
         margin = nat.max(axis=1) - kept.max(axis=1)
     return np.nan_to_num(removed, nan=0.0), margin
 
@@ -153,18 +154,19 @@ def pair_stats(natural: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, to
     """``(removed_mass, margin)`` of a stage ``x`` against ``natural`` (both ``[B, V]``, any device).
 
     ``removed_mass``: natural probability of the tokens ``x`` masked (``-inf``
-    or NaN); ``margin``: the best natural logit minus the best natural logit
-    ``x`` still allows (``inf`` when it allows nothing). A natural row holding
-    ``+inf`` counts as a one-hot on its ``+inf`` tokens. Whole-row kernels on
-    the rows' device; no synchronisation.
+    or NaN), summed over those tokens (not 1 minus what is kept, which
+    rounds a mass below 1e-7 to 0); ``margin``: the best natural logit minus
+    the best natural logit ``x`` still allows (``inf`` when it allows
+    nothing). A natural row holding ``+inf`` counts as a one-hot on its
+    ``+inf`` tokens. Whole-row kernels on the rows' device; no synchronisation.
     """
     nat = natural.float()
     nat = nat.masked_fill(torch.isnan(nat), NEG_INF)
     posinf = torch.isposinf(nat)  # a natural row holding +inf is a one-hot on its +inf tokens
     nat = torch.where(posinf.any(dim=1, keepdim=True), torch.where(posinf, 0.0, NEG_INF), nat)
-    kept = nat.masked_fill(~(x > NEG_INF), NEG_INF)
-    lse_nat, lse_kept = torch.logsumexp(nat, dim=1), torch.logsumexp(kept, dim=1)
-    removed = (1.0 - torch.exp(lse_kept - lse_nat)).clamp_(0.0, 1.0)
+    allowed = x > NEG_INF
+    kept, gone = nat.masked_fill(~allowed, NEG_INF), nat.masked_fill(allowed, NEG_INF)
+    removed = torch.exp(torch.logsumexp(gone, dim=1) - torch.logsumexp(nat, dim=1)).clamp_(0.0, 1.0)
     margin = nat.amax(dim=1) - kept.amax(dim=1)
     return torch.nan_to_num(removed, nan=0.0), margin
 
