@@ -109,12 +109,12 @@ class RunSummary:
     note: str | None = None
 
 
-def _sampling_text(sampling: object) -> str:
+def sampling_text(sampling: object) -> str:
     if sampling is None:
         return ""
     if isinstance(sampling, dict):
         shown = {k: v for k, v in sampling.items() if not (v is None or v is False or v == [] or v == ())}
-        return ", ".join(f"{k}={_sampling_text(v) if isinstance(v, dict) else v}" for k, v in shown.items())
+        return ", ".join(f"{k}={sampling_text(v) if isinstance(v, dict) else v}" for k, v in shown.items())
     return json.dumps(sampling) if not isinstance(sampling, str) else sampling
 
 
@@ -138,7 +138,7 @@ def summary_of(reader: RunReader, label: str) -> RunSummary:
         prompt=prompt,
         model=m.model or "",
         processors=m.processors or "none",
-        sampling=_sampling_text(m.sampling),
+        sampling=sampling_text(m.sampling),
         steps=steps,
         sequences=sequences,
         generations=len(generations),

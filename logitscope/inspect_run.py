@@ -19,6 +19,7 @@ import json
 import math
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -37,11 +38,16 @@ def parse_steps(text: str) -> slice:
         bounds = [int(p) if p.strip() else None for p in parts]
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}") from None
+    if any(b is not None and b < 0 for b in bounds):
+        raise argparse.ArgumentTypeError(f"must be {allowed} with steps >= 0, got {text!r}")
     if len(bounds) == 1 and bounds[0] is not None:
         return slice(bounds[0], bounds[0] + 1)
-    if len(bounds) != 2 or any(b is not None and b < 0 for b in bounds):
-        raise argparse.ArgumentTypeError(f"must be {allowed} with steps >= 0, got {text!r}")
-    return slice(bounds[0], bounds[1])
+    if len(bounds) != 2:
+        raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}")
+    start, stop = bounds
+    if start is not None and stop is not None and stop <= start:
+        raise argparse.ArgumentTypeError(f"must be a range A:B with A < B (B is excluded), got {text!r}")
+    return slice(start, stop)
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -122,6 +128,21 @@ def _step_record(reader: Any, track: Any, position: int, top: int) -> dict[str, 
     }
 
 
+def _sampling_of(reader: Any, generation: int, sequence: int) -> str:
+    """The sampling parameters a generation recorded for this row ("" when it recorded none)."""
+    from dashboard.discover import sampling_text
+
+    for entry in reader.metadata.generations:
+        if int(entry.get("generation", -1)) == generation:
+            sampling = entry.get("sampling")
+            if isinstance(sampling, list):  # one entry per row (the Generator's requests)
+                sampling = sampling[sequence] if 0 <= sequence < len(sampling) else None
+            if isinstance(sampling, dict):
+                sampling = {k: v for k, v in sampling.items() if k not in ("request", "sample")}
+            return sampling_text(sampling)
+    return ""
+
+
 def _sequence_record(reader: Any, generation: int, sequence: int, steps: slice | None, top: int) -> dict[str, Any]:
     from dashboard.views import token_pieces
 
@@ -132,6 +153,7 @@ def _sequence_record(reader: Any, generation: int, sequence: int, steps: slice |
         "steps": track.length,
         "prompt": reader.prompt(generation, sequence),
         "text": "".join(token_pieces(reader.vocab, track.chosen)),
+        "sampling": _sampling_of(reader, generation, sequence),
     }
     if steps is not None:
         start = 0 if steps.start is None else steps.start
@@ -227,11 +249,15 @@ def _removed(mass: float | None) -> str:
 
 def _print_run(out: TextIO, summary: Any, sequences: list[dict[str, Any]], names: dict[str, str]) -> None:
     print(f"{summary.path}  (run {summary.run_id}, {_size(summary.size_bytes)})", file=out)
+    if any(seq["sampling"] for seq in sequences):  # each sequence says its own: the run's is the latest generation's
+        summary = replace(summary, sampling="")
     for line in _summary_lines(summary):
         print(line, file=out)
     for seq in sequences:
         print(file=out)
         print(f"generation {seq['generation']}, sequence {seq['sequence']}: {seq['steps']} step(s)", file=out)
+        if seq["sampling"]:
+            print(f"  sampling: {seq['sampling']}", file=out)
         print(f"  prompt: {seq['prompt']!r}", file=out)
         print(f"  text:   {seq['text']!r}", file=out)
         for step in seq.get("step_details", []):

@@ -106,6 +106,8 @@ def test_a_folder_lists_its_runs_and_names_the_one_it_cannot_read(recorded, tmp_
     [
         (["--steps", "two"], "argument --steps: must be a step number N, a range A:B"),
         (["--steps", "3:-1"], "argument --steps: must be a step number N, a range A:B"),
+        (["--steps", "-1"], "with steps >= 0, got '-1'"),
+        (["--steps", "4:2"], "argument --steps: must be a range A:B with A < B (B is excluded), got '4:2'"),
         (["--top", "0"], "argument --top: must be >= 1, got 0"),
         (["--generation", "4"], "argument --generation: 4 is not in this run; its generations are [0]"),
         (["--sequence", "7"], "argument --sequence: 7 is not in generation 0; its sequences are [0, 1]"),
@@ -137,3 +139,17 @@ def test_a_file_that_is_not_a_run_exits_1_saying_why(tmp_path, capsys):
     bad.write_bytes(b"PAR1 not a run")
     assert main(["inspect", str(bad)]) == 1
     assert f"'{bad}' is not a readable run" in capsys.readouterr().err
+
+
+def test_each_sequence_shows_the_sampling_of_its_own_generation(capsys):
+    """A run's header would hold only the latest generation's settings: each generation says its own."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "sample_runs" / "two_seeds.parquet"  # seeds 0 and 1
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    first, second = out.split("generation 1, sequence 0")
+    assert "seed=0" in first.split("generation 0, sequence 0")[1] and "seed=1" not in first
+    assert "seed=1" in second and "seed=0" not in second
+    doc = _json(capsys, str(path))
+    assert ["seed=0" in s["sampling"] for s in doc["sequences"]] == [True, False]

@@ -116,6 +116,11 @@ def test_positions_and_sequences_of_the_wrong_kind_are_refused_by_name():
         tracker.get_top_tokens(k=1, sequence="0")
     with pytest.raises(TypeError, match="position must be an int >= 0, got '3'"):
         tracker.run.step("3")
+    for bad in (0, -3):  # -3 listed all but 3 tokens of the vocabulary
+        with pytest.raises(ValueError, match=f"k must be an int >= 1, got {bad}"):
+            tracker.run.step(0, k=bad)
+        with pytest.raises(ValueError, match=f"k must be an int >= 1, got {bad}"):
+            tracker.run.show(step=0, k=bad)
     with pytest.raises(TypeError, match=r"pos must be an int >= 0, got True \(bool\)"):
         tracker.sequence(pos=True)  # True is not the position 1
     assert tracker.sequence(pos=np.int64(2)) == tracker.sequence()[: len(tracker.sequence(pos=2))]

@@ -16,7 +16,7 @@ import pandas as pd
 
 from tracker import metrics
 from tracker.prompt import perplexity as _perplexity
-from tracker.selection import index_arg
+from tracker.selection import count_arg, index_arg
 from tracker.stages import display_stages, why
 
 __all__ = ["Insight"]
@@ -210,6 +210,7 @@ class Insight:
         """
         from tracker.display import StepView, step_html
 
+        k = count_arg("k", k)
         view = StepView(self, position, generation, sequence, k, include_finished)
         step_html(  # checks the arguments now
             self, position, generation=generation, sequence=sequence, k=k, include_finished=include_finished
