@@ -1,6 +1,8 @@
-"""Shared fixtures: a tiny model and tokenizer built in the test, and the demo model."""
+"""Shared fixtures: a tiny model and tokenizer built in the test, the demo model, a slow disk for spilling."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -52,3 +54,21 @@ def demo():
     from logitscope.demo_model import load_demo_model
 
     return load_demo_model()
+
+
+@pytest.fixture
+def slow_disk(monkeypatch):
+    """``slow_disk(seconds)``: every spill file then takes that much longer to write, so chunks queue up on
+    their way to disk."""
+    import tracker.spill as spill
+
+    original = spill.write_ipc
+
+    def slow(seconds: float) -> None:
+        def slow_write(*args, **kwargs):
+            time.sleep(seconds)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(spill, "write_ipc", slow_write)
+
+    return slow

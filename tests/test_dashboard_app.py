@@ -326,36 +326,15 @@ def test_comparing_runs_of_two_vocabularies_says_so(runs):
     assert any("only runs of one vocabulary compare" in e.value for e in at.error)
 
 
-class _FailsOnThirdCall:
-    """A transformers-style processor that masks odd ids, and raises on its third call."""
-
-    def __init__(self):
-        self.calls = 0
-
-    def __call__(self, ids, scores):
-        self.calls += 1
-        if self.calls == 3:
-            raise RuntimeError("the grammar broke")
-        out = scores.clone()
-        out[:, 1::2] = float("-inf")
-        return out
-
-
 @pytest.mark.parametrize("storage", ["float32", "topk"])
 def test_a_run_cut_short_by_a_failing_processor_shows_on_every_page(tmp_path, storage):
     """The third step's constraint raised (only the model's row was recorded) and no token was chosen there,
     as after a generate() that raised: every page shows it; replay says what happened at that step."""
-    import torch
-    from test_tracker_support import byte_tokenizer
+    from test_tracker_support import FailsOnThirdCall, byte_tokenizer, record_until_the_processor_raises
 
     tok = byte_tokenizer()
-    tracker = LogitTrackingProcessor(_FailsOnThirdCall(), tokenizer=tok, storage=storage, top_k=8)
-    gen = torch.Generator().manual_seed(11)
-    ids = torch.tensor(tok(["the cat", "hello"], padding=True)["input_ids"])
-    with pytest.raises(Exception, match="the grammar broke"):
-        for _ in range(4):
-            out = tracker(ids, torch.randn(2, len(tok), generator=gen) * 3)
-            ids = torch.cat([ids, out.argmax(1, keepdim=True)], 1)
+    tracker = LogitTrackingProcessor(FailsOnThirdCall(), tokenizer=tok, storage=storage, top_k=8)
+    record_until_the_processor_raises(tracker, tok, seed=11)
     tracker.to_parquet(tmp_path / "cut.parquet")
     for page in ("overview", "compare"):
         at = _app(tmp_path, page)
@@ -371,21 +350,11 @@ def test_a_run_cut_short_by_a_failing_processor_shows_on_every_page(tmp_path, st
 
 def test_every_page_of_a_spill_folder_says_it_holds_only_the_spilled_rows(tmp_path):
     """A tracker killed mid-run leaves a spill folder: each page that shows it warns that rows may be missing."""
-    import torch
+    from test_tracker_support import spill_six_steps
 
-    from processors import BatchContext
-
-    rng = np.random.default_rng()
     with pytest.warns(UserWarning, match="spill"):
         track = LogitTrackingProcessor(None, memory_limit=0, spill_dir=tmp_path / "spill", chunk_bytes=64)
-        ids = torch.zeros(1, 1, dtype=torch.long)
-        for _ in range(6):
-            ctx = BatchContext(input_ids=ids, prompt_length=1)
-            track.process(torch.from_numpy(rng.standard_normal((1, 6)).astype(np.float32)), ctx)
-            token = torch.tensor([1])
-            track.on_sampled(token, ctx)
-            ids = torch.cat([ids, token[:, None]], dim=1)
-        track.recorder.flush()  # chunks go to disk on a background writer: wait for it
+        spill_six_steps(track, np.random.default_rng())
     for page in ("overview", "replay", "compare"):
         at = _app(tmp_path / "spill", page)
         _ok(at)

@@ -93,19 +93,11 @@ def test_a_dataset_partition_and_a_spill_folder_are_runs(tmp_path):
     rng = np.random.default_rng(1)
     spill = tmp_path / "spill"
     track = tracker.LogitTrackingProcessor(None, memory_limit=0, spill_dir=spill, chunk_bytes=64)
-    import torch
+    from test_tracker_support import spill_six_steps
 
-    from processors import BatchContext
-
-    ids = torch.zeros(1, 1, dtype=torch.long)
-    for _ in range(6):
-        ctx = BatchContext(input_ids=ids, prompt_length=1)
-        track.process(torch.from_numpy(rng.standard_normal((1, 6)).astype(np.float32)), ctx)
-        token = torch.tensor([1])
-        track.on_sampled(token, ctx)
-        ids = torch.cat([ids, token[:, None]], dim=1)
+    spill_six_steps(track, rng)
     track.reset()
-    track.recorder.flush()  # chunks go to disk on a background writer: wait for it
+    track.recorder.flush()  # what the reset queued, too
     found = [p for p in find_runs(spill) if p.is_dir()]
     assert found, "the spill folder should be found as a run"
     reader = RunReader(found[0])

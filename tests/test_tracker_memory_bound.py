@@ -4,11 +4,8 @@ fed comes back."""
 
 from __future__ import annotations
 
-import json
 import os
 import platform
-import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -16,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_tracker_support import json_from_a_fresh_process
 
 from processors import LogitsProcessor
 from tracker import LogitTrackingProcessor
@@ -25,26 +23,13 @@ from tracker.recorder import Recorder, SpillWarning, Storage
 CPU = torch.device("cpu")
 
 
-@pytest.fixture
-def slow_disk(monkeypatch):
-    """Spill files take 5 ms each to write, so chunks queue up on their way to disk."""
-    import tracker.spill as spill
-
-    original = spill.write_ipc
-
-    def slow_write(*args, **kwargs):
-        time.sleep(0.005)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(spill, "write_ipc", slow_write)
-
-
 @pytest.mark.parametrize("batch", [1, 4])
 def test_a_bound_smaller_than_a_chunk_holds_with_chunks_on_their_way_and_every_row_comes_back(
     tmp_path, slow_disk, batch
 ):
     """With the default chunk size (32 MiB) and a 6 MiB bound, memory held for rows (kept, queued for
     the disk, being written, and idle buffers kept for the next chunk) stays within the bound."""
+    slow_disk(0.005)
     bound, vocab, steps = 6 << 20, 2048, 800 // batch
     pool = BufferPool()  # this recorder's alone: its idle buffers are the spare ones
     recorder = Recorder(
@@ -126,21 +111,7 @@ def test_a_spilling_run_stays_near_its_bound_in_resident_memory(tmp_path):
     """In a fresh process with glibc's default allocator settings: a run writing 300 MB to disk under a
     16 MiB bound grows anonymous memory by well under twice the bound (before the chunks were sized to
     the bound and the heap trimmed as chunks spill, it grew by 85-145 MiB)."""
-    code = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]);"
-        "from test_tracker_memory_bound import record_spilling_run;"
-        "print(json.dumps(record_spilling_run(sys.argv[2])))"
-    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    env["PYTHONPATH"] = str(Path(__file__).parents[1])
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(Path(__file__).parent), str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = json_from_a_fresh_process("test_tracker_memory_bound", "record_spilling_run", str(tmp_path), env)
     assert result["rows"] == 300 * 4
     assert result["grew"] <= 2 * result["bound"], f"grew by {result['grew'] / 2**20:.0f} MiB"

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
 import torch
-from test_tracker_support import byte_tokenizer
+from test_tracker_support import FailsOnThirdCall, byte_tokenizer, record_until_the_processor_raises
 
 import tracker.layout as layout_module
 from processors import LogitsProcessor
@@ -58,29 +58,13 @@ def test_parquet_round_trip_answers_the_same_without_a_tokenizer(tmp_path, stora
     assert run.stats().equals(live.stats())
 
 
-class FailsOnThirdCall(LogitsProcessor):
-    def __init__(self):
-        self.calls = 0
-
-    def process(self, logits, ctx):
-        self.calls += 1
-        if self.calls == 3:
-            raise RuntimeError("the grammar broke")
-        return MaskOdd().process(logits, ctx)
-
-
 @pytest.mark.parametrize("storage", ["float32", "float16", "bfloat16", "topk"])
 def test_a_run_whose_processor_raised_reads_back_from_parquet_as_it_was_recorded(tmp_path, storage):
     """The failed step's constrained row is null; Parquet writes its values as nulls too, and reading it back
     must not fail (it did, for full storage: 'zero_copy_only was True')."""
     tok = byte_tokenizer()
     tracker = LogitTrackingProcessor(FailsOnThirdCall(), tokenizer=tok, storage=storage, top_k=8)
-    gen = torch.Generator().manual_seed(7)
-    ids = torch.tensor(tok(["the cat", "héllo"], padding=True)["input_ids"])
-    with pytest.raises(Exception, match="the grammar broke"):
-        for _ in range(4):
-            out = tracker(ids, torch.randn(2, len(tok), generator=gen) * 3)
-            ids = torch.cat([ids, out.argmax(1, keepdim=True)], 1)
+    record_until_the_processor_raises(tracker, tok, seed=7)
     live = tracker.run
     run = Run.load(tracker.to_parquet(tmp_path / "run.parquet"))
     assert run.stats()["processor_error"].tolist() == [False, False, True]

@@ -3,11 +3,8 @@ memory bound, non-finite logits, and temporary spill folders."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -17,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_tracker_support import json_from_a_fresh_process
 
 from processors import LogitsProcessor
 from sampling import Generator, SamplingParams
@@ -78,21 +76,8 @@ def test_each_spilled_chunk_is_written_once_and_spilled_bytes_is_what_is_on_disk
     assert sum(b.num_rows for b in table) == steps * 2
 
 
-@pytest.fixture
-def slow_disk(monkeypatch):
-    """Spill files take 20 ms each to write."""
-    import tracker.spill as spill
-
-    original = spill.write_ipc
-
-    def slow_write(*args, **kwargs):
-        time.sleep(0.02)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(spill, "write_ipc", slow_write)
-
-
 def test_a_full_spill_queue_makes_recording_wait_for_the_disk_not_fail(tmp_path, slow_disk):
+    slow_disk(0.02)
     recorder = Recorder(
         Storage.parse("float32"),
         ["natural"],
@@ -112,6 +97,7 @@ def test_a_full_spill_queue_makes_recording_wait_for_the_disk_not_fail(tmp_path,
 
 
 def test_rows_on_their_way_to_a_slow_disk_stay_within_the_memory_bound(tmp_path, slow_disk):
+    slow_disk(0.02)
     bound = 256 << 10
     recorder = Recorder(
         Storage.parse("float32"),
@@ -417,20 +403,8 @@ def measure_queries(folder: str) -> dict[str, int]:
 def test_queries_on_a_spilled_half_precision_run_stay_within_the_bound(tmp_path):
     """Measured in a fresh process whose glibc serves blocks over 128 KiB by mmap (returned on free),
     so its RSS shows the memory a query uses, not what the allocator kept from earlier tests."""
-    code = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]);"
-        "from test_tracker_scale import measure_queries; print(json.dumps(measure_queries(sys.argv[2])))"
-    )
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 17), PYTHONPATH=str(Path(__file__).parents[1]))
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(Path(__file__).parent), str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    grew = json.loads(done.stdout.strip().splitlines()[-1])
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 17))
+    grew = json_from_a_fresh_process("test_tracker_scale", "measure_queries", str(tmp_path), env)
     chunk, bound = 2 << 20, 8 << 20
     recorded = 240 * 2 * (1 << 15) * 2  # 30 MiB of float16 rows: converting them all to float32 takes 60 MiB
     assert grew.pop("rows held") <= bound + 2 * chunk

@@ -55,6 +55,72 @@ def random_gpt2(vocab_size: int, seed: int = 0, init: float = 0.5) -> GPT2LMHead
     return GPT2LMHeadModel(config).eval()
 
 
+class FailsOnThirdCall:
+    """A transformers-style processor that masks odd ids, and raises on its third call."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("the grammar broke")
+        out = scores.clone()
+        out[:, 1::2] = float("-inf")
+        return out
+
+
+def record_until_the_processor_raises(tracker, tok, seed: int) -> None:
+    """Feed ``tracker`` (wrapping a :class:`FailsOnThirdCall`) random logits for two prompts until it raises,
+    as a ``generate()`` would: two steps recorded whole, the third with only the model's row and no token."""
+    import pytest
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.tensor(tok(["the cat", "héllo"], padding=True)["input_ids"])
+    with pytest.raises(RuntimeError, match="the grammar broke"):
+        for _ in range(4):
+            out = tracker(ids, torch.randn(2, len(tok), generator=gen) * 3)
+            ids = torch.cat([ids, out.argmax(1, keepdim=True)], 1)
+
+
+def json_from_a_fresh_process(module: str, function: str, argument: str, env: dict[str, str]) -> object:
+    """``function(argument)`` of the test module ``module``, run in a fresh interpreter with ``env``; its JSON
+    result (for measuring what a process's own memory does, free of what earlier tests left behind)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    code = (
+        f"import json, sys; sys.path.insert(0, sys.argv[1]); from {module} import {function};"
+        f"print(json.dumps({function}(sys.argv[2])))"
+    )
+    env = {**env, "PYTHONPATH": str(here.parent)}
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(here), argument], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def spill_six_steps(tracker, rng) -> None:
+    """Record six steps of random logits (one row, 6 tokens) through ``tracker``'s own protocol and wait until
+    its chunks are on disk (with ``memory_limit=0`` they all spill)."""
+    import numpy as np
+
+    from processors import BatchContext
+
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    for _ in range(6):
+        ctx = BatchContext(input_ids=ids, prompt_length=1)
+        tracker.process(torch.from_numpy(rng.standard_normal((1, 6)).astype(np.float32)), ctx)
+        token = torch.tensor([1])
+        tracker.on_sampled(token, ctx)
+        ids = torch.cat([ids, token[:, None]], dim=1)
+    tracker.recorder.flush()  # chunks go to disk on a background writer: wait for it
+
+
 def test_byte_tokenizer_round_trips_text():
     tok = byte_tokenizer()
     text = "the catfish said héllo ☃"
