@@ -223,9 +223,13 @@ def test_arguments_of_the_wrong_kind_are_refused_by_name(tmp_path):
         ({"processor_stages": "yes"}, "processor_stages must be True or False"),
         ({"prompt_logprobs": 1}, "prompt_logprobs must be True or False"),
         ({"spill_dir": 5}, r"spill_dir must be a path \(a str or os.PathLike\), got 5"),
+        ({"pad_token_id": True}, r"pad_token_id must be a token id \(an int >= 0\) or None, got True"),
+        ({"pad_token_id": "0"}, r"pad_token_id must be a token id \(an int >= 0\) or None, got '0'"),
     ):
         with pytest.raises(TypeError, match=message):
             LogitTrackingProcessor(None, **kwargs)
+    with pytest.raises(ValueError, match=r"pad_token_id must be a token id \(an int >= 0\) or None, got -2"):
+        LogitTrackingProcessor(None, pad_token_id=-2)
     with pytest.raises(TypeError, match="processor is a tokenizer"):
         LogitTrackingProcessor(tok)
     with pytest.raises(ValueError, match="nothing recorded yet"):
@@ -242,4 +246,8 @@ def test_arguments_of_the_wrong_kind_are_refused_by_name(tmp_path):
         with pytest.raises(ValueError, match=f"{name} must be a path, got ''"):
             call("")  # not the current folder
     assert list(tmp_path.iterdir()) == []
+    (tmp_path / "notes.txt").write_text("a file, not a folder")
+    with pytest.raises(NotADirectoryError, match=r"root must be a folder \(made if missing\), got .*notes\.txt"):
+        run.to_dataset(tmp_path / "notes.txt")
+    (tmp_path / "notes.txt").unlink()
     assert Run.load(run.to_parquet(tmp_path / "b.parquet", compression="none")).sequence() == run.sequence()

@@ -209,6 +209,7 @@ class TransformersHost:
             gen.chosen_known = True
         self._end_generation()
         self._forget_host()
+        self.recorder.raise_failure()  # a chunk the disk refused during the generation, said once
         return self.run
 
     def _observe_sequences(self, input_ids: torch.Tensor) -> None:

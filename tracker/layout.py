@@ -45,6 +45,7 @@ from tracker.spill import CHUNK_GLOB, RUN_JSON, VOCAB_FILE, atomic_path, remove_
 __all__ = [
     "PartialRunWarning",
     "path_arg",
+    "folder_arg",
     "IPC_SUFFIXES",
     "PARQUET_SUFFIXES",
     "ID_COLUMNS",
@@ -370,6 +371,16 @@ def path_arg(name: str, value: object) -> Path:
     if str(value) == "":
         raise ValueError(f"{name} must be a path, got '' (an empty string)")
     return Path(value)
+
+
+def folder_arg(name: str, value: object) -> Path:
+    """``value`` as a Path (:func:`path_arg`) to a folder that exists or can be made (not at or under a file)."""
+    folder = path_arg(name, value)
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        where = "is a file" if existing == folder else f"lies under '{existing}', which is a file"
+        raise NotADirectoryError(f"{name} must be a folder (made if missing), got '{folder}', which {where}")
+    return folder
 
 
 def open_layout(path: str | os.PathLike[str], run_id: str | None = None) -> RunLayout:

@@ -64,7 +64,7 @@ from processors import BatchContext, LogitsProcessor, ProcessorError, as_process
 from processors.protocol import check_logits
 from processors.vocab import eos_token_ids
 from tracker.hosts import TransformersHost, check_chosen, find_tokenizer
-from tracker.layout import path_arg
+from tracker.layout import folder_arg
 from tracker.prompt import leading_pad_mask, prompt_logprobs, prompt_rows, score_prompt
 from tracker.queries import RunQueries
 from tracker.recorder import Recorder, Storage
@@ -124,7 +124,8 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
             when 500 steps of the batch fit in ``memory_limit`` (or no bound
             or a zero one is given), else bfloat16 if that fits, else top-k;
             decided at the first step.
-        top_k: values kept per row with ``storage="topk"``.
+        top_k: values kept per row with ``storage="topk"`` (or when ``"auto"`` chooses it); the
+            other modes keep the whole row, which holds every top ``k``, and do not use it.
         memory_limit: bytes of host memory for recorded rows: the rows kept,
             chunks on their way to disk and the buffers kept for the next
             chunk; past it, finished chunks spill to Arrow IPC files in
@@ -185,7 +186,7 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
     ) -> None:
         _check_arguments(processor, tokenizer, memory_limit, chunk_bytes, processor_stages, prompt_logprobs)
         if spill_dir is not None:
-            path_arg("spill_dir", spill_dir)
+            folder_arg("spill_dir", spill_dir)
         self._stage_names: list[str] = []
         if processor_stages and processor is not None:
             processor, self._stage_names = per_processor(processor)
@@ -216,9 +217,10 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
             created_at=now(),
             stage_aliases={self._stage_names[-1]: "constrained"} if self._stage_names else {},
         )
-        self.pad_token_id = check_pad_token_id(
-            getattr(tokenizer, "pad_token_id", None) if pad_token_id is None else pad_token_id
-        )
+        if pad_token_id is None:  # the tokenizer's; a negative one there means none
+            pad_token_id = getattr(tokenizer, "pad_token_id", None)
+            pad_token_id = None if isinstance(pad_token_id, int) and pad_token_id < 0 else pad_token_id
+        self.pad_token_id = check_pad_token_id(pad_token_id)
         self._local = threading.local()
 
     # ---------------------------------------------------------------- properties

@@ -20,6 +20,8 @@ by the names in :data:`ROW_STATS` and :data:`CHOSEN_STATS`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,12 +30,24 @@ from tracker.rows import EXP_FLOOR, NEG_INF, exp_floor, logsumexp_rows, masked, 
 
 __all__ = ["CHOSEN_STATS", "ROW_STATS", "chosen_stats", "offset_rows", "pair_stats", "probability", "row_stats"]
 __all__ += ["stored_lse"]
-__all__ += ["stage_stats", "summarise_topk"]
+__all__ += ["eos_on", "stage_stats", "summarise_topk"]
 
 #: Order of the values :func:`row_stats` packs per row (the schema's statistics columns up to the margin).
 ROW_STATS = ("lse", "allowed", "max", "entropy", "nan", "p_eos", "removed_mass", "margin")
 #: Order of the values :func:`chosen_stats` packs per row.
 CHOSEN_STATS = ("chosen_logit", "p_chosen", "rank_chosen")
+
+
+def eos_on(cache: dict[Any, torch.Tensor], ids: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor | None:
+    """The EOS ``ids`` inside the vocabulary, on ``device``: copied there once and kept in ``cache``
+    (a host-to-device copy; no synchronisation). None without EOS ids."""
+    if not ids:
+        return None
+    key = (device, tuple(ids), vocab)
+    eos = cache.get(key)
+    if eos is None:
+        eos = cache[key] = torch.tensor([i for i in ids if 0 <= i < vocab], dtype=torch.int64).to(device)
+    return eos
 
 
 def probability(logit: torch.Tensor, lse: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

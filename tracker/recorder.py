@@ -39,7 +39,7 @@ import torch
 from tracker.buffers import SHARED_POOL, BufferPool
 from tracker.chunk_memory import IN_FLIGHT, ChunkMemory, Layout, chunk_rows
 from tracker.chunks import Chunk, CudaStaging, StepRows, conform, to_batch
-from tracker.record_stats import chosen_stats, offset_rows, stage_stats, summarise_topk
+from tracker.record_stats import chosen_stats, eos_on, offset_rows, stage_stats, summarise_topk
 from tracker.schema import run_schema
 from tracker.spill_handoff import Describe, SpillHandoff, SpillWarning
 from tracker.storage import STATISTICS, Storage, stats_when_recorded
@@ -193,7 +193,8 @@ class Recorder:
         Runs every step; reads no device value. When a chunk fills it may
         wait: for the oldest staging chunk's copies when every pinned slot is
         in flight (an event recorded chunks ago, long finished), and for the
-        spill writer when its queue is full.
+        spill writer when its queue is full. Raises, once, the disk's refusal
+        of a chunk (:meth:`raise_failure`), the step's rows unreserved.
         """
         with self._lock:
             if self.vocab_size is None:
@@ -207,7 +208,6 @@ class Recorder:
                     "Call clear() before tracking a model with another vocabulary."
                 )
             self._retained, self._retained_rows = None, {}
-            self._steps += 1
             device = torch.device(device)
             chunk = self._active
             if chunk is None or chunk.capacity - chunk.n < batch or chunk.device != device:
@@ -215,6 +215,8 @@ class Recorder:
                 chunk = self._active = self._new_chunk(batch, device)
             elif self._handoff.pending:
                 self._collect()
+            self.raise_failure()  # the disk refused a chunk (now or since the last step): said once
+            self._steps += 1
             start = chunk.n
             end = start + batch
             chunk.n = end
@@ -249,17 +251,6 @@ class Recorder:
         with self._lock:
             self._write(rows, stage, values, natural, owned)
 
-    def _eos_on(self, device: torch.device) -> torch.Tensor | None:
-        """The EOS ids on ``device``, copied there once (a host-to-device copy; no synchronisation)."""
-        if not self.eos_token_ids:
-            return None
-        key = (device, tuple(self.eos_token_ids), self.vocab_size)
-        eos = self._eos.get(key)
-        if eos is None:
-            ids = [i for i in self.eos_token_ids if 0 <= i < (self.vocab_size or 0)]
-            eos = self._eos[key] = torch.tensor(ids, dtype=torch.int64).to(device)
-        return eos
-
     def _write(
         self, rows: StepRows, stage: str, values: torch.Tensor, natural: torch.Tensor | None, owned: bool
     ) -> None:
@@ -276,11 +267,12 @@ class Recorder:
         nat = None if natural is None or stage == "natural" else natural.detach()
         kept = pre = shift = None  # half-precision rows as stored; their statistics, and the max they are kept minus
         exact = values.detach() if owned else None  # rows nobody else can write into (a later processor may)
+        eos = eos_on(self._eos, self.eos_token_ids, self.vocab_size or 0, src.device)
         if self.storage.full:
             name = f"{stage}:logits"
             dst = chunk.buffers[name]
             if dst.dtype != torch.float32 and f"{stage}:stats" in chunk.buffers:
-                pre, shift = offset_rows(src, self._eos_on(src.device), nat)
+                pre, shift = offset_rows(src, eos, nat)
                 src = src.float() - shift[:, None]
             if not staging and src.dtype == dst.dtype and src.dtype in _MEMCPY and src.device.type == "cpu":
                 # a plain memcpy: torch would split a long row across threads for no gain
@@ -298,7 +290,7 @@ class Recorder:
             for name, tensor in summary.items():
                 chunk.buffers[f"{stage}:{name}"][start:end].copy_(tensor, non_blocking=staging)
         if f"{stage}:stats" in chunk.buffers:
-            stats, stored = stage_stats(src, self._eos_on(src.device), nat, kept, pre, shift)
+            stats, stored = stage_stats(src, eos, nat, kept, pre, shift)
             chunk.buffers[f"{stage}:stats"][start:end].copy_(stored, non_blocking=staging)
             if self._retained is not rows:
                 self._retained, self._retained_rows = rows, {}
@@ -329,6 +321,8 @@ class Recorder:
 
     def _set_chosen(self, rows: StepRows, tokens: torch.Tensor | Sequence[int]) -> None:
         chunk = rows.chunk
+        if chunk.on_disk and self._handoff.pending:
+            self._collect()  # a chunk the writer could not write is back in memory, writable again
         chunk.check_writable("set_chosen")
         if isinstance(tokens, torch.Tensor):
             src = tokens.detach().reshape(-1)
@@ -354,6 +348,16 @@ class Recorder:
         chunk.chosen_set[start:end] = True
         chunk.version += 1
         self.version += 1
+
+    def raise_failure(self) -> None:
+        """Raise, once, the disk's refusal of a chunk (a RuntimeError naming the folder); its rows stayed in
+        memory and nothing spills until :meth:`clear`. Recording calls this (each step, ``finish``), queries not."""
+        with self._lock:
+            if self._handoff.pending:
+                self._collect()
+            failure, self._handoff.failure = self._handoff.failure, None
+            if failure is not None:
+                raise failure
 
     def end_generation(self, generation: int) -> None:
         """No more chosen tokens will come for ``generation`` (its rows may spill)."""
@@ -470,14 +474,12 @@ class Recorder:
                 break
             if chunk is self._active or chunk.on_disk or chunk.host is None or not chunk.complete(self._ended):
                 continue
-            excess -= chunk.nbytes
-            self._spill(chunk)
-
-    def _spill(self, chunk: Chunk) -> None:
-        """Hand a complete chunk to the disk (blocks only while the writer's queue is full)."""
-        schema = self.schema()
-        batch = to_batch(chunk, schema, self.stages, self.storage, self.vocab_size or 0)
-        self._handoff.send(chunk, batch, schema, self.run_id, self.describe)
+            if self._handoff.stopped:
+                break  # the disk refused a chunk: rows stay in memory (raise_failure says why)
+            schema = self.schema()  # to disk; blocks only while the writer's queue is full
+            batch = to_batch(chunk, schema, self.stages, self.storage, self.vocab_size or 0)
+            if self._handoff.send(chunk, batch, schema, self.run_id, self.describe):
+                excess -= chunk.nbytes
 
     def _collect(self) -> None:
         """Map the chunks the writer finished and give their buffers back."""

@@ -38,9 +38,9 @@ from tracker.insight import Insight
 from tracker.layout import (
     PartialRunWarning,
     RunFileError,
+    folder_arg,
     metadata_from,
     open_layout,
-    path_arg,
     vocabulary_from,
     write_parquet,
 )
@@ -184,7 +184,7 @@ class Run(Insight, Analysis):
         ``pyarrow.dataset.dataset(root, partitioning="hive")`` and DuckDB's
         ``hive_partitioning`` add ``run_id`` to every row. Returns the file.
         """
-        folder = path_arg("root", root) / f"run_id={self.run_id}"
+        folder = folder_arg("root", root) / f"run_id={self.run_id}"
         return self.to_parquet(folder / "part-00000.parquet", compression=compression)
 
     # ---------------------------------------------------------------- reading

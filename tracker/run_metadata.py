@@ -333,7 +333,11 @@ def _describer(shared: SharedRecording) -> Callable[[], tuple[bytes, bytes | Non
 
 
 def check_pad_token_id(pad_token_id: Any) -> int | None:
-    """``pad_token_id`` as an int, or None; TypeError naming it otherwise."""
-    if pad_token_id is not None and not isinstance(pad_token_id, (int, np.integer)):
-        raise TypeError(f"pad_token_id must be an int or None, got {pad_token_id!r}")
-    return None if pad_token_id is None else int(pad_token_id)
+    """``pad_token_id`` as an int >= 0, or None; TypeError or ValueError naming it otherwise."""
+    if pad_token_id is None:
+        return None
+    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, (int, np.integer)):
+        raise TypeError(f"pad_token_id must be a token id (an int >= 0) or None, got {pad_token_id!r}")
+    if pad_token_id < 0:
+        raise ValueError(f"pad_token_id must be a token id (an int >= 0) or None, got {pad_token_id}")
+    return int(pad_token_id)

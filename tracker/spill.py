@@ -191,12 +191,12 @@ def remove_stale_spill_folders(root: str | os.PathLike[str] | None = None) -> li
 class SpillWriter:
     """Writes spilled chunks on a background thread, each once, through a bounded queue.
 
-    :meth:`submit` hands over ``(path, batch, schema, done)``; the thread
-    writes the batch as one IPC file and calls ``done(nbytes, seconds)``.
+    :meth:`submit` hands over ``(path, batch, schema, done, failed)``; the
+    thread writes the batch as one IPC file and calls ``done(nbytes,
+    seconds)``, or ``failed(error)`` when the write raised (nothing is left
+    at ``path`` then: files are written atomically).
     When ``depth`` chunks are already waiting, :meth:`submit` blocks until
     one is written: generation then waits for the disk, never for a rewrite.
-    An error in the thread is raised by the next :meth:`submit` or
-    :meth:`flush`.
 
     Attributes:
         writes: chunk files written so far.
@@ -208,33 +208,32 @@ class SpillWriter:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
         self.writes = 0
         self.bytes_written = 0
         self.seconds = 0.0
 
-    def submit(self, path: Path, batch: pa.RecordBatch, schema: pa.Schema, done: Callable[[int, float], None]) -> None:
+    def submit(
+        self,
+        path: Path,
+        batch: pa.RecordBatch,
+        schema: pa.Schema,
+        done: Callable[[int, float], None],
+        failed: Callable[[BaseException], None],
+    ) -> None:
         """Queue one chunk for writing (blocks while the queue is full)."""
-        self._raise()
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="logitscope-spill", daemon=True)
             self._thread.start()
-        self._queue.put((path, batch, schema, done))
+        self._queue.put((path, batch, schema, done, failed))
 
     def flush(self) -> None:
         """Wait until every queued chunk is on disk."""
         if self._thread is not None:
             self._queue.join()
-        self._raise()
-
-    def _raise(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError(f"spilling a chunk to disk failed: {error}") from error
 
     def _run(self) -> None:
         while True:
-            path, batch, schema, done = self._queue.get()
+            path, batch, schema, done, failed = self._queue.get()
             try:
                 start = time.perf_counter()
                 nbytes = write_ipc(path, [batch], schema)
@@ -244,7 +243,7 @@ class SpillWriter:
                 self.bytes_written += nbytes
                 self.seconds += elapsed
                 done(nbytes, elapsed)
-            except BaseException as exc:  # kept for the recording thread to raise
-                self._error = exc
+            except BaseException as exc:  # the recording thread says it (SpillHandoff.collect)
+                failed(exc)
             finally:
                 self._queue.task_done()

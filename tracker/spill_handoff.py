@@ -9,6 +9,11 @@ once for :class:`~tracker.spill.SpillWriter`, maps the written files back
 when the recorder next looks, and says once that the run spills. Every few
 MB written, the writer thread also hands the C heap's free pages back
 (:func:`~tracker.buffers.trim_heap`).
+
+When the disk refuses (no space, a ``spill_dir`` that cannot be made or
+written), nothing is lost: the chunk stays in memory, spilling stops for the
+run (until ``clear()``), and :attr:`SpillHandoff.failure` holds the error for
+the recording thread to raise once.
 """
 
 from __future__ import annotations
@@ -74,6 +79,9 @@ class SpillHandoff:
         self.spilled_bytes = 0
         self.chunk_writes = 0
         self._landed: list[tuple[Chunk, Path, int]] = []  # written by the writer, not yet mapped
+        self._refused: list[tuple[Chunk, BaseException]] = []  # the writer's failures, not yet taken back
+        self.failure: RuntimeError | None = None  # the first failure, until the recorder raises it
+        self.stopped = False  # a write failed: no more spilling until reset()
         self._described_generation = -1
         self._noticed = False
         self._cleanup: Any = None
@@ -81,14 +89,33 @@ class SpillHandoff:
 
     @property
     def pending(self) -> bool:
-        """Whether the writer finished chunks that :meth:`collect` has not mapped yet."""
-        return bool(self._landed)
+        """Whether the writer finished (or failed) chunks that :meth:`collect` has not taken back yet."""
+        return bool(self._landed or self._refused)
+
+    def _where(self) -> str:
+        if self.root is not None:
+            return f"spill_dir={str(self.root)!r}"
+        return f"the temporary spill folder {str(self.folder)!r}" if self.folder else "a temporary spill folder"
+
+    def _fail(self, error: BaseException) -> None:
+        """Keep the first failure for the recorder to raise, and stop spilling until :meth:`reset`."""
+        if self.stopped:
+            return
+        self.stopped = True
+        failure = RuntimeError(
+            f"spilling the tracker's rows to {self._where()} failed: {error}. Nothing recorded is lost: "
+            "the rows stay in memory, and the run no longer spills (its memory_limit no longer holds) until "
+            "clear(). Free disk space or pass a writable spill_dir for the next run."
+        )
+        failure.__cause__ = error
+        self.failure = failure
 
     def _folder_for(self, run_id: str) -> Path:
         if self.folder is None:
             if self.root is not None:
-                self.folder = self.root / run_id
-                self.folder.mkdir(parents=True, exist_ok=True)
+                folder = self.root / run_id
+                folder.mkdir(parents=True, exist_ok=True)
+                self.folder = folder
             else:
                 global _STALE_CHECKED
                 if not _STALE_CHECKED:
@@ -100,27 +127,36 @@ class SpillHandoff:
 
     def send(
         self, chunk: Chunk, batch: pa.RecordBatch, schema: pa.Schema, run_id: str, describe: Describe | None
-    ) -> None:
+    ) -> bool:
         """Queue ``chunk``'s rows (``batch``) for the disk; blocks only while the writer's queue is full.
 
         The first time a generation reaches the disk, ``describe()`` gives the
         run's metadata (and vocabulary, written once) to store beside the
         chunks, so the folder reads as a run even if the process dies.
+        Returns False, the chunk left in memory, when spilling has stopped or
+        the folder or its metadata cannot be written (:attr:`failure` says why).
         """
-        folder = self._folder_for(run_id)
-        newest = int(chunk.generation[: chunk.n].max()) if chunk.n else -1
-        if describe is not None and newest > self._described_generation:
-            # once per generation reaching the disk: the metadata then names it (serialising a large
-            # vocabulary for every chunk would cost more than the chunk)
-            run_json, vocab = describe()
-            if vocab is not None and not (folder / VOCAB_FILE).exists():
-                write_ipc(folder / VOCAB_FILE, [], pa.schema([], metadata={META_VOCAB: vocab}))
-            with atomic_path(folder / RUN_JSON) as tmp:
-                tmp.write_bytes(run_json)
-            self._described_generation = newest
+        if self.stopped:
+            return False
+        try:
+            folder = self._folder_for(run_id)
+            newest = int(chunk.generation[: chunk.n].max()) if chunk.n else -1
+            if describe is not None and newest > self._described_generation:
+                # once per generation reaching the disk: the metadata then names it (serialising a large
+                # vocabulary for every chunk would cost more than the chunk)
+                run_json, vocab = describe()
+                if vocab is not None and not (folder / VOCAB_FILE).exists():
+                    write_ipc(folder / VOCAB_FILE, [], pa.schema([], metadata={META_VOCAB: vocab}))
+                with atomic_path(folder / RUN_JSON) as tmp:
+                    tmp.write_bytes(run_json)
+                self._described_generation = newest
+        except OSError as exc:
+            self._fail(exc)
+            return False
         path = folder / chunk_name(chunk.index)
         chunk.spilling = True
-        landed, untrimmed = self._landed, self._untrimmed  # not self: the writer thread keeps the last callback
+        landed, refused = self._landed, self._refused  # not self: the writer thread keeps the last callbacks
+        untrimmed = self._untrimmed
 
         def done(nbytes: int, seconds: float) -> None:
             landed.append((chunk, path, nbytes))  # list.append is atomic; mapped by the recording thread
@@ -129,15 +165,24 @@ class SpillHandoff:
                 untrimmed[0] = 0
                 trim_heap()
 
-        self.writer.submit(path, batch, schema, done)
+        def failed(error: BaseException) -> None:
+            refused.append((chunk, error))
+
+        self.writer.submit(path, batch, schema, done, failed)
+        return True
 
     def collect(self, held: Callable[[Chunk], bool], schema: Callable[[], pa.Schema]) -> list[Chunk]:
         """Map the chunks the writer finished back from disk; returns those ``held`` still keeps.
 
         A mapped chunk's ``spilled`` is its record batch read through a
         memory map (``schema()``'s empty batch for an empty file); its
-        buffers are the caller's to give back.
+        buffers are the caller's to give back. A chunk the writer could not
+        write stays in memory, as it was before it was queued.
         """
+        while self._refused:
+            chunk, error = self._refused.pop(0)
+            chunk.spilling = False
+            self._fail(error)
         mapped: list[Chunk] = []
         while self._landed:
             chunk, path, nbytes = self._landed.pop(0)
@@ -159,6 +204,8 @@ class SpillHandoff:
         """Forget every chunk and delete the spill folder (the next spill makes a new one)."""
         self.writer.flush()
         self._landed.clear()
+        self._refused.clear()
+        self.failure, self.stopped = None, False
         self.spilled_bytes = 0
         self.chunk_writes = 0
         self._described_generation = -1
