@@ -86,17 +86,38 @@ def check_chosen(tokens: Any, vocab_size: int, where: str) -> None:
 
 @dataclass
 class HostState:
-    """What a transformers-style host showed this thread last: where its prompt ends, its last input."""
+    """What a transformers-style host showed this thread last: where its prompt ends, its last input.
+
+    ``reordered``: on an accelerator, a device flag set when a step's rows did
+    not extend the last step's rows in order (beam search); read once, by
+    ``finish``.
+    """
 
     prompt_length: int = 0
     last_ids: torch.Tensor | None = None
+    reordered: torch.Tensor | None = None
 
 
-def last_tokens(output: Any, gen: Generation) -> torch.Tensor | list[int]:
+def reorders(input_ids: torch.Tensor, last: torch.Tensor) -> bool:
+    """Whether ``input_ids`` is the step after ``last`` with its rows shuffled: every row extends *some* row
+    of ``last`` (beam search keeps the best beams, in a new order). Host tensors only; reads every column,
+    so call it only when :func:`~processors.protocol.continues` said no."""
+    if input_ids.shape[0] != last.shape[0] or input_ids.shape[1] != last.shape[1] + 1:
+        return False
+    if input_ids.device.type != "cpu" or last.device.type != "cpu":
+        return False
+    same = (input_ids[:, None, :-1] == last[None, :, :]).all(dim=2)  # [new row, old row]
+    return bool(same.any(dim=1).all())
+
+
+def last_tokens(output: Any, gen: Generation, last_ids: torch.Tensor | None = None) -> torch.Tensor | list[int]:
     """The tokens chosen at ``gen``'s last step, read from what the host's generate returned.
 
     ``output``: a ``[B, L]`` tensor or array of sequences, an object with
     ``.sequences``, or a list of ``RequestOutput`` (logitscope's Generator).
+    ``last_ids``: the last step's input; host sequences that do not extend it
+    row by row (another generation's output, or beams sorted by score) are
+    refused. Compared on the CPU only (elsewhere that would synchronise).
     """
     if isinstance(output, (list, tuple)) and output and hasattr(output[0], "outputs"):
         rows = [c.token_ids for request in output for c in request.outputs]
@@ -121,6 +142,20 @@ def last_tokens(output: Any, gen: Generation) -> torch.Tensor | list[int]:
             f"{gen.prompt_length}); pass the output of the generate() call that was tracked"
             + (f" (if it ran with num_beams > 1: {BEAMS})" if sequences.shape[0] < gen.batch else "")
         )
+    if (
+        last_ids is not None
+        and sequences.device.type == "cpu"
+        and last_ids.device.type == "cpu"
+        and tuple(last_ids.shape) == (gen.batch, column)
+        and not torch.equal(sequences[:, :column].to(last_ids.dtype), last_ids)
+    ):
+        if reorders(sequences[:, : column + 1].to(last_ids.dtype), last_ids):
+            raise ValueError(f"finish(output): the output's rows are the tracked rows in another order: {BEAMS}")
+        raise ValueError(
+            "finish(output): the output's sequences do not extend the input of the generation's last step "
+            f"(generation {gen.id}, {gen.batch} rows, column {column}); pass the output of the generate() "
+            "call that was tracked"
+        )
     return sequences[:, column]
 
 
@@ -141,16 +176,24 @@ class TransformersHost:
         The first call of a generation marks the prompt; a call that is not
         the next step of this thread's last one (see :mod:`tracker.processor`)
         resets the tracker and the wrapped processor and starts a new
-        generation. Runs every step; reads no device value (does not
-        synchronise).
+        generation; a step whose rows extend the last step's in another
+        order (beam search) is refused. Runs every step; reads no device
+        value (does not synchronise): on an accelerator the reorder check is a
+        device flag that :meth:`finish` reads.
         """
         if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
             shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise ValueError(f"input_ids must be a 2-D [batch, length] tensor, got {shape}")
         host = self._host()
         if host.last_ids is not None and not continues(input_ids, host.last_ids):
+            if reorders(input_ids, host.last_ids):
+                raise ValueError(f"input_ids: the rows changed order between two steps: {BEAMS}")
             self.reset()
             host = self._host()
+        elif host.last_ids is not None and input_ids.device.type != "cpu":
+            # on an accelerator the columns are not read per step: a reorder is flagged there, read at finish
+            moved = (input_ids[:, :-1] != host.last_ids).any()
+            host.reordered = moved if host.reordered is None else host.reordered | moved
         if host.last_ids is None:
             host.prompt_length = int(input_ids.shape[1])
         host.last_ids = input_ids
@@ -191,8 +234,21 @@ class TransformersHost:
         ``.sequences`` (transformers' ``generate`` with
         ``return_dict_in_generate=True``), or logitscope's list of
         ``RequestOutput``. Returns the recorded run.
+
+        Refuses a generation whose rows changed order between steps (beam
+        search): read here once on an accelerator (synchronises once), and
+        an output whose sequences do not extend the last step's input.
         """
         gen = self._current()
+        host = getattr(self._local, "host", None)
+        if host is not None and host.reordered is not None and bool(host.reordered):
+            self._end_generation()
+            self._forget_host()
+            raise ValueError(
+                "finish: a step's input did not extend the last step's rows (compared on the device): either the "
+                "rows changed order, or a new generate() call one column longer than the last came without "
+                f"finish() between; the generation's rows are not sequences. {BEAMS}"
+            )
         if output is not None:
             if gen is None or gen.last_rows is None:
                 raise ValueError(
@@ -200,7 +256,7 @@ class TransformersHost:
                     "(behind to_vllm, to_dynamo or to_trtllm each request has its own copy: call the callable's "
                     "finish or the adapter's end_request instead)"
                 )
-            tokens = last_tokens(output, gen)
+            tokens = last_tokens(output, gen, None if host is None else host.last_ids)
             if isinstance(tokens, torch.Tensor):
                 check_chosen(
                     tokens, self.recorder.vocab_size or 0, f"finish(output) (generation {gen.id}, step {gen.last_step})"

@@ -25,7 +25,11 @@ wrapped processor), after :meth:`finish`, or when the host's input is not the
 next step of the last one: a changed batch size, an input that is not exactly
 one token longer than the last call's, or (for inputs on the CPU) one whose
 first columns differ from the last call's input. Calling :meth:`finish` or not
-gives the same generations. A row's recorded prompt leaves out its left
+gives the same generations, except for a call on the last call's output
+(``generate(out)``), which is the next step and extends the last generation
+unless :meth:`finish` came between. Rows that change order between steps
+(beam search) are refused: on the CPU at that step, on an accelerator by
+:meth:`finish`, which reads a flag kept on the device. A row's recorded prompt leaves out its left
 padding: the columns the attention mask marks 0 when the host gives one, else
 the leading run of the pad id (``pad_token_id``, by default the tokenizer's).
 :meth:`clear` forgets everything.
