@@ -18,7 +18,10 @@ class TemperatureLogitsProcessor(LogitsProcessor):
     """Divide the logits by ``temperature`` (> 0): below 1 sharpens, above 1 flattens.
 
     Greedy decoding (temperature 0) is a sampling choice, not a processor:
-    use ``SamplingParams(temperature=0)``. Works in place.
+    use ``SamplingParams(temperature=0)``. A temperature so small that the
+    divided logits overflow their dtype (float16 past 65504: a logit of 3 at
+    temperature 1e-5) gives infinite logits and NaN probabilities, as in
+    transformers; use greedy decoding instead. Works in place.
     """
 
     inplace = True
@@ -86,7 +89,9 @@ class AllowedTokenIdsLogitsProcessor(LogitsProcessor):
     inplace = True
 
     def __init__(self, token_ids: Sequence[int], *, vocab_size: int | None = None) -> None:
-        if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size < 1):
+        if vocab_size is not None and (
+            not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1
+        ):
             raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
         self.token_ids = sorted(set(check_token_ids("token_ids", token_ids, vocab_size)))
         self._banned: dict[tuple[int, torch.device], torch.Tensor] = {}

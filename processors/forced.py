@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from processors.checks import check_token_ids, check_width
+from processors.checks import check_width
 from processors.protocol import BatchContext, LogitsProcessor
 from processors.vocab import eos_token_ids, vocab_for
 
@@ -48,14 +48,13 @@ class ForcedTextLogitsProcessor(LogitsProcessor):
     def __init__(self, text: str, tokenizer: Any, *, eos_token_id: int | Sequence[int] | None = None) -> None:
         if not isinstance(text, str) or not text:
             raise ValueError(f"text must be a non-empty string, got {text!r}")
-        eos = eos_token_ids(tokenizer) if eos_token_id is None else eos_token_id
-        if not isinstance(eos, (list, tuple)):
-            eos = [eos]
+        vocab = vocab_for(tokenizer)  # the text is encoded with it: refused first when it is not a tokenizer
+        eos = eos_token_ids(tokenizer, eos_token_id)
         if not eos:
             raise ValueError("eos_token_id: the tokenizer has no end-of-sequence token; pass eos_token_id=")
-        self.eos_token_id = check_token_ids("eos_token_id", list(eos), None)[0]
+        self.eos_token_id = eos[0]
         self.text = text
-        self.token_ids = [int(t) for t in vocab_for(tokenizer).encode_fragment(text).ids]
+        self.token_ids = [int(t) for t in vocab.encode_fragment(text).ids]
         if not self.token_ids:
             raise ValueError(f"text {text!r} tokenises to no tokens")
         self._largest = max(max(self.token_ids), self.eos_token_id)

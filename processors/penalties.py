@@ -62,7 +62,10 @@ class PenaltiesLogitsProcessor(LogitsProcessor):
         """
         ids = ctx.input_ids.to(logits.device)
         if ctx.generated is None and ids.numel():
-            check_width(self.name, int(ids.max()), logits.shape[1])
+            low, high = torch.stack(ids.aminmax()).tolist()  # one read
+            if low < 0:
+                raise ValueError(f"{self.name}: input_ids holds token id {low}; token ids must be >= 0")
+            check_width(self.name, high, logits.shape[1])
         if self.repetition_penalty != 1.0 and ids.shape[1]:
             self._repetition(logits, ids, ctx.attention_mask)
         if (self.presence_penalty or self.frequency_penalty) and ctx.num_generated:

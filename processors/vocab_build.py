@@ -67,6 +67,8 @@ def hf_tokenizer(tokenizer: Any) -> Any:
 
 
 def _int_ids(name: str, value: Any) -> tuple[int, ...]:
+    if hasattr(value, "tolist") and hasattr(value, "shape"):  # a tensor or array of ids, as transformers accepts
+        value = value.tolist()
     items = list(value) if isinstance(value, (list, tuple, set, frozenset)) else [value]
     return tuple(dict.fromkeys(check_token_ids(name, items, None)))
 

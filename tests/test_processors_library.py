@@ -92,6 +92,8 @@ def test_allowed_token_ids_reject_bad_ids():
         AllowedTokenIdsLogitsProcessor([-3])
     with pytest.raises(ValueError, match="token_ids must hold at least one token id"):
         AllowedTokenIdsLogitsProcessor([])
+    with pytest.raises(ValueError, match="vocab_size must be an int >= 1, got True"):
+        AllowedTokenIdsLogitsProcessor([0], vocab_size=True)
     with pytest.raises(ValueError, match=r"token id 12 is outside the vocabulary of these logits \(width 10\)"):
         AllowedTokenIdsLogitsProcessor([12]).process(torch.zeros(1, 10), ctx_of([[1]], 1))
 
@@ -188,6 +190,16 @@ def test_forced_text_rejects_bad_input(tok):
         ForcedTextLogitsProcessor("", tok)
     with pytest.raises(ValueError, match=r"eos_token_id\[0\] must be a token id >= 0, got -2"):
         ForcedTextLogitsProcessor("Hello", tok, eos_token_id=-2)
+    with pytest.raises(TypeError, match="tokenizer must be a transformers tokenizer .* got NoneType"):
+        ForcedTextLogitsProcessor("Hello", None)  # not "the tokenizer has no end-of-sequence token"
+
+
+@pytest.mark.parametrize("eos", [{7}, torch.tensor([7]), torch.tensor(7)])
+def test_forced_text_takes_eos_ids_as_transformers_does(tok, eos):
+    forced = ForcedTextLogitsProcessor("Hello", tok, eos_token_id=eos)
+    after = len(forced.token_ids)
+    logits = forced.process(torch.randn(1, len(tok)), ctx_of([[1] + [2] * after], 1))
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [7]
 
 
 # --------------------------------------------------------------- penalties
@@ -231,6 +243,12 @@ def test_penalties_make_repeats_lose_the_argmax():
 def test_penalties_reject_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PenaltiesLogitsProcessor(**kwargs)
+
+
+def test_penalties_name_a_negative_id_in_the_input():
+    penalties = PenaltiesLogitsProcessor(repetition_penalty=1.3)
+    with pytest.raises(ValueError, match=r"input_ids holds token id -1; token ids must be >= 0"):
+        penalties(torch.tensor([[3, -1, 2]]), torch.randn(1, 10))
 
 
 # --------------------------------------------------------------- in place, as documented
