@@ -64,7 +64,7 @@ class Generator:
 
     Args:
         model: a transformers causal LM (``model(input_ids, attention_mask,
-            position_ids, past_key_values, use_cache=True)``).
+            position_ids, cache or past_key_values, use_cache=True)``).
         tokenizer: its tokenizer.
         logits_processor: processors applied to the next-token logits of every
             step, in order: logitscope processors, transformers processors, or
@@ -96,6 +96,8 @@ class Generator:
         self.pad_token_id = int(pad)
         forward = inspect.signature(model.forward).parameters
         self._keeps_last_logits = "logits_to_keep" in forward
+        # transformers 5.24 renamed past_key_values to cache (the old name goes in 5.40)
+        self._cache_arg = "cache" if "cache" in forward else "past_key_values"
         # observers of the distribution each step samples from ([B, V] probabilities; see sampling.functional.sample)
         self.sample_taps: list = []
         # the sampling kernels: "auto" picks by device (the CPU algorithms on a CPU, the sync-free ones
@@ -222,13 +224,13 @@ class Generator:
             input_ids=batch.step_input,
             attention_mask=self._model_mask(batch.keep, batch.step_input.shape[1]),
             position_ids=batch.step_positions,
-            past_key_values=cache,
             use_cache=True,
+            **{self._cache_arg: cache},
             **kwargs,
         )
         if prefill is not None:
             self.logits_processor.on_prefill(out.logits, prefill)
-        return out.logits[:, -1, :].float(), out.past_key_values
+        return out.logits[:, -1, :].float(), getattr(out, self._cache_arg)
 
     def _model_mask(self, keep: torch.Tensor | None, new_columns: int) -> torch.Tensor | None:
         """The attention mask to give the model, in a form transformers uses without reading its values.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -44,7 +45,11 @@ def test_greedy_matches_model_generate_on_the_demo_model(demo):
     model, tokenizer = demo
     prompts = ['{"name": "', "Call ", "7 + 5 = ", "The weather in Lyon"]
     gen = Generator(model, tokenizer)
-    outputs = gen.generate(prompts, SamplingParams(max_new_tokens=30))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outputs = gen.generate(prompts, SamplingParams(max_new_tokens=30))
+    deprecated = [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    assert deprecated == []  # the model is called with the names this transformers expects
     tokenizer.padding_side = "left"
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
     hf = model.generate(**enc, do_sample=False, max_new_tokens=30, pad_token_id=tokenizer.pad_token_id)
