@@ -122,3 +122,22 @@ def test_a_chunk_the_writer_cannot_write_stays_in_memory_and_finish_still_record
         assert table.num_rows == 2 * 30
         assert (np.asarray(table.column("chosen").to_pylist()) >= 0).all()
     assert not list(tmp_path.rglob("chunk-*"))  # no partial file left behind
+
+
+def test_logitscope_generator_says_the_refusal_once_and_keeps_recording(demo, tmp_path):
+    from sampling import Generator, SamplingParams
+    from tracker import add_tracking
+
+    spill_dir = tmp_path / "spill"
+    gen = add_tracking(Generator(*demo), spill_dir=spill_dir, **BOUND)
+    tracker = gen.logits_processor
+    spill_dir.write_text("taken")
+    params = SamplingParams(temperature=0.8, seed=0, max_new_tokens=10)
+    with pytest.raises(RuntimeError, match=r"spill_dir=.*Nothing recorded is lost"):
+        gen.generate(["Call Maria at "], params)
+    first = tracker.run.to_arrow().num_rows
+    assert first > 0
+    out = gen.generate(["Call Maria at "], params)  # said once; recorded whole, in memory
+    run = tracker.run
+    assert run.to_arrow().num_rows > first
+    assert run.sequence(generation=1, sequence=0) == out[0].outputs[0].text

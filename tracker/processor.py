@@ -334,10 +334,12 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
 
     def on_generation_end(self, lengths: Sequence[int]) -> None:
         """Keep how many tokens each row of the generation produced: queries end each sequence there
-        (unless ``include_finished``), so the padding a host fed a row that stopped early is not shown."""
+        (unless ``include_finished``), so the padding a host fed a row that stopped early is not shown.
+        Then raises, once, a disk's refusal of a spilled chunk during the generation (rows kept in memory)."""
         self._shared.note_lengths([int(n) for n in lengths])
         if self.processor is not None:
             self.processor.on_generation_end(lengths)
+        self.recorder.raise_failure()
 
     @property
     def wants_prefill_logits(self) -> bool:  # type: ignore[override]
