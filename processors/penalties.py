@@ -79,12 +79,17 @@ class PenaltiesLogitsProcessor(LogitsProcessor):
         return logits
 
     def _repetition(self, logits: torch.Tensor, ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        real = None
         if attention_mask is not None:
             # Padding positions point at the row's last token instead: repeats change nothing.
-            ids = torch.where(attention_mask.to(ids.device).bool(), ids, ids[:, -1:])
+            real = attention_mask.to(ids.device).bool()
+            ids = torch.where(real, ids, ids[:, -1:])
         seen = logits.gather(1, ids)
         penalty = self.repetition_penalty
-        logits.scatter_(1, ids, torch.where(seen > 0, seen / penalty, seen * penalty))
+        new = torch.where(seen > 0, seen / penalty, seen * penalty)
+        if real is not None:  # a row of padding only has no token to penalise (its last one is padding too)
+            new = torch.where(real.any(1, keepdim=True), new, seen)
+        logits.scatter_(1, ids, new)
 
     def __repr__(self) -> str:
         return (

@@ -215,6 +215,16 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits
     assert out.float().tolist() == [[1.0, -4.0, 2.0, 2.0, 2.0]]
 
 
+def test_repetition_penalty_leaves_a_row_of_padding_only_alone():
+    logits = torch.randn(2, 6, generator=torch.Generator().manual_seed(3)) + 2.0
+    ctx = ctx_of([[5, 5, 5], [5, 1, 2]], 3, attention_mask=torch.tensor([[0, 0, 0], [0, 1, 1]]))
+    out = PenaltiesLogitsProcessor(repetition_penalty=2.0).process(logits.clone(), ctx)
+    assert torch.equal(out[0], logits[0])
+    want = logits[1].clone()
+    want[[1, 2]] = torch.where(want[[1, 2]] > 0, want[[1, 2]] / 2, want[[1, 2]] * 2)
+    torch.testing.assert_close(out[1], want, rtol=0, atol=0)
+
+
 def test_presence_and_frequency_penalties_count_generated_tokens_only():
     logits = torch.zeros(2, 6)
     ctx = ctx_of([[5, 5, 2, 2, 3], [5, 5, 1, 4, 4]], 2)
