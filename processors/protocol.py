@@ -179,6 +179,12 @@ class PromptBoundary:
         self.last_ids = None
 
 
+def free_to_read(*tensors: torch.Tensor) -> bool:
+    """Whether reading these tensors' values costs nothing (host memory); on an accelerator it would
+    synchronise, so per-step code decides by shapes there."""
+    return all(t.device.type == "cpu" for t in tensors)
+
+
 def continues(input_ids: torch.Tensor, last: torch.Tensor) -> bool:
     """Whether ``input_ids`` is the step after ``last``: same rows, one token longer, same first columns.
 
@@ -188,7 +194,7 @@ def continues(input_ids: torch.Tensor, last: torch.Tensor) -> bool:
     """
     if input_ids.shape[0] != last.shape[0] or input_ids.shape[1] != last.shape[1] + 1:
         return False
-    if input_ids.device.type != "cpu" or last.device.type != "cpu":
+    if not free_to_read(input_ids, last):
         return True
     return bool(torch.equal(input_ids[:, :-1], last))
 

@@ -52,6 +52,62 @@ def test_beam_search_on_an_accelerator_is_refused_by_finish(demo):
         demo[0].to("cpu")
 
 
+@pytest.fixture
+def accelerator_rules(monkeypatch):
+    """The transformers host's rules for tensors on an accelerator (no value read per step: steps follow on by
+    shape, a reorder is a flag on the device, read once) applied to the demo model on the CPU."""
+    import processors.protocol as protocol
+    import tracker.hosts as hosts
+
+    monkeypatch.setattr(protocol, "free_to_read", lambda *tensors: False)
+    monkeypatch.setattr(hosts, "free_to_read", lambda *tensors: False)
+
+
+def test_under_accelerator_rules_beam_search_is_refused_by_finish(demo, accelerator_rules):
+    tracker = LogitTrackingProcessor(tokenizer=demo[1])
+    out = beam_search(demo, tracker, num_return_sequences=3)  # no step refused: nothing read per step
+    with pytest.raises(ValueError, match=BEAMS):
+        tracker.finish(out)
+
+
+def test_under_accelerator_rules_beam_search_without_finish_is_said_when_the_next_generation_starts(
+    demo, accelerator_rules
+):
+    tokenizer = demo[1]
+    tracker = LogitTrackingProcessor(tokenizer=tokenizer)
+    beam_search(demo, tracker)
+    with pytest.warns(RuntimeWarning, match=r"generation 0: .*not sequences.*" + BEAMS):
+        greedy(demo, tracker, tokenizer(["The weather in Lyon is"], return_tensors="pt").input_ids)
+
+
+def test_under_accelerator_rules_sampled_and_greedy_runs_read_as_they_were_generated(demo, accelerator_rules):
+    import warnings
+
+    model, tokenizer = demo
+    tracker = LogitTrackingProcessor(tokenizer=tokenizer)
+    enc = tokenizer(["Call ", "The cat sat"], return_tensors="pt", padding=True, padding_side="left")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        torch.manual_seed(0)
+        sampled = model.generate(
+            **enc,
+            logits_processor=LogitsProcessorList([tracker]),
+            do_sample=True,
+            num_return_sequences=2,
+            max_new_tokens=8,
+            pad_token_id=tokenizer.eos_token_id,
+        )
+        tracker.finish(sampled)
+        prompt = tokenizer(["Bob is"], return_tensors="pt").input_ids
+        out = greedy(demo, tracker, prompt)
+        tracker.finish(out)
+    run = tracker.run
+    width = enc["input_ids"].shape[1]
+    texts = [tokenizer.decode(row[width:], skip_special_tokens=True) for row in sampled]
+    assert [run.sequence(generation=0, sequence=i) for i in range(4)] == texts
+    assert run.sequence(generation=1, sequence=0) == tokenizer.decode(out[0, prompt.shape[1] :])
+
+
 def test_sampling_several_sequences_per_prompt_is_still_tracked(demo):
     model, tokenizer = demo
     tracker = LogitTrackingProcessor(tokenizer=tokenizer)

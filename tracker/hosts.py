@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from processors import BatchContext
-from processors.protocol import continues
+from processors.protocol import continues, free_to_read
 from processors.vocab import hf_tokenizer
 from tracker.recorder import Recorder
 from tracker.run import Run
@@ -39,6 +40,13 @@ BEAMS = (
     "beam search (num_beams > 1) is not tracked: the tracker records rows by position and beam search reorders "
     "its beams at every step, so the recorded rows are not sequences. Track greedy or sampled generation "
     "(num_beams=1); for several candidates per prompt use do_sample=True with num_return_sequences"
+)
+
+
+_REORDERED = (
+    "a step's input did not extend the last step's rows (compared on the device): either the rows changed "
+    "order, or a new generate() call one column longer than the last came without finish() between; the "
+    "generation's rows are not sequences."
 )
 
 
@@ -104,7 +112,7 @@ def reorders(input_ids: torch.Tensor, last: torch.Tensor) -> bool:
     so call it only when :func:`~processors.protocol.continues` said no."""
     if input_ids.shape[0] != last.shape[0] or input_ids.shape[1] != last.shape[1] + 1:
         return False
-    if input_ids.device.type != "cpu" or last.device.type != "cpu":
+    if not free_to_read(input_ids, last):
         return False
     same = (input_ids[:, None, :-1] == last[None, :, :]).all(dim=2)  # [new row, old row]
     return bool(same.any(dim=1).all())
@@ -144,8 +152,7 @@ def last_tokens(output: Any, gen: Generation, last_ids: torch.Tensor | None = No
         )
     if (
         last_ids is not None
-        and sequences.device.type == "cpu"
-        and last_ids.device.type == "cpu"
+        and free_to_read(sequences, last_ids)
         and tuple(last_ids.shape) == (gen.batch, column)
         and not torch.equal(sequences[:, :column].to(last_ids.dtype), last_ids)
     ):
@@ -179,7 +186,8 @@ class TransformersHost:
         generation; a step whose rows extend the last step's in another
         order (beam search) is refused. Runs every step; reads no device
         value (does not synchronise): on an accelerator the reorder check is a
-        device flag that :meth:`finish` reads.
+        device flag that :meth:`finish` reads, or the first call of the next
+        generation (once per generation, with a warning).
         """
         if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
             shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
@@ -188,9 +196,10 @@ class TransformersHost:
         if host.last_ids is not None and not continues(input_ids, host.last_ids):
             if reorders(input_ids, host.last_ids):
                 raise ValueError(f"input_ids: the rows changed order between two steps: {BEAMS}")
+            self._warn_if_reordered(host)
             self.reset()
             host = self._host()
-        elif host.last_ids is not None and input_ids.device.type != "cpu":
+        elif host.last_ids is not None and not free_to_read(input_ids, host.last_ids):
             # on an accelerator the columns are not read per step: a reorder is flagged there, read at finish
             moved = (input_ids[:, :-1] != host.last_ids).any()
             host.reordered = moved if host.reordered is None else host.reordered | moved
@@ -244,11 +253,7 @@ class TransformersHost:
         if host is not None and host.reordered is not None and bool(host.reordered):
             self._end_generation()
             self._forget_host()
-            raise ValueError(
-                "finish: a step's input did not extend the last step's rows (compared on the device): either the "
-                "rows changed order, or a new generate() call one column longer than the last came without "
-                f"finish() between; the generation's rows are not sequences. {BEAMS}"
-            )
+            raise ValueError(f"finish: {_REORDERED} {BEAMS}")
         if output is not None:
             if gen is None or gen.last_rows is None:
                 raise ValueError(
@@ -280,6 +285,14 @@ class TransformersHost:
             )
             self.recorder.set_chosen(gen.last_rows, last)
             gen.chosen_known = True
+
+    def _warn_if_reordered(self, host: HostState) -> None:
+        """At a new generation, what :meth:`finish` would have refused of the last one, as a warning (on an
+        accelerator: reads the device flag, once per generation, never per step)."""
+        gen = self._current()
+        if host.reordered is not None and bool(host.reordered):
+            name = f"generation {gen.id}" if gen is not None else "the last generation"
+            warnings.warn(f"{name}: {_REORDERED} {BEAMS}", RuntimeWarning, stacklevel=3)
 
     def _host(self) -> HostState:
         """What a transformers-style host showed this thread last."""

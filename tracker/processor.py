@@ -29,7 +29,8 @@ gives the same generations, except for a call on the last call's output
 (``generate(out)``), which is the next step and extends the last generation
 unless :meth:`finish` came between. Rows that change order between steps
 (beam search) are refused: on the CPU at that step, on an accelerator by
-:meth:`finish`, which reads a flag kept on the device. A row's recorded prompt leaves out its left
+:meth:`finish`, which reads a flag kept on the device (without it, the next
+generation's first step warns, reading the flag once). A row's recorded prompt leaves out its left
 padding: the columns the attention mask marks 0 when the host gives one, else
 the leading run of the pad id (``pad_token_id``, by default the tokenizer's).
 :meth:`clear` forgets everything.
