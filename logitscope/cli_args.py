@@ -40,7 +40,13 @@ def port(text: str) -> int:
 
 def device(text: str) -> str:
     """``cpu``, ``cuda``, ``cuda:N`` or ``mps``, and only one this torch build can use."""
-    import torch
+    try:
+        import torch
+    except ImportError:
+        raise argparse.ArgumentTypeError(
+            "recording needs torch, which is not installed (a viewer-only install opens runs with "
+            "`logitscope dashboard` and `logitscope inspect`); install torch, then logitscope with its dependencies"
+        ) from None
 
     allowed = "cpu, cuda, cuda:N or mps"
     try:

@@ -168,3 +168,15 @@ def test_the_dashboard_and_run_load_work_with_only_the_viewer_install(tmp_path):
         run = Run.load(path)  # here, with torch: the reference
         assert results[path.name] == json.loads(json.dumps(run.get_top_tokens(k=3))), path.name
         pd.testing.assert_frame_equal(pd.read_parquet(out / f"{path.stem}.frame.parquet"), run.to_dataframe())
+
+
+def test_recording_without_torch_says_so_in_one_line():
+    code = (
+        f"REFUSED = {list(STACK)!r}\n"
+        + REFUSE
+        + "from logitscope.cli import main\nraise SystemExit(main(['run', '--prompt', 'hi']))\n"
+    )
+    done = _python(code)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert "recording needs torch, which is not installed" in done.stderr
