@@ -98,7 +98,7 @@ class HostState:
 
     ``reordered``: on an accelerator, a device flag set when a step's rows did
     not extend the last step's rows in order (beam search); read once, by
-    ``finish``.
+    ``finish`` or by the first call of the next generation.
     """
 
     prompt_length: int = 0
