@@ -6,7 +6,10 @@
 
 The run is streamed to disk by :func:`dashboard.synthetic.write_large_run`
 (natural logits and a constraint allowing 1,024 tokens per step, float32, in
-the tracker's schema: about 10 GB of values). Then, in this process:
+the tracker's schema: about 10 GB of values per format, written to a
+temporary folder that is removed at the end, or to ``--keep``; the benchmark
+says how much it needs and stops first if the disk lacks the room). Then,
+in this process:
 
 - *first view*: what the step replay and the overview need on opening a run:
   :class:`~dashboard.reader.RunReader` (metadata and id columns), the first
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -191,11 +195,23 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     folder = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench-dashboard-"))
     folder.mkdir(parents=True, exist_ok=True)
+    formats = args.formats.split(",")
+    # at most two float32 stages per step and format (Parquet compresses the constrained -inf well)
+    need = sum(2 * 4 * args.steps * args.vocab for fmt in formats if not (folder / f"large.{fmt}").exists())
+    free = shutil.disk_usage(folder).free
+    print(f"writing to {folder}: up to {need / 2**30:.1f} GiB ({free / 2**30:.1f} GiB free there)")
+    if need > free:
+        if not args.keep:
+            folder.rmdir()
+        parser.error(
+            f"the runs need up to {need / 2**30:.1f} GiB and {folder} has {free / 2**30:.1f} GiB free; "
+            "pass --keep FOLDER on a larger disk, or fewer --steps / --vocab / --formats"
+        )
     print(
         f"run: {args.steps:,} steps x {args.vocab:,} tokens, natural + constrained, float32; load {os.getloadavg()[0]:.1f}"
     )
     try:
-        for fmt in args.formats.split(","):
+        for fmt in formats:
             path = folder / f"large.{fmt}"
             if not path.exists():
                 start = time.perf_counter()

@@ -357,16 +357,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--model", default=None, help="a local model folder (default: the shipped demo model)")
     run.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
-    run.add_argument("--prompt-file", default=None, help="a text file with one prompt per line")
-    run.add_argument("--max-new-tokens", type=int, default=64)
+    run.add_argument("--prompt-file", default=None, metavar="FILE", help="a text file with one prompt per line")
+    run.add_argument(
+        "--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate at most (default: 64)"
+    )
     run.add_argument("--temperature", type=float, default=None, help="0 means greedy (default: greedy)")
-    run.add_argument("--top-k", type=int, default=None)
-    run.add_argument("--top-p", type=float, default=None)
-    run.add_argument("--min-p", type=float, default=None)
-    run.add_argument("--seed", type=int, default=None)
-    run.add_argument("--n", type=int, default=1, help="samples per prompt")
+    run.add_argument(
+        "--top-k", type=int, default=None, metavar="K", help="keep the K most likely tokens (default: off)"
+    )
+    run.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        metavar="P",
+        help="keep the smallest set of tokens with probability mass >= P (default: off)",
+    )
+    run.add_argument(
+        "--min-p",
+        type=float,
+        default=None,
+        metavar="P",
+        help="keep tokens with probability >= P times the best one's (default: off)",
+    )
+    run.add_argument("--seed", type=int, default=None, help="seed of the sampling (default: a fresh one each run)")
+    run.add_argument("--n", type=int, default=1, help="samples per prompt (default: 1)")
     run.add_argument("--stop", action="append", help="a stop string (repeatable)")
-    run.add_argument("--batch-size", type=_positive_int, default=8, help="prompts decoded together")
+    run.add_argument("--batch-size", type=_positive_int, default=8, help="prompts decoded together (default: 8)")
     run.add_argument("--device", type=_device, default="cpu", help="cpu (default), cuda, cuda:N or mps")
     run.add_argument("--json", action="store_true", help="print one JSON record per generation")
     grammar = run.add_mutually_exclusive_group()
@@ -440,9 +456,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     args = build_parser().parse_args(argv)
     try:
-        return int(args.handler(args, args.command_parser))
+        status = int(args.handler(args, args.command_parser))
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
+        return status
     except KeyboardInterrupt:  # Ctrl-C (or SIGTERM while serving): stop quietly, no traceback
         return 130
+    except BrokenPipeError:  # `logitscope inspect run.parquet | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 141  # 128 + SIGPIPE, what a tool killed by the closed pipe returns
 
 
 if __name__ == "__main__":

@@ -271,3 +271,23 @@ def test_console_script_runs_offline():
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("[0] Call ")
     assert "Loading weights" not in result.stderr  # no progress bar printed line by line without a terminal
+
+
+def test_run_help_says_every_option_s_default(capsys):
+    """`logitscope run --help` answers "what happens if I leave this out?" for each generation option."""
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines where it likes
+    for option, default in [
+        ("--max-new-tokens N", "(default: 64)"),
+        ("--temperature", "(default: greedy)"),
+        ("--top-k K", "(default: off)"),
+        ("--top-p P", "(default: off)"),
+        ("--min-p P", "(default: off)"),
+        ("--seed SEED", "(default: a fresh one each run)"),
+        ("--n N", "(default: 1)"),
+        ("--batch-size BATCH_SIZE", "(default: 8)"),
+        ("--device DEVICE", "cpu (default)"),
+    ]:
+        after = text.split(f"{option} ", 2)[-1]  # the option's line in the list, past the usage
+        assert default in after.split(" --")[0], (option, after[:120])

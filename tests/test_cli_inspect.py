@@ -153,3 +153,32 @@ def test_each_sequence_shows_the_sampling_of_its_own_generation(capsys):
     assert "seed=1" in second and "seed=0" not in second
     doc = _json(capsys, str(path))
     assert ["seed=0" in s["sampling"] for s in doc["sequences"]] == [True, False]
+
+
+def test_output_piped_into_a_reader_that_stops_early_ends_without_a_traceback(tmp_path):
+    """`logitscope inspect run.parquet --steps all | head -1`: the reader closes the pipe, the command ends quietly."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    rng = np.random.default_rng()
+    natural = rng.normal(size=(1, 300, V)).astype(np.float32)
+    path = hand_made_run(natural, natural.argmax(-1), [f"w{i}" for i in range(V)]).to_parquet(tmp_path / "long.parquet")
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a shell's default: block-buffered
+    code = "import sys; from logitscope.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "inspect", str(path), "--steps", "all", "--top", str(V)],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()  # what `head -1` reads; far more than a pipe holds follows
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err
+    assert first.startswith(str(path).encode())
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
