@@ -14,6 +14,7 @@ is not a readable run; the pages turn it into a message.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -165,7 +166,9 @@ def step(path: str, generation: int, sequence: int, position: int, k: int) -> tu
 def _window(path: str, version: Stamp, generation: int, sequence: int, start: int, stop: int) -> WindowView:
     run = reader(path)
     part = run.window(run.track(generation, sequence), start, stop)
-    return window_view(part, generation, sequence)
+    view = window_view(part, generation, sequence)
+    # the text as the whole sequence decodes it: a character split across the window's edge is not two "�"
+    return replace(view, tokens=_pieces(path, version, generation, sequence)[start:stop])
 
 
 def window(path: str, generation: int, sequence: int, start: int, stop: int) -> WindowView:

@@ -1,0 +1,72 @@
+"""The dashboard shows what the tracker says: runs of the demo model, read back through the pages."""
+
+from __future__ import annotations
+
+import html
+import re
+
+import pytest
+import streamlit as st
+from streamlit.testing.v1 import AppTest
+from test_dashboard_app import _ok
+
+from dashboard import data
+from dashboard.paths import APP
+from tracker import Run
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, demo):
+    """forced: the Generator writes "日本日本日本日本" (three byte tokens per character) and EOS;
+    unfinished: transformers' generate with the tracker and no ``finish``, so the last token is unknown."""
+    from transformers import LogitsProcessorList
+
+    from processors import ForcedTextLogitsProcessor
+    from sampling import Generator, SamplingParams
+    from tracker import LogitTrackingProcessor, add_tracking
+
+    model, tokenizer = demo
+    folder = tmp_path_factory.mktemp("truth")
+    forced = add_tracking(Generator(model, tokenizer, ForcedTextLogitsProcessor("日本日本日本日本", tokenizer)))
+    forced.generate(["My cat "], SamplingParams(max_new_tokens=40))
+    forced.logits_processor.to_parquet(folder / "forced.parquet")
+    tracker = LogitTrackingProcessor(tokenizer=tokenizer)
+    encoded = tokenizer(["Call "], return_tensors="pt")
+    model.generate(**encoded, logits_processor=LogitsProcessorList([tracker]), do_sample=False, max_new_tokens=4)
+    tracker.to_parquet(folder / "unfinished.parquet")
+    return folder
+
+
+def _app(root, page: str) -> AppTest:
+    st.cache_data.clear()
+    st.cache_resource.clear()
+    at = AppTest.from_file(str(APP), default_timeout=60)
+    at.session_state["root"] = str(root)
+    at.switch_page(f"app_pages/{page}.py")
+    return at.run()
+
+
+def _shown_tokens(at: AppTest) -> list[str]:
+    """The generated tokens of the overview's text, as a reader sees them (an empty piece shows as "·")."""
+    spans = re.findall(r'<span class="tok"[^>]*>(.*?)</span>', at.html[0].value, re.S)
+    return [html.unescape(s) for s in spans]
+
+
+def test_the_overview_read_window_by_window_shows_the_runs_text(runs, monkeypatch):
+    path = runs / "forced.parquet"
+    run = Run.load(path)
+    assert run.sequence() == "日本日本日本日本"
+    reader = data.reader(str(path))
+    # 16 steps a window: step 16 is the middle byte of the third character
+    monkeypatch.setattr(data, "WINDOW_BYTES", reader.metadata.vocab_size * 4 * len(reader.stages) * 16)
+    at = _app(runs, "overview")
+    at.sidebar.selectbox(key="run").set_value(str(path)).run()
+    _ok(at)
+    first = _shown_tokens(at)
+    at.slider(key="overview_start").set_value(16).run()
+    _ok(at)
+    second = _shown_tokens(at)
+    assert len(first) == 16 and len(first) + len(second) == len(run.stats())
+    shown = "".join(t for t in first + second if t != "·")
+    assert shown == run.sequence()  # no "�" at either side of the window's edge
+
