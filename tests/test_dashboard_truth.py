@@ -70,3 +70,17 @@ def test_the_overview_read_window_by_window_shows_the_runs_text(runs, monkeypatc
     shown = "".join(t for t in first + second if t != "·")
     assert shown == run.sequence()  # no "�" at either side of the window's edge
 
+
+def test_a_last_token_never_handed_to_the_tracker_is_shown_as_unknown(runs):
+    path = runs / "unfinished.parquet"
+    stats = Run.load(path).stats()
+    assert stats["chosen_id"].isna().tolist() == [False, False, False, True]
+    at = _app(runs, "replay")
+    at.sidebar.selectbox(key="run").set_value(str(path)).run()
+    at.slider(key="step_slider").set_value(2).run()
+    assert re.sub(r"\\(.)", r"\1", at.metric[0].value) == stats["chosen_token"].iloc[2].replace(" ", "␣")
+    at.slider(key="step_slider").set_value(3).run()
+    _ok(at)
+    chosen = at.metric[0]
+    assert chosen.label == "Chosen token" and chosen.value == "—"  # not "∅", the label of an empty token
+    assert "never said" in chosen.help

@@ -110,7 +110,11 @@ def _stepper() -> None:
     shown = [s for s in stages if s in summary.p_chosen]
     removed = summary.removed_mass
     numbers = [
-        ("Chosen token", text.md_text(views.token_label(summary.chosen_token)), None),
+        (
+            "Chosen token",
+            text.md_text(views.token_label(summary.chosen_token)) if summary.chosen_id >= 0 else "—",
+            None if summary.chosen_id >= 0 else "Not recorded: the host never said which token came last",
+        ),
         *((f"p, {text.md_text(names[s])}", views.format_probability(summary.p_chosen[s]), None) for s in shown),
         ("Allowed tokens", f"{summary.allowed:,} / {summary.vocab_size:,}", None),
         (
