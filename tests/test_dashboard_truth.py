@@ -17,7 +17,8 @@ from tracker import Run
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, demo):
-    """forced: the Generator writes "日本日本日本日本" (three byte tokens per character) and EOS;
+    """forced: the Generator writes "日本日本日本日本" (three byte tokens per character) and EOS; nihon and
+    nichi write "日本" and "日日";
     unfinished: transformers' generate with the tracker and no ``finish``, so the last token is unknown."""
     from transformers import LogitsProcessorList
 
@@ -30,6 +31,10 @@ def runs(tmp_path_factory, demo):
     forced = add_tracking(Generator(model, tokenizer, ForcedTextLogitsProcessor("日本日本日本日本", tokenizer)))
     forced.generate(["My cat "], SamplingParams(max_new_tokens=40))
     forced.logits_processor.to_parquet(folder / "forced.parquet")
+    for name, text in (("nihon", "日本"), ("nichi", "日日")):  # they part at the second byte of the second character
+        pair = add_tracking(Generator(model, tokenizer, ForcedTextLogitsProcessor(text, tokenizer)))
+        pair.generate(["My cat "], SamplingParams(max_new_tokens=10))
+        pair.logits_processor.to_parquet(folder / f"{name}.parquet")
     tracker = LogitTrackingProcessor(tokenizer=tokenizer)
     encoded = tokenizer(["Call "], return_tensors="pt")
     model.generate(**encoded, logits_processor=LogitsProcessorList([tracker]), do_sample=False, max_new_tokens=4)
@@ -84,3 +89,18 @@ def test_a_last_token_never_handed_to_the_tracker_is_shown_as_unknown(runs):
     chosen = at.metric[0]
     assert chosen.label == "Chosen token" and chosen.value == "—"  # not "∅", the label of an empty token
     assert "never said" in chosen.help
+
+
+def test_compare_names_the_tokens_where_two_runs_part_as_the_table_does(runs):
+    a, b = Run.load(runs / "nihon.parquet").stats(), Run.load(runs / "nichi.parquet").stats()
+    assert (a["chosen_id"] == b["chosen_id"]).tolist() == [True] * 4 + [False, False, True]
+    at = _app(runs, "compare")
+    at.sidebar.selectbox(key="run").set_value(str(runs / "nihon.parquet")).run()
+    at.sidebar.selectbox(key="run_b").set_value(str(runs / "nichi.parquet")).run()
+    _ok(at)
+    said = re.sub(r"\\(.)", r"\1", at.warning[0].value)
+    token_a, token_b = a["chosen_token"].iloc[4], b["chosen_token"].iloc[4]  # bytes that are no character yet
+    assert token_a != token_b
+    assert f"diverge at step 4: A chose {token_a}, B chose {token_b}." in said
+    table = at.dataframe[0].value
+    assert table[["chosen_token_a", "chosen_token_b"]].iloc[4].tolist() == [token_a, token_b]

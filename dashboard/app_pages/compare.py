@@ -74,6 +74,12 @@ def _tokens(n: int) -> str:
     return f"{n:,} token" if n == 1 else f"{n:,} tokens"
 
 
+def _chosen(path: str, track, step: int) -> str:
+    """The token chosen at ``step`` as every page names it (a byte that is no character yet as ⟨E6⟩, EOS by name)."""
+    token = int(track.chosen[step])
+    return text.md_text(views.token_label(data.reader(path).vocab.display[token])) if token >= 0 else "—"
+
+
 split = views.first_divergence(track_a.chosen, track_b.chosen)
 shorter = min(track_a.length, track_b.length)
 parted = split if split is not None and split < shorter else None  # where the charts mark the divergence
@@ -88,8 +94,8 @@ elif parted is None:
 else:
     agree = f"agree on their first {_tokens(split)} and diverge at step {split}" if split else "diverge at step 0"
     st.warning(
-        f"The two sequences {agree}: A chose {text.md_text(views.token_label(pieces_a[split]))}, "
-        f"B chose {text.md_text(views.token_label(pieces_b[split]))}."
+        f"The two sequences {agree}: A chose {_chosen(picked.path, track_a, split)}, "
+        f"B chose {_chosen(other, track_b, split)}."
     )
 left, right = st.columns(2)
 left.html(text.divergent_text_html(prompt_a, pieces_a, split))
