@@ -207,6 +207,23 @@ def _slow_specs(tokens: list[str]) -> list[dict[str, Any]]:
     return []
 
 
+def _added_piece(content: str, name: str, tokenizer: Any, specs: list[dict[str, Any]]) -> bytes:
+    """An added token's bytes: its token string read by the fast tokenizer's decoder, as ``decode`` reads it.
+
+    A WordPiece decoder puts a space before an added word (``" <note>"``
+    mid-text), and a SentencePiece normaliser stores a normalised added token
+    as ``"▁<note>"``. Under ``ByteLevel`` (and for slow tokenizers, which
+    insert added tokens as they are) the content itself: a byte-level decoder
+    would read a non-ASCII content such as ``"café"`` as bytes and break it
+    (a known tokenizers bug), which is not the text the token was added for.
+    """
+    types = [d.get("type") for d in specs]
+    if not name or not hasattr(tokenizer, "backend_tokenizer") or "ByteLevel" in types:
+        return content.encode("utf-8")
+    spelled = _pieces_from_tokens([name], specs)
+    return content.encode("utf-8") if spelled is None else spelled[0]
+
+
 @dataclass(frozen=True)
 class TokenTable:
     """What a tokenizer says about each id, ``len(pieces)`` ids wide.
@@ -249,6 +266,7 @@ def read_tokenizer(tokenizer: Any, vocab_size: int | None = None) -> TokenTable:
 
     pieces: list[bytes] | None = None
     names: list[str] | None = None
+    specs: list[dict[str, Any]] = []
     if hasattr(tok, "convert_ids_to_tokens"):
         raw = tok.convert_ids_to_tokens(list(range(n)))
         names = ["" if t is None else str(t) for t in raw]
@@ -258,7 +276,7 @@ def read_tokenizer(tokenizer: Any, vocab_size: int | None = None) -> TokenTable:
     if pieces is None:
         pieces = _pieces_by_decoding(tok, n)
     for i, token in added.items():
-        pieces[i] = str(getattr(token, "content", token)).encode("utf-8")
+        pieces[i] = _added_piece(str(getattr(token, "content", token)), names[i] if names else "", tok, specs)
     display = [display_bytes(p) for p in pieces]
     for i in special_ids:
         display[i] = names[i] if names is not None and names[i] else display_bytes(pieces[i])
