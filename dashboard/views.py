@@ -16,7 +16,6 @@ top-k storage gives exact values for the tokens it kept.
 
 from __future__ import annotations
 
-import codecs
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -366,11 +365,7 @@ def token_pieces(vocab: Vocabulary, ids: Sequence[int] | np.ndarray) -> list[str
     A character split across tokens shows with its last byte; bytes still
     unfinished at the end show as one ``�`` on the last token.
     """
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    pieces = [decoder.decode(vocab.token_bytes(int(i))) if int(i) >= 0 else "" for i in ids]
-    if pieces and decoder.getstate()[0]:
-        pieces[-1] += decoder.decode(b"", final=True)
-    return pieces
+    return vocab.text_pieces(ids)
 
 
 def aligned(

@@ -222,6 +222,20 @@ class Vocabulary:
             out.append(text + "\ufffd" if decoder.getstate()[0] else text)
         return out
 
+    def text_pieces(self, ids: Sequence[int]) -> list[str]:
+        """The text each of ``ids`` adds, in order; joined, they are :meth:`decode` of ``ids``.
+
+        A character split across tokens shows with its last byte (the tokens
+        before it add ``""``); bytes still unfinished at the end show as one
+        ``�`` on the last token. Ids outside the vocabulary (and ``-1``, an
+        unknown token) add ``""``.
+        """
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        pieces = [decoder.decode(self.token_bytes(int(i))) for i in ids]
+        if pieces and decoder.getstate()[0]:
+            pieces[-1] += decoder.decode(b"", final=True)
+        return pieces
+
     def encode_fragment(self, text: str) -> Fragment:
         """The tokens of ``text`` as it is tokenized in the middle of a text.
 

@@ -77,6 +77,10 @@ def sequence_html(run: Any, generation: int = -1, sequence: int = 0, *, alternat
     chosen = stats["chosen_token"].tolist()
     probs = stats[f"p_chosen_{stage}"].to_numpy(dtype=np.float64)
     both = stage != "natural"
+    # the text each token adds (a character split across tokens shows whole, with its last byte); the
+    # token itself (a lone byte as ⟨F0⟩, EOS by name) is named in the hover, as on the dashboard
+    ids = stats["chosen_id"].fillna(-1).astype("int64").tolist()
+    pieces = run.vocab.text_pieces(ids[: ids.index(-1)] if -1 in ids else ids)
     for i, (token, p) in enumerate(zip(chosen, probs)):
         if not isinstance(token, str):  # None or NaN: the chosen token is unknown from here on
             break
@@ -84,8 +88,9 @@ def sequence_html(run: Any, generation: int = -1, sequence: int = 0, *, alternat
         if i < len(top):
             lines.append(_alternatives_heading(run, stage))
             lines += [_alternative(t, both) for t in top[i]["tokens"]]
+        shown = _e(pieces[i]) if pieces[i] else "·"
         parts.append(
-            f'<span class="ls-tok" style="background:{_colour(p)}" title="{_e(chr(10).join(lines))}">{_e(token)}</span>'
+            f'<span class="ls-tok" style="background:{_colour(p)}" title="{_e(chr(10).join(lines))}">{shown}</span>'
         )
     parts.append("</div>")
     parts.append(_compact_table(top[:_MAX_TABLE_STEPS], chosen, probs, _alternatives_heading(run, stage), both))
