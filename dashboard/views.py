@@ -133,11 +133,23 @@ def _candidates(row: StepRow, k: int) -> np.ndarray:
     return np.unique(np.concatenate(found)).astype(np.int64) if found else np.zeros(0, np.int64)
 
 
+def _best_at_any_stage(probs: list[np.ndarray], n: int) -> np.ndarray:
+    """Positions of ``n`` tokens ordered by their best rank at any stage (a token of probability 0 has none there)."""
+    if not probs:
+        return np.arange(n)
+    stacked = np.stack(probs)
+    ranks = np.argsort(np.argsort(-stacked, axis=1, kind="stable"), axis=1, kind="stable").astype(np.float64)
+    best = np.where(stacked > 0, ranks, np.inf).min(axis=0)
+    return np.lexsort((-stacked.max(axis=0), best))
+
+
 def step_table(row: StepRow, vocab: Vocabulary, k: int = 10) -> pd.DataFrame:
     """The tokens to show at one step, best first by the model's (natural) probability.
 
-    The ``k`` tokens with the highest probability at any stage, plus the
-    chosen one. Columns: ``token_id, token, label`` (visible whitespace,
+    The ``k`` tokens that rank best at any stage (each stage's first, then
+    each stage's second, ...; equal ranks by probability), plus the chosen
+    one: so a constraint that renormalises its allowed tokens does not crowd
+    the model's own favourites out of the table. Columns: ``token_id, token, label`` (visible whitespace,
     unique), ``chosen``; per stage ``{stage}_logit``, ``{stage}_prob`` and
     ``{stage}_state`` (``kept``, ``masked``: logit ``-inf`` at that stage,
     ``not stored``: top-k storage did not keep it, ``not recorded``); and
@@ -165,8 +177,7 @@ def step_table(row: StepRow, vocab: Vocabulary, k: int = 10) -> pd.DataFrame:
         columns[f"{name}_prob"] = prob
         columns[f"{name}_state"] = states
         probs.append(np.nan_to_num(prob, nan=0.0))
-    score = np.max(np.stack(probs), axis=0) if probs else np.zeros(ids.size)
-    keep = np.argsort(-score, kind="stable")[:k]
+    keep = _best_at_any_stage(probs, ids.size)[:k]
     chosen_at = np.nonzero(ids == row.chosen)[0]
     if chosen_at.size and chosen_at[0] not in keep:
         keep = np.append(keep, chosen_at[0])

@@ -304,3 +304,30 @@ def test_timelines_name_each_stage_even_when_one_name_begins_another():
     entropy = [t for t in fig.data if t.yaxis in (None, "y")]
     assert [t.name for t in entropy] == ["model (natural)", "after:logit_bias", "after:logit_bias_2", "after:penalties"]
     assert len({t.line.color for t in entropy}) == 4
+
+
+def test_a_constraint_that_renormalises_does_not_crowd_the_models_favourites_out(tmp_path):
+    """The model wants three words; a constraint allows only ten digits, which renormalise to ~0.1 each.
+
+    By probability at any stage, the digits (0.1 each) would outrank every word but the first: the
+    replay's table and chart must still show what the model wanted, next to what the constraint left.
+    """
+    rng = np.random.default_rng()
+    vocab = 40
+    tokens = [f"w{i}" for i in range(20)] + [str(d) for d in range(10)] + [f"x{i}" for i in range(10)]
+    natural = rng.normal(size=(1, vocab)).astype(np.float32) - 6.0
+    natural[0, :3] = [6.0, 2.5, 2.0]  # about 0.95, 0.03, 0.02
+    natural[0, 20:30] -= 4.0  # the digits: unlikely to the model
+    constrained = np.full_like(natural, -np.inf)
+    constrained[0, 20:30] = natural[0, 20:30]
+    chosen = [20 + int(np.argmax(natural[0, 20:30]))]
+    run = hand_made_run(natural, chosen, tokens, constrained=constrained)
+    run.to_parquet(tmp_path / "run.parquet")
+    reader = RunReader(tmp_path / "run.parquet")
+    table = views.step_table(reader.step(reader.track(0, 0), 0), reader.vocab, k=10)
+    shown = table["token"].tolist()
+    assert {"w0", "w1", "w2"} <= set(shown)  # the model's first three, masked by the constraint
+    by_constrained = np.argsort(-constrained[0, 20:30])[:5] + 20
+    assert {tokens[i] for i in by_constrained} <= set(shown)  # and the constraint's own first five
+    assert len(shown) == 10 and tokens[chosen[0]] in shown
+    assert table.set_index("token").loc[["w0", "w1", "w2"], "constrained_state"].tolist() == ["masked"] * 3
