@@ -27,7 +27,8 @@ class LogitBiasLogitsProcessor(LogitsProcessor):
             No space is added and no normaliser prefix counts. A string with
             no single such token (``" Moreau"`` -> ``" Mor" + "eau"``) is an
             error naming its tokens: pass the id you mean instead (biasing
-            a word's first piece touches every word sharing that piece).
+            a word's first piece touches every word sharing that piece), and
+            so is one the tokenizer can only write as its unknown token.
             A string needs ``tokenizer``. Entries on the same token add up.
         tokenizer: the tokenizer, to tokenise string keys and check ids
             against its vocabulary (without it, ids are checked against the
@@ -67,7 +68,7 @@ class LogitBiasLogitsProcessor(LogitsProcessor):
         if not text:
             raise ValueError("bias keys must be token ids or non-empty strings, got ''")
         vocab = vocab_for(tokenizer)
-        fragment = vocab.encode_fragment(text)
+        fragment = vocab.spell(text, "bias key")
         if len(fragment.ids) != 1:
             shown = [vocab.display[i] if i < vocab.size else f"<{i}>" for i in fragment.ids]
             raise ValueError(

@@ -32,7 +32,8 @@ class ForcedTextLogitsProcessor(LogitsProcessor):
     token keeps its own logit (0 if an earlier processor had set it to -inf),
     so the step's natural score stays visible. The position is read from the
     context (``ctx.num_generated``), so the processor keeps no state and needs
-    no reset.
+    no reset. A text the tokenizer can only write with its unknown token (an
+    emoji under WordPiece) is refused: forcing ``[UNK]`` would not write it.
 
     Args:
         text: the text to force.
@@ -54,7 +55,7 @@ class ForcedTextLogitsProcessor(LogitsProcessor):
             raise ValueError("eos_token_id: the tokenizer has no end-of-sequence token; pass eos_token_id=")
         self.eos_token_id = eos[0]
         self.text = text
-        self.token_ids = [int(t) for t in vocab.encode_fragment(text).ids]
+        self.token_ids = [int(t) for t in vocab.spell(text, "text").ids]
         if not self.token_ids:
             raise ValueError(f"text {text!r} tokenises to no tokens")
         self._largest = max(max(self.token_ids), self.eos_token_id)

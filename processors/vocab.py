@@ -269,6 +269,23 @@ class Vocabulary:
         ids = tuple(self._encode(tok, text))
         return Fragment(text, ids, self.decode_bytes(ids) == want)
 
+    def spell(self, text: str, argument: str) -> Fragment:
+        """:meth:`encode_fragment`, refusing a text the tokenizer can only write with its unknown token.
+
+        A WordPiece tokenizer writes a character it lacks (an emoji, say) as
+        ``[UNK]``: forcing or biasing that token would not produce the text.
+        ``argument`` names the caller's argument in the error.
+        """
+        fragment = self.encode_fragment(text)
+        tok = self._tokenizer()
+        unk, unk_text = getattr(tok, "unk_token_id", None), getattr(tok, "unk_token", None)
+        if unk is not None and int(unk) in fragment.ids and not (unk_text and str(unk_text) in text):
+            raise ValueError(
+                f"{argument} {text!r}: the tokenizer cannot spell it; it becomes its unknown token "
+                f"{unk_text!r} (ids {list(fragment.ids)}), which would not produce the text"
+            )
+        return fragment
+
     def _tokenizer(self) -> Any:
         tok = self.tokenizer_ref() if self.tokenizer_ref is not None else None
         if tok is None:

@@ -96,6 +96,19 @@ def test_forced_text_generates_exactly_the_text_in_context(tok, text):
     assert in_context(tok, prompt, generated[:-1]) == text
 
 
+def test_a_text_the_tokenizer_can_only_write_as_its_unknown_token_is_refused_not_forced(tok):
+    """WordPiece writes 🎉 as [UNK]: forcing or biasing [UNK] would not give 🎉, so both say so up front."""
+    spelled = vocab_for(tok).encode_fragment(" 🎉").ids
+    if tok.unk_token_id not in spelled:  # byte-level and byte-fallback families spell every character
+        assert ForcedTextLogitsProcessor(" 🎉", tok).token_ids == list(spelled)
+        return
+    with pytest.raises(ValueError, match=r"text ' 🎉': the tokenizer cannot spell it; it becomes its unknown token"):
+        ForcedTextLogitsProcessor(" 🎉", tok)
+    with pytest.raises(ValueError, match=r"bias key '🎉': the tokenizer cannot spell it"):
+        LogitBiasLogitsProcessor({"🎉": 5.0}, tok)
+    assert ForcedTextLogitsProcessor(f" {tok.unk_token}", tok).token_ids == [tok.unk_token_id]  # asked for by name
+
+
 # ---------------------------------------------------------------- bad words
 
 
