@@ -68,14 +68,14 @@ class LogitBiasLogitsProcessor(LogitsProcessor):
         if not text:
             raise ValueError("bias keys must be token ids or non-empty strings, got ''")
         vocab = vocab_for(tokenizer)
-        fragment = vocab.spell(text, "bias key")
+        fragment = vocab.encode_fragment(text)
         if len(fragment.ids) != 1:
             shown = [vocab.display[i] if i < vocab.size else f"<{i}>" for i in fragment.ids]
             raise ValueError(
                 f"bias key {text!r} is no single token in context: the tokenizer splits it into "
                 f"{len(fragment.ids)} tokens {shown} (ids {list(fragment.ids)}); give the token id(s) you mean instead"
             )
-        return int(fragment.ids[0])
+        return int(vocab.spelled(fragment, "bias key").ids[0])
 
     def _tensors(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         key = (logits.device, logits.dtype, logits.shape[1])

@@ -55,7 +55,7 @@ class ForcedTextLogitsProcessor(LogitsProcessor):
             raise ValueError("eos_token_id: the tokenizer has no end-of-sequence token; pass eos_token_id=")
         self.eos_token_id = eos[0]
         self.text = text
-        self.token_ids = [int(t) for t in vocab.spell(text, "text").ids]
+        self.token_ids = [int(t) for t in vocab.spelled(vocab.encode_fragment(text), "text").ids]
         if not self.token_ids:
             raise ValueError(f"text {text!r} tokenises to no tokens")
         self._largest = max(max(self.token_ids), self.eos_token_id)

@@ -269,15 +269,14 @@ class Vocabulary:
         ids = tuple(self._encode(tok, text))
         return Fragment(text, ids, self.decode_bytes(ids) == want)
 
-    def spell(self, text: str, argument: str) -> Fragment:
-        """:meth:`encode_fragment`, refusing a text the tokenizer can only write with its unknown token.
+    def spelled(self, fragment: Fragment, argument: str) -> Fragment:
+        """``fragment`` (from :meth:`encode_fragment`), refused if the tokenizer wrote it with its unknown token.
 
         A WordPiece tokenizer writes a character it lacks (an emoji, say) as
         ``[UNK]``: forcing or biasing that token would not produce the text.
         ``argument`` names the caller's argument in the error.
         """
-        fragment = self.encode_fragment(text)
-        tok = self._tokenizer()
+        text, tok = fragment.text, self._tokenizer()
         unk, unk_text = getattr(tok, "unk_token_id", None), getattr(tok, "unk_token", None)
         if unk is not None and int(unk) in fragment.ids and not (unk_text and str(unk_text) in text):
             raise ValueError(
