@@ -200,3 +200,66 @@ def test_the_shipped_sample_runs_read_as_distributions(path):
             for stage, p in run.get_probabilities(sequence=s, generation=g, include_finished=True).items():
                 assert np.nanmax(p) <= 1.0 + 1e-6, (stage, float(np.nanmax(p)))
                 np.testing.assert_allclose(np.nansum(p, axis=1), 1.0, atol=1e-4, err_msg=stage)
+
+
+KILLED_DATASET_EXPORT = """
+import os, signal, sys
+import pyarrow.parquet as pq
+import torch
+from tracker import LogitTrackingProcessor
+
+tracker = LogitTrackingProcessor(None)
+ids = torch.tensor([[1, 2]])
+for _ in range(3):
+    ids = torch.cat([ids, tracker(ids, torch.randn(1, 50)).argmax(1, keepdim=True)], 1)
+tracker.finish(ids)
+
+def killed(table, where, **kwargs):  # the process dies with the part half written
+    with open(where, "wb") as f:
+        f.write(b"PAR1 half a part")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+pq.write_table = killed
+tracker.to_dataset(sys.argv[1])
+"""
+
+
+def test_a_killed_dataset_export_leaves_the_dataset_as_it_was(tmp_path):
+    """An export into a dataset killed midway adds no run to it: readers see the runs that were there, and the
+    next export into the dataset removes what the killed one left."""
+    from dashboard.discover import find_runs
+
+    root = tmp_path / "dataset"
+    first = recorded(steps=2, vocab=50).run
+    first.to_dataset(root)
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", KILLED_DATASET_EXPORT, str(root)], env=env)
+    assert done.returncode == -9
+    shown = sorted(p.relative_to(root) for p in root.rglob("*") if not p.name.endswith(".tmp"))
+    assert shown == before  # no run_id= folder for the run that was never written
+    assert Run.load(root).run_id == first.run_id  # the one run, without naming it
+    assert find_runs(root) == [root / f"run_id={first.run_id}"]
+    second = recorded(steps=3, vocab=50, seed=1).run
+    second.to_dataset(root)
+    assert not [p for p in root.rglob("*") if p.name.endswith(".tmp")]  # the killed export's file is gone
+    assert sorted(p.name for p in find_runs(root)) == sorted(f"run_id={r.run_id}" for r in (first, second))
+
+
+def test_a_dataset_folder_holding_only_a_temporary_file_is_not_a_run(tmp_path):
+    """A run_id= folder whose part was never renamed into place (an export in progress, or one killed by an
+    earlier version) is not listed, and does not stop the dataset's one run from loading."""
+    from dashboard.discover import find_runs, is_run_folder
+
+    root = tmp_path / "dataset"
+    run = recorded(steps=2, vocab=50).run
+    run.to_dataset(root)
+    pending = root / "run_id=20990101T000000-00000000"
+    pending.mkdir()
+    (pending / ".part-00000.parquet.host-1.abcd.tmp").write_bytes(b"PAR1 half a part")
+    assert Run.load(root).run_id == run.run_id
+    assert find_runs(root) == [root / f"run_id={run.run_id}"]
+    assert find_runs(tmp_path) == [root / f"run_id={run.run_id}"]
+    assert not is_run_folder(pending)
+    with pytest.raises(FileNotFoundError, match="holds no .parquet parts"):
+        Run.load(root, run_id="20990101T000000-00000000")

@@ -40,7 +40,7 @@ from tracker.schema import (
     generations_column,
     generations_from_column,
 )
-from tracker.spill import CHUNK_GLOB, RUN_JSON, VOCAB_FILE, atomic_path, remove_orphans
+from tracker.spill import CHUNK_GLOB, RUN_JSON, VOCAB_FILE, atomic_path, fsync_path, remove_orphans
 
 __all__ = [
     "PartialRunWarning",
@@ -55,6 +55,7 @@ __all__ = [
     "RunLayout",
     "open_layout",
     "open_part",
+    "parquet_parts",
     "arrow_reason",
     "metadata_from",
     "vocabulary_from",
@@ -364,6 +365,11 @@ def _dataset_member(root: Path, runs: list[Path], run_id: str | None) -> Path:
     return folder
 
 
+def parquet_parts(folder: Path) -> list[Path]:
+    """A folder's Parquet parts, sorted (not the hidden temporary files of an export in progress or killed)."""
+    return sorted(p for p in folder.iterdir() if p.suffix in PARQUET_SUFFIXES and not p.name.startswith("."))
+
+
 def path_arg(name: str, value: object) -> Path:
     """``value`` as a Path: a non-empty ``str`` or an ``os.PathLike``; else an error naming the argument and the value."""
     if not isinstance(value, (str, os.PathLike)):
@@ -407,10 +413,10 @@ def open_layout(path: str | os.PathLike[str], run_id: str | None = None) -> RunL
         parts = [open_part(p) for p in sorted(source.glob(CHUNK_GLOB))]
         layout = RunLayout(source, "spill", parts, metadata, vocab_raw, source / VOCAB_FILE)
     else:
-        runs = sorted(p for p in source.iterdir() if p.is_dir() and p.name.startswith("run_id="))
+        runs = sorted(p for p in source.iterdir() if p.is_dir() and p.name.startswith("run_id=") and parquet_parts(p))
         if runs:
             return open_layout(_dataset_member(source, runs, run_id))
-        files = sorted(p for p in source.iterdir() if p.suffix in PARQUET_SUFFIXES and not p.name.startswith("."))
+        files = parquet_parts(source)
         if not files:
             raise NoRunError(source, "the folder holds no .parquet parts and no spill files (_run.json)")
         parts = [open_part(p) for p in files]
@@ -426,22 +432,6 @@ def open_layout(path: str | os.PathLike[str], run_id: str | None = None) -> RunL
 
 
 # ---------------------------------------------------------------- writing a Parquet run file
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file (or a folder's entries) to the disk."""
-    flags = os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() and hasattr(os, "O_DIRECTORY") else 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError:
-        return  # a folder that cannot be opened (some platforms): nothing more to flush
-    try:
-        os.fsync(fd)
-    except OSError:
-        if not path.is_dir():
-            raise
-    finally:
-        os.close(fd)
 
 
 def _footer(metadata: RunMetadata, with_rows: bool) -> bytes:
@@ -460,7 +450,12 @@ def _footer(metadata: RunMetadata, with_rows: bool) -> bytes:
 
 
 def write_parquet(
-    table: pa.Table, path: str | os.PathLike[str], metadata: RunMetadata, *, compression: str | None = "zstd"
+    table: pa.Table,
+    path: str | os.PathLike[str],
+    metadata: RunMetadata,
+    *,
+    compression: str | None = "zstd",
+    scratch: Path | None = None,
 ) -> Path:
     """Write a run's table (the run schema, with its vocabulary in the schema metadata) as one Parquet file.
 
@@ -469,7 +464,9 @@ def write_parquet(
     only the id columns get dictionaries and statistics; every page carries a
     checksum. Written atomically (a temporary file flushed to disk, then
     renamed), after removing temporary files a killed writer left beside
-    ``path``. Returns the path.
+    ``path``; with ``scratch`` (a dataset's root), the temporary file is
+    made there, and so are those removed (:func:`~tracker.spill.atomic_path`).
+    Returns the path.
     """
     target = path_arg("path", path)
     if target.is_dir():
@@ -485,7 +482,9 @@ def write_parquet(
     width = metadata.top_k if metadata.storage == "topk" else metadata.vocab_size
     row_bytes = max(1, width * 4 * max(1, len(metadata.stages)))
     remove_orphans(target.parent, target.name)
-    with atomic_path(target) as tmp:
+    if scratch is not None:
+        remove_orphans(scratch, target.name)
+    with atomic_path(target, scratch) as tmp:
         pq.write_table(
             table,
             tmp,
@@ -495,6 +494,7 @@ def write_parquet(
             write_statistics=["generation", "sequence", "step", "chosen"],
             write_page_checksum=True,
         )
-        _fsync(tmp)
-    _fsync(target.parent)
+        fsync_path(tmp)
+    for folder in (target.parent, scratch) if scratch is not None else (target.parent,):
+        fsync_path(folder)  # the file's entry (and, in a dataset, its new partition's)
     return target

@@ -171,11 +171,14 @@ class Run(Insight, Analysis):
         Temporary files a killed export left beside ``path`` are removed
         first. Returns the path. (The file's layout: :func:`tracker.layout.write_parquet`.)
         """
+        return self._write(path, compression)
+
+    def _write(self, path: str | os.PathLike[str], compression: str | None, scratch: Path | None = None) -> Path:
         if not self._batches and not self.metadata.vocab_size:
             raise ValueError(
                 "nothing recorded yet: run a generation with the tracker first (an empty run is not written)"
             )
-        return write_parquet(self.to_arrow(), path, self.metadata, compression=compression)
+        return write_parquet(self.to_arrow(), path, self.metadata, compression=compression, scratch=scratch)
 
     def to_dataset(self, root: str | os.PathLike[str], *, compression: str | None = "zstd") -> Path:
         """Write the run into a Hive-partitioned folder: ``root/run_id=<id>/part-00000.parquet``.
@@ -183,9 +186,12 @@ class Run(Insight, Analysis):
         The partition column is the folder name, not a file column, so
         ``pyarrow.dataset.dataset(root, partitioning="hive")`` and DuckDB's
         ``hive_partitioning`` add ``run_id`` to every row. Returns the file.
+        The file is written in ``root`` (hidden, then renamed into its folder):
+        an export killed midway adds no ``run_id=...`` folder, and the next
+        export into ``root`` removes what it left.
         """
-        folder = folder_arg("root", root) / f"run_id={self.run_id}"
-        return self.to_parquet(folder / "part-00000.parquet", compression=compression)
+        folder = folder_arg("root", root)
+        return self._write(folder / f"run_id={self.run_id}" / "part-00000.parquet", compression, scratch=folder)
 
     # ---------------------------------------------------------------- reading
 

@@ -30,6 +30,7 @@ import pyarrow as pa
 
 __all__ = [
     "atomic_path",
+    "fsync_path",
     "remove_orphans",
     "write_ipc",
     "read_ipc",
@@ -93,25 +94,47 @@ def remove_orphans(folder: str | os.PathLike[str], name: str) -> list[Path]:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike[str], scratch: str | os.PathLike[str] | None = None) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; rename it onto ``path`` if the block succeeds.
 
     On failure the temporary file is removed and ``path`` is left as it was.
     The file ends with the permissions an ordinary new file would have, so a
     run can be read by whoever may read its folder (a shared dashboard).
+    With ``scratch`` (a folder on the same file system), the temporary file is
+    made there and ``path``'s folder only when it is renamed into place: a
+    writer killed midway leaves no new folder at ``path`` (a dataset partition
+    holding no run).
     """
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{_writer_tag()}.", suffix=".tmp", dir=target.parent)
+    folder = target.parent if scratch is None else Path(scratch)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{_writer_tag()}.", suffix=".tmp", dir=folder)
     os.close(fd)
     try:
         yield Path(tmp)
         os.chmod(tmp, _file_mode())
+        target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file (or a folder's entries) to the disk."""
+    flags = os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() and hasattr(os, "O_DIRECTORY") else 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return  # a folder that cannot be opened (some platforms): nothing more to flush
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not path.is_dir():
+            raise
+    finally:
+        os.close(fd)
 
 
 def write_ipc(path: str | os.PathLike[str], batches: list[pa.RecordBatch], schema: pa.Schema) -> int:
