@@ -448,6 +448,25 @@ def test_a_temporary_spill_folder_is_removed_with_its_tracker():
     assert not folder.exists()
 
 
+def test_a_tracker_dropped_with_chunks_on_their_way_to_disk_leaves_no_spill_folder(slow_disk):
+    """The chunks still queued when the tracker goes away are not written into a folder made again."""
+    slow_disk(0.05)
+    tracker = LogitTrackingProcessor(None, memory_limit=0, chunk_bytes=1024)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SpillWarning)
+        for t in range(12):
+            tracker(torch.ones(1, 2 + t, dtype=torch.long), torch.randn(1, 64))
+    folder = tracker.recorder.spill_path
+    writer = tracker.recorder._handoff.writer  # to wait for the queued chunks, not to keep the tracker
+    assert folder is not None and folder.exists()
+    del tracker
+    import gc
+
+    gc.collect()
+    writer.flush()  # every chunk that was queued has been written, or refused
+    assert not folder.exists()
+
+
 # ---------------------------------------------------------------- the default storage
 
 

@@ -94,7 +94,9 @@ def remove_orphans(folder: str | os.PathLike[str], name: str) -> list[Path]:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike[str], scratch: str | os.PathLike[str] | None = None) -> Iterator[Path]:
+def atomic_path(
+    path: str | os.PathLike[str], scratch: str | os.PathLike[str] | None = None, *, make_folders: bool = True
+) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; rename it onto ``path`` if the block succeeds.
 
     On failure the temporary file is removed and ``path`` is left as it was.
@@ -103,17 +105,20 @@ def atomic_path(path: str | os.PathLike[str], scratch: str | os.PathLike[str] | 
     With ``scratch`` (a folder on the same file system), the temporary file is
     made there and ``path``'s folder only when it is renamed into place: a
     writer killed midway leaves no new folder at ``path`` (a dataset partition
-    holding no run).
+    holding no run). With ``make_folders=False`` a folder that is missing is
+    not made: FileNotFoundError instead.
     """
     target = Path(path)
     folder = target.parent if scratch is None else Path(scratch)
-    folder.mkdir(parents=True, exist_ok=True)
+    if make_folders:
+        folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{_writer_tag()}.", suffix=".tmp", dir=folder)
     os.close(fd)
     try:
         yield Path(tmp)
         os.chmod(tmp, _file_mode())
-        target.parent.mkdir(parents=True, exist_ok=True)
+        if make_folders:
+            target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -137,9 +142,12 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def write_ipc(path: str | os.PathLike[str], batches: list[pa.RecordBatch], schema: pa.Schema) -> int:
-    """Write record batches as one IPC file, atomically; returns the bytes written."""
-    with atomic_path(path) as tmp:
+def write_ipc(
+    path: str | os.PathLike[str], batches: list[pa.RecordBatch], schema: pa.Schema, *, make_folders: bool = True
+) -> int:
+    """Write record batches as one IPC file, atomically; returns the bytes written (``make_folders``: see
+    :func:`atomic_path`)."""
+    with atomic_path(path, make_folders=make_folders) as tmp:
         with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
             for batch in batches:
                 writer.write_batch(batch)
@@ -259,7 +267,9 @@ class SpillWriter:
             path, batch, schema, done, failed = self._queue.get()
             try:
                 start = time.perf_counter()
-                nbytes = write_ipc(path, [batch], schema)
+                # into the run's folder as it is: one removed meanwhile (its tracker went away) is not made
+                # again, to be left behind, but refuses the chunk
+                nbytes = write_ipc(path, [batch], schema, make_folders=False)
                 elapsed = time.perf_counter() - start
                 del batch
                 self.writes += 1
