@@ -210,6 +210,14 @@ def _check_inputs(gen, prompts: list[str], params, args: argparse.Namespace, par
         _fail(parser, "--prompt-file" if index and int(index[1]) >= len(args.prompt or []) else "--prompt", exc)
 
 
+def _save_run(tracker, out: Path, args: argparse.Namespace, params, interrupted: bool = False) -> None:
+    extra: dict[str, Any] = {"title": args.title} if args.title else {}
+    if interrupted:
+        extra["interrupted"] = True
+    tracker.annotate(sampling=params.to_dict(), **extra)
+    tracker.to_parquet(out)
+
+
 def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     prompts = _prompts(args, parser)
     params = _params(args, parser)
@@ -230,12 +238,16 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if not (flags := [flag for flag in CONSTRAINTS if getattr(args, flag[2:].replace("-", "_"))]):
             raise  # no constraint of the user's: not an argument error
         _fail(parser, flags[-1], f"{' with '.join(flags)} leave no allowed token at some step; loosen them")
+    except KeyboardInterrupt:
+        if out is None:
+            raise
+        # Ctrl-C: keep what was recorded (a run cut short reads as one; the last sequences end where it stopped)
+        _save_run(gen.logits_processor, out, args, params, interrupted=True)
+        print(f"interrupted: wrote the steps recorded so far to {out}", file=sys.stderr)
+        return 130
     _print_outputs(outputs, args.json)
     if out is not None:
-        tracker = gen.logits_processor
-        extra = {"title": args.title} if args.title else {}
-        tracker.annotate(sampling=params.to_dict(), **extra)
-        tracker.to_parquet(out)
+        _save_run(gen.logits_processor, out, args, params)
         lengths = [len(c.token_ids) for o in outputs for c in o.outputs]
         counts = f"{steps} steps, {len(lengths)} sequence{'s' * (len(lengths) > 1)}, {sum(lengths)} tokens"
         print(f"wrote {out} ({counts}); open it with: logitscope dashboard {out}", file=sys.stderr)

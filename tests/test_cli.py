@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -291,3 +292,52 @@ def test_run_help_says_every_option_s_default(capsys):
     ]:
         after = text.split(f"{option} ", 2)[-1]  # the option's line in the list, past the usage
         assert default in after.split(" --")[0], (option, after[:120])
+
+
+def test_ctrl_c_during_run_out_keeps_the_steps_recorded_so_far(tmp_path, capsys, monkeypatch):
+    """A long recorded run stopped with Ctrl-C: exit 130, and the run file holds every step taken until then."""
+    import functools
+
+    import sampling
+    import sampling.generator
+
+    args = ["run", "--prompt", "7 + 5 = ", "--prompt", "Call ", "--max-new-tokens", "6", "--batch-size", "1"]
+    whole = tmp_path / "whole.parquet"
+    assert main(args + ["--out", str(whole)]) == 0
+    capsys.readouterr()
+
+    calls = {"generate": 0, "forward": 0}
+    original_generate, original_load = sampling.Generator.generate, sampling.generator.load_model
+
+    def generate(self, *a, **k):
+        calls["generate"] += 1
+        return original_generate(self, *a, **k)
+
+    def load_model(*a, **k):
+        model, tokenizer = original_load(*a, **k)
+        forward = model.forward
+
+        @functools.wraps(forward)
+        def interrupted_forward(*fa, **fk):
+            if calls["generate"] == 2:  # the second prompt's batch: Ctrl-C on its third forward pass
+                calls["forward"] += 1
+                if calls["forward"] == 3:
+                    raise KeyboardInterrupt
+            return forward(*fa, **fk)
+
+        model.forward = interrupted_forward
+        return model, tokenizer
+
+    monkeypatch.setattr(sampling.Generator, "generate", generate)
+    monkeypatch.setattr(sampling.generator, "load_model", load_model)
+    out = tmp_path / "cut.parquet"
+    assert main(args + ["--out", str(out)]) == 130
+    assert f"interrupted: wrote the steps recorded so far to {out}" in capsys.readouterr().err
+    cut, full = Run.load(out), Run.load(whole)
+    assert cut.metadata.extra.get("interrupted") is True
+    assert cut.sequence(generation=0) == full.sequence(generation=0)  # the first prompt's generation, whole
+    first = cut.get_logits(generation=0)["unstructured"]
+    np.testing.assert_array_equal(first, full.get_logits(generation=0)["unstructured"])
+    second = cut.get_logits(generation=1)["unstructured"]
+    assert len(second) == 2  # the two steps taken before Ctrl-C
+    np.testing.assert_array_equal(second, full.get_logits(generation=1)["unstructured"][:2])
