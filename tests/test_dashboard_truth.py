@@ -6,12 +6,10 @@ import html
 import re
 
 import pytest
-import streamlit as st
 from streamlit.testing.v1 import AppTest
-from test_dashboard_app import _ok
+from test_dashboard_app import _app, _ok
 
 from dashboard import data
-from dashboard.paths import APP
 from tracker import Run
 
 
@@ -40,15 +38,6 @@ def runs(tmp_path_factory, demo):
     model.generate(**encoded, logits_processor=LogitsProcessorList([tracker]), do_sample=False, max_new_tokens=4)
     tracker.to_parquet(folder / "unfinished.parquet")
     return folder
-
-
-def _app(root, page: str) -> AppTest:
-    st.cache_data.clear()
-    st.cache_resource.clear()
-    at = AppTest.from_file(str(APP), default_timeout=60)
-    at.session_state["root"] = str(root)
-    at.switch_page(f"app_pages/{page}.py")
-    return at.run()
 
 
 def _shown_tokens(at: AppTest) -> list[str]:
