@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dashboard.reader import IPC_SUFFIXES, PARQUET_SUFFIXES, BadRunError, RunReader
-from tracker.layout import parquet_parts
+from tracker.layout import is_partition
 from tracker.spill import RUN_JSON
 
 __all__ = ["MAX_DEPTH", "RunSummary", "find_runs", "is_run_folder", "summarize", "summary_of"]
@@ -27,9 +27,7 @@ RUN_SUFFIXES = PARQUET_SUFFIXES + IPC_SUFFIXES
 def is_run_folder(path: Path) -> bool:
     """A folder that is one run: a dataset partition (``run_id=...``) holding a part, or a spill folder.
     A partition holding only the temporary file of an export in progress (or killed) is no run yet."""
-    if not path.is_dir():
-        return False
-    return (path.name.startswith("run_id=") and bool(parquet_parts(path))) or (path / RUN_JSON).is_file()
+    return is_partition(path) or (path.is_dir() and (path / RUN_JSON).is_file())
 
 
 def _visible(path: Path) -> bool:

@@ -55,7 +55,7 @@ __all__ = [
     "RunLayout",
     "open_layout",
     "open_part",
-    "parquet_parts",
+    "is_partition",
     "arrow_reason",
     "metadata_from",
     "vocabulary_from",
@@ -134,15 +134,10 @@ class Part(Protocol):
 
     @property
     def schema(self) -> pa.Schema: ...
-
     def block_sizes(self) -> list[int]: ...
-
     def read_ids(self) -> pa.Table: ...
-
     def read_block(self, block: int, columns: tuple[str, ...]) -> tuple[pa.Table, int]: ...
-
     def read_all(self) -> pa.Table: ...
-
     def generations(self) -> list[dict]: ...
 
 
@@ -365,9 +360,14 @@ def _dataset_member(root: Path, runs: list[Path], run_id: str | None) -> Path:
     return folder
 
 
-def parquet_parts(folder: Path) -> list[Path]:
+def _parquet_parts(folder: Path) -> list[Path]:
     """A folder's Parquet parts, sorted (not the hidden temporary files of an export in progress or killed)."""
     return sorted(p for p in folder.iterdir() if p.suffix in PARQUET_SUFFIXES and not p.name.startswith("."))
+
+
+def is_partition(path: Path) -> bool:
+    """A dataset's ``run_id=...`` folder holding a part (one with only a killed export's temporary file is no run)."""
+    return path.is_dir() and path.name.startswith("run_id=") and bool(_parquet_parts(path))
 
 
 def path_arg(name: str, value: object) -> Path:
@@ -407,16 +407,15 @@ def open_layout(path: str | os.PathLike[str], run_id: str | None = None) -> RunL
         layout = RunLayout(source, "file", [part], _metadata(source, meta.get(META_RUN)), meta.get(META_VOCAB), source)
     elif (source / RUN_JSON).is_file():
         metadata = _metadata(source / RUN_JSON, (source / RUN_JSON).read_bytes())
-        vocab_raw = None
-        if (source / VOCAB_FILE).is_file():
-            vocab_raw = (open_part(source / VOCAB_FILE).schema.metadata or {}).get(META_VOCAB)
+        vocab = source / VOCAB_FILE
+        vocab_raw = (open_part(vocab).schema.metadata or {}).get(META_VOCAB) if vocab.is_file() else None
         parts = [open_part(p) for p in sorted(source.glob(CHUNK_GLOB))]
-        layout = RunLayout(source, "spill", parts, metadata, vocab_raw, source / VOCAB_FILE)
+        layout = RunLayout(source, "spill", parts, metadata, vocab_raw, vocab)
     else:
-        runs = sorted(p for p in source.iterdir() if p.is_dir() and p.name.startswith("run_id=") and parquet_parts(p))
+        runs = sorted(p for p in source.iterdir() if is_partition(p))
         if runs:
             return open_layout(_dataset_member(source, runs, run_id))
-        files = parquet_parts(source)
+        files = _parquet_parts(source)
         if not files:
             raise NoRunError(source, "the folder holds no .parquet parts and no spill files (_run.json)")
         parts = [open_part(p) for p in files]
