@@ -271,14 +271,11 @@ def main() -> None:
     if not args.skip_pipe:
         print("\nsampling pipe against transformers' warpers (benchmarks/bench_sampling.py):", flush=True)
         try:
-            from bench_sampling import pipe_grid
+            from bench_sampling import format_grid, pipe_grid
         except ImportError:
             print("  benchmarks/bench_sampling.py has no pipe_grid() on this checkout: pipe grid not measured")
         else:
-            try:
-                pipe_grid(device="cuda", quick=args.quick)
-            except TypeError as exc:  # keep the measurements above when the grid's signature differs
-                print(f"  pipe_grid(device='cuda', quick=...) could not be called: {exc}")
+            print(format_grid(pipe_grid(device="cuda", repeats=5 if args.quick else 15)), flush=True)
 
     print("\nsection             B   ms/step  syncs/step  ratio (to the section named)")
     for row in rows:
