@@ -265,8 +265,12 @@ def test_cuda_path_records_what_a_synchronous_copy_records(kind):
     got = pa.Table.from_batches(recorder.batches())
     want = pa.Table.from_batches(reference.batches())
     for name in want.column_names:
-        if kind == "topk" and name.endswith("_lse"):
-            np.testing.assert_allclose(got.column(name).to_numpy(), want.column(name).to_numpy(), rtol=1e-5)
+        if pa.types.is_floating(want.schema.field(name).type):
+            # a row statistic (log-sum-exp, entropy, probabilities): a reduction, which the GPU orders otherwise
+            # than the CPU, so equal to float32 rounding; the values, ids and counts are bit-exact
+            np.testing.assert_allclose(
+                got.column(name).to_numpy(), want.column(name).to_numpy(), rtol=1e-5, err_msg=name
+            )
         else:
             assert got.column(name).equals(want.column(name)), name
 
