@@ -28,6 +28,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -192,6 +193,15 @@ class Run(Insight, Analysis):
         """
         folder = folder_arg("root", root)
         return self._write(folder / f"run_id={self.run_id}" / "part-00000.parquet", compression, scratch=folder)
+
+    def rescore(self, model: Any, tokenizer: Any = None, **options: Any) -> Run:
+        """This run's tokens through ``model``: a new run holding its distributions at every recorded step.
+
+        Options and guarantees: :func:`tracker.rescore.rescore` (which needs torch; reading runs does not).
+        """
+        from tracker.rescore import rescore
+
+        return rescore(self, model, tokenizer, **options)
 
     # ---------------------------------------------------------------- reading
 
