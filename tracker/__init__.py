@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from processors.vocab import Vocabulary
     from tracker.analysis import Continuation
     from tracker.compare import Comparison, compare
+    from tracker.divergence import RunComparison, compare_runs
     from tracker.integrate import add_tracking
     from tracker.layout import PartialRunWarning
     from tracker.processor import LogitTrackingProcessor
@@ -41,6 +42,8 @@ __all__ = [
     "Continuation",
     "compare",
     "Comparison",
+    "compare_runs",
+    "RunComparison",
     "Vocabulary",
     "Storage",
     "Recorder",
@@ -58,6 +61,8 @@ _HOMES = {
     "Continuation": "tracker.analysis",
     "compare": "tracker.compare",
     "Comparison": "tracker.compare",
+    "compare_runs": "tracker.divergence",
+    "RunComparison": "tracker.divergence",
     "Vocabulary": "processors.vocab",
     "Storage": "tracker.recorder",
     "Recorder": "tracker.recorder",
