@@ -4,6 +4,8 @@
     logitscope dashboard [PATH]          # the dashboard on a run or a folder of runs
     logitscope inspect PATH [--steps 0:5]  # a run in the terminal
     logitscope run --prompt "Call " --regex "\\(\\d{3}\\) \\d{3}-\\d{4}" --out r.parquet
+    logitscope rescore r.parquet --model PATH --dtype bfloat16 --out b.parquet
+    logitscope compare r.parquet b.parquet  # KL, top-1 agreement, perplexities
 
 Every mistake in the arguments ends in one line naming the argument and what
 is allowed, after the usage of the subcommand concerned (exit status 2).
@@ -18,15 +20,15 @@ import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from logitscope import __version__, inspect_run
+from logitscope import __version__, cli_rescore, inspect_run
 from logitscope.cli_args import device as _device
 from logitscope.cli_args import fail as _fail
+from logitscope.cli_args import no_loading_bar as _no_loading_bar
 from logitscope.cli_args import port as _port
 from logitscope.cli_args import positive_int as _positive_int
 
@@ -124,20 +126,6 @@ def _generator(args: argparse.Namespace, parser: argparse.ArgumentParser):
     except FileNotFoundError as exc:
         _fail(parser, "--model", exc)
     return Generator(model, tokenizer, _constraints(args, parser, tokenizer) or None)
-
-
-@contextmanager
-def _no_loading_bar() -> Iterator[None]:
-    """Hide transformers' "Loading weights" bar (it prints twice when there is no terminal)."""
-    from transformers.utils import logging as hf_logging
-
-    enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if enabled:
-            hf_logging.enable_progress_bar()
 
 
 def _print_outputs(outputs, as_json: bool, out=None) -> None:
@@ -459,6 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, command in (("run", run), ("demo", demo), ("dashboard", dashboard)):
         command.set_defaults(handler=globals()[f"cmd_{name}"], command_parser=command)
     inspect_run.add_parser(sub)
+    cli_rescore.add_parsers(sub)
     return parser
 
 

@@ -7,9 +7,11 @@ is allowed, after the usage of the subcommand concerned (exit status 2).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, NoReturn
 
-__all__ = ["fail", "positive_int", "port", "device"]
+__all__ = ["fail", "positive_int", "port", "device", "no_loading_bar"]
 
 
 def fail(parser: argparse.ArgumentParser, argument: str | None, message: Any) -> NoReturn:
@@ -67,3 +69,17 @@ def device(text: str) -> str:
             raise argparse.ArgumentTypeError(f"{text!r} is not available on this machine; use cpu")
         return text
     raise argparse.ArgumentTypeError(f"{text!r} is not supported; use {allowed}")
+
+
+@contextmanager
+def no_loading_bar() -> Iterator[None]:
+    """Hide transformers' "Loading weights" bar (it prints twice when there is no terminal)."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()

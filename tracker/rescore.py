@@ -50,10 +50,10 @@ import numpy as np
 import torch
 
 from processors.vocab import Vocabulary, vocab_for
+from tracker.compare import _as_run
 from tracker.prompt import prompt_logprobs
+from tracker.provenance import library_version, model_name, new_run_id, now
 from tracker.recorder import Recorder, Storage
-from tracker.run import Run
-from tracker.run_metadata import _library_version, model_name, new_run_id, now
 from tracker.selection import count_arg
 
 __all__ = ["rescore", "check_vocabulary", "context_limit", "METHODS"]
@@ -86,7 +86,7 @@ def _is_placeholder(vocab: Vocabulary) -> bool:
     return bool(vocab.special.all()) and vocab.display[:2] == tuple(f"<{i}>" for i in range(min(2, vocab.size)))
 
 
-def check_vocabulary(run: Run, model: Any, tokenizer: Any = None) -> None:
+def check_vocabulary(run: Any, model: Any, tokenizer: Any = None) -> None:
     """Refuse a model (or tokenizer) whose vocabulary is not the run's: a ValueError naming both sizes, or the
     first token id whose bytes differ. The run's stored vocabulary is compared with the tokenizer's when both
     are known (a run recorded without a tokenizer is checked by size only)."""
@@ -131,7 +131,7 @@ def _prepared(model: Any, dtype: Any, device: Any) -> tuple[Any, torch.device, t
 class _Inputs:
     """One generation's teacher-forcing inputs: ids, mask and positions ``[B, P + T - 1]``, chosen ``[B, T]``."""
 
-    def __init__(self, run: Run, generation: int, record: dict[str, Any], limit: int | None) -> None:
+    def __init__(self, run: Any, generation: int, record: dict[str, Any], limit: int | None) -> None:
         sequences = run.sequences(generation)
         prompts = record.get("prompt_ids") or []
         if len(prompts) != len(sequences) or any(len(p) == 0 for p in prompts):
@@ -269,7 +269,7 @@ def _progress(total: int, progress: bool | None) -> Any:
 
 
 def rescore(
-    run: Run,
+    run: Any,
     model: Any,
     tokenizer: Any = None,
     *,
@@ -284,7 +284,7 @@ def rescore(
     spill_dir: Any = None,
     window_bytes: int = 256 << 20,
     name: str | None = None,
-) -> Run:
+) -> Any:
     """A new run with ``run``'s generations, prompts and chosen tokens, and ``model``'s distributions at every
     recorded step (see the module docstring).
 
@@ -306,10 +306,7 @@ def rescore(
     ValueError naming the argument when the vocabularies differ, a row does not fit the model's context
     window, or a token the following steps need was not recorded.
     """
-    if hasattr(run, "run") and not isinstance(run, Run):
-        run = run.run
-    if not isinstance(run, Run):
-        raise TypeError(f"run must be a tracker.Run, got {type(run).__name__}")
+    run = _as_run(run, "run")
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     batch_size = count_arg("batch_size", batch_size)
@@ -356,10 +353,10 @@ def rescore(
         processors=None,
         generations=generations,
         created_at=now(),
-        library_version=_library_version(),
+        library_version=library_version(),
         extra=extra,
         stage_aliases={},
     )
-    result = Run(recorder.batches(), metadata, run.vocab)
+    result = type(run)(recorder.batches(), metadata, run.vocab)
     result._recorder = recorder  # the rows live in the recorder's buffers (and spill files): keep it alive
     return result

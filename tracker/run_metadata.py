@@ -10,14 +10,11 @@ log-probabilities), and turns the recorder's rows into a
 
 from __future__ import annotations
 
-import datetime as _dt
 import threading
-import uuid
 import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib import metadata as _importlib_metadata
 from typing import Any
 
 import numpy as np
@@ -26,34 +23,14 @@ from processors import BatchContext
 from processors.vocab import Vocabulary, vocab_for
 from tracker.chunks import StepRows
 from tracker.prompt import leading_pad_mask, prompt_rows
+from tracker.provenance import library_version as _library_version
+from tracker.provenance import model_name, new_run_id, now
 from tracker.recorder import Recorder
 from tracker.run import Run
 from tracker.schema import RunMetadata
 from tracker.storage import Storage
 
 __all__ = ["Generation", "SharedRecording", "model_name", "new_run_id", "now"]
-
-
-def now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-
-
-def new_run_id() -> str:
-    return f"{_dt.datetime.now(_dt.timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
-
-
-def _library_version() -> str:
-    try:
-        return _importlib_metadata.version("logitscope")
-    except _importlib_metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def model_name(model: Any) -> Any:
-    """A model's name for the metadata: a string as it is, else its config's ``_name_or_path`` or its type."""
-    if model is None or isinstance(model, str):
-        return model
-    return getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
 
 
 @dataclass
