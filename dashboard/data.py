@@ -232,3 +232,18 @@ def prompt_perplexity(path: str, generation: int, sequence: int) -> float:
             if 0 <= sequence < len(rows):
                 return perplexity(rows[sequence])
     return float("nan")
+
+
+@st.cache_data(max_entries=4, show_spinner="Comparing every sequence of the two runs…")
+def _run_statistics(path_a: str, version_a: Stamp, path_b: str, version_b: Stamp) -> tuple[pd.DataFrame, str]:
+    from tracker.divergence import compare_runs
+    from tracker.run import Run
+
+    result = compare_runs(Run.load(path_a), Run.load(path_b))
+    return result.table(), result.note
+
+
+def run_statistics(path_a: str, path_b: str) -> tuple[pd.DataFrame, str]:
+    """:func:`tracker.divergence.compare_runs` of two whole runs: its table (KL quantiles, top-1 agreement,
+    Δp, perplexities) and its note (top-k bounds)."""
+    return _run_statistics(path_a, stamp(path_a), path_b, stamp(path_b))

@@ -196,3 +196,29 @@ def test_cli_round_trip(tmp_path, capsys):
     assert stats["sequences"] == 2 and stats["kl"]["natural"]["max"] == 0.0 and stats["perplexity_ratio"] == 1.0
     assert main(["compare", str(run), str(out)]) == 0
     assert "top-1 agreement" in capsys.readouterr().out
+
+
+def test_dashboard_says_where_a_rescored_run_came_from_and_sums_the_pair_up(recorded, demo, tmp_path):
+    import streamlit as st
+    from streamlit.testing.v1 import AppTest
+
+    from dashboard.paths import APP
+
+    model, tok = demo
+    recorded.to_parquet(tmp_path / "a.parquet")
+    recorded.rescore(model, tok, dtype="bfloat16", name="demo-bf16").to_parquet(tmp_path / "b.parquet")
+    st.cache_data.clear()
+    st.cache_resource.clear()
+    at = AppTest.from_file(str(APP), default_timeout=120)
+    at.session_state["root"] = str(tmp_path)
+    at.run()
+    at = at.sidebar.selectbox(key="run").set_value(str(tmp_path / "b.parquet")).run()
+    said = " ".join(i.value for i in at.info).replace("\\", "")
+    assert f"Rescored from run {recorded.run_id}" in said and "demo-bf16 in bfloat16" in said
+    at.sidebar.selectbox(key="run_b").set_value(str(tmp_path / "a.parquet")).run()
+    at.switch_page("app_pages/compare.py").run()
+    at.button(key="compare_run_statistics").click().run()
+    assert not at.exception
+    frames = [d.value for d in at.dataframe if "statistic" in getattr(d.value, "columns", [])]
+    values = dict(zip(frames[0]["statistic"], frames[0]["value"]))
+    assert values["sequences"] == len(PROMPTS) and 0 < values["KL mean (natural)"] < 1e-2

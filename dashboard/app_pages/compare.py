@@ -124,6 +124,21 @@ columns = ("chosen_id", "chosen_token", f"p_chosen_{stage}", f"entropy_{stage}")
 st.dataframe(views.aligned(stats_a, stats_b, columns), hide_index=True, width="stretch")
 
 st.subheader("How far apart the distributions are")
+if other != picked.path:
+    with st.expander("The whole runs: KL divergence, top-1 agreement and perplexities over every sequence"):
+        st.caption(
+            "KL(A‖B) in nats per step, A's distribution against B's; Δp is the chosen token's probability "
+            "under B minus under A; perplexities over the recorded tokens (definitions: the guide's *Re-scoring*)."
+        )
+        if st.button("Compute", key="compare_run_statistics"):
+            try:
+                table, note = data.run_statistics(picked.path, other)
+            except ValueError as exc:
+                st.error(text.md_text(str(exc)))
+            else:
+                st.dataframe(table, hide_index=True, width="stretch")
+                if note:
+                    st.caption(text.md_text(note))
 if diff is None:
     st.caption("Only steps both sequences have are compared: pick an earlier *First step shown*.")
     st.stop()

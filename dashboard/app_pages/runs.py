@@ -3,7 +3,7 @@
 import pandas as pd
 import streamlit as st
 
-from dashboard import widgets
+from dashboard import data, widgets
 from dashboard.text import md_text
 
 st.title("Runs")
@@ -67,6 +67,20 @@ if picked is not None and picked.error is None:
     st.subheader(md_text(picked.title or picked.label))
     if picked.note:
         st.warning(md_text(picked.note))
+    origin = data.reader(picked.path).metadata.extra.get("rescored_from")
+    if isinstance(origin, dict):
+        how = data.reader(picked.path).metadata.extra.get("rescore") or {}
+        st.info(
+            md_text(
+                f"Rescored from run {origin.get('run_id')}"
+                + (f" ({origin['title']})" if origin.get("title") else "")
+                + (f", recorded by {origin['model']}" if origin.get("model") else "")
+                + f": the same tokens through {how.get('model', 'another model')}"
+                + (f" in {how['dtype']}" if how.get("dtype") else "")
+            )
+            + ". Compare the two under *Compare*.",
+            icon=":material/compare_arrows:",
+        )
     left, right = st.columns(2)
     left.markdown("**Prompt**")
     left.code(picked.prompt, language=None, wrap_lines=True)
