@@ -222,3 +222,16 @@ def test_dashboard_says_where_a_rescored_run_came_from_and_sums_the_pair_up(reco
     frames = [d.value for d in at.dataframe if "statistic" in getattr(d.value, "columns", [])]
     values = dict(zip(frames[0]["statistic"], frames[0]["value"]))
     assert values["sequences"] == len(PROMPTS) and 0 < values["KL mean (natural)"] < 1e-2
+
+
+def test_a_tokenizer_whose_tokens_differ_is_refused(recorded, demo, capsys):
+    from processors.vocab import Vocabulary
+
+    model, tok = demo
+    pieces = list(recorded.vocab.pieces)
+    pieces[7] = b"not the same token"
+    other = Run(recorded._record_batches(), recorded.metadata, Vocabulary.from_parts(pieces))
+    with pytest.raises(ValueError, match=r"token 7 is .* but the run's token 7 is b'not the same token'"):
+        other.rescore(model, tok)
+    recorded.rescore(model, tok, progress=True)  # the bar, asked for
+    assert "rescoring" in capsys.readouterr().err
