@@ -235,3 +235,28 @@ def test_a_tokenizer_whose_tokens_differ_is_refused(recorded, demo, capsys):
         other.rescore(model, tok)
     recorded.rescore(model, tok, progress=True)  # the bar, asked for
     assert "rescoring" in capsys.readouterr().err
+
+
+def test_every_stage_both_runs_recorded_is_compared(demo):
+    from processors import LogitBiasLogitsProcessor
+
+    model, tok = demo
+    runs = []
+    for banned in ((5, 6), (5, 6, 7, 8, 9, 10)):
+        tracker = LogitTrackingProcessor(LogitBiasLogitsProcessor({i: float("-inf") for i in banned}), tokenizer=tok)
+        Generator(model, tok, logits_processor=tracker).generate(["Alice is"], max_new_tokens=5, seed=1)
+        runs.append(tracker.run)
+    stats = compare_runs(runs[1], runs[0])  # A bans more tokens than B
+    assert stats.stages == ["natural", "constrained"]
+    np.testing.assert_allclose(stats.steps["kl_natural"], _kl64(runs[1], runs[0], 0), rtol=1e-9, atol=1e-12)
+    a = torch.from_numpy(runs[1].get_logits()["structured"]).double().log_softmax(-1)
+    b = torch.from_numpy(runs[0].get_logits()["structured"]).double().log_softmax(-1)
+    kl = torch.where(a.exp() > 0, a.exp() * (a - b), 0.0).sum(-1).numpy()
+    assert np.isfinite(kl).all() and (kl > 0).all()
+    np.testing.assert_allclose(stats.steps["kl_constrained"], kl, rtol=1e-9, atol=1e-12)
+    # the other way, B bans tokens A allows: KL(A‖B) is infinite, and said so
+    assert compare_runs(runs[0], runs[1]).totals["kl"]["constrained"] == {
+        k: float("inf") for k in ("mean", "median", "p90", "p99", "p99.9", "max")
+    }
+    rescored = compare_runs(runs[0], runs[0].rescore(model, tok, method="stepwise"))
+    assert rescored.stages == ["natural"] and rescored.totals["kl"]["natural"]["max"] == 0.0
