@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from logitscope import __version__, inspect_run
+from logitscope import __version__, inspect_run, query_cli
 from logitscope.cli_args import device as _device
 from logitscope.cli_args import fail as _fail
 from logitscope.cli_args import port as _port
@@ -459,6 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, command in (("run", run), ("demo", demo), ("dashboard", dashboard)):
         command.set_defaults(handler=globals()[f"cmd_{name}"], command_parser=command)
     inspect_run.add_parser(sub)
+    query_cli.add_parser(sub)
     return parser
 
 

@@ -347,7 +347,7 @@ class Dataset:
                 missing = re.search(r"Table with name (\w+) does not exist", str(exc))
                 view = missing.group(1).lower() if missing else None
                 if view not in VIEWS or view in self._tables:
-                    raise QueryError(_one_line(exc)) from exc
+                    raise QueryError(f"{_one_line(exc)} (the views are {', '.join(VIEWS)})") from exc
                 self.table(view)
             except duckdb.Error as exc:
                 raise QueryError(_one_line(exc)) from exc
