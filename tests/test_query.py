@@ -327,3 +327,14 @@ def test_the_views_need_no_torch_to_import():
 
     code = "import sys, tracker; tracker.open_dataset; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+
+
+def test_the_views_can_be_asked_in_any_order(recorded):
+    query = "SELECT count(*) AS n FROM {}"
+    first = open_dataset(recorded["root"] / "dataset")
+    counts = {view: first.sql(query.format(view)).column("n")[0].as_py() for view in ("sequences", "steps", "runs")}
+    again = open_dataset(recorded["root"] / "dataset")
+    assert {
+        view: again.sql(query.format(view)).column("n")[0].as_py() for view in ("steps", "runs", "sequences")
+    } == counts
+    assert counts["sequences"] == 8 and counts["runs"] == 2

@@ -290,6 +290,7 @@ class Dataset:
         self.k = k
         self._sources = sources
         self._tables: dict[str, pa.Table] = {}
+        self._registered: set[str] = set()
         self._vocabularies: dict[bytes, Vocabulary] = {}
         self.connection = duckdb.connect(":memory:", config=dict(_DUCKDB_CONFIG))
 
@@ -314,7 +315,10 @@ class Dataset:
                 self._tables[view] = pa.concat_tables(tables)
             else:
                 self._steps()
-            self.connection.register(view, self._tables[view])
+            for name, table in self._tables.items():
+                if name not in self._registered:
+                    self.connection.register(name, table)
+                    self._registered.add(name)
         return self._tables[view]
 
     def _steps(self) -> None:
@@ -328,7 +332,6 @@ class Dataset:
             sequences.append(q)
         self._tables["steps"] = pa.concat_tables(steps, promote_options="default")
         self._tables["sequences"] = pa.concat_tables(sequences) if sequences else SEQUENCES_SCHEMA.empty_table()
-        self.connection.register("sequences", self._tables["sequences"])
 
     def sql(self, query: str) -> pa.Table:
         """The answer to ``query`` (DuckDB's SQL over :data:`VIEWS`) as an Arrow table (``.to_pandas()`` for a
@@ -346,7 +349,7 @@ class Dataset:
             except duckdb.CatalogException as exc:
                 missing = re.search(r"Table with name (\w+) does not exist", str(exc))
                 view = missing.group(1).lower() if missing else None
-                if view not in VIEWS or view in self._tables:
+                if view not in VIEWS or view in self._registered:
                     raise QueryError(f"{_one_line(exc)} (the views are {', '.join(VIEWS)})") from exc
                 self.table(view)
             except duckdb.Error as exc:
