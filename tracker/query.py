@@ -330,7 +330,7 @@ class Dataset:
             s, q = steps_tables(source.load(self._vocabularies, columns))
             steps.append(s)
             sequences.append(q)
-        self._tables["steps"] = pa.concat_tables(steps, promote_options="default")
+        self._tables["steps"] = pa.concat_tables(steps, promote_options="permissive")
         self._tables["sequences"] = pa.concat_tables(sequences) if sequences else SEQUENCES_SCHEMA.empty_table()
 
     def sql(self, query: str) -> pa.Table:
