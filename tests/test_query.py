@@ -3,7 +3,7 @@
 The runs are recorded by the tracker (the demo model with a JSON-schema
 grammar, so the constraint removes mass; a batch of two prompts; two
 generations), in full float32 storage (statistics computed when read) and in
-top-k storage (statistics recorded with the rows). Every view value is
+float16 and top-k storage (statistics recorded with the rows). Every view value is
 checked against what ``Run.load(...)`` answers for the same run.
 """
 
@@ -50,7 +50,7 @@ def _record(demo, storage: str) -> Run:
 @pytest.fixture(scope="module")
 def recorded(demo, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("query")
-    runs = {storage: _record(demo, storage) for storage in ("float32", "topk")}
+    runs = {storage: _record(demo, storage) for storage in ("float32", "float16", "topk")}
     for run in runs.values():
         run.to_dataset(root / "dataset")
         run.to_parquet(root / "files" / f"{run.run_id}.parquet")
@@ -94,7 +94,7 @@ def test_steps_are_the_runs_statistics_for_every_storage(recorded):
 
 def test_runs_come_from_the_metadata(recorded):
     runs = open_dataset(recorded["root"] / "dataset").sql("SELECT * FROM runs ORDER BY storage").to_pylist()
-    assert [r["storage"] for r in runs] == ["float32", "topk"]
+    assert [r["storage"] for r in runs] == ["float16", "float32", "topk"]
     for row in runs:
         run = recorded["runs"][row["storage"]]
         m = run.metadata
@@ -107,8 +107,9 @@ def test_runs_come_from_the_metadata(recorded):
         assert row["top_k"] == m.top_k and row["vocab_size"] == m.vocab_size
 
 
-def test_candidates_of_full_rows_are_the_k_best_of_each_stage(recorded):
-    run = recorded["runs"]["float32"]
+@pytest.mark.parametrize("storage", ["float32", "float16"])
+def test_candidates_of_full_rows_are_the_k_best_of_each_stage(recorded, storage):
+    run = recorded["runs"][storage]
     k = 6
     data = open_dataset(recorded["root"] / "dataset", k=k)
     view = data.sql(f"SELECT * FROM candidates WHERE run_id = '{run.run_id}'").to_pandas()
@@ -238,7 +239,7 @@ def test_the_views_on_an_s3_compatible_store(recorded, monkeypatch):
         query = "SELECT * FROM steps ORDER BY run_id, generation, sequence, step"
         remote = open_dataset("s3://runs/fleet")
         assert remote.sql(query).equals(open_dataset(recorded["root"] / "dataset").sql(query))
-        assert remote.sql("SELECT count(*) AS n FROM runs").column("n").to_pylist() == [2]
+        assert remote.sql("SELECT count(*) AS n FROM runs").column("n").to_pylist() == [3]
     finally:
         server.stop()
 
@@ -337,4 +338,4 @@ def test_the_views_can_be_asked_in_any_order(recorded):
     assert {
         view: again.sql(query.format(view)).column("n")[0].as_py() for view in ("steps", "runs", "sequences")
     } == counts
-    assert counts["sequences"] == 8 and counts["runs"] == 2
+    assert counts["sequences"] == 12 and counts["runs"] == 3

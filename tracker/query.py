@@ -163,8 +163,10 @@ def _footer(fs: pafs.FileSystem, path: str) -> tuple[pa.Schema, int, int, list[d
 
 
 def _sources_of(fs: pafs.FileSystem, files: list[str]) -> list[_Source]:
-    """The runs held by ``files`` (parts of one run share its run id), checked against their metadata."""
+    """The runs held by ``files`` (parts of one run share its run id), checked against their metadata.
+    Runs of one model share one copy of their vocabulary's bytes."""
     runs: dict[str, _Source] = {}
+    vocabularies: dict[bytes, bytes] = {}
     for path in files:
         schema, rows, steps, gens = _footer(fs, path)
         meta = schema.metadata or {}
@@ -178,7 +180,9 @@ def _sources_of(fs: pafs.FileSystem, files: list[str]) -> list[_Source]:
             raise RunFileError(path, str(exc)) from exc
         source = runs.get(metadata.run_id)
         if source is None:
-            source = runs[metadata.run_id] = _Source(fs, [], metadata, meta.get(META_VOCAB))
+            raw = meta.get(META_VOCAB)
+            raw = None if raw is None else vocabularies.setdefault(raw, raw)
+            source = runs[metadata.run_id] = _Source(fs, [], metadata, raw)
         source.files.append(path)
         source.schemas.append(schema)
         source.metadata = replace(source.metadata, generations=source.metadata.generations + gens)
