@@ -339,3 +339,20 @@ def test_the_views_can_be_asked_in_any_order(recorded):
         view: again.sql(query.format(view)).column("n")[0].as_py() for view in ("steps", "runs", "sequences")
     } == counts
     assert counts["sequences"] == 12 and counts["runs"] == 3
+
+
+def test_an_arrow_ipc_run_file_gives_the_same_steps(recorded, tmp_path):
+    run = recorded["runs"]["topk"]
+    table = run.to_arrow()
+    with pa.OSFile(str(tmp_path / "run.arrow"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    query = "SELECT * FROM steps ORDER BY generation, sequence, step"
+    from_ipc = open_dataset(tmp_path / "run.arrow").sql(query)
+    assert from_ipc.equals(open_dataset(recorded["root"] / "files" / f"{run.run_id}.parquet").sql(query))
+
+
+def test_a_file_that_is_not_a_run_is_named(recorded, tmp_path):
+    recorded["runs"]["topk"].to_parquet(tmp_path / "run.parquet")
+    pq.write_table(pa.table({"a": [1, 2]}), tmp_path / "other.parquet")
+    with pytest.raises(ValueError, match=r"other\.parquet' cannot be read as a logitscope run: it holds no"):
+        open_dataset(tmp_path)
