@@ -47,6 +47,7 @@ from tracker.layout import (
     RunFileError,
     arrow_reason,
     metadata_from,
+    vocabulary_from,
 )
 from tracker.run import Run
 from tracker.schema import GENERATIONS_COLUMN, META_RUN, META_VOCAB, STAT_COLUMNS, RunMetadata, check_columns
@@ -116,9 +117,9 @@ class _Source:
         if raw is not None:
             if raw not in vocabularies:
                 try:
-                    vocabularies[raw] = Vocabulary.deserialize(raw)
-                except Exception as exc:  # any decoding error means a damaged vocabulary
-                    raise RunFileError(self.files[0], f"its vocabulary is damaged ({exc})") from exc
+                    vocabularies[raw] = vocabulary_from(raw)  # type: ignore[assignment]
+                except ValueError as exc:
+                    raise RunFileError(self.files[0], str(exc)) from exc
             vocab = vocabularies[raw]
         return Run(batches, self.metadata, vocab)
 
@@ -128,7 +129,8 @@ class _Source:
 
 
 def _footer(fs: pafs.FileSystem, path: str) -> tuple[pa.Schema, int, int, list[dict]]:
-    """``(schema, rows, steps, generations)`` of one run file, from its footer (Parquet) or its ids (IPC)."""
+    """``(schema, rows, steps, generations)`` of one run file, from its footer (Parquet; the small
+    ``generation_meta`` column too) or, for an Arrow IPC file, from reading it."""
     try:
         with fs.open_input_file(path) as f:
             if path.endswith(IPC_SUFFIXES):
