@@ -1,15 +1,16 @@
 """One run's rows of the SQL views of :func:`tracker.open_dataset`: ``steps``, ``sequences`` and ``candidates``.
 
 Each function takes a loaded :class:`~tracker.run.Run` and returns Arrow
-tables whose columns are those the views document (:mod:`tracker.query`).
-The numbers are the analysis API's own: ``steps`` is
-:meth:`~tracker.analysis.Analysis.stats` flattened (so the statistics the
-run recorded with its rows are read from their columns, and a run without
-them, float32 recorded on a CPU, gets them computed from its rows by
-:mod:`tracker.metrics`); ``candidates`` reads each stage's rows block by
-block as every query does (:mod:`tracker.passes`) and keeps each step's
-``k`` best tokens. Values the analysis API gives as NaN (not known) are
-SQL NULL here. Needs pyarrow, numpy and pandas; no torch.
+tables whose columns are those the views document (``docs/guide.md``, "At
+scale"). The numbers are the analysis API's own: ``steps`` holds what
+:meth:`~tracker.Run.stats` answers, flattened with Arrow from the
+statistics columns where the run recorded them (the columns ``stats``
+reads there), and taken from ``stats`` itself otherwise (float32 recorded
+on a CPU: computed from the rows by :mod:`tracker.metrics`; runs with a
+stage per processor); ``candidates`` reads each stage's rows block by block
+as every query does (:mod:`tracker.passes`) and keeps each step's ``k``
+best tokens. Values the analysis API gives as NaN (not known) are SQL NULL
+here. Needs pyarrow, numpy and pandas; no torch.
 """
 
 from __future__ import annotations
@@ -23,10 +24,39 @@ from tracker.rows import NEG_INF, probabilities, topk_rows
 from tracker.run import Run
 from tracker.selection import sequence_end
 
-__all__ = ["steps_tables", "candidates_table", "INT_PREFIXES"]
+__all__ = ["steps_tables", "candidates_table", "INT_PREFIXES", "SEQUENCES_SCHEMA", "CANDIDATES_SCHEMA"]
 
 #: Statistics columns that count something (ranks, NaN entries, allowed tokens): integers in SQL.
 INT_PREFIXES = ("rank_chosen_", "nan_", "allowed")
+
+
+SEQUENCES_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("generation", pa.int32()),
+        ("sequence", pa.int32()),
+        ("prompt", pa.string()),
+        ("text", pa.string()),
+        ("steps", pa.int64()),
+    ]
+)
+
+CANDIDATES_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("generation", pa.int32()),
+        ("sequence", pa.int32()),
+        ("step", pa.int32()),
+        ("stage", pa.string()),
+        ("rank", pa.int32()),
+        ("token_id", pa.int64()),
+        ("token", pa.string()),
+        ("logit", pa.float32()),
+        ("probability", pa.float32()),
+        ("masked", pa.bool_()),
+        ("chosen", pa.bool_()),
+    ]
+)
 
 
 def _nulls_for_nan(column: pa.ChunkedArray | pa.Array, name: str) -> pa.ChunkedArray | pa.Array:
@@ -142,35 +172,6 @@ def _computed_steps(run: Run) -> tuple[pa.Table, list[tuple[int, int, np.ndarray
             mine = frame["sequence"].to_numpy() == sequence
             texts.append((generation, sequence, frame["chosen_id"].fillna(-1).to_numpy(dtype=np.int64)[mine]))
     return (pa.concat_tables(steps) if steps else pa.table({"run_id": pa.array([], pa.string())})), texts
-
-
-SEQUENCES_SCHEMA = pa.schema(
-    [
-        ("run_id", pa.string()),
-        ("generation", pa.int32()),
-        ("sequence", pa.int32()),
-        ("prompt", pa.string()),
-        ("text", pa.string()),
-        ("steps", pa.int64()),
-    ]
-)
-
-CANDIDATES_SCHEMA = pa.schema(
-    [
-        ("run_id", pa.string()),
-        ("generation", pa.int32()),
-        ("sequence", pa.int32()),
-        ("step", pa.int32()),
-        ("stage", pa.string()),
-        ("rank", pa.int32()),
-        ("token_id", pa.int64()),
-        ("token", pa.string()),
-        ("logit", pa.float32()),
-        ("probability", pa.float32()),
-        ("masked", pa.bool_()),
-        ("chosen", pa.bool_()),
-    ]
-)
 
 
 def _best(block: Block, k: int) -> tuple[np.ndarray, np.ndarray]:
