@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from logitscope import __version__, cli_rescore, inspect_run
+from logitscope import __version__, cli_rescore, inspect_run, query_cli
 from logitscope.cli_args import device as _device
 from logitscope.cli_args import fail as _fail
 from logitscope.cli_args import no_loading_bar as _no_loading_bar
@@ -448,6 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
         command.set_defaults(handler=globals()[f"cmd_{name}"], command_parser=command)
     inspect_run.add_parser(sub)
     cli_rescore.add_parsers(sub)
+    query_cli.add_parser(sub)
     return parser
 
 

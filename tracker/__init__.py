@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from tracker.integrate import add_tracking
     from tracker.layout import PartialRunWarning
     from tracker.processor import LogitTrackingProcessor
+    from tracker.query import Dataset, open_dataset
     from tracker.recorder import Recorder, Storage
     from tracker.run import Run
     from tracker.schema import SCHEMA_VERSION, RunMetadata
@@ -49,6 +50,8 @@ __all__ = [
     "Recorder",
     "SCHEMA_VERSION",
     "PartialRunWarning",
+    "open_dataset",
+    "Dataset",
 ]
 
 #: Where each public name lives. Imported on first use (PEP 562), so that reading a run
@@ -68,6 +71,8 @@ _HOMES = {
     "Recorder": "tracker.recorder",
     "SCHEMA_VERSION": "tracker.schema",
     "PartialRunWarning": "tracker.layout",
+    "open_dataset": "tracker.query",
+    "Dataset": "tracker.query",
 }
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)
