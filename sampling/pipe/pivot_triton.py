@@ -1,0 +1,89 @@
+"""The pivot search of :mod:`sampling.pipe.pivot` as one Triton kernel: a program per row, one launch per call.
+
+Each program runs the row's 31 bisection steps itself, summing the row in
+float64 at every step, so the whole crossing costs one launch instead of a
+few kernels per bit. Without Triton (``AVAILABLE`` False) the PyTorch version
+runs instead. ``TRITON_INTERPRET=1`` (set before Triton is imported) runs the
+kernel on CPU tensors, which is how the tests check it without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    AVAILABLE = True
+except ImportError:  # plain PyTorch then (sampling.pipe.pivot)
+    AVAILABLE = False
+
+BLOCK = 1024
+"""Tokens one program reads at a time."""
+
+if AVAILABLE:
+
+    @triton.jit
+    def _pivot_kernel(
+        w_ptr,
+        need_ptr,
+        value_ptr,
+        above_ptr,
+        ties_ptr,
+        vocab,
+        stride,
+        INCLUSIVE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        base = w_ptr + row.to(tl.int64) * stride
+        need = tl.load(need_ptr + row)
+        offsets = tl.arange(0, BLOCK)
+        # S(1): the mass of every positive weight, summed as every step sums (the fallback's yardstick)
+        acc = tl.zeros((BLOCK,), tl.float64)
+        for start in range(0, vocab, BLOCK):
+            idx = start + offsets
+            x = tl.load(base + idx, mask=idx < vocab, other=0.0)
+            acc += tl.where(x.to(tl.int32, bitcast=True) >= 1, x.to(tl.float64), 0.0)
+        everything = tl.sum(acc, 0)
+        prefix = tl.zeros((), tl.int32)
+        for step in range(31):
+            candidate = prefix | (1 << (30 - step))
+            acc = tl.zeros((BLOCK,), tl.float64)
+            for start in range(0, vocab, BLOCK):
+                idx = start + offsets
+                x = tl.load(base + idx, mask=idx < vocab, other=0.0)
+                acc += tl.where(x.to(tl.int32, bitcast=True) >= candidate, x.to(tl.float64), 0.0)
+            s = tl.sum(acc, 0)
+            if INCLUSIVE:
+                ok = s >= need
+            else:
+                ok = s > need
+            prefix = tl.where(ok | (s >= everything), candidate, prefix)
+        above = tl.zeros((BLOCK,), tl.float64)
+        ties = tl.zeros((BLOCK,), tl.int32)
+        for start in range(0, vocab, BLOCK):
+            idx = start + offsets
+            inside = idx < vocab
+            x = tl.load(base + idx, mask=inside, other=0.0)
+            bits = x.to(tl.int32, bitcast=True)
+            above += tl.where(bits > prefix, x.to(tl.float64), 0.0)
+            ties += ((bits == prefix) & inside).to(tl.int32)
+        tl.store(value_ptr + row, prefix)
+        tl.store(above_ptr + row, tl.sum(above, 0))
+        tl.store(ties_ptr + row, tl.sum(ties, 0))
+
+
+def pivot_crossing_triton(
+    w: torch.Tensor, need: torch.Tensor, inclusive: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(value, above, ties)`` as :func:`sampling.pipe.pivot.pivot_crossing_torch` gives them. Does not synchronise."""
+    w = w.contiguous()
+    batch, vocab = w.shape
+    value = torch.empty(batch, dtype=torch.int32, device=w.device)
+    above = torch.empty(batch, dtype=torch.float64, device=w.device)
+    ties = torch.empty(batch, dtype=torch.int32, device=w.device)
+    need = need.to(torch.float64).contiguous()
+    _pivot_kernel[(batch,)](w, need, value, above, ties, vocab, w.stride(0), INCLUSIVE=inclusive, BLOCK=BLOCK)
+    return value.view(torch.float32), above, ties.long()
