@@ -201,9 +201,7 @@ class Chain:
         rt = self.rt
         if not self.on_candidates:
             pivot = rt.algorithm == "pivot"
-            tokens, logprobs, mass = K.sample_weights(
-                self.w, rt.uniforms(), self.cut, self.shared, rt.sync_free, pivot
-            )
+            tokens, logprobs, mass = K.sample_weights(self.w, rt.uniforms(), self.cut, self.shared, rt.sync_free, pivot)
             if rt.wants(SAMPLED):
                 rt.emit(SAMPLED, TaggedTensor.probs(torch.where(self.keep(), self.w, 0.0) / mass[:, None].float()))
             return report_draw(rt, tokens, logprobs, logprobs > float("-inf"))
