@@ -1,8 +1,10 @@
 """The pivot search of :mod:`sampling.pipe.pivot` as one Triton kernel: a program per row, one launch per call.
 
-Each program runs the row's 31 bisection steps itself, summing the row in
-float64 at every step, so the whole crossing costs one launch instead of a
-few kernels per bit. Without Triton (``AVAILABLE`` False) the PyTorch version
+Each program runs the row's whole search itself, 4 bits a pass (16
+candidate pivots summed in float64 in one read of the row, the largest that
+passes kept): 8 passes instead of 31, plus one pass for the row's total and
+one for the mass above and the ties, in one launch instead of a few kernels
+per bit. Without Triton (``AVAILABLE`` False) the PyTorch version
 runs instead. ``TRITON_INTERPRET=1`` (set before Triton is imported) runs the
 kernel on CPU tensors, which is how the tests check it without a GPU.
 """
@@ -19,8 +21,8 @@ try:
 except ImportError:  # plain PyTorch then (sampling.pipe.pivot)
     AVAILABLE = False
 
-BLOCK = 1024
-"""Tokens one program reads at a time."""
+BLOCK = 256
+"""Tokens one program reads at a time (times 16 candidates: 4,096 float64 sums in flight)."""
 
 if AVAILABLE:
 
@@ -47,20 +49,27 @@ if AVAILABLE:
             x = tl.load(base + idx, mask=idx < vocab, other=0.0)
             acc += tl.where(x.to(tl.int32, bitcast=True) >= 1, x.to(tl.float64), 0.0)
         everything = tl.sum(acc, 0)
+        # 4 bits a pass: the 16 candidates prefix | j << shift (j = 0 is the prefix, always kept) summed at once,
+        # the largest that passes kept; S only falls as j grows, so this is the bit-by-bit bisection's answer.
+        # The last pass (shift 0) holds 3 bits: a j >= 8 there repeats a candidate of the pass before
+        # (bit 3 set) or exceeds one that failed (bit 3 clear), so it never changes the answer.
+        j = tl.arange(0, 16)
         prefix = tl.zeros((), tl.int32)
-        for step in range(31):
-            candidate = prefix | (1 << (30 - step))
-            acc = tl.zeros((BLOCK,), tl.float64)
+        for chunk in range(8):
+            shift = tl.maximum(27 - 4 * chunk, 0)
+            candidate = prefix | (j << shift)
+            s = tl.zeros((16,), tl.float64)
             for start in range(0, vocab, BLOCK):
                 idx = start + offsets
                 x = tl.load(base + idx, mask=idx < vocab, other=0.0)
-                acc += tl.where(x.to(tl.int32, bitcast=True) >= candidate, x.to(tl.float64), 0.0)
-            s = tl.sum(acc, 0)
+                bits = x.to(tl.int32, bitcast=True)
+                s += tl.sum(tl.where(bits[:, None] >= candidate[None, :], x.to(tl.float64)[:, None], 0.0), 0)
             if INCLUSIVE:
                 ok = s >= need
             else:
                 ok = s > need
-            prefix = tl.where(ok | (s >= everything), candidate, prefix)
+            ok = ok | (s >= everything) | (j == 0)
+            prefix = prefix | (tl.max(tl.where(ok, j, 0), 0) << shift)
         above = tl.zeros((BLOCK,), tl.float64)
         ties = tl.zeros((BLOCK,), tl.int32)
         for start in range(0, vocab, BLOCK):
