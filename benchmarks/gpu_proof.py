@@ -214,7 +214,21 @@ def main(argv: list[str] | None = None) -> int:
     # shares of what is left: the tests first (they must run), then the decode step, then the grid
     plan = [
         ("cuda_tests", [py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", *cuda_test_files()], 0.3),
-        ("bench_gpu", [py, "benchmarks/bench_gpu.py", "--skip-pipe", "--json", f"{args.out}/bench_gpu.json"], 0.6),
+        (
+            "bench_gpu",
+            [
+                py,
+                "benchmarks/bench_gpu.py",
+                "--skip-pipe",
+                "--repeats",
+                "3",
+                "--max-repeats",
+                "9",
+                "--json",
+                f"{args.out}/bench_gpu.json",
+            ],
+            0.6,
+        ),
         (
             "bench_sampling",
             [

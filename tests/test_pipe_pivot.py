@@ -122,6 +122,16 @@ def test_pivot_crossing_needs_no_more_than_its_fixed_steps_on_any_row():
     assert above.tolist() == [2.0**-148, 0.0] and ties.tolist() == [1, 1]
 
 
+def test_the_pytorch_search_can_be_kept_where_the_kernel_would_run(monkeypatch):
+    w = torch.ones(1, 4)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("LOGITSCOPE_PIVOT_TRITON", "0")
+    assert not P._triton_ready(w)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("LOGITSCOPE_PIVOT_TRITON")
+    assert not P._triton_ready(w)  # a CPU tensor outside the interpreter
+
+
 TRITON_CHECK = textwrap.dedent(
     """
     import torch

@@ -22,7 +22,8 @@ Two implementations give the same answer: :func:`pivot_crossing_torch`
 (plain PyTorch, a handful of kernels per bit) and, where Triton is present
 and the tensor is on a GPU (or ``TRITON_INTERPRET=1`` runs kernels on the
 CPU), :mod:`sampling.pipe.pivot_triton`'s one kernel per call, which keeps
-each row's search inside one program. Neither synchronises.
+each row's search inside one program (``LOGITSCOPE_PIVOT_TRITON=0`` keeps
+the PyTorch version). Neither synchronises.
 """
 
 from __future__ import annotations
@@ -72,7 +73,10 @@ def pivot_crossing_torch(
 
 
 def _triton_ready(w: torch.Tensor) -> bool:
-    """Whether the Triton kernel can run on ``w`` (a GPU tensor, or any under ``TRITON_INTERPRET=1``)."""
+    """Whether the Triton kernel runs on ``w``: a GPU tensor (or any under ``TRITON_INTERPRET=1``), triton
+    importable, and ``LOGITSCOPE_PIVOT_TRITON`` not set to ``0`` (which keeps the PyTorch search)."""
+    if os.environ.get("LOGITSCOPE_PIVOT_TRITON") == "0":
+        return False
     from sampling.pipe import pivot_triton
 
     if not pivot_triton.AVAILABLE:
