@@ -54,21 +54,24 @@ PIVOT_FROM_ROWS = 32
 
 A sort of a few rows is a handful of kernel launches; the pivot search's
 cost grows with the rows it reads. Chosen from the batch size (a shape the
-host knows), never from values; ``benchmarks/bench_sampling.py --device cuda``
-measures both at every point of its grid to set it.
+host knows), never from values, and only where the pivot search's Triton
+kernel runs (its PyTorch version, a few kernels per bit, is slower than a
+sort); ``benchmarks/bench_sampling.py --device cuda`` measures both at every
+point of its grid to set it.
 """
 
 
 def resolve_algorithm(algorithm: str, device: torch.device, batch: int = 1) -> str:
     """The algorithm that runs on ``device``: ``"auto"`` picks ``"cpu"`` on a CPU, else by ``batch``.
 
-    On an accelerator: ``"sort"`` below :data:`PIVOT_FROM_ROWS` rows, ``"pivot"`` from there.
+    On an accelerator: ``"sort"`` below :data:`PIVOT_FROM_ROWS` rows, ``"pivot"`` from there where the
+    pivot search's Triton kernel is enabled (:func:`sampling.pipe.pivot.kernel_enabled`), else ``"sort"``.
     """
     if algorithm != "auto":
         return algorithm
     if device.type == "cpu":
         return "cpu"
-    return "pivot" if batch >= PIVOT_FROM_ROWS else "sort"
+    return "pivot" if batch >= PIVOT_FROM_ROWS and P.kernel_enabled() else "sort"
 
 
 _LEVELS = ((20, 11), (10, 10), (0, 10))  # (shift, width) of the three radix levels over 31 bits

@@ -72,14 +72,19 @@ def pivot_crossing_torch(
     return value, above, ties
 
 
-def _triton_ready(w: torch.Tensor) -> bool:
-    """Whether the Triton kernel runs on ``w``: a GPU tensor (or any under ``TRITON_INTERPRET=1``), triton
-    importable, and ``LOGITSCOPE_PIVOT_TRITON`` not set to ``0`` (which keeps the PyTorch search)."""
+def kernel_enabled() -> bool:
+    """Whether the Triton kernel may run: triton importable and ``LOGITSCOPE_PIVOT_TRITON`` not ``0``."""
     if os.environ.get("LOGITSCOPE_PIVOT_TRITON") == "0":
         return False
     from sampling.pipe import pivot_triton
 
-    if not pivot_triton.AVAILABLE:
+    return pivot_triton.AVAILABLE
+
+
+def _triton_ready(w: torch.Tensor) -> bool:
+    """Whether the Triton kernel runs on ``w``: :func:`kernel_enabled`, and a GPU tensor (or any under
+    ``TRITON_INTERPRET=1``)."""
+    if not kernel_enabled():
         return False
     return w.is_cuda or (os.environ.get("TRITON_INTERPRET") == "1" and w.device.type == "cpu")
 
