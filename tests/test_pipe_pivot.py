@@ -120,6 +120,10 @@ def test_pivot_crossing_needs_no_more_than_its_fixed_steps_on_any_row():
     value, above, ties = P.pivot_crossing_torch(w, need, inclusive=True)
     assert value.tolist() == [2.0**-149, 2.0**-149]
     assert above.tolist() == [2.0**-148, 0.0] and ties.tolist() == [1, 1]
+    # a draw at (or, by rounding, past) the row's total: the smallest positive weight, never a removed token
+    rows = dyadic_rows()
+    value, _, _ = P.pivot_crossing_torch(rows, rows.sum(-1, dtype=torch.float64) * (1 + 1e-9), inclusive=False)
+    assert value.tolist() == torch.where(rows > 0, rows, 2.0).amin(-1).tolist()
 
 
 def test_the_pytorch_search_can_be_kept_where_the_kernel_would_run(monkeypatch):
@@ -146,8 +150,8 @@ TRITON_CHECK = textwrap.dedent(
     logits[:, 5:40] = logits[:, 2:3]
     logits[1, 1001:] = float("-inf")
     rows = torch.cat([x, torch.softmax(logits, -1)])
-    for inclusive in (True, False):
-        need = torch.rand(rows.shape[0], dtype=torch.float64, generator=g)
+    for inclusive, scale in ((True, 1.0), (False, 1.0), (False, 1.5)):  # 1.5: a third of the targets past the total
+        need = torch.rand(rows.shape[0], dtype=torch.float64, generator=g) * scale
         torch_out = P.pivot_crossing_torch(rows, need, inclusive)
         triton_out = T.pivot_crossing_triton(rows, need, inclusive)
         assert torch.equal(torch_out[0], triton_out[0]), ("value", inclusive)

@@ -14,9 +14,10 @@ crossing weight are counted exactly, so the tie rule of the kernels module
 (lower ids first) applies unchanged.
 
 When rounding leaves no crossing (a target at or above the row's total), the
-search stops at the smallest positive weight, as the radix select does. A
-row whose total is 0 or NaN ends with a meaningless value; the caller flags
-it dead.
+search stops at the smallest positive weight (found by an exact integer
+minimum, so both implementations agree to the bit), as the radix select
+does. A row whose total is 0 or NaN ends with a meaningless value; the
+caller flags it dead.
 
 Two implementations give the same answer: :func:`pivot_crossing_torch`
 (plain PyTorch, a handful of kernels per bit) and, where Triton is present
@@ -33,7 +34,7 @@ import os
 import torch
 
 _BITS = 31  # a non-negative float32's ordered bits: 8 of exponent, 23 of mantissa
-_SMALLEST = 2.0**-149  # the smallest positive float32 (bit pattern 1)
+_NONE = 2**31 - 1  # "no positive weight": above every candidate
 _TINY = 1e-300  # an inclusive crossing needs at least some mass: a target of 0 takes the largest weight
 
 
@@ -57,15 +58,15 @@ def pivot_crossing_torch(
     not synchronise.
     """
     prefix = torch.zeros(w.shape[0], dtype=torch.int32, device=w.device)
-    # S(1), summed as every step sums: the yardstick of the fallback to the smallest positive weight
-    everything = torch.where(w >= _SMALLEST, w, 0.0).sum(-1, keepdim=True, dtype=torch.float64)
+    # the smallest positive weight's bits: no candidate at or below it can fail (the fallback; INT_MAX: none)
+    lowest = torch.where(w > 0, w.view(torch.int32), _NONE).amin(-1)
     need = need[:, None]
     for bit in range(_BITS - 1, -1, -1):
         candidate = prefix | (1 << bit)
         v = candidate.view(torch.float32)[:, None]
         s = torch.where(w >= v, w, 0.0).sum(-1, keepdim=True, dtype=torch.float64)
         ok = (s >= need) if inclusive else (s > need)
-        prefix = torch.where((ok | (s >= everything)).squeeze(1), candidate, prefix)
+        prefix = torch.where(ok.squeeze(1) | (candidate <= lowest), candidate, prefix)
     value = prefix.view(torch.float32)
     above = torch.where(w > value[:, None], w, 0.0).sum(-1, dtype=torch.float64)
     ties = (w == value[:, None]).sum(-1)

@@ -42,13 +42,13 @@ if AVAILABLE:
         base = w_ptr + row.to(tl.int64) * stride
         need = tl.load(need_ptr + row)
         offsets = tl.arange(0, BLOCK)
-        # S(1): the mass of every positive weight, summed as every step sums (the fallback's yardstick)
-        acc = tl.zeros((BLOCK,), tl.float64)
+        # the smallest positive weight's bits: no candidate at or below it can fail (the fallback; INT_MAX: none)
+        low = tl.full((BLOCK,), 2147483647, tl.int32)
         for start in range(0, vocab, BLOCK):
             idx = start + offsets
             x = tl.load(base + idx, mask=idx < vocab, other=0.0)
-            acc += tl.where(x.to(tl.int32, bitcast=True) >= 1, x.to(tl.float64), 0.0)
-        everything = tl.sum(acc, 0)
+            low = tl.minimum(low, tl.where(x > 0, x.to(tl.int32, bitcast=True), 2147483647))
+        lowest = tl.min(low, 0)
         # 4 bits a pass: the 16 candidates prefix | j << shift (j = 0 is the prefix, always kept) summed at once,
         # the largest that passes kept; S only falls as j grows, so this is the bit-by-bit bisection's answer.
         # The last pass (shift 0) holds 3 bits: a j >= 8 there repeats a candidate of the pass before
@@ -68,7 +68,7 @@ if AVAILABLE:
                 ok = s >= need
             else:
                 ok = s > need
-            ok = ok | (s >= everything) | (j == 0)
+            ok = ok | (candidate <= lowest) | (j == 0)
             prefix = prefix | (tl.max(tl.where(ok, j, 0), 0) << shift)
         above = tl.zeros((BLOCK,), tl.float64)
         ties = tl.zeros((BLOCK,), tl.int32)
