@@ -1,6 +1,6 @@
 """The decode step on a GPU: step time and host syncs of the Generator, against model.generate.
 
-    python benchmarks/bench_gpu.py [--quick] [--tokenizer .bench/llama3/tokenizer.json]
+    python benchmarks/bench_gpu.py [--quick] [--tokenizer .bench/llama3/tokenizer.json] [--json FILE]
 
 A random Llama of about 1.2B parameters (hidden 2048, 16 layers, vocabulary
 128,256, bf16), built from its config on the GPU (nothing is downloaded).
@@ -16,7 +16,11 @@ Sections, all in one process, so that the ratios compare like with like:
   ``benchmarks/bench_sampling.py``).
 
 A step's time is the slope between a short and a long run (the prompt's
-prefill cancels out), median of the repeats. Host syncs per step are
+prefill cancels out). Each section is measured in alternating pairs with
+the free Generator at the same batch, and pairs are added (5 at least, up
+to 3x that) until the interquartile range of the per-pair ratios is under
+10% of their median; the median ratio and that spread are reported, so a
+ratio's noise is in the table, not hidden in it. Host syncs per step are
 counted with ``torch.cuda.set_sync_debug_mode("warn")``, one warning per
 synchronisation, over the same slope; for the Generator they include its
 one planned wait per step, which the debug mode does not report
@@ -30,14 +34,14 @@ machine without CUDA.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
-import statistics
 import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -69,10 +73,13 @@ STORAGE_MODES = ("float32", "bfloat16", "float16", "topk")
 class Row:
     section: str
     batch: int
-    step_ms: float
-    syncs: float
+    step_ms: float  # median ms per decode step of this section
+    syncs: float  # host synchronisations per step (NaN where not counted: off CUDA)
     baseline: str = ""  # the section this row is compared with, at the same batch
-    ratio: float | None = None
+    baseline_ms: float | None = None  # the baseline's median ms per step, measured alongside
+    ratio: float | None = None  # median of the per-pair ratios this / baseline
+    spread: float | None = None  # interquartile range of those ratios over their median
+    pairs: int = 0
 
 
 def build_model(device: str) -> Any:
@@ -142,11 +149,16 @@ def load_tokenizer(path: str | None) -> tuple[Any, str]:
     return synthetic_tokenizer(), "synthetic byte-level BPE (128,256 tokens)"
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    torch.cuda.synchronize()
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _timed(fn: Callable[[], object], device: str = "cuda") -> float:
+    _sync(device)
     start = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    _sync(device)
     return time.perf_counter() - start
 
 
@@ -162,49 +174,65 @@ def _syncs(fn: Callable[[], object]) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def per_step(
-    run: Callable[[int], object], short: int, long: int, repeats: int, planned: int = 1
-) -> tuple[float, float]:
-    """(ms per decode step, syncs per decode step): slopes between runs of ``short`` and ``long`` steps.
+def syncs_per_step(run: Callable[[int], object], short: int, long: int, device: str, planned: int = 1) -> float:
+    """Host syncs per decode step (the slope between ``short`` and ``long`` steps), plus ``planned`` waits
+    the debug mode does not see (the Generator's one). NaN off CUDA."""
+    if not device.startswith("cuda"):
+        return float("nan")
+    return (_syncs(lambda: run(long)) - _syncs(lambda: run(short))) / (long - short) + planned
 
-    ``planned``: waits per step that the debug mode does not see (the Generator's one), added to the count.
+
+def compare_steps(
+    run: Callable[[int], object],
+    baseline: Callable[[int], object],
+    short: int,
+    long: int,
+    repeats: int,
+    max_repeats: int | None = None,
+    device: str = "cuda",
+) -> dict[str, float]:
+    """Seconds per decode step of ``run`` and ``baseline``, measured in alternating pairs, and their ratio.
+
+    A step's time is the slope between a run of ``short`` and one of
+    ``long`` steps (the prefill cancels out). Pairs are added until the
+    per-pair ratios settle (:func:`bench_sampling.paired_ratio`): the result
+    holds the medians ``a`` (``run``) and ``b`` (``baseline``), the median
+    ``ratio`` a/b, its ``spread`` and the number of ``pairs``.
     """
-    run(short)  # warm-up: kernels, caches, grammar set-up
-    times_short = [_timed(lambda: run(short)) for _ in range(repeats)]
-    times_long = [_timed(lambda: run(long)) for _ in range(repeats)]
-    step = (statistics.median(times_long) - statistics.median(times_short)) / (long - short)
-    syncs = (_syncs(lambda: run(long)) - _syncs(lambda: run(short))) / (long - short)
-    return step * 1e3, syncs + planned
+    from bench_sampling import paired_ratio
+
+    def slope(fn: Callable[[int], object]) -> Callable[[], float]:
+        return lambda: (_timed(lambda: fn(long), device) - _timed(lambda: fn(short), device)) / (long - short)
+
+    run(short), baseline(short)  # warm-up: kernels, caches, grammar set-up
+    return paired_ratio(slope(run), slope(baseline), repeats, max_repeats)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer steps and repeats (about a minute or two)")
-    parser.add_argument(
-        "--tokenizer", default=os.path.join(os.path.dirname(HERE), ".bench", "llama3", "tokenizer.json")
-    )
-    parser.add_argument("--skip-pipe", action="store_true", help="leave out the pipe grid")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit(
-            "bench_gpu.py measures the decode step on a CUDA GPU, and torch sees none here "
-            "(torch.cuda.is_available() is False); run it on a machine with one"
-        )
+def measure(
+    model: Any,
+    tokenizer: Any,
+    device: str = "cuda",
+    batches: tuple[int, ...] = (1, 8, 32),
+    tracked_batches: tuple[int, ...] = (1, 16, 64),
+    steps: tuple[int, int, int] = (8, 48, 32),
+    repeats: int = 5,
+    max_repeats: int | None = None,
+    log: Callable[[str], None] = print,
+    on_row: Callable[[list[Row]], None] = lambda rows: None,
+) -> list[Row]:
+    """Every section of the module docstring on ``model``: rows of step times, syncs, ratios and spreads.
 
+    ``steps``: (short, long, long for the tracked sections). Each section is
+    measured in pairs with its baseline (the free Generator, or for
+    ``model.generate`` the free Generator as the baseline of the ratio
+    generate / Generator). ``on_row`` is called with the rows so far after
+    each new one (to save partial results).
+    """
     from processors import JSONLogitsProcessor, RegexLogitsProcessor
     from sampling import Generator, SamplingParams
     from tracker import add_tracking
 
-    short, long, repeats = (4, 20, 2) if args.quick else (8, 64, 3)
-    tracked_long = 12 if args.quick else 32
-    batches, tracked_batches = (1, 8, 32), (1, 16, 64)
-    model = build_model("cuda")
-    tokenizer, tok_name = load_tokenizer(args.tokenizer)
-    params_count = sum(p.numel() for p in model.parameters()) / 1e9
-    print(
-        f"{torch.cuda.get_device_name()}, torch {torch.__version__}; random Llama {params_count:.2f}B bf16, "
-        f"vocab {VOCAB}; {tok_name}; steps {short}->{long}, median of {repeats}"
-    )
+    short, long, tracked_long = steps
 
     def prompts(batch: int) -> list[str]:
         return [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
@@ -241,51 +269,103 @@ def main() -> None:
         return run
 
     rows: list[Row] = []
+
+    def add(section: str, batch: int, run, free, last: int, planned: int = 1) -> None:
+        m = compare_steps(run, free, short, last, repeats, max_repeats, device)
+        syncs = syncs_per_step(run, short, last, device, planned)
+        row = Row(section, batch, m["a"] * 1e3, syncs, "free", m["b"] * 1e3, m["ratio"], m["spread"], m["pairs"])
+        rows.append(row)
+        on_row(rows)
+        log(
+            f"  {section:<18} B={batch:<3} {row.step_ms:8.2f} ms/step (free {row.baseline_ms:.2f})  "
+            f"{syncs:5.2f} syncs/step  {m['ratio']:.3f}x +-{m['spread']:.1%} over {m['pairs']} pairs"
+        )
+
     sections = {
-        "free": lambda: [],
         "regex": lambda: [RegexLogitsProcessor(REGEX, tokenizer)],
         "json": lambda: [JSONLogitsProcessor(SCHEMA, tokenizer)],
     }
     for batch in batches:
-        free_ms = 0.0
+        free = generator_run(lambda: [], batch)
+        free(short)
+        free_syncs = syncs_per_step(free, short, long, device)
+        rows.append(Row("free", batch, float("nan"), free_syncs))
+        log(f"  {'free':<18} B={batch:<3} {free_syncs:5.2f} syncs/step")
         for name, make in sections.items():
-            ms, syncs = per_step(generator_run(make, batch), short, long, repeats)
-            free_ms = ms if name == "free" else free_ms
-            rows.append(
-                Row(name, batch, ms, syncs, "" if name == "free" else "free", None if name == "free" else ms / free_ms)
-            )
-            print(f"  {name:<18} B={batch:<3} {ms:8.2f} ms/step  {syncs:5.2f} syncs/step", flush=True)
-        ms, syncs = per_step(generate_run(batch), short, long, repeats, planned=0)
-        rows.append(Row("model.generate", batch, ms, syncs, "free", ms / free_ms))
-        print(f"  {'model.generate':<18} B={batch:<3} {ms:8.2f} ms/step  {syncs:5.2f} syncs/step", flush=True)
+            add(name, batch, generator_run(make, batch), free, long)
+        add("model.generate", batch, generate_run(batch), free, long, planned=0)
     for batch in tracked_batches:
-        free_ms, _ = per_step(generator_run(lambda: [], batch), short, tracked_long, repeats)
-        rows.append(Row("free", batch, free_ms, float("nan")))
+        free = generator_run(lambda: [], batch)
         for mode in STORAGE_MODES:
-            ms, syncs = per_step(generator_run(lambda: [], batch, tracking=mode), short, tracked_long, repeats)
-            rows.append(Row(f"tracked {mode}", batch, ms, syncs, "free", ms / free_ms))
-            print(f"  {'tracked ' + mode:<18} B={batch:<3} {ms:8.2f} ms/step  {syncs:5.2f} syncs/step", flush=True)
+            add(f"tracked {mode}", batch, generator_run(lambda: [], batch, tracking=mode), free, tracked_long)
+    return rows
 
+
+def format_rows(rows: list[Row]) -> str:
+    """The rows as a table (ratios with their spread)."""
+    lines = ["section             B   ms/step  free ms/step  syncs/step  ratio (to the free step)  spread  pairs"]
+    for row in rows:
+        ms = "" if row.step_ms != row.step_ms else f"{row.step_ms:.2f}"
+        base = "" if row.baseline_ms is None else f"{row.baseline_ms:.2f}"
+        syncs = "" if row.syncs != row.syncs else f"{row.syncs:.2f}"
+        ratio = "" if row.ratio is None else f"{row.ratio:.3f}x"
+        spread = "" if row.spread is None else f"{row.spread:.1%}"
+        lines.append(
+            f"{row.section:<18}{row.batch:>3}{ms:>10}{base:>14}{syncs:>12}  {ratio:>24}  {spread:>6}  {row.pairs:>5}"
+        )
+    lines.append(
+        "ratio: this section's step time over the free Generator's at the same batch, measured in alternating "
+        "pairs (below 1: faster); for model.generate, above 1 means the Generator is faster"
+    )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps and repeats (about a minute or two)")
+    parser.add_argument(
+        "--tokenizer", default=os.path.join(os.path.dirname(HERE), ".bench", "llama3", "tokenizer.json")
+    )
+    parser.add_argument("--skip-pipe", action="store_true", help="leave out the pipe grid")
+    parser.add_argument("--repeats", type=int, default=None, help="pairs per section at least (default 5; quick 2)")
+    parser.add_argument("--max-repeats", type=int, default=None, help="pairs per section at most (default 3x)")
+    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit(
+            "bench_gpu.py measures the decode step on a CUDA GPU, and torch sees none here "
+            "(torch.cuda.is_available() is False); run it on a machine with one"
+        )
+    steps = (4, 20, 12) if args.quick else (8, 48, 32)
+    repeats = args.repeats or (2 if args.quick else 5)
+    model = build_model("cuda")
+    tokenizer, tok_name = load_tokenizer(args.tokenizer)
+    params_count = sum(p.numel() for p in model.parameters()) / 1e9
+    header = (
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}; random Llama {params_count:.2f}B bf16, "
+        f"vocab {VOCAB}; {tok_name}; steps {steps[0]}->{steps[1]} ({steps[2]} tracked), at least {repeats} pairs"
+    )
+    print(header, flush=True)
+
+    def save(rows: list[Row], grid: list[dict[str, Any]] | None = None) -> None:
+        if args.json:  # after every row, so that a run stopped midway leaves what it measured
+            with open(args.json + ".tmp", "w") as f:
+                json.dump(dict(header=header, rows=[asdict(r) for r in rows], grid=grid or []), f, indent=1)
+            os.replace(args.json + ".tmp", args.json)
+
+    rows = measure(model, tokenizer, "cuda", steps=steps, repeats=repeats, max_repeats=args.max_repeats, on_row=save)
     model.to("meta")  # free its GPU memory before the pipe grid (the closures above are done with it)
     torch.cuda.empty_cache()
+    grid: list[dict[str, Any]] = []
     if not args.skip_pipe:
-        print("\nsampling pipe against transformers' warpers (benchmarks/bench_sampling.py):", flush=True)
-        try:
-            from bench_sampling import format_grid, pipe_grid
-        except ImportError:
-            print("  benchmarks/bench_sampling.py has no pipe_grid() on this checkout: pipe grid not measured")
-        else:
-            print(format_grid(pipe_grid(device="cuda", repeats=5 if args.quick else 15)), flush=True)
+        from bench_sampling import format_grid, pipe_grid
 
-    print("\nsection             B   ms/step  syncs/step  ratio (to the section named)")
-    for row in rows:
-        ratio = f"{row.ratio:6.2f}x {row.baseline}" if row.ratio is not None else ""
-        syncs = "" if row.syncs != row.syncs else f"{row.syncs:10.2f}"
-        print(f"{row.section:<18}{row.batch:>3}{row.step_ms:>10.2f}{syncs:>12}  {ratio}")
-    print(
-        "ratio: this section's step time over the free Generator's at the same batch (below 1: faster); "
-        "for model.generate, above 1 means the Generator is faster"
-    )
+        print("\nsampling pipe against transformers' warpers (benchmarks/bench_sampling.py):", flush=True)
+        grid = pipe_grid(device="cuda", repeats=5 if args.quick else 10)
+        print(format_grid(grid), flush=True)
+    print()
+    print(format_rows(rows))
+    save(rows, grid)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Time logitscope's compiled LogitsPipe against transformers' sampling warpers, in one run.
 
     python benchmarks/bench_sampling.py [--repeats N] [--threads 2] [--algorithms cpu,sort,radix]
-    python benchmarks/bench_sampling.py --device cuda [--repeats N] [--algorithms sort,radix]
+    python benchmarks/bench_sampling.py --device cuda [--repeats N] [--algorithms auto,sort,pivot] [--json FILE]
 
 Baseline: ``TemperatureLogitsWarper`` + ``TopKLogitsWarper`` + ``TopPLogitsWarper``
 (from ``transformers.generation.logits_process``), ``softmax`` and
@@ -30,8 +30,12 @@ top-k + top-p (temperature 0.7, top-k 50, top-p 0.9) and min-p (temperature
 0.7, min-p 0.05) at batch 1, 32, 256 and vocabulary 32k, 128k, goal >= 2x
 everywhere. Each call is timed with CUDA events (blocks of 20 calls, the two
 sides alternating, medians over blocks); the pipe is called with its uniform
-numbers drawn on the device and ``on_dead="flag"``, with each sync-free
-algorithm (``sort``, ``radix``). Host synchronisations per call are counted
+numbers drawn on the device and ``on_dead="flag"``, with ``auto`` (what a
+user gets: ``sort`` below ``PIVOT_FROM_ROWS`` rows, ``pivot`` from there) and
+each sync-free algorithm named (default ``sort`` and ``pivot``; ``radix``
+on request). Blocks are added (up to ``--max-repeats``) until the ratio's
+spread, the interquartile range of the per-block ratios over their median,
+is under 10%; the median ratio and that spread are reported. Host synchronisations per call are counted
 for both sides with ``torch.cuda.set_sync_debug_mode("warn")`` (transformers'
 ``torch.multinomial`` may synchronise; the pipe's goal is 0).
 """
@@ -39,6 +43,7 @@ for both sides with ``torch.cuda.set_sync_debug_mode("warn")`` (transformers'
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -141,6 +146,49 @@ def _cuda_block(fn: Callable[[], object], calls: int) -> float:
     return start.elapsed_time(end) / 1e3 / calls
 
 
+SPREAD_GOAL = 0.10
+"""A ratio is reported as settled when the interquartile range of its per-block values is this share of its median."""
+
+
+def spread(values: Sequence[float]) -> float:
+    """The interquartile range of ``values`` over their median (0 for fewer than 2 values)."""
+    if len(values) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return (q3 - q1) / abs(statistics.median(values))
+
+
+def paired_ratio(
+    block_a: Callable[[], float],
+    block_b: Callable[[], float],
+    repeats: int,
+    max_repeats: int | None = None,
+    goal: float = SPREAD_GOAL,
+) -> dict[str, Any]:
+    """Alternate timed blocks of ``a`` and ``b`` until the ratio a/b settles.
+
+    ``block_*`` time one block and return seconds per call. At least
+    ``repeats`` pairs, more (up to ``max_repeats``, default 3x) while the
+    per-pair ratios' :func:`spread` is above ``goal``. Returns the medians
+    ``a``, ``b`` (seconds), the median ``ratio``, its ``spread`` and the
+    number of ``pairs``.
+    """
+    limit = max_repeats if max_repeats is not None else 3 * repeats
+    ta: list[float] = []
+    tb: list[float] = []
+    while len(ta) < repeats or (len(ta) < limit and spread([x / y for x, y in zip(ta, tb)]) > goal):
+        ta.append(block_a())
+        tb.append(block_b())
+    ratios = [x / y for x, y in zip(ta, tb)]
+    return dict(
+        a=statistics.median(ta),
+        b=statistics.median(tb),
+        ratio=statistics.median(ratios),
+        spread=spread(ratios),
+        pairs=len(ratios),
+    )
+
+
 def syncs_per_call(fn: Callable[[], object], calls: int = 5) -> float:
     """Host synchronisations per call of ``fn`` on CUDA, counted by torch's sync debug mode."""
     fn()  # warm: first calls may allocate or build
@@ -162,17 +210,21 @@ def pipe_grid(
     batches: Sequence[int] = (1, 32, 256),
     vocabs: Sequence[int] = (32_000, 128_000),
     repeats: int = 15,
-    algorithms: Sequence[str] = ("sort", "radix"),
+    algorithms: Sequence[str] = ("auto", "sort", "pivot"),
     settings: dict[str, dict[str, Any]] | None = None,
+    max_repeats: int | None = None,
+    on_row: Callable[[list[dict[str, Any]]], None] = lambda rows: None,
 ) -> list[dict[str, Any]]:
     """The pipe against transformers' warpers at every (setting, batch, vocabulary, algorithm).
 
     Returns one dict per point: ``setting, algorithm, batch, vocab,
-    transformers_ms, pipe_ms`` (medians per call), ``ratio`` (transformers /
-    pipe, the higher the better; goal :data:`GRID_GOAL`), ``pipe_syncs`` and
-    ``transformers_syncs`` per call (counted on CUDA only, else NaN). Logits
-    are standard normal times 3, float32. On CUDA calls are timed with CUDA
-    events in blocks of 20; on a CPU with ``perf_counter``.
+    transformers_ms, pipe_ms`` (medians per call), ``ratio`` (median of the
+    per-block transformers / pipe ratios, the higher the better; goal
+    :data:`GRID_GOAL`), ``spread`` (see :func:`paired_ratio`), ``pairs``,
+    ``pipe_syncs`` and ``transformers_syncs`` per call (counted on CUDA only,
+    else NaN). Logits are standard normal times 3, float32. On CUDA calls are
+    timed with CUDA events in blocks of 20; elsewhere with ``perf_counter``.
+    ``on_row`` is called with the rows so far after each new one.
     """
     device = torch.device(device)
     cuda = device.type == "cuda"
@@ -186,31 +238,30 @@ def pipe_grid(
                 for algorithm in algorithms:
                     pipe = logitscope_pipe(**params, algorithm=algorithm)
                     a, b = (lambda: base(logits)), (lambda: pipe(logits))
+                    calls = 20 if cuda else (10 if batch * vocab <= 1_000_000 else 1)
+                    block = _cuda_block if cuda else _block
+                    block(a, 3), block(b, 3)
+                    m = paired_ratio(lambda: block(a, calls), lambda: block(b, calls), repeats, max_repeats)
                     if cuda:
-                        for fn in (a, b):
-                            _cuda_block(fn, 3)
-                        ta, tb = [], []
-                        for _ in range(repeats):
-                            ta.append(_cuda_block(a, 20))
-                            tb.append(_cuda_block(b, 20))
                         syncs_pipe, syncs_base = syncs_per_call(b), syncs_per_call(a)
                     else:
-                        ta, tb = time_pair(a, b, repeats, 10 if batch * vocab <= 1_000_000 else 1)
                         syncs_pipe = syncs_base = float("nan")
-                    t_base, t_pipe = statistics.median(ta), statistics.median(tb)
                     rows.append(
                         dict(
                             setting=name,
                             algorithm=algorithm,
                             batch=batch,
                             vocab=vocab,
-                            transformers_ms=t_base * 1e3,
-                            pipe_ms=t_pipe * 1e3,
-                            ratio=t_base / t_pipe,
+                            transformers_ms=m["a"] * 1e3,
+                            pipe_ms=m["b"] * 1e3,
+                            ratio=m["ratio"],
+                            spread=m["spread"],
+                            pairs=m["pairs"],
                             pipe_syncs=syncs_pipe,
                             transformers_syncs=syncs_base,
                         )
                     )
+                    on_row(rows)
     return rows
 
 
@@ -218,13 +269,13 @@ def format_grid(rows: Sequence[dict[str, Any]]) -> str:
     """:func:`pipe_grid`'s rows as a table, with the goal checked."""
     lines = [
         f"{'setting':<12} {'algorithm':<9} {'batch':>5} {'vocab':>7} {'transformers':>13} {'pipe':>10} "
-        f"{'ratio':>7}  {'goal':<11} syncs/call (pipe, transformers)"
+        f"{'ratio':>7} {'spread':>7}  {'goal':<11} syncs/call (pipe, transformers)"
     ]
     for r in rows:
         mark = "ok" if r["ratio"] >= GRID_GOAL else "MISSED"
         lines.append(
             f"{r['setting']:<12} {r['algorithm']:<9} {r['batch']:>5} {r['vocab']:>7} {r['transformers_ms']:>10.3f} ms "
-            f"{r['pipe_ms']:>7.3f} ms {r['ratio']:>6.2f}x  >={GRID_GOAL:g}x {mark:<6} "
+            f"{r['pipe_ms']:>7.3f} ms {r['ratio']:>6.2f}x {r['spread']:>6.1%}  >={GRID_GOAL:g}x {mark:<6} "
             f"{r['pipe_syncs']:.1f}, {r['transformers_syncs']:.1f}"
         )
     return "\n".join(lines)
@@ -238,8 +289,10 @@ def main() -> None:
     parser.add_argument(
         "--algorithms",
         default=None,
-        help="the pipe's algorithms, comma-separated (cuda default: sort,radix; cpu default: auto, which runs cpu)",
+        help="the pipe's algorithms, comma-separated (cuda default: auto,sort,pivot; cpu default: auto, which runs cpu)",
     )
+    parser.add_argument("--max-repeats", type=int, default=None, help="cuda: most blocks per point (default 3x)")
+    parser.add_argument("--json", default=None, help="cuda: also write the grid's rows to this JSON file")
     args = parser.parse_args()
     if args.device != "cpu":
         if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -248,8 +301,18 @@ def main() -> None:
             )
         name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else args.device
         print(f"torch {torch.__version__}, {name}")
-        algorithms = [a for a in (args.algorithms or "sort,radix").split(",") if a]
-        print(format_grid(pipe_grid(args.device, repeats=args.repeats, algorithms=algorithms)))
+        algorithms = [a for a in (args.algorithms or "auto,sort,pivot").split(",") if a]
+
+        def save(rows: list[dict[str, Any]]) -> None:
+            if args.json:  # after every point, so that a run stopped midway leaves what it measured
+                with open(args.json + ".tmp", "w") as f:
+                    json.dump(dict(device=name, torch=torch.__version__, rows=rows), f, indent=1)
+                os.replace(args.json + ".tmp", args.json)
+
+        rows = pipe_grid(
+            args.device, repeats=args.repeats, algorithms=algorithms, max_repeats=args.max_repeats, on_row=save
+        )
+        print(format_grid(rows))
         return
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)

@@ -152,7 +152,8 @@ def sample(
     (synchronises once to look) a :class:`DeadRowError` names them; with
     ``on_dead="flag"`` nothing is read from the device and ``valid`` marks
     them. ``algorithm`` is the pipes' (:class:`~sampling.pipe.LogitsPipe`):
-    ``"auto"`` picks by the device, so that on an accelerator a call with
+    ``"auto"`` picks by the device (and on an accelerator by the batch size:
+    ``"sort"`` or ``"pivot"``), so that on an accelerator a call with
     ``on_dead="flag"`` and ``u`` on the device does not synchronise, while on
     a CPU the faster CPU algorithms read tensor values; ``"sort"`` runs the
     accelerator path on a CPU (as the test that counts host reads does).

@@ -100,8 +100,8 @@ class Generator:
         self._cache_arg = "cache" if "cache" in forward else "past_key_values"
         # observers of the distribution each step samples from ([B, V] probabilities; see sampling.functional.sample)
         self.sample_taps: list = []
-        # the sampling kernels: "auto" picks by device (the CPU algorithms on a CPU, the sync-free ones
-        # elsewhere); "sort" or "radix" force the sync-free ones (see sampling.pipe.kernels)
+        # the sampling kernels: "auto" picks by device and batch size (the CPU algorithms on a CPU, the
+        # sync-free ones elsewhere); "sort", "pivot" or "radix" force a sync-free one (see sampling.pipe.kernels)
         self.sampling_algorithm: str = "auto"
 
     @classmethod

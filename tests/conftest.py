@@ -37,6 +37,15 @@ class CharTokenizer:
         return "".join(("" if skip_special_tokens else self.eos_token) if i == EOS else chr(i) for i in ids)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that skips without CUDA (a ``skipif`` whose reason says it "needs CUDA" or "needs a CUDA
+    device") is in the ``cuda`` set, so ``pytest -m cuda`` runs exactly the tests a GPU machine adds."""
+    for item in items:
+        reasons = [str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")]
+        if any(r.startswith("needs CUDA") or r.startswith("needs a CUDA device") for r in reasons):
+            item.add_marker(pytest.mark.cuda)
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> GPT2LMHeadModel:
     """A random GPT-2 over the 128 ids of :class:`CharTokenizer`."""

@@ -1,4 +1,4 @@
-"""The sync-free algorithms ("sort", "radix", what a GPU runs) against the CPU ones, on CPU tensors.
+"""The sync-free algorithms ("sort", "radix", "pivot", what a GPU runs) against the CPU ones, on CPU tensors.
 
 Forcing ``algorithm=`` runs a GPU's algorithms here. They must map every
 uniform number to the same token as the CPU algorithms (which
@@ -16,7 +16,7 @@ from test_pipe_statistics import CASES, _assert_fits, _draw, _expected, _logits,
 from sampling.pipe import SAMPLED, LogitsPipe, MinP, PipeError, Sample, Softmax, Tap, Temperature, TopK, TopP
 from sampling.pipe import kernels as K
 
-SYNC_FREE = ("sort", "radix")
+SYNC_FREE = ("sort", "radix", "pivot")
 
 PIPES = {
     "top_p": ([Temperature(), Softmax(), TopP(), Sample()], dict(temperature=0.7, top_p=0.9)),
@@ -45,7 +45,7 @@ def _u(n: int, seed: int = 0) -> torch.Tensor:
     return torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("vocab", [300, 2500], ids=["sorting crossings", "radix crossings"])
+@pytest.mark.parametrize("vocab", [300, 2500], ids=["sorting crossings", "whole-vocabulary crossings"])
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "plain ops"])
 @pytest.mark.parametrize("name", list(PIPES))
 def test_every_algorithm_draws_the_same_token_for_the_same_uniform(name, compiled, vocab):
@@ -145,7 +145,9 @@ def test_dead_rows_are_flagged_on_the_sync_free_algorithms(algorithm):
 
 
 def test_bad_algorithm_and_bound_are_refused():
-    with pytest.raises(PipeError, match=r"algorithm must be one of \['auto', 'cpu', 'sort', 'radix'\], got 'gpu'"):
+    with pytest.raises(
+        PipeError, match=r"algorithm must be one of \['auto', 'cpu', 'sort', 'radix', 'pivot'\], got 'gpu'"
+    ):
         LogitsPipe([Softmax(), Sample()], algorithm="gpu")
     pipe = LogitsPipe([Softmax(), TopK(), Sample()])
     with pytest.raises(PipeError, match=r"max_top_k must be an int >= 1 \(a bound of the per-row top_k\), got 0"):
@@ -154,10 +156,15 @@ def test_bad_algorithm_and_bound_are_refused():
         pipe(torch.zeros(2, 10), top_k=3, on_dead="skip")
 
 
-def test_auto_picks_the_cpu_algorithms_on_a_cpu():
-    assert K.resolve_algorithm("auto", torch.device("cpu")) == "cpu"
+def test_auto_picks_the_cpu_algorithms_on_a_cpu_and_by_batch_size_elsewhere(monkeypatch):
+    pytest.importorskip("triton")
+    assert K.resolve_algorithm("auto", torch.device("cpu"), 4096) == "cpu"
     assert K.resolve_algorithm("auto", torch.device("cuda", 0)) == "sort"
+    assert K.resolve_algorithm("auto", torch.device("cuda", 0), K.PIVOT_FROM_ROWS - 1) == "sort"
+    assert K.resolve_algorithm("auto", torch.device("cuda", 0), K.PIVOT_FROM_ROWS) == "pivot"
     assert K.resolve_algorithm("radix", torch.device("cpu")) == "radix"
+    monkeypatch.setenv("LOGITSCOPE_PIVOT_TRITON", "0")  # the PyTorch search is slower than a sort: never picked
+    assert K.resolve_algorithm("auto", torch.device("cuda", 0), 4096) == "sort"
 
 
 # ----------------------------------------------------------------------------- no host reads
@@ -203,7 +210,7 @@ def test_sync_free_calls_read_no_tensor_value(host_reads):
             )
             full.sample(x, u=u, on_dead="flag", max_top_k=16, min_p=0.01, **per_row)
             calls += 1
-    assert calls == 32
+    assert calls == 48
     assert sum(host_reads.values()) == 0, f"host reads in sync-free calls: {host_reads}"
     # the counter counts: the CPU algorithms read values (the top-k tie check at least)
     LogitsPipe([TopK(), Sample()], algorithm="cpu").sample(x, u=u, on_dead="flag", top_k=30)

@@ -33,13 +33,15 @@ def _crossing_by_sort(w: torch.Tensor, fraction: torch.Tensor, inclusive: bool) 
     return K.Crossing(value, above, ties, target, total)
 
 
-@pytest.mark.parametrize("sync_free", [False, True], ids=["gathered bucket", "masked whole row"])
+@pytest.mark.parametrize(
+    "how", [{}, {"sync_free": True}, {"pivot": True}], ids=["gathered bucket", "masked whole row", "pivot search"]
+)
 @pytest.mark.parametrize("inclusive", [True, False])
-def test_radix_crossing_equals_the_sorting_crossing(inclusive, sync_free):
+def test_radix_and_pivot_crossings_equal_the_sorting_crossing(inclusive, how):
     w = _weights(6, 5000, seed=0)
     fraction = torch.tensor([0.0, 0.3, 0.5, 0.9, 0.999, 1.0], dtype=torch.float64)
     assert w.shape[-1] >= K.SORT_BELOW
-    radix = K.mass_crossing(w, fraction, inclusive=inclusive, sync_free=sync_free)
+    radix = K.mass_crossing(w, fraction, inclusive=inclusive, **how)
     sort = _crossing_by_sort(w, fraction, inclusive)
     assert torch.equal(radix.value, sort.value)
     assert torch.equal(radix.ties, sort.ties)

@@ -4,8 +4,8 @@ top-k keeps exactly k tokens, the lower ids among equal values; top-p keeps a
 token iff the mass strictly before it is < top_p; min-p keeps p >= min_p * max;
 a uniform u picks the token t with before(t) <= u * M < before(t) + p(t), in
 the order (descending probability, lower id first). Every rule is checked on
-the plain op, the fused op, the whole-vocabulary (radix) path and the
-candidate path.
+the plain op, the fused op, the whole-vocabulary paths (radix select and
+pivot search) and the candidate path.
 """
 
 from __future__ import annotations
@@ -29,12 +29,14 @@ def _support(pipe: LogitsPipe, x: torch.Tensor, **params) -> list[list[int]]:
 def _pipes(*stages, **kw):
     """The pipe compiled and not, with each algorithm (the sync-free ones forced on CPU tensors)."""
     return [
-        LogitsPipe(list(stages), compile=c, algorithm=a, **kw) for c in (True, False) for a in ("cpu", "sort", "radix")
+        LogitsPipe(list(stages), compile=c, algorithm=a, **kw)
+        for c in (True, False)
+        for a in ("cpu", "sort", "radix", "pivot")
     ]
 
 
 def _wide(probs: list[float], vocab: int) -> torch.Tensor:
-    """``probs`` padded with zeros to ``vocab`` tokens (to reach the radix path)."""
+    """``probs`` padded with zeros to ``vocab`` tokens (to reach the whole-vocabulary paths)."""
     x = torch.zeros(1, vocab)
     x[0, : len(probs)] = torch.tensor(probs)
     return x

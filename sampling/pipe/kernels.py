@@ -25,8 +25,9 @@ checks for ties across its boundary, and a per-row top-k tensor is read for
 its largest value. ``"sort"`` and ``"radix"`` are sync-free (no ``nonzero``,
 ``item``, ``bool(tensor)`` or data-dependent shape): top-k takes
 :func:`sync_free_candidates` and finds the sampled id afterwards with
-:func:`nth_equal_scan`; without a top-k ``"sort"`` sorts the row and
-``"radix"`` histograms the whole row under a mask.
+:func:`nth_equal_scan`; without a top-k ``"sort"`` sorts the row,
+``"radix"`` histograms the whole row under a mask and ``"pivot"`` bisects
+on the weight (:mod:`sampling.pipe.pivot`: 31 masked sums per row, no sort).
 
 **Synchronisation.** A function here does not synchronise unless its
 docstring says so; those that take ``sync_free`` then do not.
@@ -38,20 +39,39 @@ from typing import Literal, NamedTuple
 
 import torch
 
+import sampling.pipe.pivot as P
+
 Param = float | int | torch.Tensor
 """A runtime parameter: one value for every row, or a ``[B]`` tensor."""
 
-Algorithm = Literal["auto", "cpu", "sort", "radix"]
-"""How a pipe finds cuts and samples (see the module docstring); ``"auto"``: ``"cpu"`` on a CPU, else ``"sort"``."""
+Algorithm = Literal["auto", "cpu", "sort", "radix", "pivot"]
+"""How a pipe finds cuts and samples (see the module docstring); ``"auto"`` picks by device and batch size."""
 
-ALGORITHMS: tuple[str, ...] = ("auto", "cpu", "sort", "radix")
+ALGORITHMS: tuple[str, ...] = ("auto", "cpu", "sort", "radix", "pivot")
+
+PIVOT_FROM_ROWS = 32
+"""On an accelerator ``"auto"`` runs ``"pivot"`` from this many rows on, ``"sort"`` below it.
+
+A sort of a few rows is a handful of kernel launches; the pivot search's
+cost grows with the rows it reads. Chosen from the batch size (a shape the
+host knows), never from values, and only where the pivot search's Triton
+kernel runs (its PyTorch version, a few kernels per bit, is slower than a
+sort); ``benchmarks/bench_sampling.py --device cuda`` measures both at every
+point of its grid to set it.
+"""
 
 
-def resolve_algorithm(algorithm: str, device: torch.device) -> str:
-    """The algorithm that runs on ``device``: ``"auto"`` picks ``"cpu"`` on a CPU and ``"sort"`` elsewhere."""
+def resolve_algorithm(algorithm: str, device: torch.device, batch: int = 1) -> str:
+    """The algorithm that runs on ``device``: ``"auto"`` picks ``"cpu"`` on a CPU, else by ``batch``.
+
+    On an accelerator: ``"sort"`` below :data:`PIVOT_FROM_ROWS` rows, ``"pivot"`` from there where the
+    pivot search's Triton kernel is enabled (:func:`sampling.pipe.pivot.kernel_enabled`), else ``"sort"``.
+    """
     if algorithm != "auto":
         return algorithm
-    return "cpu" if device.type == "cpu" else "sort"
+    if device.type == "cpu":
+        return "cpu"
+    return "pivot" if batch >= PIVOT_FROM_ROWS and P.kernel_enabled() else "sort"
 
 
 _LEVELS = ((20, 11), (10, 10), (0, 10))  # (shift, width) of the three radix levels over 31 bits
@@ -226,6 +246,7 @@ def mass_crossing(
     inclusive: bool,
     shared: Radix | None = None,
     sync_free: bool = False,
+    pivot: bool = False,
 ) -> Crossing:
     """Find the token at which the running mass of ``w`` crosses ``fraction * of_mass``.
 
@@ -240,8 +261,15 @@ def mass_crossing(
     see only the tokens of the chosen bucket (gathered with one ``nonzero``,
     which synchronises a GPU once), so their cost does not grow with ``V``.
     With ``sync_free`` they histogram the whole row under a mask instead (no
-    sync, same result). Synchronises unless ``sync_free``.
+    sync, same result). With ``pivot`` the bisection of :mod:`sampling.pipe.pivot`
+    finds it instead (no histogram, no sync, same result). Synchronises
+    unless ``sync_free`` or ``pivot``.
     """
+    if pivot:
+        total = w.sum(-1, dtype=torch.float64)
+        target, need = P.targets(total, fraction, of_mass, inclusive)
+        value, above, ties = P.pivot_crossing(w, need, inclusive)
+        return Crossing(value, above, ties, target, total)
     batch = w.shape[0]
     shared = radix(w) if shared is None else shared
     keys, masses = shared
@@ -292,13 +320,14 @@ def top_p_cut(
     of_mass: torch.Tensor | None = None,
     shared: Radix | None = None,
     sync_free: bool = False,
+    pivot: bool = False,
 ) -> Cut:
     """The top-p prefix of ``w`` (renormalised to ``of_mass``): keep ``t`` iff mass before ``t`` < top_p * mass.
 
     Synchronises as :func:`mass_crossing` does (not with ``sync_free``).
     """
     fraction = top_p.to(w.device, torch.float64).reshape(-1) if isinstance(top_p, torch.Tensor) else top_p
-    c = mass_crossing(w, fraction, of_mass, inclusive=True, shared=shared, sync_free=sync_free)
+    c = mass_crossing(w, fraction, of_mass, inclusive=True, shared=shared, sync_free=sync_free, pivot=pivot)
     safe = torch.where(c.value > 0, c.value, torch.ones_like(c.value)).double()
     count = torch.ceil((c.target - c.above) / safe).clamp_(min=1)
     count = torch.minimum(count, c.ties.double()).long()
@@ -352,6 +381,7 @@ def sample_weights(
     cut: Cut | None = None,
     shared: Radix | None = None,
     sync_free: bool = False,
+    pivot: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw one token per row from weights ``w`` restricted to ``cut``, by the CDF in the order.
 
@@ -360,7 +390,8 @@ def sample_weights(
     then meaningless; the caller flags it). Synchronises as :func:`mass_crossing`
     does (not with ``sync_free``).
     """
-    c = mass_crossing(w, u, None if cut is None else cut.mass, inclusive=False, shared=shared, sync_free=sync_free)
+    of_mass = None if cut is None else cut.mass
+    c = mass_crossing(w, u, of_mass, inclusive=False, shared=shared, sync_free=sync_free, pivot=pivot)
     safe = torch.where(c.value > 0, c.value, torch.ones_like(c.value)).double()
     n = torch.floor((c.target - c.above) / safe).clamp_(min=0)
     n = torch.minimum(n, (c.ties - 1).double()).long()
@@ -369,6 +400,7 @@ def sample_weights(
         outside = (value < cut.value) | ((value == cut.value) & (n >= cut.count))
         value = torch.where(outside, cut.value, value)
         n = torch.where(outside, cut.count - 1, n)
+    sync_free = sync_free or pivot
     tokens = nth_equal_scan(w, value[:, None], n[:, None]).squeeze(1) if sync_free else nth_equal(w, value, n)
     mass = c.total if cut is None else torch.where(torch.isnan(cut.mass), c.total, cut.mass)
     mass = torch.where(torch.isfinite(c.total), mass, c.total)  # NaN anywhere in the row: dead

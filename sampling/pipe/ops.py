@@ -102,6 +102,7 @@ class Chain:
         w = x.float() if self.t is None or not self.from_logits else x.float() / K.as_column(self.t, x)
         w = torch.softmax(w, dim=-1) if self.from_logits else w
         cut: K.Cut | None = None
+        pivot = rt.algorithm == "pivot"  # bisection instead of the radix select: no histogram to share
         # the mass that counts as 1 for the next top-p: PROBS count as summing to 1; a float32 softmax is
         # measured by its own total (NaN: the row's histogram total), which may miss 1 by 1e-5
         norm = torch.full_like(_ones(w), float("nan")) if self.from_logits else _ones(w)
@@ -121,8 +122,8 @@ class Chain:
                     )
                     norm = cut.mass
             else:
-                shared = K.radix(w) if shared is None else shared
-                new = K.top_p_cut(w, rt.param(f, "top_p"), norm, shared, rt.sync_free)
+                shared = K.radix(w) if shared is None and not pivot else shared
+                new = K.top_p_cut(w, rt.param(f, "top_p"), norm, shared, rt.sync_free, pivot)
                 cut = new if cut is None else K.shorter(new, cut)
                 norm = cut.mass
         self.w, self.cut, self.shared = w, cut, shared
@@ -199,7 +200,8 @@ class Chain:
         """Draw one token per row by the CDF in the order (see :mod:`~sampling.pipe.kernels`)."""
         rt = self.rt
         if not self.on_candidates:
-            tokens, logprobs, mass = K.sample_weights(self.w, rt.uniforms(), self.cut, self.shared, rt.sync_free)
+            pivot = rt.algorithm == "pivot"
+            tokens, logprobs, mass = K.sample_weights(self.w, rt.uniforms(), self.cut, self.shared, rt.sync_free, pivot)
             if rt.wants(SAMPLED):
                 rt.emit(SAMPLED, TaggedTensor.probs(torch.where(self.keep(), self.w, 0.0) / mass[:, None].float()))
             return report_draw(rt, tokens, logprobs, logprobs > float("-inf"))

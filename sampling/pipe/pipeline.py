@@ -13,8 +13,9 @@ comes from ``u`` (one float64 uniform in [0, 1) per row; the
 :mod:`sampling.functional` streams pass it) or else from ``generator``.
 
 **Algorithms and synchronisation.** ``algorithm="auto"`` (the default) runs
-the CPU algorithms on CPU tensors and the sync-free ones (``"sort"``) on any
-other device; ``"sort"`` and ``"radix"`` may be forced anywhere (see
+the CPU algorithms on CPU tensors and the sync-free ones on any other device
+(``"sort"`` for small batches, ``"pivot"`` for large ones, chosen by the
+batch size); ``"sort"``, ``"pivot"`` and ``"radix"`` may be forced anywhere (see
 :mod:`sampling.pipe.kernels`). Every algorithm maps the same uniform to the
 same token. A call with a sync-free algorithm does not synchronise when it
 cannot raise: ``on_dead="flag"``, a per-row ``top_k`` tensor given with
@@ -103,8 +104,9 @@ class LogitsPipe:
             processor only accepts PROBS.
         fusion_rules: rules added to the default ones.
         validity_checks: checks added to the default ones.
-        algorithm: ``"auto"``, ``"cpu"``, ``"sort"`` or ``"radix"`` (see the
-            module docstring): ``"auto"`` picks by the input's device.
+        algorithm: ``"auto"``, ``"cpu"``, ``"sort"``, ``"pivot"`` or ``"radix"``
+            (see the module docstring): ``"auto"`` picks by the input's device
+            and batch size.
 
     Raises :class:`~sampling.pipe.types.PipeError` (a ``ValueError``) naming
     the processor's position, class and the problem. The repr shows the
@@ -304,7 +306,7 @@ class LogitsPipe:
             u = u.to(device=data.device, dtype=torch.float64)
         if max_top_k is not None and (not isinstance(max_top_k, int) or isinstance(max_top_k, bool) or max_top_k < 1):
             raise PipeError(f"max_top_k must be an int >= 1 (a bound of the per-row top_k), got {max_top_k!r}")
-        algorithm = resolve_algorithm(self.algorithm, data.device)
+        algorithm = resolve_algorithm(self.algorithm, data.device, batch)
         taps_by_stage: dict[str, tuple[TapFn, ...]] = {}
         allowed = self.tap_stages
         for i, tap in enumerate(taps or ()):
