@@ -201,7 +201,7 @@ def _by_request(run: Run) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]
         batch = rows.take(order).combine_chunks().to_batches()[0]
         out[request_id] = (
             batch.column("step").to_numpy(),
-            batch.column("chosen").to_numpy(),
+            batch.column("chosen").fill_null(-1).to_numpy(),
             stage_matrix(batch, "natural", run.metadata.vocab_size),
         )
     return out
@@ -280,3 +280,54 @@ def test_malformed_tracking_options_are_refused_with_the_key_named(vllm):
         LogitscopeLogitsProcessor.validate_params(params(extra_args={"logitscope": {"k": 5}}))
     with pytest.raises(ValueError, match=r"\['top_k'\] must be an int >= 1, got 0"):
         LogitscopeLogitsProcessor.validate_params(params(extra_args={"logitscope": {"top_k": 0}}))
+
+
+def test_per_request_callables_run_inside_vllms_adapter_logits_processor(vllm):
+    """vLLM V1 still calls the per-request form ``(prompt_ids, output_ids, logits) -> logits`` through its
+    ``AdapterLogitsProcessor``: ``processors.to_vllm(tracker)`` is that form, one callable per request."""
+    from processors import to_vllm
+    from tracker import LogitTrackingProcessor
+
+    lp = vllm["lp"]
+    tracker = LogitTrackingProcessor(None, storage="float32")
+
+    class PerRequestTracking(lp.AdapterLogitsProcessor):
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def new_req_logits_processor(self, params):
+            return to_vllm(tracker, with_prompt=True) if (params.extra_args or {}).get("logitscope") else None
+
+    processor = PerRequestTracking(_Config(), torch.device("cpu"), False)
+    builder = lp.BatchUpdateBuilder()
+    params = vllm["params"]
+    outputs = {"a": [], "b": [], "c": []}
+    builder.added += [
+        (0, params(extra_args={"logitscope": True}), [1, 2, 3], outputs["a"]),
+        (1, params(), [4], outputs["b"]),  # not tracked
+        (2, params(extra_args={"logitscope": True}), [5, 6], outputs["c"]),
+    ]
+    rows, received = ["a", "b", "c"], {"a": [], "c": []}
+    rng = torch.Generator().manual_seed(2)
+    for step in range(5):
+        if step == 3:  # "a" leaves; "c" is moved down into its row, as condense() does
+            builder.removed_append(0)
+            builder.moved.append((2, 0, lp.MoveDirectionality.UNIDIRECTIONAL))
+            rows = ["c", "b"]
+        processor.update_state(builder.get_and_reset(len(rows)))
+        logits = torch.randn(len(rows), VOCAB, generator=rng)
+        for index, name in enumerate(rows):
+            if name in received:
+                received[name].append(logits[index].numpy().copy())
+        sampled = processor.apply(logits).argmax(dim=1).tolist()
+        for index, name in enumerate(rows):
+            outputs[name].append(sampled[index])
+    table = tracker.run.to_arrow()
+    generations = table.column("generation").to_numpy()
+    for gid, name in enumerate(["a", "c"]):
+        batch = table.filter(generations == gid).combine_chunks().to_batches()[0]
+        natural = stage_matrix(batch, "natural", VOCAB)
+        assert np.array_equal(natural.view(np.int32), np.stack(received[name]).view(np.int32))
+        chosen = batch.column("chosen").fill_null(-1).to_numpy().tolist()
+        # each step's token is read from the next call's output ids; nothing calls the callable after the last
+        assert chosen == outputs[name][: len(chosen) - 1] + [-1]
