@@ -331,3 +331,17 @@ def test_per_request_callables_run_inside_vllms_adapter_logits_processor(vllm):
         chosen = batch.column("chosen").fill_null(-1).to_numpy().tolist()
         # each step's token is read from the next call's output ids; nothing calls the callable after the last
         assert chosen == outputs[name][: len(chosen) - 1] + [-1]
+
+
+def test_http_clients_switch_tracking_with_numbers_and_json_text(vllm):
+    """vLLM's HTTP ``vllm_xargs`` carry strings and numbers only: 1/0 and an object's JSON text work too."""
+    from tracker.engines.requests import RequestOptions
+
+    assert RequestOptions.parse(1, "float32", 20, "x").storage == "float32"
+    assert RequestOptions.parse(0, "float32", 20, "x") is None
+    parsed = RequestOptions.parse('{"storage": "topk", "top_k": 7, "title": "t"}', "float32", 20, "x")
+    assert (parsed.storage, parsed.top_k, parsed.title) == ("topk", 7, "t")
+    with pytest.raises(ValueError, match="is a string but not JSON"):
+        RequestOptions.parse("topk", "float32", 20, "x")
+    with pytest.raises(ValueError, match=r"must be true/1, false/0, or an object .* got 2"):
+        RequestOptions.parse(2, "float32", 20, "x")

@@ -26,6 +26,7 @@ it is not the server's default.
 from __future__ import annotations
 
 import atexit
+import json
 import numbers
 import os
 import threading
@@ -52,9 +53,10 @@ STORAGES = ("float32", "float16", "bfloat16", "topk")
 
 
 class RequestOptions:
-    """What one request asked for, checked: ``options`` is ``True`` or a dict of :data:`OPTION_KEYS`.
+    """What one request asked for, checked: ``options`` is ``True`` (or 1), a dict of :data:`OPTION_KEYS`, or
+    that dict's JSON text (what an HTTP client can send through vLLM's ``vllm_xargs``).
 
-    ``None`` or ``False`` mean "not tracked" (:meth:`parse` returns None).
+    ``None``, ``False`` or 0 mean "not tracked" (:meth:`parse` returns None).
     A bad value is a ValueError naming the key, the value and what is allowed.
     """
 
@@ -65,12 +67,20 @@ class RequestOptions:
 
     @classmethod
     def parse(cls, options: Any, default_storage: str, default_top_k: int, where: str) -> RequestOptions | None:
-        if options is None or options is False:
+        if options is None or options is False or (type(options) is int and options == 0):
             return None
-        if options is True:
+        if options is True or (type(options) is int and options == 1):
             options = {}
+        if isinstance(options, str):  # an HTTP client's vllm_xargs hold strings and numbers, not objects
+            try:
+                options = json.loads(options)
+            except ValueError:
+                raise ValueError(f"{where} is a string but not JSON: {options!r}") from None
         if not isinstance(options, Mapping):
-            raise ValueError(f"{where} must be true, false or an object with keys {list(OPTION_KEYS)}, got {options!r}")
+            raise ValueError(
+                f"{where} must be true/1, false/0, or an object (or its JSON text) with keys {list(OPTION_KEYS)}, "
+                f"got {options!r}"
+            )
         unknown = sorted(set(options) - set(OPTION_KEYS))
         if unknown:
             raise ValueError(f"{where} has unknown keys {unknown}; allowed: {list(OPTION_KEYS)}")
