@@ -333,7 +333,7 @@ def test_per_request_callables_run_inside_vllms_adapter_logits_processor(vllm):
         assert chosen == outputs[name][: len(chosen) - 1] + [-1]
 
 
-def test_http_clients_switch_tracking_with_numbers_and_json_text(vllm):
+def test_http_clients_switch_tracking_with_numbers_and_json_text():
     """vLLM's HTTP ``vllm_xargs`` carry strings and numbers only: 1/0 and an object's JSON text work too."""
     from tracker.engines.requests import RequestOptions
 
