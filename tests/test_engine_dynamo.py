@@ -7,11 +7,10 @@ naming it. Dynamo's TensorRT-LLM adapter needs ``tensorrt_llm``, which does not 
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 import pytest
 import torch
+from engines_support import import_or_skip
 
 from processors import from_dynamo, to_dynamo
 from tracker import LogitTrackingProcessor
@@ -23,17 +22,10 @@ VOCAB = 97
 EOS = 0
 
 
-def _import(name: str):
-    try:
-        return importlib.import_module(name)
-    except ImportError as exc:
-        pytest.skip(f"{name} does not import here: {type(exc).__name__}: {exc}")
-
-
 def test_tracker_is_a_dynamo_processor_recording_what_each_request_received(tmp_path):
-    base = _import("dynamo.logits_processing").BaseLogitsProcessor
-    examples = _import("dynamo.logits_processing.examples")
-    engine = _import("dynamo.common.backend.engine")
+    base = import_or_skip("dynamo.logits_processing").BaseLogitsProcessor
+    examples = import_or_skip("dynamo.logits_processing.examples")
+    engine = import_or_skip("dynamo.common.backend.engine")
     forced = [5, 17, 42, 8]
     tracker = LogitTrackingProcessor(
         from_dynamo(factory=lambda: examples.ForcedSequenceLogitsProcessor(forced, EOS)), storage="float32"

@@ -7,11 +7,10 @@ naming it. vLLM's imports are slow (about a minute on two cores), hence the ``en
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 import pytest
 import torch
+from engines_support import import_or_skip
 from test_tracker_support import byte_tokenizer
 
 from tracker import Run
@@ -22,26 +21,19 @@ pytestmark = pytest.mark.engines
 VOCAB = 320
 
 
-def _import(name: str):
-    try:
-        return importlib.import_module(name)
-    except ImportError as exc:
-        pytest.skip(f"{name} does not import here: {type(exc).__name__}: {exc}")
-
-
 @pytest.fixture(scope="module")
 def vllm():
     """vLLM's modules; without CUDA, vLLM's unspecified platform claims pinned memory, which torch refuses on a
     CPU: the flag is set to what this machine has before the batch code reads it."""
-    torch_utils = _import("vllm.utils.torch_utils")
+    torch_utils = import_or_skip("vllm.utils.torch_utils")
     torch_utils.PIN_MEMORY = False
-    batch = _import("vllm.v1.worker.gpu_input_batch")
+    batch = import_or_skip("vllm.v1.worker.gpu_input_batch")
     batch.PIN_MEMORY = False
     return {
-        "params": _import("vllm").SamplingParams,
+        "params": import_or_skip("vllm").SamplingParams,
         "batch": batch,
-        "lp": _import("vllm.v1.sample.logits_processor"),
-        "sampler": _import("vllm.v1.sample.sampler").Sampler,
+        "lp": import_or_skip("vllm.v1.sample.logits_processor"),
+        "sampler": import_or_skip("vllm.v1.sample.sampler").Sampler,
     }
 
 
