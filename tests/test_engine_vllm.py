@@ -337,3 +337,46 @@ def test_http_clients_switch_tracking_with_numbers_and_json_text():
         RequestOptions.parse("topk", "float32", 20, "x")
     with pytest.raises(ValueError, match=r"must be true/1, false/0, or an object .* got 2"):
         RequestOptions.parse(2, "float32", 20, "x")
+
+
+def test_a_request_asking_for_topk_gets_its_own_run_and_an_unwritten_last_token_stays_unknown(vllm, tmp_path):
+    """Built from vLLM's ``BatchUpdateBuilder``; the second request's output ids end in vLLM's placeholder -1,
+    as they do under asynchronous scheduling when a request leaves the batch."""
+    lp = vllm["lp"]
+    tracker = _processor_class(tmp_path)(_Config(), torch.device("cpu"), False)
+    params = vllm["params"]
+    builder = lp.BatchUpdateBuilder()
+    full, top = [], []
+    builder.added += [
+        (0, params(extra_args={"logitscope": True}), [1], full),
+        (1, params(extra_args={"logitscope": '{"storage": "topk", "top_k": 5}'}), [2], top),
+    ]
+    rng = torch.Generator().manual_seed(4)
+    received = []
+    for _ in range(3):
+        tracker.update_state(builder.get_and_reset(2))
+        logits = torch.randn(2, VOCAB, generator=rng)
+        received.append(logits.numpy().copy())
+        sampled = tracker.apply(logits).argmax(dim=1).tolist()
+        full.append(sampled[0])
+        top.append(-1)  # asynchronous scheduling: a placeholder, repaired by vLLM before the next step's apply
+        if len(top) < 3:  # the last one is never repaired: the request leaves first
+            top[-1] = sampled[1]
+    builder.removed_append(0)
+    builder.removed_append(1)
+    tracker.update_state(builder.get_and_reset(0))
+    tracker.flush()
+    runs = sorted(p.name for p in tmp_path.iterdir())
+    assert runs == [f"run_id={tracker.run_id}", f"run_id={tracker.run_id}-topk5"]
+    topk = Run.load(tmp_path, run_id=f"{tracker.run_id}-topk5")
+    assert (topk.metadata.storage, topk.metadata.top_k) == ("topk", 5)
+    table = topk.to_arrow()
+    assert table.column("chosen").fill_null(-1).to_pylist() == [top[0], top[1], -1]
+    ids = np.array(table.column("natural_topk_ids").to_pylist())
+    values = np.array(table.column("natural_topk_logits").to_pylist(), dtype=np.float32)
+    rows = np.stack(received)[:, 1]
+    expected = np.argsort(-rows, axis=1, kind="stable")[:, :5]
+    assert np.array_equal(np.sort(ids, axis=1), np.sort(expected, axis=1))  # the five best of what it received
+    assert np.array_equal(values, np.take_along_axis(rows, ids, axis=1))  # with their values, bit for bit
+    whole = Run.load(tmp_path, run_id=tracker.run_id).to_arrow()
+    assert whole.column("chosen").to_pylist() == full
