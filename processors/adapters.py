@@ -7,12 +7,17 @@ from a function's parameter count.
 convention      call                                                   returns
 =============== ====================================================== =============
 transformers    ``fn(input_ids [B, L], scores [B, V])``                 scores
-vLLM            ``fn(output_ids, logits [V])``                          logits
+vLLM (*)        ``fn(output_ids, logits [V])``                          logits
 vLLM + prompt   ``fn(prompt_ids, output_ids, logits [V])``              logits
 Dynamo          ``fn(input_ids, logits [V])``, in place                 None
 TensorRT-LLM    ``fn(req_id, logits [beam, 1, V], token_ids,``          None
                 ``stream_ptr, client_id)``, in place
 =============== ====================================================== =============
+
+(*) vLLM's per-request form (``vllm.logits_process.LogitsProcessor``), which vLLM V1
+calls through ``AdapterLogitsProcessor.new_req_logits_processor``; a vLLM V1
+engine's own interface is the batch-level class (``tracker.engines.vllm``). Where
+TensorRT-LLM runs under Dynamo, Dynamo's adapter calls the Dynamo form.
 
 ``from_*`` turns a function of that convention into a logitscope
 :class:`~processors.protocol.LogitsProcessor` (:mod:`processors.from_conventions`);

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import numbers
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -93,10 +94,14 @@ def to_transformers(processor: Any) -> LogitsProcessor:
 
 
 class VLLMProcessor:
-    """A logitscope processor as a vLLM per-request callable.
+    """A logitscope processor as a vLLM per-request callable (``vllm.logits_process.LogitsProcessor``).
 
     ``__call__(output_ids, logits)`` or, with ``with_prompt=True``,
     ``__call__(prompt_ids, output_ids, logits)``; returns the processed row.
+    vLLM V1 calls this form through its ``AdapterLogitsProcessor``: a
+    subclass's ``new_req_logits_processor(params)`` returns one callable per
+    request (the callable's signature says which form it takes). For tracking
+    a whole server, :mod:`tracker.engines.vllm` is the batch-level processor.
     vLLM makes one callable per request and calls them interleaved, request
     after request within a step, so each callable holds its own copy of the
     processor (a tracker's copy shares its recording: each request becomes a
@@ -110,6 +115,10 @@ class VLLMProcessor:
     def __init__(self, processor: Any, *, with_prompt: bool = False) -> None:
         self.processor = copy.deepcopy(as_processor(processor))
         self.with_prompt = bool(with_prompt)
+        # vLLM's AdapterLogitsProcessor passes the prompt only to a callable whose signature has 3 parameters
+        names = ("prompt_ids", "output_ids", "logits") if self.with_prompt else ("output_ids", "logits")
+        kind = inspect.Parameter.POSITIONAL_ONLY
+        self.__signature__ = inspect.Signature([inspect.Parameter(n, kind) for n in names])
         self._last_outputs: int | None = None
         self._prompt: tuple[int, ...] = ()
 

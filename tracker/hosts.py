@@ -11,10 +11,13 @@
 - logitscope's ``Generator`` says everything itself (``on_generation_start``,
   ``on_prefill``, ``on_sampled``, sampling taps): see
   :class:`~tracker.LogitTrackingProcessor`.
-- vLLM, Dynamo and TensorRT-LLM conventions reach the tracker through
-  ``processors.to_vllm/to_dynamo/to_trtllm(tracker)``; TensorRT-LLM's
-  adapter copies the processor per request, and such copies share the
-  tracker's recording (``LogitTrackingProcessor.__deepcopy__``).
+- A vLLM V1 engine takes the batch-level processor of
+  :mod:`tracker.engines.vllm`, which follows the engine's persistent batch.
+- The per-request conventions (vLLM's ``AdapterLogitsProcessor`` form,
+  Dynamo, TensorRT-LLM) reach the tracker through
+  ``processors.to_vllm/to_dynamo/to_trtllm(tracker)``; those adapters copy
+  the processor per request, and such copies share the tracker's recording
+  (``LogitTrackingProcessor.__deepcopy__``).
 """
 
 from __future__ import annotations
