@@ -35,6 +35,7 @@ from dashboard.paths import (
 )
 from dashboard.reader import BadRunError
 from dashboard.text import md_text
+from tracker.fs import is_url
 
 __all__ = [
     "Selected",
@@ -95,6 +96,14 @@ def choose_root(candidate: str) -> str | None:
     text = candidate.strip()
     if not text:
         return "give a folder or a run file"
+    if is_url(text) or is_url(served_root()):  # a store: inside the served URL's prefix, or anywhere if allowed
+        if not (any_path_allowed() or text.rstrip("/").startswith(served_root().rstrip("/"))):
+            return (
+                f"'{text}' is outside what this dashboard serves ('{served_root()}'); start it with "
+                "`logitscope dashboard PATH --allow-any-path` to browse elsewhere"
+            )
+        st.session_state["root"] = text
+        return None
     served = Path(served_root()).expanduser()
     base = served if served.is_dir() else served.parent
     path = Path(text).expanduser()
