@@ -108,13 +108,13 @@ def reader(path: str) -> RunReader:
 
 @st.cache_data(max_entries=8, show_spinner=False)
 def _runs(root: str, version: Stamp) -> list[RunSummary]:
-    if is_url(root) and not root.rstrip("/").rsplit("/", 1)[-1].startswith("run_id="):
+    if is_dataset(root):  # its complete runs, from their markers (and the cache of them): no run is opened
         try:
             entries = list_runs(root)
         except ValueError as exc:  # a damaged marker: say so rather than hide the dataset
             return [RunSummary(path=root, label=root, error=str(exc))]
         if entries:
-            return [summary_from_marker(e, e.path[len(root.rstrip("/")) + 1 :]) for e in entries]
+            return [summary_from_marker(e, e.path.rstrip("/").rsplit("/", 1)[-1]) for e in entries]
     found = find_runs(root)
     described = marker_summaries(found)  # a dataset's complete runs: from their markers, nothing opened
     summaries = []
@@ -137,13 +137,28 @@ def _runs(root: str, version: Stamp) -> list[RunSummary]:
     return summaries
 
 
-#: Seconds a listing of runs on a remote store is kept before it is read again (new runs appear by then).
+#: Seconds a dataset's listing is kept before it is read again (new runs appear by then).
 REMOTE_LISTING_S = 30
 
 
+def is_dataset(root: str) -> bool:
+    """A URL of a store's folder, or a local folder holding ``run_id=...`` folders: listed from markers."""
+    if is_url(root):
+        return not root.rstrip("/").rsplit("/", 1)[-1].startswith("run_id=")
+    try:
+        with os.scandir(root) as entries:
+            return any(e.name.startswith("run_id=") for e in entries)
+    except OSError:
+        return False
+
+
 def runs(root: str) -> list[RunSummary]:
-    """Summaries of the runs at or under ``root`` (FileNotFoundError when nothing is there)."""
-    return _runs(root, (0, int(time.time() // REMOTE_LISTING_S), 0) if is_url(root) else stamp(root))
+    """Summaries of the runs at or under ``root`` (FileNotFoundError when nothing is there). A dataset (a
+    store's URL, or a folder of ``run_id=...`` folders) is listed again every :data:`REMOTE_LISTING_S`
+    seconds, other folders whenever a file in them changes."""
+    if is_dataset(root):
+        return _runs(root, (0, int(time.time() // REMOTE_LISTING_S), 0))
+    return _runs(root, stamp(root))
 
 
 def track(path: str, generation: int, sequence: int) -> Track:

@@ -26,7 +26,7 @@ from tracker import Vocabulary
 from tracker.schema import META_RUN, META_VOCAB, RunMetadata, run_schema
 from tracker.spill import atomic_path
 
-__all__ = ["hand_made_run", "write_large_run", "large_run_metadata"]
+__all__ = ["hand_made_run", "write_large_run", "large_run_metadata", "write_run_dataset"]
 
 
 class _Rows:
@@ -215,8 +215,11 @@ FLEET_MODELS = ("llama-3-8b", "qwen2.5-7b", "mistral-7b", "gemma-2-9b")
 FLEET_PROCESSORS = ("none", "JSONSchema", "Regex", "BadWords")
 
 
-def write_run_dataset(root: str | Path, runs: int, *, steps: int = 8, vocab: int = 64, seed: int = 0) -> list[str]:
-    """Write ``runs`` small recorded runs into the dataset at ``root`` (a folder or URL), each complete.
+def write_run_dataset(
+    root: str | Path, runs: int, *, steps: int = 8, vocab: int = 64, seed: int = 0, start: int = 0
+) -> list[str]:
+    """Write ``runs`` small recorded runs (numbered from ``start``) into the dataset at ``root`` (a folder or
+    URL), each complete.
 
     One run is recorded through the real tracker (random logits, two
     sequences); the others are it under new ids, titles, models, processors
@@ -234,7 +237,7 @@ def write_run_dataset(root: str | Path, runs: int, *, steps: int = 8, vocab: int
     template = recorder.run
     day = _dt.datetime(2026, 1, 1, tzinfo=_dt.timezone.utc)
     written = []
-    for i in range(runs):
+    for i in range(start, start + runs):
         created = (day + _dt.timedelta(hours=i)).isoformat(timespec="seconds")
         metadata = replace(
             template.metadata,

@@ -38,6 +38,12 @@ def recorded(steps: int = 3, vocab: int = 60, seed: int = 0) -> LogitTrackingPro
     return tracker
 
 
+@pytest.fixture(autouse=True)
+def _index_cache(tmp_path, monkeypatch):
+    """list_runs keeps what it read of markers on this machine: here, in the test's folder."""
+    monkeypatch.setenv("LOGITSCOPE_CACHE", str(tmp_path / "cache"))
+
+
 @pytest.fixture(scope="module")
 def s3():
     """A moto S3 server on 127.0.0.1 at a free port, with the AWS_* variables pointing at it for this module."""
@@ -286,3 +292,18 @@ def test_the_run_browser_lists_a_dataset_from_its_markers_filters_pages_and_open
     assert not at.exception
     assert at.sidebar.selectbox(key="run").value == pick
     assert "request 9" in at.subheader[0].value and pick in opened
+
+
+def test_listing_again_reads_only_new_markers_and_a_damaged_one_is_named(tmp_path):
+    from dashboard.synthetic import write_run_dataset
+
+    root = tmp_path / "runs"
+    first = write_run_dataset(root, 3, steps=2, vocab=20)
+    assert [e.run_id for e in list_runs(root)] == first
+    marker = root / f"run_id={first[0]}" / COMPLETE
+    marker.write_text("not json")  # a complete run is never rewritten: its cached summary stands
+    more = write_run_dataset(root, 2, steps=3, vocab=20, start=3)
+    entries = list_runs(root)
+    assert [e.run_id for e in entries] == first + more and entries[-1].summary["steps"] == 3
+    with pytest.raises(ValueError, match=f"run_id={first[0]}/{COMPLETE}' is a damaged completion marker"):
+        list_runs(root, cache=False)

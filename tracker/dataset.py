@@ -25,6 +25,8 @@ and numpy only.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +40,7 @@ import pyarrow.fs as pafs
 
 from tracker.fs import is_url, resolve
 from tracker.layout import folder_arg
-from tracker.marker import COMPLETE, complete_runs, read_marker
+from tracker.marker import COMPLETE, complete_runs, is_partition, read_marker
 from tracker.spill import atomic_path, fsync_path
 
 __all__ = ["COMPLETE", "RunEntry", "RunStream", "list_runs", "write_run", "run_summary"]
@@ -135,18 +137,46 @@ def write_run(run: Any, root: str | os.PathLike[str], compression: str | None = 
     return part
 
 
-def list_runs(root: str | os.PathLike[str], *, threads: int = 16) -> list[RunEntry]:
+#: Where :func:`list_runs` keeps what it read of each dataset's markers (``$LOGITSCOPE_CACHE`` overrides).
+CACHE_ENV = "LOGITSCOPE_CACHE"
+
+
+def _cache_file(shown: str) -> Path:
+    base = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "logitscope")
+    return Path(base) / "run-index" / f"{hashlib.sha1(shown.encode()).hexdigest()[:20]}.json"
+
+
+def _load_cache(path: Path) -> dict[str, dict]:
+    try:
+        cached = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return {}
+    return cached if isinstance(cached, dict) else {}
+
+
+def list_runs(root: str | os.PathLike[str], *, threads: int = 16, cache: bool = True) -> list[RunEntry]:
     """The complete runs of the dataset at ``root`` (a folder or a URL), sorted by run id, from their markers.
 
-    Reads one listing and one small object per run, never a run's data; a damaged marker raises ValueError
-    naming it. An empty or missing root gives ``[]``.
+    Reads one listing and the markers, never a run's data; a damaged marker raises ValueError naming it. An
+    empty or missing root gives ``[]``. A complete run is never rewritten, so with ``cache`` what was read of
+    its marker is kept on this machine (``~/.cache/logitscope/run-index/``, or ``$LOGITSCOPE_CACHE``) and a
+    later listing reads only the markers of runs it has not seen: one listing, however many runs.
     """
     fs, where, shown = _root(root)
     if fs.get_file_info(where).type != pafs.FileType.Directory:
         return []
-    names = complete_runs(fs, where)
+    index_file = _cache_file(shown if is_url(root) else where)
+    known = _load_cache(index_file) if cache else {}
+    if isinstance(fs, pafs.LocalFileSystem):  # a run seen complete stays complete: only new folders are checked
+        with os.scandir(where) as listing:
+            folders = sorted(e.name for e in listing if e.name.startswith("run_id="))
+        names = [n for n in folders if n in known or is_partition(Path(where) / n)]
+    else:
+        names = complete_runs(fs, where)
 
-    def read(name: str) -> RunEntry:
+    def read(name: str) -> dict:
+        if isinstance(known.get(name), dict):
+            return known[name]
         path = f"{where}/{name}/{COMPLETE}"
         with fs.open_input_stream(path) as f:
             raw = f.read()
@@ -155,12 +185,19 @@ def list_runs(root: str | os.PathLike[str], *, threads: int = 16) -> list[RunEnt
         except ValueError as exc:
             raise ValueError(f"'{shown}/{name}/{COMPLETE}' is a damaged completion marker: {exc}") from exc
         summary = marker.get("summary") if isinstance(marker.get("summary"), dict) else {}
-        return RunEntry(name.split("=", 1)[1], f"{shown}/{name}", {**summary, "bytes": marker.get("bytes", 0)})
+        return {**summary, "bytes": marker.get("bytes", 0)}
 
-    if isinstance(fs, pafs.LocalFileSystem) or threads <= 1:
-        return [read(n) for n in names]
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        return list(pool.map(read, names))
+    if isinstance(fs, pafs.LocalFileSystem) or threads <= 1 or len(names) - len(known) < 8:
+        summaries = [read(n) for n in names]
+    else:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            summaries = list(pool.map(read, names))
+    if cache and (len(names) != len(known) or any(n not in known for n in names)):
+        with contextlib.suppress(OSError):  # a cache that cannot be written is only slower next time
+            index_file.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_path(index_file) as tmp:
+                tmp.write_text(json.dumps(dict(zip(names, summaries)), separators=(",", ":"), default=str))
+    return [RunEntry(n.split("=", 1)[1], f"{shown}/{n}", s) for n, s in zip(names, summaries)]
 
 
 class RunStream:
