@@ -129,7 +129,9 @@ def run_browser(runs: int, keep: Path) -> None:
     print(f"  list_runs (the markers):                 {listing * 1000:7.0f} ms")
     print(f"  Runs page, first render (median of 3):   {renders[1] * 1000:7.0f} ms  (min {renders[0] * 1000:.0f})")
     print(f"  baseline, a one-line Streamlit script:   {baseline * 1000:7.0f} ms")
-    print(f"  opening every run instead (200 timed):   {per_run * len(entries):7.1f} s  ({per_run * 1000:.1f} ms a run)")
+    print(
+        f"  opening every run instead (200 timed):   {per_run * len(entries):7.1f} s  ({per_run * 1000:.1f} ms a run)"
+    )
 
 
 def main() -> None:
