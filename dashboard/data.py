@@ -106,8 +106,8 @@ def reader(path: str) -> RunReader:
     return _open(path, (0, 0, 0) if is_url(path) else stamp(path))
 
 
-@st.cache_data(max_entries=8, show_spinner=False)
-def _runs(root: str, version: Stamp) -> list[RunSummary]:
+@st.cache_resource(max_entries=8, show_spinner=False)  # shared, not copied: 10,000 summaries unpickled per call cost
+def _runs(root: str, version: Stamp) -> list[RunSummary]:  # 0.3 s (RunSummary is frozen; nobody changes the list)
     if is_dataset(root):  # its complete runs, from their markers (and the cache of them): no run is opened
         try:
             entries = list_runs(root)

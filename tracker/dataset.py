@@ -30,9 +30,9 @@ import hashlib
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -48,8 +48,7 @@ __all__ = ["COMPLETE", "RunEntry", "RunStream", "list_runs", "write_run", "run_s
 _PROMPT_CHARS = 300
 
 
-@dataclass(frozen=True)
-class RunEntry:
+class RunEntry(NamedTuple):
     """A complete run of a dataset: its id, where its folder is (a path or a URL), and its marker's summary."""
 
     run_id: str

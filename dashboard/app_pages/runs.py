@@ -57,6 +57,8 @@ page = 1
 if pages > 1:
     page = int(st.number_input(f"Page (of {pages:,}; {len(good):,} runs)", 1, pages, 1, key="runs_page"))
 shown = good[(page - 1) * PAGE_ROWS : page * PAGE_ROWS]
+if st.session_state.get("runs_shown") != [s.path for s in shown]:
+    st.session_state["runs_shown"] = [s.path for s in shown]  # the sidebar's pickers offer them next
 
 
 def _open_picked() -> None:
