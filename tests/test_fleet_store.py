@@ -307,3 +307,29 @@ def test_listing_again_reads_only_new_markers_and_a_damaged_one_is_named(tmp_pat
     assert [e.run_id for e in entries] == first + more and entries[-1].summary["steps"] == 3
     with pytest.raises(ValueError, match=f"run_id={first[0]}/{COMPLETE}' is a damaged completion marker"):
         list_runs(root, cache=False)
+
+
+def test_the_run_browser_lists_and_opens_runs_of_a_dataset_on_s3(s3):
+    import streamlit as st
+    from streamlit.testing.v1 import AppTest
+
+    from dashboard.paths import APP
+
+    runs = [recorded(steps=2 + i, seed=20 + i) for i in range(3)]
+    for tracker in runs:
+        tracker.annotate(title=f"remote {tracker.run.num_rows}")
+        tracker.to_dataset("s3://bucket/browse")
+    st.cache_data.clear()
+    st.cache_resource.clear()
+    at = AppTest.from_file(str(APP), default_timeout=120)
+    at.session_state["root"] = "s3://bucket/browse"
+    at.run()
+    assert not at.exception
+    table = at.dataframe[0].value
+    assert sorted(table["steps"].tolist()) == [2, 3, 4]
+    assert sorted(table["run"].tolist()) == sorted(f"remote {t.run.num_rows}" for t in runs)
+    last = f"s3://bucket/browse/run_id={max(t.run_id for t in runs)}"
+    at.sidebar.selectbox(key="run").set_value(last).run()
+    assert not at.exception and at.subheader[0].value.startswith("remote")
+    at.switch_page("app_pages/replay.py").run()
+    assert not at.exception and not at.error
