@@ -14,13 +14,21 @@ is not a readable run; the pages turn it into a message.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
 import streamlit as st
 
-from dashboard.discover import MAX_DEPTH, RunSummary, find_runs, summary_of
+from dashboard.discover import (
+    MAX_DEPTH,
+    RunSummary,
+    find_runs,
+    marker_summaries,
+    summary_from_marker,
+    summary_of,
+)
 from dashboard.reader import BadRunError, RunReader, Track
 from dashboard.views import (
     StepSummary,
@@ -31,6 +39,8 @@ from dashboard.views import (
     window_view,
 )
 from tracker.compare import Comparison, compare
+from tracker.dataset import list_runs
+from tracker.fs import is_url
 from tracker.prompt import perplexity
 
 __all__ = [
@@ -91,15 +101,31 @@ def _open(path: str, version: Stamp) -> RunReader:
 
 
 def reader(path: str) -> RunReader:
-    """The shared reader of the run at ``path`` (BadRunError when it is not one)."""
-    return _open(path, stamp(path))
+    """The shared reader of the run at ``path`` (BadRunError when it is not one). A run at a URL is read
+    once: a complete run there is never rewritten."""
+    return _open(path, (0, 0, 0) if is_url(path) else stamp(path))
 
 
-@st.cache_data(max_entries=8, show_spinner=False)
-def _runs(root: str, version: Stamp) -> list[RunSummary]:
+@st.cache_resource(max_entries=8, show_spinner=False)  # shared, not copied: 10,000 summaries unpickled per call cost
+def _runs(root: str, version: Stamp) -> list[RunSummary]:  # 0.3 s (RunSummary is frozen; nobody changes the list)
+    if is_dataset(root):  # its complete runs, from their markers (and the cache of them): no run is opened
+        try:
+            entries = list_runs(root)
+        except ValueError as exc:  # a damaged marker: say so rather than hide the dataset
+            return [RunSummary(path=root, label=root, error=str(exc))]
+        if entries:
+            return [summary_from_marker(e, e.path.rstrip("/").rsplit("/", 1)[-1]) for e in entries]
+    found = find_runs(root)
+    described = marker_summaries(found)  # a dataset's complete runs: from their markers, nothing opened
     summaries = []
-    for path in find_runs(root):
-        label = str(path.relative_to(root)) if path != Path(root) else path.name
+    for path in found:
+        if is_url(root):
+            label = str(path)[len(root.rstrip("/")) + 1 :] or str(path).rstrip("/").rsplit("/", 1)[-1]
+        else:
+            label = str(Path(path).relative_to(root)) if Path(path) != Path(root) else Path(path).name
+        if str(path) in described:
+            summaries.append(replace(described[str(path)], label=label))
+            continue
         try:
             summaries.append(summary_of(reader(str(path)), label))
         except BadRunError as exc:
@@ -111,8 +137,27 @@ def _runs(root: str, version: Stamp) -> list[RunSummary]:
     return summaries
 
 
+#: Seconds a dataset's listing is kept before it is read again (new runs appear by then).
+REMOTE_LISTING_S = 30
+
+
+def is_dataset(root: str) -> bool:
+    """A URL of a store's folder, or a local folder holding ``run_id=...`` folders: listed from markers."""
+    if is_url(root):
+        return not root.rstrip("/").rsplit("/", 1)[-1].startswith("run_id=")
+    try:
+        with os.scandir(root) as entries:
+            return any(e.name.startswith("run_id=") for e in entries)
+    except OSError:
+        return False
+
+
 def runs(root: str) -> list[RunSummary]:
-    """Summaries of the runs at or under ``root`` (FileNotFoundError when nothing is there)."""
+    """Summaries of the runs at or under ``root`` (FileNotFoundError when nothing is there). A dataset (a
+    store's URL, or a folder of ``run_id=...`` folders) is listed again every :data:`REMOTE_LISTING_S`
+    seconds, other folders whenever a file in them changes."""
+    if is_dataset(root):
+        return _runs(root, (0, int(time.time() // REMOTE_LISTING_S), 0))
     return _runs(root, stamp(root))
 
 

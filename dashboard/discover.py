@@ -6,6 +6,11 @@ folder, a spill folder) or a folder holding runs, at any depth up to
 skipped, and so are symlinks that lead out of the folder and subfolders the
 server may not read. A file that looks like a run but cannot be read still appears, with
 its error, so the browser can say what is wrong with it.
+
+A dataset's complete runs (``run_id=...`` folders with their ``_complete.json``,
+:mod:`tracker.dataset`) are described from that marker alone, so a folder of
+10,000 runs is listed without opening one. A URL (``s3://bucket/runs``) is a
+run file, a run folder or a dataset root on that store.
 """
 
 from __future__ import annotations
@@ -14,11 +19,24 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow.fs as pafs
+
 from dashboard.reader import IPC_SUFFIXES, PARQUET_SUFFIXES, BadRunError, RunReader
-from tracker.layout import is_partition
+from tracker.dataset import RunEntry, list_runs
+from tracker.fs import is_url, resolve
+from tracker.layout import COMPLETE, is_partition
 from tracker.spill import RUN_JSON
 
-__all__ = ["MAX_DEPTH", "RunSummary", "find_runs", "is_run_folder", "summarize", "summary_of"]
+__all__ = [
+    "MAX_DEPTH",
+    "RunSummary",
+    "find_runs",
+    "is_run_folder",
+    "summarize",
+    "summary_of",
+    "summary_from_marker",
+    "marker_summaries",
+]
 
 MAX_DEPTH = 4
 RUN_SUFFIXES = PARQUET_SUFFIXES + IPC_SUFFIXES
@@ -44,13 +62,26 @@ def _leads_out(entry: Path, inside: Path) -> bool:
         return True
 
 
-def find_runs(root: str | Path) -> list[Path]:
-    """The runs at or under ``root``, sorted by path.
+def _find_remote(url: str) -> list[str]:
+    """The runs at a URL: the run file or run folder it names, else the complete runs of the dataset there."""
+    fs, where = resolve(url, "path")
+    info = fs.get_file_info(where.rstrip("/"))
+    if info.type == pafs.FileType.NotFound:
+        raise FileNotFoundError(f"path: nothing at '{url}' (give a run file or a folder of runs)")
+    if info.type == pafs.FileType.File or where.rstrip("/").rsplit("/", 1)[-1].startswith("run_id="):
+        return [url]
+    return [entry.path for entry in list_runs(url)]
+
+
+def find_runs(root: str | Path) -> list[Path] | list[str]:
+    """The runs at or under ``root`` (a path, or a URL: then URLs), sorted by path.
 
     FileNotFoundError naming ``root`` if it is missing; PermissionError if
     ``root`` itself cannot be listed (unreadable subfolders are skipped).
     Symlinks are followed only to targets inside ``root``.
     """
+    if is_url(root):
+        return _find_remote(str(root))
     base = Path(root)
     if not base.exists():
         raise FileNotFoundError(f"path: nothing at '{base}' (give a run file or a folder of runs)")
@@ -165,3 +196,46 @@ def summarize(path: str | Path, root: str | Path | None = None) -> RunSummary:
         return summary_of(RunReader(target), label)
     except BadRunError as exc:
         return RunSummary(path=str(target), label=label, error=exc.reason)
+
+
+def summary_from_marker(entry: RunEntry, label: str) -> RunSummary:
+    """Describe a dataset's complete run from its marker's summary (no run file is opened)."""
+    m = entry.summary
+    top_k = m.get("top_k") or 0
+    return RunSummary(
+        path=entry.path,
+        label=label,
+        title=str(m.get("title") or ""),
+        run_id=entry.run_id,
+        prompt=str(m.get("prompt") or ""),
+        model=str(m.get("model") or ""),
+        processors=str(m.get("processors") or "none"),
+        sampling=sampling_text(m.get("sampling")),
+        steps=int(m.get("steps") or 0),
+        sequences=int(m.get("sequences") or 0),
+        generations=int(m.get("generations") or 0),
+        created_at=str(m.get("created_at") or ""),
+        storage=f"top-{top_k}" if m.get("storage") == "topk" else str(m.get("storage") or ""),
+        stages=", ".join(str(x) for x in m.get("stages") or []),
+        vocab_size=int(m.get("vocab_size") or 0),
+        size_bytes=int(m.get("bytes") or 0),
+    )
+
+
+def marker_summaries(folders: list[Path] | list[str]) -> dict[str, RunSummary]:
+    """Summaries, by path, of those local ``folders`` that are complete dataset runs, read from their markers
+    (the others are left out: they are opened as runs). A damaged marker is left out too: opening the run
+    says what is wrong."""
+    found: dict[str, RunSummary] = {}
+    for folder in folders:
+        name = Path(folder).name
+        if is_url(folder) or not name.startswith("run_id="):
+            continue
+        try:
+            raw = json.loads((Path(folder) / COMPLETE).read_bytes())
+        except (OSError, ValueError):
+            continue
+        if isinstance(raw, dict) and isinstance(raw.get("summary"), dict):
+            summary = {**raw["summary"], "bytes": raw.get("bytes", 0)}
+            found[str(folder)] = summary_from_marker(RunEntry(name.split("=", 1)[1], str(folder), summary), "")
+    return found

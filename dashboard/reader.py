@@ -32,6 +32,7 @@ import pyarrow as pa
 
 import tracker
 from processors.vocab import Vocabulary
+from tracker.fs import is_url
 from tracker.layout import (
     ID_COLUMNS,
     IPC_SUFFIXES,
@@ -151,7 +152,7 @@ class RunReader:
     """
 
     def __init__(self, path: str | Path, *, cache_bytes: int = _CACHE_BYTES) -> None:
-        self.path = Path(path)
+        self.path: Path | str = path if is_url(path) else Path(path)  # a URL stays one (Path would spoil it)
         if cache_bytes < 0:
             raise ValueError(f"cache_bytes must be >= 0, got {cache_bytes}")
         self._cache_bytes = int(cache_bytes)
@@ -171,7 +172,7 @@ class RunReader:
     # ---------------------------------------------------------------- opening
 
     @staticmethod
-    def _open(path: Path) -> RunLayout:
+    def _open(path: Path | str) -> RunLayout:
         try:
             layout = open_layout(path)
         except (RunFileError, NoRunError) as exc:
@@ -231,7 +232,7 @@ class RunReader:
 
     @property
     def size_bytes(self) -> int:
-        return int(sum(part.path.stat().st_size for part in self._parts))
+        return int(sum(part.nbytes for part in self._parts))
 
     def generations(self) -> list[int]:
         return sorted(set(self._index["generation"].tolist()))

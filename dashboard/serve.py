@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dashboard.paths import APP, ENV_ANY_PATH, ENV_PATH, REPO_ROOT
+from tracker.fs import is_url
 
 __all__ = ["Server", "can_open_browser", "serve", "start", "streamlit_command", "streamlit_env"]
 
@@ -93,7 +94,7 @@ def streamlit_env(path: str | Path, *, allow_any_path: bool = False) -> dict[str
     env = {
         **os.environ,
         **{_env_name(option): value for option, value in QUIET_OPTIONS.items()},
-        ENV_PATH: str(Path(path).resolve()),
+        ENV_PATH: str(path) if is_url(path) else str(Path(path).resolve()),
         "PYTHONPATH": root + (os.pathsep + existing if existing else ""),
     }
     env.pop(ENV_ANY_PATH, None)
@@ -172,7 +173,8 @@ def start(path: str | Path, port: int, *, allow_any_path: bool = False) -> Itera
 
 def announce(path: str | Path, port: int) -> None:
     print(
-        f"logitscope dashboard: http://127.0.0.1:{port}  (runs from {Path(path).resolve()}; Ctrl-C to stop)", flush=True
+        f"logitscope dashboard: http://127.0.0.1:{port}  (runs from {path if is_url(path) else Path(path).resolve()}; Ctrl-C to stop)",
+        flush=True,
     )
 
 

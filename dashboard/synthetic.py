@@ -26,7 +26,7 @@ from tracker import Vocabulary
 from tracker.schema import META_RUN, META_VOCAB, RunMetadata, run_schema
 from tracker.spill import atomic_path
 
-__all__ = ["hand_made_run", "write_large_run", "large_run_metadata"]
+__all__ = ["hand_made_run", "write_large_run", "large_run_metadata", "write_run_dataset"]
 
 
 class _Rows:
@@ -208,3 +208,45 @@ def write_large_run(
                 for block in blocks:
                     writer.write_batch(_record_batch(schema, *block), row_group_size=rows)
     return target
+
+
+#: What :func:`write_run_dataset` varies between runs, for filters to find.
+FLEET_MODELS = ("llama-3-8b", "qwen2.5-7b", "mistral-7b", "gemma-2-9b")
+FLEET_PROCESSORS = ("none", "JSONSchema", "Regex", "BadWords")
+
+
+def write_run_dataset(
+    root: str | Path, runs: int, *, steps: int = 8, vocab: int = 64, seed: int = 0, start: int = 0
+) -> list[str]:
+    """Write ``runs`` small recorded runs (numbered from ``start``) into the dataset at ``root`` (a folder or
+    URL), each complete.
+
+    One run is recorded through the real tracker (random logits, two
+    sequences); the others are it under new ids, titles, models, processors
+    and dates (what the run browser filters on). Returns the run ids.
+    """
+    from dataclasses import replace
+
+    recorder = tracker.LogitTrackingProcessor(None)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    for _ in range(steps):
+        out = recorder(ids, torch.randn(2, vocab, generator=gen) * 3)
+        ids = torch.cat([ids, out.argmax(1, keepdim=True)], 1)
+    recorder.finish(ids)
+    template = recorder.run
+    day = _dt.datetime(2026, 1, 1, tzinfo=_dt.timezone.utc)
+    written = []
+    for i in range(start, start + runs):
+        created = (day + _dt.timedelta(hours=i)).isoformat(timespec="seconds")
+        metadata = replace(
+            template.metadata,
+            run_id=f"{created[:19].replace('-', '').replace(':', '')}-{i:016x}",
+            created_at=created,
+            model=FLEET_MODELS[i % len(FLEET_MODELS)],
+            processors=FLEET_PROCESSORS[(i // len(FLEET_MODELS)) % len(FLEET_PROCESSORS)],
+            extra={"title": f"request {i}"},
+        )
+        tracker.Run(template._record_batches(), metadata, template.vocab).to_dataset(root)
+        written.append(metadata.run_id)
+    return written

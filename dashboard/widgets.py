@@ -35,6 +35,7 @@ from dashboard.paths import (
 )
 from dashboard.reader import BadRunError
 from dashboard.text import md_text
+from tracker.fs import is_url
 
 __all__ = [
     "Selected",
@@ -95,6 +96,14 @@ def choose_root(candidate: str) -> str | None:
     text = candidate.strip()
     if not text:
         return "give a folder or a run file"
+    if is_url(text) or is_url(served_root()):  # a store: inside the served URL's prefix, or anywhere if allowed
+        if not (any_path_allowed() or text.rstrip("/").startswith(served_root().rstrip("/"))):
+            return (
+                f"'{text}' is outside what this dashboard serves ('{served_root()}'); start it with "
+                "`logitscope dashboard PATH --allow-any-path` to browse elsewhere"
+            )
+        st.session_state["root"] = text
+        return None
     served = Path(served_root()).expanduser()
     base = served if served.is_dir() else served.parent
     path = Path(text).expanduser()
@@ -177,6 +186,21 @@ def pick_generation_sequence(path: str, prefix: str = "", container: Any = st) -
     return int(generation), int(sequence)
 
 
+#: Runs the sidebar's pickers list at most (a dataset of 10,000 runs is picked from the Runs page's pages).
+MAX_PICKER = 200
+
+
+def _pickable(paths: list[str]) -> list[str]:
+    """The runs the pickers offer: all of them, or past :data:`MAX_PICKER` the first ones, the runs the
+    Runs page shows now and the runs picked (which stay pickable)."""
+    if len(paths) <= MAX_PICKER:
+        return paths
+    wanted = set(paths[:MAX_PICKER]) | set(st.session_state.get("runs_shown", []))
+    wanted |= {st.session_state.get("run"), st.session_state.get("run_b")}
+    linked = {st.query_params.get("run"), st.query_params.get("compare")} - {None}
+    return [p for p in paths if p in wanted or (linked and p.rstrip("/").rsplit("/", 1)[-1] in linked)]
+
+
 def sidebar() -> None:
     """The run pickers (one run, and optionally a second to compare), then generation and sequence."""
     root = root_path()
@@ -188,7 +212,7 @@ def sidebar() -> None:
             st.error(md_text(_unreadable(root, exc)))
             summaries = []
         by_path = {s.path: s for s in summaries}
-        paths = list(by_path)
+        paths = _pickable(list(by_path))
         st.session_state["summaries"] = by_path
         if not paths:
             st.caption(f"No runs under {md_text(root)}.")

@@ -166,7 +166,15 @@ def _generate(gen, prompts: list[str], params, batch_size: int) -> tuple[list, i
     return outputs, steps
 
 
-def _check_out_file(parser: argparse.ArgumentParser, out: str) -> Path:
+def _check_out_file(parser: argparse.ArgumentParser, out: str) -> Path | str:
+    from tracker.fs import is_url, resolve
+
+    if is_url(out):  # s3://bucket/run.parquet: the store is asked only when the run is written
+        try:
+            resolve(out, "--out")
+        except ValueError as exc:
+            _fail(parser, "--out", str(exc))
+        return out
     path = Path(out)
     if path.is_dir():
         _fail(parser, "--out", f"'{path}' is a folder; give a file name such as run.parquet")
@@ -198,7 +206,7 @@ def _check_inputs(gen, prompts: list[str], params, args: argparse.Namespace, par
         _fail(parser, "--prompt-file" if index and int(index[1]) >= len(args.prompt or []) else "--prompt", exc)
 
 
-def _save_run(tracker, out: Path, args: argparse.Namespace, params, interrupted: bool = False) -> None:
+def _save_run(tracker, out: Path | str, args: argparse.Namespace, params, interrupted: bool = False) -> None:
     extra: dict[str, Any] = {"title": args.title} if args.title else {}
     if interrupted:
         extra["interrupted"] = True
@@ -315,7 +323,10 @@ def _record_demo(args: argparse.Namespace, out: Path) -> None:
 def cmd_dashboard(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from dashboard.paths import default_runs_path
     from dashboard.serve import serve
+    from tracker.fs import is_url
 
+    if args.path is not None and is_url(args.path):  # a store: s3://bucket/runs (its runs are listed on the page)
+        return serve(args.path, args.port, open_browser=not args.no_browser, allow_any_path=args.allow_any_path)
     path = Path(args.path) if args.path is not None else default_runs_path()
     if not path.exists():
         if args.path is not None:

@@ -288,9 +288,10 @@ def cmd_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser, out: 
     """Print a run (or the runs under a folder); exit status 1 if a run asked for cannot be read."""
     from dashboard.discover import find_runs, summarize, summary_of
     from dashboard.reader import BadRunError, RunReader
+    from tracker.fs import is_url
 
     out = out or sys.stdout
-    path = Path(args.path)
+    path: Path | str = args.path if is_url(args.path) else Path(args.path)  # a URL: s3://bucket/runs
     try:
         found = find_runs(path)
     except (FileNotFoundError, PermissionError) as exc:
@@ -314,7 +315,7 @@ def cmd_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser, out: 
         return 1 if any(s.error for s in summaries) else 0
     try:
         reader = RunReader(path)
-        summary = summary_of(reader, path.name)
+        summary = summary_of(reader, str(path).rstrip("/").rsplit("/", 1)[-1])
     except BadRunError as exc:
         print(f"logitscope inspect: '{path}' is not a readable run: {exc.reason}", file=sys.stderr)
         return 1

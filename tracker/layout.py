@@ -4,7 +4,8 @@ Layouts (as :mod:`tracker.run` and :mod:`tracker.spill` write them):
 
 - a Parquet file (``.parquet``, ``.pq``) or an Arrow IPC file (``.arrow``, ``.feather``, ``.ipc``);
 - a folder of Parquet parts (a ``run_id=...`` dataset partition);
-- a dataset root holding ``run_id=...`` folders (one of them picked by ``run_id``);
+- a dataset root holding complete ``run_id=...`` folders (with their :data:`COMPLETE`, :mod:`tracker.dataset`);
+- any of these at a URL (``s3://...``, :mod:`tracker.fs`), but a spill folder (local by nature);
 - a spill folder: ``_run.json``, ``_vocab.arrow`` and ``chunk-*.arrow`` files.
 
 :func:`open_layout` reads the metadata (the generations a Parquet file keeps
@@ -19,28 +20,30 @@ pyarrow and numpy only.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, Protocol
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from processors.vocab import Vocabulary
+from tracker.fs import is_url, resolve
+from tracker.marker import COMPLETE, PARQUET_SUFFIXES, complete_runs, is_partition, read_marker
 from tracker.schema import (
     GENERATIONS_COLUMN,
     ID_SCHEMA,
-    MAX_METADATA_BYTES,
     META_RUN,
     META_VOCAB,
     RunMetadata,
     check_columns,
-    generations_column,
     generations_from_column,
 )
-from tracker.spill import CHUNK_GLOB, RUN_JSON, VOCAB_FILE, atomic_path, fsync_path, remove_orphans
+from tracker.spill import CHUNK_GLOB, RUN_JSON, VOCAB_FILE
 
 __all__ = [
     "PartialRunWarning",
@@ -59,13 +62,12 @@ __all__ = [
     "arrow_reason",
     "metadata_from",
     "vocabulary_from",
-    "write_parquet",
+    "COMPLETE",
+    "complete_runs",
+    "read_marker",
 ]
 
 IPC_SUFFIXES = (".arrow", ".feather", ".ipc")
-#: Bytes of values per Parquet row group: reading one step back reads about this much.
-ROW_GROUP_BYTES = 8 << 20
-PARQUET_SUFFIXES = (".parquet", ".pq")
 ID_COLUMNS: tuple[str, ...] = tuple(ID_SCHEMA.names)
 
 
@@ -130,7 +132,8 @@ def vocabulary_from(raw: bytes | None) -> Vocabulary | None:
 class Part(Protocol):
     """One file of a run, read whole or in blocks (row groups or record batches)."""
 
-    path: Path
+    path: Path | str  # a str: the URL of a part on a remote filesystem
+    nbytes: int
 
     @property
     def schema(self) -> pa.Schema: ...
@@ -144,9 +147,12 @@ class Part(Protocol):
 class _ParquetPart:
     """A Parquet file: blocks are row groups; only the requested column chunks are read."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path | str, source: pa.NativeFile | None = None) -> None:
         self.path = path
-        self.file = pq.ParquetFile(path, memory_map=True, page_checksum_verification=True)
+        self.file = pq.ParquetFile(
+            path if source is None else source, memory_map=source is None, page_checksum_verification=True
+        )
+        self.nbytes = int(os.path.getsize(path) if source is None else source.size())
 
     @property
     def schema(self) -> pa.Schema:
@@ -183,9 +189,10 @@ class _ParquetPart:
 class _IpcPart:
     """An Arrow IPC file through a memory map: blocks are record batches, read without a copy."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path | str, source: pa.NativeFile | None = None) -> None:
         self.path = path
-        self.reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
+        self.reader = pa.ipc.open_file(pa.memory_map(str(path), "r") if source is None else source)
+        self.nbytes = int(os.path.getsize(path) if source is None else source.size())
 
     @property
     def schema(self) -> pa.Schema:
@@ -212,21 +219,24 @@ class _IpcPart:
         return generations_from_column(self.reader.read_all().column(GENERATIONS_COLUMN))
 
 
-def open_part(path: Path) -> Part:
+def open_part(path: Path, fs: pafs.FileSystem | None = None, url: str | None = None) -> Part:
     """Open one run file (IPC or Parquet, told by its first bytes, else its suffix); RunFileError naming it
-    when it cannot be read."""
+    when it cannot be read. With ``fs``, ``path`` is inside that filesystem and ``url`` names it in errors."""
     try:
-        with open(path, "rb") as f:
+        source = None if fs is None else fs.open_input_file(str(path))
+        name: Path | str = path if url is None else url
+        with open(path, "rb") if source is None else contextlib.nullcontext(source) as f:
             magic = f.read(6)
+        source is None or source.seek(0)
         if magic.startswith(b"PAR1"):
-            return _ParquetPart(path)
-        if magic == b"ARROW1" or path.suffix in IPC_SUFFIXES:
-            return _IpcPart(path)
-        return _ParquetPart(path)
+            return _ParquetPart(name, source)
+        if magic == b"ARROW1" or str(path).endswith(IPC_SUFFIXES):
+            return _IpcPart(name, source)
+        return _ParquetPart(name, source)
     except (pa.ArrowException, OSError, ValueError) as exc:
         if isinstance(exc, (FileNotFoundError, PermissionError)):
             raise
-        raise RunFileError(path, arrow_reason(exc)) from exc
+        raise RunFileError(url or path, arrow_reason(exc)) from exc
 
 
 # ---------------------------------------------------------------- a run's layout
@@ -245,16 +255,22 @@ class RunLayout:
         vocab_path: the file it came from, for errors.
     """
 
-    path: Path
+    path: Path | str
     kind: Literal["file", "parts", "spill"]
     parts: list[Part]
     metadata: RunMetadata
     vocab_raw: bytes | None
-    vocab_path: Path
+    vocab_path: Path | str
+    incomplete: bool = False  # a ``run_id=...`` folder without its completion marker
 
     @property
     def note(self) -> str | None:
         """What a reader should know about how much of the run this is (None: the whole run as exported)."""
+        if self.incomplete:
+            return (
+                f"'{self.path}' has no {COMPLETE}: its run is still being written (or its writer died, or an "
+                "older logitscope wrote it without the marker); these are the parts written so far"
+            )
         if self.kind != "spill":
             return None
         return (
@@ -347,27 +363,26 @@ def _parts_of_one_run(
     return parts, metas
 
 
-def _dataset_member(root: Path, runs: list[Path], run_id: str | None) -> Path:
-    """The ``run_id=...`` folder of a dataset root that ``run_id`` names (the only one when it is None)."""
+def _dataset_member(root: Path | str, runs: list[str], run_id: str | None, exists: Callable[[str], bool]) -> str:
+    """The ``run_id=...`` folder name of a dataset root that ``run_id`` names (the only one when it is None)."""
     if run_id is None:
         if len(runs) > 1:
-            names = [p.name.split("=", 1)[1] for p in runs]
+            names = [p.split("=", 1)[1] for p in runs]
             raise ValueError(f"'{root}' holds {len(runs)} runs; pass run_id= one of {names}")
         return runs[0]
-    folder = root / f"run_id={run_id}"
-    if not folder.is_dir():
+    if f"run_id={run_id}" not in runs and not exists(f"run_id={run_id}"):
         raise ValueError(f"run_id={run_id!r} is not in '{root}'")
-    return folder
+    return f"run_id={run_id}"  # named: opened even before it is complete (then with a PartialRunWarning)
 
 
-def _parquet_parts(folder: Path) -> list[Path]:
-    """A folder's Parquet parts, sorted (not the hidden temporary files of an export in progress or killed)."""
-    return sorted(p for p in folder.iterdir() if p.suffix in PARQUET_SUFFIXES and not p.name.startswith("."))
-
-
-def is_partition(path: Path) -> bool:
-    """A dataset's ``run_id=...`` folder holding a part (one with only a killed export's temporary file is no run)."""
-    return path.is_dir() and path.name.startswith("run_id=") and bool(_parquet_parts(path))
+def _folder_parts(names: list[str], marker_raw: bytes | None, where: Path | str) -> tuple[list[str], bool]:
+    """The part names of a run folder: those its marker lists, else every part there (then it is incomplete)."""
+    if marker_raw is None:
+        return sorted(n for n in names if n.endswith(PARQUET_SUFFIXES) and not n.startswith(".")), True
+    try:
+        return list(read_marker(marker_raw)["parts"]), False
+    except ValueError as exc:
+        raise RunFileError(where, str(exc)) from exc
 
 
 def path_arg(name: str, value: object) -> Path:
@@ -389,8 +404,56 @@ def folder_arg(name: str, value: object) -> Path:
     return folder
 
 
+def _parts_layout(where: Path | str, names: list[str], marker: bytes | None, opener, run_id: str | None) -> RunLayout:
+    """The layout of a folder of Parquet parts (``names`` its entries, ``marker`` its :data:`COMPLETE`)."""
+    files, incomplete = _folder_parts(names, marker, f"{where}/{COMPLETE}")
+    if not files:
+        pending = sum(n.startswith("run_id=") for n in names)
+        raise NoRunError(
+            where,
+            f"it holds {pending} run_id=... folders but no complete run yet (a run is complete once its "
+            f"{COMPLETE} is written)"
+            if pending
+            else "the folder holds no .parquet parts and no spill files (_run.json)",
+        )
+    missing = [n for n in files if n not in names]
+    if missing:
+        raise RunFileError(where, f"its {COMPLETE} lists parts that are not there: {missing[:4]}")
+    parts = [opener(n) for n in files]
+    metas = [_metadata(p.path, (p.schema.metadata or {}).get(META_RUN)) for p in parts]
+    parts, metas = _parts_of_one_run(where, parts, metas, run_id)  # type: ignore[arg-type]
+    meta = parts[0].schema.metadata or {}
+    incomplete = incomplete and str(where).rstrip("/").rsplit("/", 1)[-1].startswith("run_id=")
+    return RunLayout(where, "parts", parts, metas[0], meta.get(META_VOCAB), parts[0].path, incomplete)
+
+
+def _open_remote(fs: pafs.FileSystem, where: str, url: str, run_id: str | None) -> RunLayout:
+    """:func:`open_layout` of a file or folder on a remote filesystem (no spill folders there)."""
+    info = fs.get_file_info(where)
+    if info.type == pafs.FileType.NotFound:
+        raise NoRunError(url, "there is no object or folder at this URL")
+    if info.type == pafs.FileType.File:
+        part = open_part(where, fs, url)  # type: ignore[arg-type]
+        meta = part.schema.metadata or {}
+        return RunLayout(url, "file", [part], _metadata(url, meta.get(META_RUN)), meta.get(META_VOCAB), url)
+    runs = complete_runs(fs, where)
+    named = run_id is not None and fs.get_file_info(f"{where}/run_id={run_id}").type == pafs.FileType.Directory
+    if runs or named:
+        member = _dataset_member(url, runs, run_id, lambda n: named)
+        where, url = f"{where}/{member}", f"{url}/{member}"
+    listing = fs.get_file_info(pafs.FileSelector(where, allow_not_found=True))
+    names = [i.base_name for i in listing if i.type == pafs.FileType.File] + [
+        i.base_name for i in listing if i.type == pafs.FileType.Directory
+    ]
+    marker = None
+    if COMPLETE in names:
+        with fs.open_input_stream(f"{where}/{COMPLETE}") as f:
+            marker = f.read()
+    return _parts_layout(url, names, marker, lambda n: open_part(f"{where}/{n}", fs, f"{url}/{n}"), run_id)  # type: ignore[arg-type]
+
+
 def open_layout(path: str | os.PathLike[str], run_id: str | None = None) -> RunLayout:
-    """Open the run at ``path`` (any layout of the module docstring) by its metadata and schemas.
+    """Open the run at ``path`` (any layout of the module docstring, or a URL of one) by its metadata and schemas.
 
     Reads no values (only the small ``generation_meta`` column): :meth:`RunLayout.batches`
     or the parts' blocks do.
@@ -398,6 +461,12 @@ def open_layout(path: str | os.PathLike[str], run_id: str | None = None) -> RunL
     for a file or folder that is not a readable run, and ValueError when a
     dataset root holds several runs and ``run_id`` names none of them.
     """
+    if is_url(path):
+        fs, where = resolve(path, "path")
+        if not isinstance(fs, pafs.LocalFileSystem):
+            layout = _open_remote(fs, where.rstrip("/"), str(path).rstrip("/"), run_id)
+            return _checked(layout, run_id)
+        path = where
     source = path_arg("path", path)
     if not source.exists():
         raise NoRunError(source, "there is no file or folder at this path")
@@ -412,88 +481,19 @@ def open_layout(path: str | os.PathLike[str], run_id: str | None = None) -> RunL
         parts = [open_part(p) for p in sorted(source.glob(CHUNK_GLOB))]
         layout = RunLayout(source, "spill", parts, metadata, vocab_raw, vocab)
     else:
-        runs = sorted(p for p in source.iterdir() if is_partition(p))
-        if runs:
-            return open_layout(_dataset_member(source, runs, run_id))
-        files = _parquet_parts(source)
-        if not files:
-            raise NoRunError(source, "the folder holds no .parquet parts and no spill files (_run.json)")
-        parts = [open_part(p) for p in files]
-        metas = [_metadata(p.path, (p.schema.metadata or {}).get(META_RUN)) for p in parts]
-        parts, metas = _parts_of_one_run(source, parts, metas, run_id)
-        meta = parts[0].schema.metadata or {}
-        layout = RunLayout(source, "parts", parts, metas[0], meta.get(META_VOCAB), parts[0].path)
+        runs = complete_runs(pafs.LocalFileSystem(), str(source))
+        if runs or (run_id is not None and (source / f"run_id={run_id}").is_dir()):
+            return open_layout(source / _dataset_member(source, runs, run_id, lambda n: (source / n).is_dir()))
+        marker = source / COMPLETE
+        names = [p.name for p in source.iterdir()]
+        raw = marker.read_bytes() if marker.is_file() else None
+        layout = _parts_layout(source, names, raw, lambda n: open_part(source / n), run_id)
+    return _checked(layout, run_id)
+
+
+def _checked(layout: RunLayout, run_id: str | None) -> RunLayout:
     if run_id is not None and layout.metadata.run_id != run_id:
-        raise ValueError(f"run_id={run_id!r} is not in '{source}': it holds run {layout.metadata.run_id!r}")
+        raise ValueError(f"run_id={run_id!r} is not in '{layout.path}': it holds run {layout.metadata.run_id!r}")
     layout = replace(layout, metadata=_with_generations(layout.metadata, layout.parts))
     _check(layout)
     return layout
-
-
-# ---------------------------------------------------------------- writing a Parquet run file
-
-
-def _footer(metadata: RunMetadata, with_rows: bool) -> bytes:
-    """The run metadata a Parquet footer keeps (generations go in their column when there are rows to hold
-    them); ValueError past :data:`MAX_METADATA_BYTES`, naming the largest fields."""
-    footer = replace(metadata, generations=[]).to_json() if with_rows else metadata.to_json()
-    if len(footer) > MAX_METADATA_BYTES:
-        sizes = {k: len(json.dumps(v)) for k, v in json.loads(footer).items()}
-        largest = sorted(sizes, key=sizes.get, reverse=True)[:3]  # type: ignore[arg-type]
-        raise ValueError(
-            f"run metadata is {len(footer):,} bytes, over the {MAX_METADATA_BYTES:,} a run file keeps in its "
-            f"footer (largest fields: {', '.join(f'{k} {sizes[k]:,}' for k in largest)}); keep what "
-            "annotate() adds small, and store large data beside the run"
-        )
-    return footer
-
-
-def write_parquet(
-    table: pa.Table,
-    path: str | os.PathLike[str],
-    metadata: RunMetadata,
-    *,
-    compression: str | None = "zstd",
-    scratch: Path | None = None,
-) -> Path:
-    """Write a run's table (the run schema, with its vocabulary in the schema metadata) as one Parquet file.
-
-    The generations' metadata goes in :data:`GENERATIONS_COLUMN`, the rest of
-    ``metadata`` in the footer; row groups hold about :data:`ROW_GROUP_BYTES`;
-    only the id columns get dictionaries and statistics; every page carries a
-    checksum. Written atomically (a temporary file flushed to disk, then
-    renamed), after removing temporary files a killed writer left beside
-    ``path``; with ``scratch`` (a dataset's root), the temporary file is
-    made there, and so are those removed (:func:`~tracker.spill.atomic_path`).
-    Returns the path.
-    """
-    target = path_arg("path", path)
-    if target.is_dir():
-        raise IsADirectoryError(f"path: '{target}' is a folder; give a file name, e.g. '{target / 'run.parquet'}'")
-    codecs = [c for c in ("zstd", "snappy", "gzip", "brotli", "lz4") if pa.Codec.is_available(c)]
-    if compression is not None and (not isinstance(compression, str) or compression.lower() not in {*codecs, "none"}):
-        raise ValueError(f"compression must be None or one of {[*codecs, 'none']}, got {compression!r}")
-    footer = _footer(metadata, table.num_rows > 0)
-    table = table.replace_schema_metadata({**(table.schema.metadata or {}), META_RUN: footer})
-    if table.num_rows:
-        generation = table.column("generation").to_numpy()
-        table = table.append_column(GENERATIONS_COLUMN, generations_column(generation, metadata.generations))
-    width = metadata.top_k if metadata.storage == "topk" else metadata.vocab_size
-    row_bytes = max(1, width * 4 * max(1, len(metadata.stages)))
-    remove_orphans(target.parent, target.name)
-    if scratch is not None:
-        remove_orphans(scratch, target.name)
-    with atomic_path(target, scratch) as tmp:
-        pq.write_table(
-            table,
-            tmp,
-            compression=compression,
-            row_group_size=max(1, ROW_GROUP_BYTES // row_bytes),
-            use_dictionary=["generation", "sequence"],
-            write_statistics=["generation", "sequence", "step", "chosen"],
-            write_page_checksum=True,
-        )
-        fsync_path(tmp)
-    for folder in (target.parent, scratch) if scratch is not None else (target.parent,):
-        fsync_path(folder)  # the file's entry (and, in a dataset, its new partition's)
-    return target

@@ -68,6 +68,7 @@ import torch
 from processors import BatchContext, LogitsProcessor, ProcessorError, as_processor
 from processors.protocol import check_logits
 from processors.vocab import eos_token_ids
+from tracker.fs import is_url
 from tracker.hosts import TransformersHost, check_chosen, find_tokenizer
 from tracker.layout import folder_arg
 from tracker.prompt import leading_pad_mask, prompt_logprobs, prompt_rows, score_prompt
@@ -191,6 +192,12 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
     ) -> None:
         _check_arguments(processor, tokenizer, memory_limit, chunk_bytes, processor_stages, prompt_logprobs)
         if spill_dir is not None:
+            if is_url(spill_dir):
+                raise ValueError(
+                    f"spill_dir must be a local folder, got the URL {spill_dir!r}: spilled chunks are Arrow files "
+                    "memory-mapped and read back in place, which an object store cannot do; write the run to a "
+                    "URL with to_dataset() or stream_to() instead"
+                )
             folder_arg("spill_dir", spill_dir)
         self._stage_names: list[str] = []
         if processor_stages and processor is not None:

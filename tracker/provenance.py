@@ -15,7 +15,7 @@ def now() -> str:
 
 
 def new_run_id() -> str:
-    return f"{_dt.datetime.now(_dt.timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
+    return f"{_dt.datetime.now(_dt.timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:16]}"  # 64 random bits: no collision across writers
 
 
 def library_version() -> str:

@@ -52,6 +52,13 @@ class RunQueries:
         """Write the recorded run under ``root/run_id=<id>/`` (see :meth:`tracker.Run.to_dataset`)."""
         return self.run.to_dataset(root, **kwargs)
 
+    def stream_to(self, root: Any, **kwargs: Any) -> Any:
+        """A :class:`tracker.dataset.RunStream` writing this run into ``root`` part by part (``flush()`` after
+        each generation, ``close()`` at the end; also a context manager)."""
+        from tracker.dataset import RunStream
+
+        return RunStream(self, root, **kwargs)
+
     get_top_tokens = _on_run(Analysis.get_top_tokens)
     to_dataframe = _on_run(Analysis.to_dataframe)
     sequence = _on_run(Analysis.sequence)

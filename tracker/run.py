@@ -35,17 +35,17 @@ import pyarrow as pa
 
 from processors.vocab import Vocabulary
 from tracker.analysis import Analysis, stage_matrix
+from tracker.dataset import write_run
 from tracker.insight import Insight
 from tracker.layout import (
     PartialRunWarning,
     RunFileError,
-    folder_arg,
     metadata_from,
     open_layout,
     vocabulary_from,
-    write_parquet,
 )
 from tracker.rows import nonfinite_rows
+from tracker.run_file import write_parquet
 from tracker.schema import (
     GENERATIONS_COLUMN,
     META_RUN,
@@ -161,8 +161,9 @@ class Run(Insight, Analysis):
 
     # ---------------------------------------------------------------- writing
 
-    def to_parquet(self, path: str | os.PathLike[str], *, compression: str | None = "zstd") -> Path:
-        """Write the run as one Parquet file, atomically (temporary file, flushed to disk, then renamed).
+    def to_parquet(self, path: str | os.PathLike[str], *, compression: str | None = "zstd") -> str | Path:
+        """Write the run as one Parquet file, atomically (temporary file, flushed to disk, then renamed); a
+        URL (``s3://...``) is written as one upload, which its store shows only once complete.
 
         Row groups are kept small (about 8 MiB) so that reading one step back
         is cheap; value columns skip dictionary encoding; every page carries a
@@ -174,25 +175,26 @@ class Run(Insight, Analysis):
         """
         return self._write(path, compression)
 
-    def _write(self, path: str | os.PathLike[str], compression: str | None, scratch: Path | None = None) -> Path:
+    def _write(self, path: str | os.PathLike[str], compression: str | None, scratch: Path | None = None) -> str | Path:
         if not self._batches and not self.metadata.vocab_size:
             raise ValueError(
                 "nothing recorded yet: run a generation with the tracker first (an empty run is not written)"
             )
         return write_parquet(self.to_arrow(), path, self.metadata, compression=compression, scratch=scratch)
 
-    def to_dataset(self, root: str | os.PathLike[str], *, compression: str | None = "zstd") -> Path:
-        """Write the run into a Hive-partitioned folder: ``root/run_id=<id>/part-00000.parquet``.
+    def to_dataset(self, root: str | os.PathLike[str], *, compression: str | None = "zstd") -> str | Path:
+        """Write the run into a Hive-partitioned dataset: ``root/run_id=<id>/part-00000.parquet``, then the
+        run's completion marker ``_complete.json`` (see :mod:`tracker.dataset`).
 
-        The partition column is the folder name, not a file column, so
+        ``root`` is a folder or a URL (``s3://bucket/runs``, see :mod:`tracker.fs`). Any number of processes
+        may write into one dataset at once; a run is visible to readers only once its marker is written. The
+        partition column is the folder name, not a file column, so
         ``pyarrow.dataset.dataset(root, partitioning="hive")`` and DuckDB's
-        ``hive_partitioning`` add ``run_id`` to every row. Returns the file.
-        The file is written in ``root`` (hidden, then renamed into its folder):
-        an export killed midway adds no ``run_id=...`` folder, and the next
-        export into ``root`` removes what it left.
+        ``hive_partitioning`` add ``run_id`` to every row. Returns the part (its URL for a URL root).
+        Locally the part is written in ``root`` (hidden, then renamed into its folder): an export killed
+        midway adds no ``run_id=...`` folder, and the next export into ``root`` removes what it left.
         """
-        folder = folder_arg("root", root)
-        return self._write(folder / f"run_id={self.run_id}" / "part-00000.parquet", compression, scratch=folder)
+        return write_run(self, root, compression)
 
     def rescore(self, model: Any, tokenizer: Any = None, **options: Any) -> Run:
         """This run's tokens through ``model``: a new run holding its distributions at every recorded step.
@@ -227,14 +229,18 @@ class Run(Insight, Analysis):
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], run_id: str | None = None) -> Run:
-        """Load a run: a Parquet or Arrow IPC file, a run folder, a dataset root, or a spill folder.
+        """Load a run: a Parquet or Arrow IPC file, a run folder, a dataset root, or a spill folder; any
+        but a spill folder may be a URL (``s3://bucket/runs``, see :mod:`tracker.fs`).
 
         A dataset root holding several ``run_id=...`` folders, or a folder of
         separate run files, needs ``run_id`` (runs are never merged); a
         ``run_id`` that is not at ``path`` is a ValueError.
         No model and no tokenizer are needed: the vocabulary is in the file.
-        A spill folder holds only the rows that had spilled to disk: loading
-        one warns (:class:`~tracker.layout.PartialRunWarning`).
+        A spill folder holds only the rows that had spilled to disk, and a
+        ``run_id=`` folder without its ``_complete.json`` only the parts
+        written so far: loading either warns
+        (:class:`~tracker.layout.PartialRunWarning`). A dataset root shows only
+        its complete runs.
         FileNotFoundError when nothing is at ``path``; :class:`RunFileError`
         naming the file and the fault when it is not a readable run (see
         :mod:`tracker.layout`).

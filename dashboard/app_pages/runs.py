@@ -33,20 +33,62 @@ if not summaries:
     st.stop()
 
 good = [s for s in summaries if s.error is None]
+#: Rows of the table at once: a dataset of 10,000 runs is shown a page at a time.
+PAGE_ROWS = 100
+if len(good) > 1:
+    filters = st.columns([1, 1, 1, 1])
+    model = filters[0].text_input("Model", key="runs_model", placeholder="any model")
+    title = filters[1].text_input("Title", key="runs_title", placeholder="any title")
+    processor = filters[2].text_input("Processor", key="runs_processor", placeholder="any processor")
+    dates = sorted({s.created_at[:10] for s in good if s.created_at})
+    since = filters[3].selectbox(
+        "Recorded on or after", [""] + dates, key="runs_since", format_func=lambda d: d or "any date"
+    )
+    good = [
+        s
+        for s in good
+        if model.lower() in s.model.lower()
+        and title.lower() in (s.title or s.label).lower()
+        and processor.lower() in s.processors.lower()
+        and (not since or s.created_at[:10] >= since)
+    ]
+pages = max(1, -(-len(good) // PAGE_ROWS))
+page = 1
+if pages > 1:
+    page = int(st.number_input(f"Page (of {pages:,}; {len(good):,} runs)", 1, pages, 1, key="runs_page"))
+shown = good[(page - 1) * PAGE_ROWS : page * PAGE_ROWS]
+if st.session_state.get("runs_shown") != [s.path for s in shown]:
+    st.session_state["runs_shown"] = [s.path for s in shown]  # the sidebar's pickers offer them next
+
+
+def _open_picked() -> None:
+    if st.session_state.get("runs_pick"):
+        st.session_state["run"] = st.session_state["runs_pick"]
+
+
+if len(summaries) > PAGE_ROWS:  # the sidebar's picker is long: pick from this page's runs here
+    by_path = st.session_state.get("summaries", {})
+    st.selectbox(
+        "Open a run of this page",
+        [""] + [s.path for s in shown],
+        key="runs_pick",
+        on_change=_open_picked,
+        format_func=lambda p: "—" if not p else f"{by_path[p].title or by_path[p].label}  ·  {by_path[p].label}",
+    )
 table = pd.DataFrame(
     {
-        "run": [s.title or s.label for s in good],
-        "file": [s.label for s in good],
-        "prompt": [s.prompt for s in good],
-        "model": [s.model for s in good],
-        "processors": [s.processors for s in good],
-        "sampling": [s.sampling for s in good],
-        "steps": [s.steps for s in good],
-        "sequences": [s.sequences for s in good],
-        "generations": [s.generations for s in good],
-        "date": [s.created_at.replace("T", " ")[:16] for s in good],
-        "storage": [s.storage for s in good],
-        "MB": [round(s.size_bytes / 2**20, 2) for s in good],
+        "run": [s.title or s.label for s in shown],
+        "file": [s.label for s in shown],
+        "prompt": [s.prompt for s in shown],
+        "model": [s.model for s in shown],
+        "processors": [s.processors for s in shown],
+        "sampling": [s.sampling for s in shown],
+        "steps": [s.steps for s in shown],
+        "sequences": [s.sequences for s in shown],
+        "generations": [s.generations for s in shown],
+        "date": [s.created_at.replace("T", " ")[:16] for s in shown],
+        "storage": [s.storage for s in shown],
+        "MB": [round(s.size_bytes / 2**20, 2) for s in shown],
     }
 )
 narrow = st.column_config.Column(width="small")
