@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -44,6 +45,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         reasons = [str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")]
         if any(r.startswith("needs CUDA") or r.startswith("needs a CUDA device") for r in reasons):
             item.add_marker(pytest.mark.cuda)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _run_index_cache(tmp_path_factory):
+    """Dataset listings keep what they read of run markers in a cache folder: the tests' own, not the user's."""
+    folder = tmp_path_factory.mktemp("run-index")
+    previous = os.environ.get("LOGITSCOPE_CACHE")
+    os.environ["LOGITSCOPE_CACHE"] = str(folder)
+    yield
+    if previous is None:
+        os.environ.pop("LOGITSCOPE_CACHE", None)
+    else:
+        os.environ["LOGITSCOPE_CACHE"] = previous
 
 
 @pytest.fixture(scope="session")

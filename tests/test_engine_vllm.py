@@ -15,6 +15,7 @@ from test_tracker_support import byte_tokenizer
 
 from tracker import Run
 from tracker.block import stage_matrix
+from tracker.dataset import list_runs
 
 pytestmark = pytest.mark.engines
 
@@ -227,7 +228,9 @@ def test_each_finished_request_is_its_own_part_read_while_the_server_runs(vllm, 
     server.step(["greedy"], [("seeded", params["seeded"], [9, 9])], None)  # "seeded" takes greedy's row
     server.tracker.flush()
     folder = tmp_path / f"run_id={server.tracker.run_id}"
-    assert [p.name for p in folder.iterdir()] == ["part-000000000.parquet"]
+    assert sorted(p.name for p in folder.iterdir()) == ["_complete.json", "part-000000000.parquet"]
+    [entry] = list_runs(tmp_path)  # listed (the dashboard's run browser) while the server runs
+    assert entry.run_id == server.tracker.run_id and entry.summary["generations"] == 1
     so_far = Run.load(tmp_path)
     assert [g["request_id"] for g in so_far.metadata.generations] == ["greedy"]
     assert so_far.metadata.generations[0]["prompt_ids"] == [[3, 4]]
@@ -240,7 +243,9 @@ def test_each_finished_request_is_its_own_part_read_while_the_server_runs(vllm, 
     server.batch.condense()
     server.batch.refresh_metadata()
     server.tracker.flush()
-    assert len(list(folder.iterdir())) == 3
+    assert len(list(folder.glob("part-*.parquet"))) == 3
+    [entry] = list_runs(tmp_path)  # the run grew: its marker lists every part so far
+    assert entry.summary["generations"] == 3 and entry.summary["growing"]
     recorded = _by_request(Run.load(tmp_path))
     for request_id in ("greedy", "late", "seeded"):
         received = np.stack(server.received[request_id])

@@ -43,7 +43,7 @@ from tracker.layout import folder_arg
 from tracker.marker import COMPLETE, complete_runs, is_partition, read_marker
 from tracker.spill import atomic_path, fsync_path
 
-__all__ = ["COMPLETE", "RunEntry", "RunStream", "list_runs", "write_run", "run_summary"]
+__all__ = ["COMPLETE", "RunEntry", "RunStream", "list_runs", "write_run", "write_marker", "run_summary"]
 
 _PROMPT_CHARS = 300
 
@@ -102,7 +102,28 @@ def run_summary(run: Any) -> dict[str, Any]:
 
 def _write_marker(fs: pafs.FileSystem, folder: str, run: Any, parts: list[str], nbytes: int) -> str:
     """Write the run's :data:`COMPLETE` (its last write: the run becomes visible); returns its path."""
-    body = {"run_id": run.run_id, "parts": parts, "bytes": nbytes, "summary": run_summary(run)}
+    return write_marker(fs, folder, run.run_id, parts, nbytes, run_summary(run))
+
+
+def write_marker(
+    fs: pafs.FileSystem,
+    folder: str,
+    run_id: str,
+    parts: list[str],
+    nbytes: int,
+    summary: dict[str, Any],
+    *,
+    growing: bool = False,
+) -> str:
+    """Write (or replace) the :data:`COMPLETE` marker of the run in ``folder``; returns its path.
+
+    ``growing`` marks a run that its one writer keeps extending (a serving engine writes each ended request
+    as a part, then replaces the marker with one listing every part so far): readers see each version whole
+    (a rename on a local disk, one upload on an object store), and :func:`list_runs` does not cache it.
+    """
+    body = {"run_id": run_id, "parts": parts, "bytes": nbytes, "summary": summary}
+    if growing:
+        body["growing"] = True
     raw = json.dumps(body, separators=(",", ":"), default=str).encode()
     target = f"{folder}/{COMPLETE}"
     if isinstance(fs, pafs.LocalFileSystem):
@@ -184,8 +205,9 @@ def list_runs(root: str | os.PathLike[str], *, threads: int = 16, cache: bool = 
         except ValueError as exc:
             raise ValueError(f"'{shown}/{name}/{COMPLETE}' is a damaged completion marker: {exc}") from exc
         summary = marker.get("summary") if isinstance(marker.get("summary"), dict) else {}
-        return {**summary, "bytes": marker.get("bytes", 0)}
+        return {**summary, "bytes": marker.get("bytes", 0), "growing": marker.get("growing") is True}
 
+    known = {n: v for n, v in known.items() if isinstance(v, dict) and not v.get("growing")}  # growing: read again
     if isinstance(fs, pafs.LocalFileSystem) or threads <= 1 or len(names) - len(known) < 8:
         summaries = [read(n) for n in names]
     else:
@@ -195,7 +217,8 @@ def list_runs(root: str | os.PathLike[str], *, threads: int = 16, cache: bool = 
         with contextlib.suppress(OSError):  # a cache that cannot be written is only slower next time
             index_file.parent.mkdir(parents=True, exist_ok=True)
             with atomic_path(index_file) as tmp:
-                tmp.write_text(json.dumps(dict(zip(names, summaries)), separators=(",", ":"), default=str))
+                done = {n: v for n, v in zip(names, summaries) if not v.get("growing")}
+                tmp.write_text(json.dumps(done, separators=(",", ":"), default=str))
     return [RunEntry(n.split("=", 1)[1], f"{shown}/{n}", s) for n, s in zip(names, summaries)]
 
 

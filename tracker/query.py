@@ -18,8 +18,8 @@ their statistics (others are loaded one at a time and their statistics computed 
 per step, ``k`` rows per step and stage for candidates), never more than one run's values.
 
 Runs are listed through :func:`tracker.fs.resolve` (any filesystem pyarrow or fsspec serves): a file is
-one run; a folder holding ``run_id=...`` folders is a dataset (each folder holding a Parquet part is a
-run); any other folder's ``.parquet``/``.arrow`` files are runs, grouped by their run id. DuckDB only
+one run; a folder holding ``run_id=...`` folders is a dataset (each folder holding its completion marker
+is a run, read for the parts the marker lists; a run still being written is left out); any other folder's ``.parquet``/``.arrow`` files are runs, grouped by their run id. DuckDB only
 reads the tables handed to it from Python: its own file and network access is switched off, with the
 download of extensions, and the setting locked, so a query can neither read nor write anything else.
 """
@@ -49,6 +49,7 @@ from tracker.layout import (
     metadata_from,
     vocabulary_from,
 )
+from tracker.marker import COMPLETE, complete_runs, read_marker
 from tracker.run import Run
 from tracker.schema import GENERATIONS_COLUMN, META_RUN, META_VOCAB, STAT_COLUMNS, RunMetadata, check_columns
 from tracker.schema import generations_from_column as _generations
@@ -206,8 +207,23 @@ def _run_files(fs: pafs.FileSystem, folder: str) -> list[str]:
     )
 
 
-def list_runs(location: str | os.PathLike[str]) -> list[_Source]:
-    """Every run at ``location`` (see the module docstring), sorted by run id; NoRunError when none is there."""
+def _marked_parts(fs: pafs.FileSystem, folder: str) -> list[str]:
+    """The parts a complete run's marker lists (a part written after its marker, or left by a failed write,
+    is not the run's)."""
+    with fs.open_input_stream(f"{folder}/{COMPLETE}") as f:
+        raw = f.read()
+    try:
+        return [f"{folder}/{name}" for name in read_marker(raw)["parts"]]
+    except ValueError as exc:
+        raise RunFileError(f"{folder}/{COMPLETE}", f"a damaged completion marker: {exc}") from exc
+
+
+def find_sources(location: str | os.PathLike[str]) -> list[_Source]:
+    """Every run at ``location`` (see the module docstring), sorted by run id; NoRunError when none is there.
+
+    In a dataset only complete runs count (a ``run_id=...`` folder holding its completion marker, read for
+    the parts it lists, as :func:`tracker.dataset.list_runs` lists them): a run still being written is left out.
+    """
     fs, path = resolve(location)
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.NotFound:
@@ -215,14 +231,18 @@ def list_runs(location: str | os.PathLike[str]) -> list[_Source]:
     if info.type == pafs.FileType.File:
         return _sources_of(fs, [path])
     entries = fs.get_file_info(pafs.FileSelector(path))
-    # a run_id= folder is a run when it holds a Parquet part (as tracker.layout.is_partition says)
-    partitions = sorted(
-        e.path for e in entries if e.type == pafs.FileType.Directory and e.base_name.startswith("run_id=")
-    )
-    files = [f for folder in partitions for f in _run_files(fs, folder) if f.endswith(PARQUET_SUFFIXES)]
-    files = files or _run_files(fs, path)
+    partitions = [e for e in entries if e.type == pafs.FileType.Directory and e.base_name.startswith("run_id=")]
+    complete = complete_runs(fs, path)
+    files = [f for name in complete for f in _marked_parts(fs, f"{path.rstrip('/')}/{name}")]
+    if not partitions:
+        files = _run_files(fs, path)
     if not files:
-        raise NoRunError(location, "the folder holds no run files (.parquet, .arrow) and no run_id=... folders")
+        reason = (
+            "its run_id=... folders hold no complete run yet (no completion marker)"
+            if partitions
+            else "the folder holds no run files (.parquet, .arrow) and no run_id=... folders"
+        )
+        raise NoRunError(location, reason)
     return sorted(_sources_of(fs, files), key=lambda s: s.metadata.run_id)
 
 
@@ -371,4 +391,4 @@ def open_dataset(location: str | os.PathLike[str], *, k: int = 10) -> Dataset:
     :class:`~tracker.layout.RunFileError` naming a file that is not a readable run.
     """
     k = count_arg("k", k)
-    return Dataset(str(location), list_runs(location), k)
+    return Dataset(str(location), find_sources(location), k)

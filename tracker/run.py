@@ -171,7 +171,7 @@ class Run(Insight, Analysis):
         column; the rest of the run metadata must fit
         :data:`~tracker.schema.MAX_METADATA_BYTES` (ValueError otherwise).
         Temporary files a killed export left beside ``path`` are removed
-        first. Returns the path. (The file's layout: :func:`tracker.layout.write_parquet`.)
+        first. Returns the path. (The file's layout: :func:`tracker.run_file.write_parquet`.)
         """
         return self._write(path, compression)
 

@@ -4,9 +4,10 @@ Serving engines (vLLM, SGLang) sample in a worker process, far from the
 user, and keep requests for as long as the server lives. So each tracked
 request gets its own :class:`~tracker.LogitTrackingProcessor` recording (its
 rows are freed when it ends), and each ended request is written, atomically,
-as ``<runs>/run_id=<run>/part-<generation>.parquet``: :meth:`tracker.Run.load`
-and the dashboard read every part written so far as one run while the server
-keeps running. Writing happens on a background thread, never in the engine's
+as ``<runs>/run_id=<run>/part-<generation>.parquet``, then the run's completion
+marker is replaced by one listing every part so far (marked growing, see
+:func:`tracker.dataset.write_marker`): :meth:`tracker.Run.load`, the dashboard
+and ``logitscope query`` read those parts as one run while the server keeps running. Writing happens on a background thread, never in the engine's
 step.
 
 Options a request may give (engine-independent; see the engines' modules for
@@ -38,12 +39,15 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import torch
 
 from processors import BatchContext
-from tracker.layout import folder_arg, write_parquet
+from tracker.dataset import run_summary, write_marker
+from tracker.layout import folder_arg
 from tracker.processor import LogitTrackingProcessor
 from tracker.recorder import StepRows
+from tracker.run_file import write_parquet
 from tracker.run_metadata import new_run_id, now
 
 __all__ = ["RequestOptions", "RequestRecording", "PartWriter", "OPTION_KEYS", "STORAGES"]
@@ -197,6 +201,7 @@ class PartWriter:
         self.root = folder_arg("runs", root)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logitscope-parts")
         self._pending: list[Future[Path]] = []
+        self._runs: dict[str, dict[str, Any]] = {}  # per run: its parts, bytes and summary so far (the thread's)
         self._lock = threading.Lock()
         atexit.register(self.flush, raise_errors=False)
 
@@ -209,10 +214,33 @@ class PartWriter:
     def _write(self, recording: RequestRecording, run_id: str, generated: int) -> Path:
         try:
             table, metadata = recording.table(run_id, generated)
-            path = self.root / f"run_id={run_id}" / f"part-{recording.generation.id:09d}.parquet"
-            return write_parquet(table, path, metadata, scratch=self.root)
+            summary = run_summary(recording.tracker.run)
+            folder = self.root / f"run_id={run_id}"
+            path = write_parquet(
+                table, folder / f"part-{recording.generation.id:09d}.parquet", metadata, scratch=self.root
+            )
+            self._mark(folder, run_id, Path(path), summary)
+            return path
         finally:
             recording.close()
+
+    def _mark(self, folder: Path, run_id: str, part: Path, summary: dict[str, Any]) -> None:
+        """Replace the run's completion marker with one listing every part so far (this writer's thread only):
+        the run is listed, and grows, while the server runs."""
+        seen = self._runs.get(run_id)
+        if seen is None:
+            seen = self._runs[run_id] = {"parts": [], "bytes": 0, "summary": dict(summary, generations=0, rows=0)}
+        total = seen["summary"]
+        seen["parts"].append(part.name)
+        seen["bytes"] += part.stat().st_size
+        for key in ("steps", "sequences"):
+            total[key] = max(int(total.get(key) or 0), int(summary.get(key) or 0))
+        total["rows"] += int(summary.get("rows") or 0)
+        total["generations"] += 1
+        total["prompt"] = summary.get("prompt", "")
+        write_marker(
+            pafs.LocalFileSystem(), str(folder), run_id, list(seen["parts"]), seen["bytes"], total, growing=True
+        )
 
     def flush(self, raise_errors: bool = True) -> list[Path]:
         """Wait for every part asked for so far; the paths written. Raises the first failure (once)."""
