@@ -9,13 +9,20 @@ from __future__ import annotations
 import argparse
 from typing import Any, NoReturn
 
-__all__ = ["fail", "positive_int", "port", "device"]
+__all__ = ["fail", "refuse", "positive_int", "port", "device"]
 
 
 def fail(parser: argparse.ArgumentParser, argument: str | None, message: Any) -> NoReturn:
     """Exit with the subcommand's usage and one line: ``argument X: message`` (status 2)."""
     text = " ".join(str(message).split())  # library messages may span lines (grammar carets): keep one line
     parser.error(f"argument {argument}: {text}" if argument else text)
+
+
+def refuse(parser: argparse.ArgumentParser, argument: str | None, message: Any) -> NoReturn:
+    """Exit with one line, ``logitscope CMD: error: argument X: message`` (status 2), without the usage:
+    for a well-formed argument the world refuses (a taken port, a pattern the grammar engine rejects)."""
+    text = " ".join(str(message).split())
+    parser.exit(2, f"{parser.prog}: error: {f'argument {argument}: {text}' if argument else text}\n")
 
 
 def positive_int(text: str) -> int:
