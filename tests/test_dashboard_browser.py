@@ -7,12 +7,14 @@ No tool here downloads a browser: the binaries are given by path.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import subprocess
 import threading
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -126,6 +128,7 @@ def browser(tmp_path_factory):
         "--hide-scrollbars",
     ):
         options.add_argument(argument)
+    options.set_capability("goog:loggingPrefs", {"performance": "ALL"})  # the network log, see _requests
     os.environ.setdefault("SE_OFFLINE", "true")  # selenium's manager must not fetch anything
     driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
     yield driver
@@ -211,3 +214,40 @@ def test_a_markdown_image_in_a_run_title_is_shown_as_text_and_fetches_nothing(se
     )
     assert not _errors(browser)
     assert requests == [], f"the page fetched {requests} from the run's text"
+
+
+def _requests(browser) -> list[str]:
+    """The URLs the page requested since the log was last read (Chromium's performance log: DevTools' network events)."""
+    urls = []
+    for entry in browser.get_log("performance"):
+        message = json.loads(entry["message"])["message"]
+        if message["method"] in ("Network.requestWillBeSent", "Network.webSocketCreated"):
+            params = message["params"]
+            urls.append(params["request"]["url"] if "request" in params else params["url"])
+    return urls
+
+
+@pytest.mark.parametrize("page", ["", "overview", "replay", "compare"])
+def test_no_page_makes_a_request_outside_127_0_0_1(server, browser, page):
+    """A local debugging tool fetches nothing from the internet: no icon font, favicon, telemetry or image."""
+    browser.get_log("performance")  # what earlier tests loaded is not this page's
+    browser.get("about:blank")
+    browser.get(f"{server}/{page}?run=alpha.parquet&compare=hostile.parquet")
+    WebDriverWait(browser, 60, poll_frequency=0.25).until(
+        lambda d: (
+            "Alpha" in d.find_element(By.TAG_NAME, "main").text
+            and not d.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]')
+        )
+    )
+    time.sleep(2.0)  # fonts, icons and images are requested after the first paint
+    urls = _requests(browser)
+    assert any(url.startswith(server) for url in urls), "the network log recorded nothing: it is not being read"
+    outside = [
+        url
+        for url in urls
+        # data: and blob: stay in the page; chrome: is the browser's own new-tab page, before ours
+        if urllib.parse.urlsplit(url).scheme not in ("data", "blob", "about", "chrome")
+        and urllib.parse.urlsplit(url).hostname != "127.0.0.1"
+    ]
+    assert outside == [], f"the {page or 'Runs'} page asked for {outside}"
+    assert not _errors(browser)

@@ -21,8 +21,7 @@ if summary_b.vocab_size != picked.summary.vocab_size:
     st.error(
         f"**{text.md_text(summary_b.label)}** has a vocabulary of {summary_b.vocab_size:,} tokens and "
         f"**{text.md_text(picked.summary.label)}** of {picked.summary.vocab_size:,}: only runs of one vocabulary "
-        "compare (the same tokenizer). Pick another run under *Compare with*.",
-        icon=":material/error:",
+        "compare (the same tokenizer). Pick another run under *Compare with*."
     )
     st.stop()
 
