@@ -42,6 +42,7 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 TOKENS = ["a", " b", "c", "d", "e", "<eos>"]
+BARE_LINKS = "https://example.invalid/page www.example.invalid someone@example.invalid"
 
 
 def _free_port() -> int:
@@ -90,6 +91,9 @@ def server(tmp_path_factory, beacon):
     )
     meta = replace(hostile.metadata, model=f"![model]({url}/model.png)", processors=f"```\n![p]({url}/processors.png)")
     type(hostile)(hostile.to_arrow().to_batches(), meta, hostile.vocab).to_parquet(folder / "hostile.parquet")
+    links = hand_made_run(natural[:1], chosen[:1], TOKENS, eos_token_id=5, title=f"Links {BARE_LINKS}")
+    meta = replace(links.metadata, model="https://example.invalid/model")
+    type(links)(links.to_arrow().to_batches(), meta, links.vocab).to_parquet(folder / "links.parquet")
     port = _free_port()
     log = open(folder / "server.log", "wb")
     process = subprocess.Popen(streamlit_command(port), env=streamlit_env(folder), stdout=log, stderr=subprocess.STDOUT)
@@ -207,7 +211,7 @@ def test_a_markdown_image_in_a_run_title_is_shown_as_text_and_fetches_nothing(se
     )
     time.sleep(1.0)  # give any image the page might load time to be requested
     main = browser.find_element(By.TAG_NAME, "main")
-    assert f"![pixel]({url}/title.png) **loud**" in main.text
+    assert f"![pixel]({url}/title.png) **loud**" in main.text.replace("\u2060", "")
     assert not main.find_elements(By.CSS_SELECTOR, f'img[src^="{url}"]')
     assert not main.find_elements(By.TAG_NAME, "strong") or all(
         "loud" not in e.text for e in main.find_elements(By.TAG_NAME, "strong")
@@ -250,4 +254,23 @@ def test_no_page_makes_a_request_outside_127_0_0_1(server, browser, page):
         and urllib.parse.urlsplit(url).hostname != "127.0.0.1"
     ]
     assert outside == [], f"the {page or 'Runs'} page asked for {outside}"
+    assert not _errors(browser)
+
+
+@pytest.mark.parametrize("page", ["", "replay"])
+def test_bare_urls_in_a_title_and_metadata_are_plain_text_not_links(server, browser, page):
+    browser.get(f"{server}/{page}?run=links.parquet")
+    WebDriverWait(browser, 60, poll_frequency=0.25).until(
+        lambda d: (
+            "Links" in d.find_element(By.TAG_NAME, "main").text
+            and not d.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]')
+        )
+    )
+    main = browser.find_element(By.TAG_NAME, "main")
+    shown = main.text.replace("\u2060", "")  # the invisible word joiner that keeps Markdown from linking them
+    assert BARE_LINKS in shown
+    if not page:  # the Runs page shows the picked run's model too
+        assert "https://example.invalid/model" in shown
+    links = [a.get_attribute("href") for a in main.find_elements(By.TAG_NAME, "a")]
+    assert not [href for href in links if href and "example.invalid" in href], links
     assert not _errors(browser)
