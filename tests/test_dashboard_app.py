@@ -236,6 +236,21 @@ def test_compare_lines_two_runs_up_by_step_and_says_where_they_diverge(runs):
     assert "rgba(228,87,86,0.25)" in right and "e&lt;eos&gt;" in right
 
 
+def test_compare_with_no_second_run_opens_on_the_next_sequence_never_on_a_itself(runs):
+    at = _app(runs, "compare")
+    _ok(at)
+    # alpha, generation 0: sequence 0 against sequence 1 (they part at step 2), not against itself
+    assert (at.selectbox(key="b_generation").value, at.selectbox(key="b_sequence").value) == (0, 1)
+    assert not at.success and "diverge at step 2" in _plain(at.warning[0].value)
+    at.sidebar.selectbox(key="sequence").set_value(1).run()  # A moves onto B: B moves on, to generation 1
+    assert (at.selectbox(key="b_generation").value, at.selectbox(key="b_sequence").value) == (1, 0)
+    assert not at.success
+    at = _pick(_app(runs, "compare"), "beta.parquet", runs)  # one sequence: nothing else in it to compare with
+    _ok(at)
+    assert not at.success and "pick a second run under *Compare with*" in at.info[0].value
+    assert not at.get("plotly_chart")
+
+
 def test_a_long_run_is_read_by_step_and_by_window(runs, monkeypatch):
     at = _app(runs)
     at = _pick(at, "long.parquet", runs)

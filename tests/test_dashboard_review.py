@@ -324,12 +324,13 @@ def test_compare_counts_tokens_in_words(runs):
     at = _pick(at, "other.parquet", runs, key="run_b")
     _ok(at)
     assert "The two sequences diverge at step 0: A chose b, B chose c." in _texts(at)
-    at.sidebar.selectbox(key="run_b").set_value("").run()
-    assert "The two sequences are the same: 3 tokens, identical." in _texts(at)
+    at.sidebar.selectbox(key="run_b").set_value("").run()  # B: the run's other sequence, never A again
+    assert "The two sequences agree on their first 1 token and diverge at step 1" in _texts(at)
 
 
 def test_compare_names_the_stages_as_the_other_pages_do(stages_run):
     at = _app(stages_run, "compare")
+    at = _pick(at, "two_processors.parquet", stages_run, key="run_b")  # the run has one sequence: B is asked for
     _ok(at)
     options = [_plain(o) for o in at.radio(key="compare_stage").options]
     assert "after:penalties" in options and "after the constraint" not in options

@@ -58,6 +58,7 @@ def test_replay_lets_the_user_pick_stages(root):
 
 def test_compare_shows_distances_from_tracker_compare(root):
     at = _page(root, "compare")
+    at.sidebar.selectbox(key="run_b").set_value(str(root / SAMPLE)).run()  # one sequence: B is asked for
     distance = [c for c in at.get("plotly_chart") if "Distance between A and B" in c.proto.spec]
     assert distance, "no distance chart"
     assert "after:regex" in _names(distance[0])
