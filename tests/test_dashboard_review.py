@@ -290,6 +290,14 @@ def test_the_query_string_follows_the_run_and_the_step(runs):
     assert at.query_params.get("run") == "other.parquet" and "step" not in at.query_params
 
 
+@pytest.mark.parametrize("step", ["²", "٣", "-1", "1e3", "2 "])
+def test_a_link_s_step_that_is_not_a_number_says_so_and_shows_step_0(runs, step):
+    at = _app(runs, "replay", query={"run": "three.parquet", "step": step})
+    _ok(at)
+    assert at.session_state["step"] == 0 and at.slider(key="step_slider").value == 0
+    assert f"The link's step, {step!r}, is not a number: showing step 0." in [_plain(w.value) for w in at.warning]
+
+
 # 9 ------------------------------------------------------------------ whitespace tokens in the numbers
 
 
