@@ -274,3 +274,40 @@ def test_bare_urls_in_a_title_and_metadata_are_plain_text_not_links(server, brow
     links = [a.get_attribute("href") for a in main.find_elements(By.TAG_NAME, "a")]
     assert not [href for href in links if href and "example.invalid" in href], links
     assert not _errors(browser)
+
+
+def test_the_runs_table_shows_length_and_date_without_scrolling_at_1400_px(server, browser):
+    """The browser window is 1,400 px wide: the Runs table fits it, its steps and date columns in view."""
+    browser.get(f"{server}/?run=alpha.parquet")
+    WebDriverWait(browser, 60, poll_frequency=0.25).until(
+        lambda d: (
+            d.find_elements(By.CSS_SELECTOR, '[data-testid="stDataFrame"] .dvn-scroller')
+            and not d.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]')
+        )
+    )
+    time.sleep(1.0)  # the grid sizes its columns after the first paint
+    scroller = browser.find_element(By.CSS_SELECTOR, '[data-testid="stDataFrame"] .dvn-scroller')
+    scroll, client = (int(scroller.get_attribute(a)) for a in ("scrollWidth", "clientWidth"))
+    assert browser.execute_script("return window.innerWidth") == 1400
+    assert scroll <= client + 1, f"the table is {scroll} px wide in a {client} px frame: it scrolls sideways"
+    # every column is in view, so its steps and date are (tests/test_dashboard_app.py checks the columns)
+
+
+@pytest.mark.parametrize("page", ["overview", "replay"])
+def test_no_metric_label_is_cut_in_a_laptop_window(server, browser, page):
+    """A 1,100 px window, the sidebar open: each number's label is whole (the details are in its help)."""
+    browser.set_window_size(1100, 1300)
+    try:
+        _load(browser, f"{server}/{page}?run=alpha.parquet", 1)
+        time.sleep(0.5)
+        labels = browser.find_elements(By.CSS_SELECTOR, '[data-testid="stMetricLabel"]')
+        assert labels, "no metric on the page"
+        cut = [
+            label.text
+            for label in labels
+            for inner in [label, *label.find_elements(By.CSS_SELECTOR, "*")]
+            if int(inner.get_attribute("scrollWidth")) > int(inner.get_attribute("clientWidth")) + 1
+        ]
+    finally:
+        browser.set_window_size(1400, 1300)
+    assert cut == [], f"labels cut short: {cut}"

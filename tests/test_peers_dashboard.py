@@ -72,4 +72,4 @@ def test_overview_reports_prompt_and_generation_perplexity(root):
     at = _page(root, "overview")
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["Prompt perplexity"] == f"{expected['prompt_perplexity'][0]:.2f}"
-    assert metrics["Perplexity (model, steps shown)"] == f"{expected['perplexity_natural'][0]:.2f}"
+    assert metrics["Perplexity"] == f"{expected['perplexity_natural'][0]:.2f}"
