@@ -51,6 +51,32 @@ def test_perplexity_is_exp_of_the_mean_negative_logprob(tiny_model, char_tokeniz
         assert table["tokens"][row] == 8
 
 
+def test_perplexity_is_the_last_generation_by_default_and_every_one_with_none(tiny_model, char_tokenizer):
+    gen = add_tracking(Generator(tiny_model, char_tokenizer), prompt_logprobs=True)
+    for seed in (1, 2):
+        gen.generate(PROMPTS, SamplingParams(temperature=1.0, seed=seed, max_new_tokens=6, ignore_eos=True))
+    run = gen.logits_processor.run
+    last, every = run.perplexity(), run.perplexity(generation=None)
+    assert list(last["generation"]) == [1, 1] and list(every["generation"]) == [0, 0, 1, 1]
+    assert list(every["sequence"]) == [0, 1, 0, 1]
+    for g in (0, 1):
+        np.testing.assert_array_equal(
+            every[every["generation"] == g].reset_index(drop=True), run.perplexity(generation=g)
+        )
+
+
+def test_a_certain_token_has_surprisal_zero_not_minus_zero(tiny_model, char_tokenizer):
+    """Greedy decoding records a sampled stage of probability 1: its surprisal prints as 0.0, never -0.0."""
+    gen = add_tracking(Generator(tiny_model, char_tokenizer), prompt_logprobs=True)
+    gen.generate(PROMPTS, SamplingParams(max_new_tokens=4))
+    run = gen.logits_processor.run
+    surprisal = run.stats()["surprisal_sampled"]
+    assert (surprisal == 0).all() and not np.signbit(surprisal.to_numpy()).any()
+    assert "-0.0" not in run.stats().to_string()
+    prompt = run.prompt_logprobs()["surprisal"].to_numpy()
+    assert not np.signbit(prompt[~np.isnan(prompt)]).any()
+
+
 def test_without_the_option_the_prompt_has_no_values(tiny_model, char_tokenizer):
     gen = add_tracking(Generator(tiny_model, char_tokenizer))
     gen.generate("abc", SamplingParams(max_new_tokens=3))
