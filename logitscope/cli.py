@@ -360,7 +360,9 @@ def cmd_dashboard(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             f"the shipped sample runs are missing from '{path}'; give a PATH "
             "(record runs with `logitscope demo --out FOLDER`)",
         )
-    return serve(path, _serving_port(args, parser), open_browser=not args.no_browser, allow_any_path=args.allow_any_path)
+    return serve(
+        path, _serving_port(args, parser), open_browser=not args.no_browser, allow_any_path=args.allow_any_path
+    )
 
 
 # ---------------------------------------------------------------- the parser

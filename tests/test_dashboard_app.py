@@ -109,7 +109,9 @@ def test_the_run_browser_lists_runs_with_their_details_and_names_bad_files(runs)
     assert table["run"].tolist() == ["Alpha", "Beta", "synthetic 240 steps x 2,048 tokens"]
     assert table["steps"].tolist() == [4, 4, 240] and table["sequences"].tolist() == [2, 1, 1]
     assert table["prompt"].tolist()[0] == "a" and table["date"].str.match(r"\d{4}-\d\d-\d\d \d\d:\d\d$").all()
-    assert any("**Holds** 2 generation(s) of up to 2 sequence(s), up to 4 steps" in _plain(m.value) for m in at.markdown)
+    assert any(
+        "**Holds** 2 generation(s) of up to 2 sequence(s), up to 4 steps" in _plain(m.value) for m in at.markdown
+    )
     assert table["processors"].tolist()[1] == "none" and "temperature=0.0" in table["sampling"].tolist()[0]
     errors = " ".join(_plain(e.value) for e in at.error)
     assert "**future.parquet** cannot be shown" in errors and "schema version '2.0'" in errors
