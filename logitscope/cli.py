@@ -27,9 +27,10 @@ from typing import Any
 from logitscope import __version__, inspect_run
 from logitscope.cli_args import device as _device
 from logitscope.cli_args import fail as _fail
-from logitscope.cli_args import port as _port
 from logitscope.cli_args import positive_int as _positive_int
 from logitscope.cli_args import refuse as _refuse
+from logitscope.cli_args import serving_options as _serving_options
+from logitscope.cli_args import serving_port as _serving_port
 
 STORAGE_MODES = ("float32", "float16", "bfloat16", "topk")
 DEMO_MODEL_NAME = "logitscope demo model"
@@ -297,19 +298,6 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             shutil.rmtree(out, ignore_errors=True)
 
 
-def _serving_port(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """The port to serve on, checked before anything is recorded: ``--port N`` as asked or a one-line
-    refusal when it is taken; without it, 8501 or the next free port (said when not 8501)."""
-    from dashboard.serve import PortTakenError, choose_port, say_port
-
-    try:
-        port = choose_port(args.port)
-    except PortTakenError as exc:
-        _refuse(parser, "--port" if args.port is not None else None, exc)
-    say_port(args.port, port)
-    return port
-
-
 def _demo(args: argparse.Namespace, out: Path, parser: argparse.ArgumentParser) -> int:
     if args.no_serve:
         _record_demo(args, out)
@@ -366,19 +354,6 @@ def cmd_dashboard(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
 
 # ---------------------------------------------------------------- the parser
-
-
-def _serving_options(command: argparse.ArgumentParser) -> None:
-    command.add_argument(
-        "--port",
-        type=_port,
-        default=None,
-        help="local port; a taken one is refused (default: 8501, or the next free port when 8501 is taken); "
-        "the server listens on 127.0.0.1 only",
-    )
-    command.add_argument(
-        "--no-browser", action="store_true", help="do not open a browser (none is opened where none can be)"
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:

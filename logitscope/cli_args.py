@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, NoReturn
 
-__all__ = ["fail", "refuse", "positive_int", "port", "device"]
+__all__ = ["fail", "refuse", "positive_int", "port", "device", "serving_options", "serving_port"]
 
 
 def fail(parser: argparse.ArgumentParser, argument: str | None, message: Any) -> NoReturn:
@@ -74,3 +74,30 @@ def device(text: str) -> str:
             raise argparse.ArgumentTypeError(f"{text!r} is not available on this machine; use cpu")
         return text
     raise argparse.ArgumentTypeError(f"{text!r} is not supported; use {allowed}")
+
+
+def serving_options(command: argparse.ArgumentParser) -> None:
+    """``--port`` and ``--no-browser``, as ``demo`` and ``dashboard`` take them."""
+    command.add_argument(
+        "--port",
+        type=port,
+        default=None,
+        help="local port; a taken one is refused (default: 8501, or the next free port when 8501 is taken); "
+        "the server listens on 127.0.0.1 only",
+    )
+    command.add_argument(
+        "--no-browser", action="store_true", help="do not open a browser (none is opened where none can be)"
+    )
+
+
+def serving_port(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """The port to serve on, checked before anything is recorded: ``--port N`` as asked or a one-line
+    refusal when it is taken; without it, 8501 or the next free port (said when not 8501)."""
+    from dashboard.serve import PortTakenError, choose_port, say_port
+
+    try:
+        chosen = choose_port(args.port)
+    except PortTakenError as exc:
+        refuse(parser, "--port" if args.port is not None else None, exc)
+    say_port(args.port, chosen)
+    return chosen

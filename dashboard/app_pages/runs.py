@@ -34,20 +34,20 @@ if not summaries:
 
 good = [s for s in summaries if s.error is None]
 # Fits a 1,400 px window beside the sidebar, length and date first after the text: long texts are cut (hover
-# shows them whole); the file, generations, storage and size of the picked run are in its details below.
+# shows them whole); the model, generations, storage and size of the picked run are in its details below.
 table = pd.DataFrame(
     {
         "run": [s.title or s.label for s in good],
         "prompt": [s.prompt for s in good],
         "steps": [s.steps for s in good],
         "date": [s.created_at.replace("T", " ")[:16] for s in good],
-        "model": [s.model for s in good],
+        "file": [s.label for s in good],
         "processors": [s.processors for s in good],
         "sampling": [s.sampling for s in good],
         "sequences": [s.sequences for s in good],
     }
 )
-widths = {"run": 150, "prompt": 170, "steps": 60, "date": 130, "model": 110, "processors": 120, "sampling": 110}
+widths = {"run": 150, "prompt": 170, "steps": 60, "date": 130, "file": 110, "processors": 120, "sampling": 110}
 st.dataframe(
     table,
     hide_index=True,
@@ -71,7 +71,7 @@ if picked is not None and picked.error is None:
     left.markdown(
         f"**Model** {md_text(picked.model or 'unknown')}  \n**Stages** {md_text(picked.stages)}  \n"
         f"**Storage** {md_text(picked.storage)}, vocabulary {picked.vocab_size:,}  \n"
-        f"**File** {md_text(picked.label)}, {picked.size_bytes / 2**20:.2f} MB  \n"
+        f"**Size** {picked.size_bytes / 2**20:.2f} MB  \n"
         f"**Holds** {picked.generations:,} generation(s) of up to {picked.sequences:,} sequence(s), "
         f"up to {picked.steps:,} steps"
     )
