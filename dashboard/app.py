@@ -15,13 +15,15 @@ from dashboard.paths import HEADLINE_RUN
 
 HERE = Path(__file__).resolve().parent
 
-st.set_page_config(page_title="logitscope", page_icon=":material/query_stats:", layout="wide")
+# No ":material/...:" icons anywhere: Streamlit fetches a Material Symbols favicon from fonts.gstatic.com, and
+# the dashboard makes no outside request. An emoji favicon is drawn in the page (a data: URL).
+st.set_page_config(page_title="logitscope", page_icon="📊", layout="wide")
 navigation = st.navigation(
     [
-        st.Page(HERE / "app_pages" / "runs.py", title="Runs", icon=":material/folder_open:", default=True),
-        st.Page(HERE / "app_pages" / "overview.py", title="Overview", icon=":material/insights:"),
-        st.Page(HERE / "app_pages" / "replay.py", title="Step replay", icon=":material/play_circle:"),
-        st.Page(HERE / "app_pages" / "compare.py", title="Compare", icon=":material/compare_arrows:"),
+        st.Page(HERE / "app_pages" / "runs.py", title="Runs", default=True),
+        st.Page(HERE / "app_pages" / "overview.py", title="Overview"),
+        st.Page(HERE / "app_pages" / "replay.py", title="Step replay"),
+        st.Page(HERE / "app_pages" / "compare.py", title="Compare"),
     ]
 )
 if "run" not in st.session_state and not st.query_params.get("run"):

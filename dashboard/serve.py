@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -32,7 +33,24 @@ from typing import Any
 from dashboard.paths import APP, ENV_ANY_PATH, ENV_PATH, REPO_ROOT
 from tracker.fs import is_url
 
-__all__ = ["Server", "can_open_browser", "serve", "start", "streamlit_command", "streamlit_env"]
+__all__ = [
+    "DEFAULT_PORT",
+    "PortTakenError",
+    "Server",
+    "can_open_browser",
+    "choose_port",
+    "port_is_free",
+    "say_port",
+    "serve",
+    "start",
+    "streamlit_command",
+    "streamlit_env",
+]
+
+#: The port tried first when none is asked for; the next free ones follow (see :func:`choose_port`).
+DEFAULT_PORT = 8501
+#: How many ports after :data:`DEFAULT_PORT` are tried before giving up.
+PORTS_TRIED = 20
 
 #: Streamlit options set for every server, as environment variables too, so that a
 #: config file or an old credentials file cannot bring the prompts back.
@@ -101,6 +119,49 @@ def streamlit_env(path: str | Path, *, allow_any_path: bool = False) -> dict[str
     if allow_any_path:
         env[ENV_ANY_PATH] = "1"
     return env
+
+
+class PortTakenError(OSError):
+    """The port asked for (or every port tried) is taken on 127.0.0.1; the message says how to choose another."""
+
+
+def port_is_free(port: int) -> bool:
+    """Whether the server could listen on ``127.0.0.1:port`` now: a bind test, as the server binds
+    (``SO_REUSEADDR``, so a port left in TIME_WAIT counts as free, one with a listener as taken)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def choose_port(asked: int | None) -> int:
+    """The port to serve on, checked before anything is recorded or started.
+
+    A port the user asked for (``--port N``) is used as it is, or refused
+    with :class:`PortTakenError` when taken: they meant that one. Without
+    one, :data:`DEFAULT_PORT` or the next free port after it (up to
+    :data:`PORTS_TRIED` of them).
+    """
+    if asked is not None:
+        if not port_is_free(asked):
+            raise PortTakenError(
+                f"port {asked} on 127.0.0.1 is taken (another program listens there); choose another with --port N"
+            )
+        return asked
+    for port in range(DEFAULT_PORT, DEFAULT_PORT + PORTS_TRIED):
+        if port_is_free(port):
+            return port
+    last = DEFAULT_PORT + PORTS_TRIED - 1
+    raise PortTakenError(f"ports {DEFAULT_PORT}-{last} on 127.0.0.1 are all taken; choose a free one with --port N")
+
+
+def say_port(asked: int | None, port: int) -> None:
+    """Tell the user when the server is not on the default port they expect (it was taken)."""
+    if asked is None and port != DEFAULT_PORT:
+        print(f"port {DEFAULT_PORT} is taken: serving on port {port} (choose one with --port N)", flush=True)
 
 
 def _stop(child: subprocess.Popen[Any], timeout: float = 10.0) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 import string
 from collections.abc import Sequence
 
@@ -41,6 +42,11 @@ __all__ = [
 
 _MD_ESCAPES = str.maketrans({c: "\\" + c for c in string.punctuation})
 _LINE_BREAKS = str.maketrans({"\n": " ", "\r": " ", "\t": " "})
+#: What GitHub-flavoured Markdown turns into a link by itself (``https://``, ``www.``, ``name@host``): it looks
+#: for these in the text after escapes are undone, so escaping cannot stop it; an invisible word joiner
+#: (U+2060) inside each one does.
+_AUTOLINK = re.compile(r"(?<=:)(?=//)|(?i:(?<=\bwww)(?=\.))|(?<=@)")
+WORD_JOINER = "\u2060"
 
 
 def md_text(value: object) -> str:
@@ -48,9 +54,11 @@ def md_text(value: object) -> str:
 
     CommonMark shows a backslash-escaped punctuation mark as itself, so no
     emphasis, link, image, code span, HTML or Streamlit directive
-    (``:red[...]``, ``:material/...:``, ``$...$``) can start inside it.
+    (``:red[...]``, ``:material/...:``, ``$...$``) can start inside it. A
+    bare URL or e-mail address stays plain text too, not a link: an
+    invisible :data:`WORD_JOINER` goes after its ``:``, ``www`` or ``@``.
     """
-    return str(value).translate(_LINE_BREAKS).translate(_MD_ESCAPES)
+    return _AUTOLINK.sub(WORD_JOINER, str(value).translate(_LINE_BREAKS)).translate(_MD_ESCAPES)
 
 
 def plot_text(value: object) -> str:

@@ -250,7 +250,7 @@ def pick_stage(label: str, stages: list[str], key: str, names: dict[str, str] | 
 
 def show_bad_run(label: str, reason: str) -> None:
     """A plain message for a path that is not a readable run (never a traceback)."""
-    st.error(f"**{md_text(label)}** cannot be shown: {md_text(reason)}.", icon=":material/error:")
+    st.error(f"**{md_text(label)}** cannot be shown: {md_text(reason)}.")
 
 
 def selected() -> Selected | None:

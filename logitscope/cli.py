@@ -25,12 +25,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import pyarrow.fs as pafs
+
 from logitscope import __version__, cli_rescore, inspect_run, query_cli
 from logitscope.cli_args import device as _device
 from logitscope.cli_args import fail as _fail
 from logitscope.cli_args import no_loading_bar as _no_loading_bar
-from logitscope.cli_args import port as _port
 from logitscope.cli_args import positive_int as _positive_int
+from logitscope.cli_args import refuse as _refuse
+from logitscope.cli_args import serving_options as _serving_options
+from logitscope.cli_args import serving_port as _serving_port
 
 STORAGE_MODES = ("float32", "float16", "bfloat16", "topk")
 DEMO_MODEL_NAME = "logitscope demo model"
@@ -107,13 +111,15 @@ def _constraints(args: argparse.Namespace, parser: argparse.ArgumentParser, toke
             argument = "--bad-words"
             made.append(BadWordsLogitsProcessor(args.bad_words, tokenizer))
     except (ValueError, TypeError) as exc:
-        _fail(parser, argument, exc)
+        if argument == "--bad-words":
+            _fail(parser, argument, exc)
+        _refuse(parser, argument, exc)  # the engine refuses the pattern, schema or grammar: one line, no usage
     return made
 
 
 def _generator(args: argparse.Namespace, parser: argparse.ArgumentParser):
     from sampling import Generator
-    from sampling.generator import load_model
+    from sampling.generator import load_model, load_tokenizer
 
     path = args.model
     if path is None:
@@ -121,11 +127,13 @@ def _generator(args: argparse.Namespace, parser: argparse.ArgumentParser):
 
         path = str(DEMO_MODEL_PATH)
     try:
+        # the constraints first, with the tokenizer alone: a bad pattern is said before the model loads
+        constraints = _constraints(args, parser, load_tokenizer(path))
         with _no_loading_bar():
             model, tokenizer = load_model(path, device=args.device)
     except FileNotFoundError as exc:
         _fail(parser, "--model", exc)
-    return Generator(model, tokenizer, _constraints(args, parser, tokenizer) or None)
+    return Generator(model, tokenizer, constraints or None)
 
 
 def _print_outputs(outputs, as_json: bool, out=None) -> None:
@@ -166,18 +174,23 @@ def _generate(gen, prompts: list[str], params, batch_size: int) -> tuple[list, i
     return outputs, steps
 
 
-def _check_out_file(parser: argparse.ArgumentParser, out: str) -> Path | str:
+def _check_out_file(parser: argparse.ArgumentParser, out: str, force: bool) -> Path | str:
     from tracker.fs import is_url, resolve
 
-    if is_url(out):  # s3://bucket/run.parquet: the store is asked only when the run is written
+    if is_url(out):  # s3://bucket/run.parquet: one look-up now, the write when the run is done
         try:
-            resolve(out, "--out")
-        except ValueError as exc:
+            fs, where = resolve(out, "--out")
+            taken = fs.get_file_info(where).type != pafs.FileType.NotFound
+        except (ValueError, OSError) as exc:
             _fail(parser, "--out", str(exc))
+        if taken and not force:
+            _refuse(parser, "--out", f"'{out}' exists; give --force to replace it, or another file name")
         return out
     path = Path(out)
     if path.is_dir():
         _fail(parser, "--out", f"'{path}' is a folder; give a file name such as run.parquet")
+    if path.exists() and not force:
+        _refuse(parser, "--out", f"'{path}' exists; give --force to replace it, or another file name")
     if not path.parent.is_dir():
         _fail(parser, "--out", f"no folder '{path.parent}' to write '{path.name}' into")
     try:  # the folder may exist and still refuse files (permissions, a read-only or virtual file system)
@@ -189,8 +202,9 @@ def _check_out_file(parser: argparse.ArgumentParser, out: str) -> Path | str:
 
 def _check_dependent_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Refuse options given without the option they only make sense with."""
-    if args.out is None and (args.storage is not None or args.title is not None):
-        _fail(parser, "--storage" if args.storage is not None else "--title", "is only used with --out RUN.parquet")
+    if args.out is None and (args.storage is not None or args.title is not None or args.force):
+        given = "--storage" if args.storage is not None else "--title" if args.title is not None else "--force"
+        _fail(parser, given, "is only used with --out RUN.parquet")
     if args.storage_top_k is not None and args.storage != "topk":
         _fail(parser, "--storage-top-k", f"{args.storage_top_k} is only used with --storage topk")
     if args.grammar_syntax is not None and args.grammar is None:
@@ -218,7 +232,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     prompts = _prompts(args, parser)
     params = _params(args, parser)
     _check_dependent_options(args, parser)
-    out = None if args.out is None else _check_out_file(parser, args.out)
+    out = None if args.out is None else _check_out_file(parser, args.out, args.force)
     gen = _generator(args, parser)
     _check_inputs(gen, prompts, params, args, parser)
     if out is not None:
@@ -279,25 +293,26 @@ def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         out = Path(tempfile.mkdtemp(prefix="logitscope-demo-"))
         temporary = True
     try:
-        return _demo(args, out)
+        return _demo(args, out, parser)
     finally:
         if temporary:
             shutil.rmtree(out, ignore_errors=True)
 
 
-def _demo(args: argparse.Namespace, out: Path) -> int:
+def _demo(args: argparse.Namespace, out: Path, parser: argparse.ArgumentParser) -> int:
     if args.no_serve:
         _record_demo(args, out)
         print(f"Open them with: logitscope dashboard {out}")
         return 0
     from dashboard.serve import announce, start
 
+    port = _serving_port(args, parser)
     try:
         # the server starts while the runs are recorded (they are written whole, one by one);
         # the page opens once they are all there
-        with start(out, args.port) as server:
+        with start(out, port) as server:
             _record_demo(args, out)
-            announce(out, args.port)
+            announce(out, port)
             if not args.no_browser:
                 server.open_browser()
             return server.wait()
@@ -337,19 +352,12 @@ def cmd_dashboard(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             f"the shipped sample runs are missing from '{path}'; give a PATH "
             "(record runs with `logitscope demo --out FOLDER`)",
         )
-    return serve(path, args.port, open_browser=not args.no_browser, allow_any_path=args.allow_any_path)
+    return serve(
+        path, _serving_port(args, parser), open_browser=not args.no_browser, allow_any_path=args.allow_any_path
+    )
 
 
 # ---------------------------------------------------------------- the parser
-
-
-def _serving_options(command: argparse.ArgumentParser) -> None:
-    command.add_argument(
-        "--port", type=_port, default=8501, help="local port (default: 8501); the server listens on 127.0.0.1 only"
-    )
-    command.add_argument(
-        "--no-browser", action="store_true", help="do not open a browser (none is opened where none can be)"
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -410,7 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--bad-words", action="append", metavar="WORD", help="a word the output must not contain (repeatable)"
     )
-    run.add_argument("--out", default=None, metavar="RUN.parquet", help="record every step into this run file")
+    run.add_argument(
+        "--out", default=None, metavar="RUN.parquet", help="record every step into this run file (a new one)"
+    )
+    run.add_argument("--force", action="store_true", help="let --out replace a file that exists (default: refuse)")
     run.add_argument(
         "--storage",
         choices=STORAGE_MODES,

@@ -11,13 +11,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
-__all__ = ["fail", "positive_int", "port", "device", "no_loading_bar"]
+__all__ = ["fail", "refuse", "positive_int", "port", "device", "no_loading_bar", "serving_options", "serving_port"]
 
 
 def fail(parser: argparse.ArgumentParser, argument: str | None, message: Any) -> NoReturn:
     """Exit with the subcommand's usage and one line: ``argument X: message`` (status 2)."""
     text = " ".join(str(message).split())  # library messages may span lines (grammar carets): keep one line
     parser.error(f"argument {argument}: {text}" if argument else text)
+
+
+def refuse(parser: argparse.ArgumentParser, argument: str | None, message: Any) -> NoReturn:
+    """Exit with one line, ``logitscope CMD: error: argument X: message`` (status 2), without the usage:
+    for a well-formed argument the world refuses (a taken port, a pattern the grammar engine rejects)."""
+    text = " ".join(str(message).split())
+    parser.exit(2, f"{parser.prog}: error: {f'argument {argument}: {text}' if argument else text}\n")
 
 
 def positive_int(text: str) -> int:
@@ -83,3 +90,30 @@ def no_loading_bar() -> Iterator[None]:
     finally:
         if enabled:
             hf_logging.enable_progress_bar()
+
+
+def serving_options(command: argparse.ArgumentParser) -> None:
+    """``--port`` and ``--no-browser``, as ``demo`` and ``dashboard`` take them."""
+    command.add_argument(
+        "--port",
+        type=port,
+        default=None,
+        help="local port; a taken one is refused (default: 8501, or the next free port when 8501 is taken); "
+        "the server listens on 127.0.0.1 only",
+    )
+    command.add_argument(
+        "--no-browser", action="store_true", help="do not open a browser (none is opened where none can be)"
+    )
+
+
+def serving_port(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """The port to serve on, checked before anything is recorded: ``--port N`` as asked or a one-line
+    refusal when it is taken; without it, 8501 or the next free port (said when not 8501)."""
+    from dashboard.serve import PortTakenError, choose_port, say_port
+
+    try:
+        chosen = choose_port(args.port)
+    except PortTakenError as exc:
+        refuse(parser, "--port" if args.port is not None else None, exc)
+    say_port(args.port, chosen)
+    return chosen

@@ -138,7 +138,9 @@ def _sampling_of(reader: Any, generation: int, sequence: int) -> str:
             if isinstance(sampling, list):  # one entry per row (the Generator's requests)
                 sampling = sampling[sequence] if 0 <= sequence < len(sampling) else None
             if isinstance(sampling, dict):
-                sampling = {k: v for k, v in sampling.items() if k not in ("request", "sample")}
+                # a greedy run's seed drew nothing: not shown, so it cannot read as a way to replay the run
+                hidden = ("request", "sample", "seed") if sampling.get("greedy") is True else ("request", "sample")
+                sampling = {k: v for k, v in sampling.items() if k not in hidden}
             return sampling_text(sampling)
     return ""
 

@@ -35,15 +35,13 @@ from sampling.pipe import TaggedTensor
 from sampling.pipe.pipeline import dead_row_error
 from sampling.step_copy import StepCopy
 
-__all__ = ["Generator", "load_model"]
+__all__ = ["Generator", "load_model", "load_tokenizer"]
 
 
-def load_model(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
-    """Load a causal LM and its tokenizer from a local folder, never from the network.
-
-    Raises ``FileNotFoundError`` naming the path when it holds no model.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_tokenizer(path: str | os.PathLike[str]) -> Any:
+    """Load only the tokenizer of the model in a local folder (fast: what checks a constraint before the
+    model loads). Raises ``FileNotFoundError`` naming the path when it holds no model."""
+    from transformers import AutoTokenizer
 
     folder = Path(path)
     if not folder.is_dir() or not (folder / "config.json").is_file():
@@ -51,11 +49,21 @@ def load_model(path: str | os.PathLike[str], *, device: str | torch.device = "cp
             f"model: no model folder at '{path}' (expected a local folder with config.json, "
             "as written by save_pretrained); logitscope never downloads models"
         )
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def load_model(path: str | os.PathLike[str], *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """Load a causal LM and its tokenizer from a local folder, never from the network.
+
+    Raises ``FileNotFoundError`` naming the path when it holds no model.
+    """
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(path)
     kwargs: dict[str, Any] = {"local_files_only": True}
     if dtype is not None:
         kwargs["dtype"] = dtype
-    model = AutoModelForCausalLM.from_pretrained(folder, **kwargs).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(Path(path), **kwargs).to(device).eval()
     return model, tokenizer
 
 

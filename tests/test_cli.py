@@ -57,7 +57,6 @@ def test_run_reads_a_prompt_file_and_prints_json(tmp_path, capsys):
             ["run", "--prompt", "a", "--device", "tpu"],
             "argument --device: 'tpu' is not a device; use cpu, cuda, cuda:N or mps",
         ),
-        (["run", "--prompt", "a", "--regex", "("], "argument --regex: pattern: the regex '(' cannot be compiled"),
         (["run", "--prompt", "a", "--json-schema", "none.json"], "argument --json-schema: no file at 'none.json'"),
         (["run", "--prompt", "a", "--grammar", "none.lark"], "argument --grammar: no file at 'none.lark'"),
         (["run", "--prompt", "a", "--bad-words", ""], "argument --bad-words: words[0] must be a non-empty string"),
@@ -137,6 +136,45 @@ def test_an_out_folder_that_refuses_files_fails_before_the_model_loads(tmp_path,
     assert list(tmp_path.iterdir()) == []
 
 
+def test_run_out_refuses_to_replace_a_file_without_force(tmp_path, capsys, monkeypatch):
+    import logitscope.cli as cli
+
+    out = tmp_path / "r.parquet"
+    out.write_bytes(b"my earlier run")
+    monkeypatch.setattr(cli, "_generator", lambda *a: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--prompt", "Hi", "--out", str(out)])
+    assert exit_info.value.code == 2 and out.read_bytes() == b"my earlier run"
+    assert capsys.readouterr().err == (
+        f"logitscope run: error: argument --out: '{out}' exists; give --force to replace it, or another file name\n"
+    )
+    monkeypatch.undo()
+    assert main(["run", "--prompt", "Hi", "--max-new-tokens", "2", "--out", str(out), "--force"]) == 0
+    assert Run.load(out).sequence() != "" and f"wrote {out}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flag, text, message",
+    [
+        ("--regex", "(", "argument --regex: pattern: the regex '(' cannot be compiled: "),
+        ("--json-schema", '{"type": "object", "properties": {"a": {"type": "nope"}}}', "argument --json-schema: "),
+        ("--grammar", "start: foo", "argument --grammar: grammar: the lark grammar cannot be compiled: "),
+    ],
+)
+def test_a_bad_constraint_is_one_line_before_the_model_loads(flag, text, message, tmp_path, capsys, monkeypatch):
+    import sampling.generator
+
+    monkeypatch.setattr(sampling.generator, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    if flag != "--regex":
+        (tmp_path / "constraint").write_text(text)
+        text = str(tmp_path / "constraint")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--prompt", "Hi", flag, text])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "usage:" not in err and "Traceback" not in err
+    assert err.startswith(f"logitscope run: error: {message}") and err.count("\n") == 1, err
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc, a folder that takes no new files")
 def test_out_in_proc_is_refused(capsys):
     with pytest.raises(SystemExit):
@@ -152,7 +190,7 @@ def test_run_out_says_how_many_steps_sequences_and_tokens(tmp_path, capsys):
     lengths = [len(json.loads(line)["token_ids"]) for line in printed.out.splitlines()]
     steps = max(lengths[:2]) + lengths[2]  # two batches: each takes as many steps as its longest sequence
     assert f"wrote {out} ({steps} steps, 3 sequences, {sum(lengths)} tokens)" in printed.err
-    assert main(["run", "--prompt", "Hi", "--max-new-tokens", "3", "--out", str(out)]) == 0
+    assert main(["run", "--prompt", "Hi", "--max-new-tokens", "3", "--out", str(out), "--force"]) == 0
     assert "steps, 1 sequence, " in capsys.readouterr().err
 
 

@@ -155,6 +155,18 @@ def test_each_sequence_shows_the_sampling_of_its_own_generation(capsys):
     assert ["seed=0" in s["sampling"] for s in doc["sequences"]] == [True, False]
 
 
+def test_a_greedy_run_shows_no_seed(capsys):
+    """Greedy decoding draws nothing: a seed beside it would read as a way to replay a random choice."""
+    from pathlib import Path
+
+    samples = Path(__file__).resolve().parent.parent / "sample_runs"
+    assert main(["inspect", str(samples / "greedy.parquet")]) == 0
+    sampling = [line for line in capsys.readouterr().out.splitlines() if "sampling:" in line]
+    assert sampling and all("greedy=True" in line and "seed=" not in line for line in sampling)
+    assert main(["inspect", str(samples / "two_seeds.parquet")]) == 0  # a sampled run keeps its seed
+    assert "seed=0" in capsys.readouterr().out
+
+
 def test_output_piped_into_a_reader_that_stops_early_ends_without_a_traceback(tmp_path):
     """`logitscope inspect run.parquet --steps all | head -1`: the reader closes the pipe, the command ends quietly."""
     import os

@@ -108,7 +108,10 @@ def test_the_run_browser_lists_runs_with_their_details_and_names_bad_files(runs)
     table = at.dataframe[0].value
     assert table["run"].tolist() == ["Alpha", "Beta", "synthetic 240 steps x 2,048 tokens"]
     assert table["steps"].tolist() == [4, 4, 240] and table["sequences"].tolist() == [2, 1, 1]
-    assert table["generations"].tolist() == [2, 1, 1] and table["prompt"].tolist()[0] == "a"
+    assert table["prompt"].tolist()[0] == "a" and table["date"].str.match(r"\d{4}-\d\d-\d\d \d\d:\d\d$").all()
+    assert any(
+        "**Holds** 2 generation(s) of up to 2 sequence(s), up to 4 steps" in _plain(m.value) for m in at.markdown
+    )
     assert table["processors"].tolist()[1] == "none" and "temperature=0.0" in table["sampling"].tolist()[0]
     errors = " ".join(_plain(e.value) for e in at.error)
     assert "**future.parquet** cannot be shown" in errors and "schema version '2.0'" in errors
@@ -234,6 +237,21 @@ def test_compare_lines_two_runs_up_by_step_and_says_where_they_diverge(runs):
     assert table["chosen_token_b"].tolist() == ["␣b", "c", "e", "<eos>"]  # a space shows as ␣
     right = at.html[1].value
     assert "rgba(228,87,86,0.25)" in right and "e&lt;eos&gt;" in right
+
+
+def test_compare_with_no_second_run_opens_on_the_next_sequence_never_on_a_itself(runs):
+    at = _app(runs, "compare")
+    _ok(at)
+    # alpha, generation 0: sequence 0 against sequence 1 (they part at step 2), not against itself
+    assert (at.selectbox(key="b_generation").value, at.selectbox(key="b_sequence").value) == (0, 1)
+    assert not at.success and "diverge at step 2" in _plain(at.warning[0].value)
+    at.sidebar.selectbox(key="sequence").set_value(1).run()  # A moves onto B: B moves on, to generation 1
+    assert (at.selectbox(key="b_generation").value, at.selectbox(key="b_sequence").value) == (1, 0)
+    assert not at.success
+    at = _pick(_app(runs, "compare"), "beta.parquet", runs)  # one sequence: nothing else in it to compare with
+    _ok(at)
+    assert not at.success and "pick a second run under *Compare with*" in at.info[0].value
+    assert not at.get("plotly_chart")
 
 
 def test_a_long_run_is_read_by_step_and_by_window(runs, monkeypatch):

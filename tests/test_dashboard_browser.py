@@ -7,12 +7,14 @@ No tool here downloads a browser: the binaries are given by path.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import subprocess
 import threading
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -40,6 +42,7 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 TOKENS = ["a", " b", "c", "d", "e", "<eos>"]
+BARE_LINKS = "https://example.invalid/page www.example.invalid someone@example.invalid"
 
 
 def _free_port() -> int:
@@ -88,6 +91,9 @@ def server(tmp_path_factory, beacon):
     )
     meta = replace(hostile.metadata, model=f"![model]({url}/model.png)", processors=f"```\n![p]({url}/processors.png)")
     type(hostile)(hostile.to_arrow().to_batches(), meta, hostile.vocab).to_parquet(folder / "hostile.parquet")
+    links = hand_made_run(natural[:1], chosen[:1], TOKENS, eos_token_id=5, title=f"Links {BARE_LINKS}")
+    meta = replace(links.metadata, model="https://example.invalid/model")
+    type(links)(links.to_arrow().to_batches(), meta, links.vocab).to_parquet(folder / "links.parquet")
     port = _free_port()
     log = open(folder / "server.log", "wb")
     process = subprocess.Popen(streamlit_command(port), env=streamlit_env(folder), stdout=log, stderr=subprocess.STDOUT)
@@ -126,6 +132,7 @@ def browser(tmp_path_factory):
         "--hide-scrollbars",
     ):
         options.add_argument(argument)
+    options.set_capability("goog:loggingPrefs", {"performance": "ALL"})  # the network log, see _requests
     os.environ.setdefault("SE_OFFLINE", "true")  # selenium's manager must not fetch anything
     driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
     yield driver
@@ -204,10 +211,103 @@ def test_a_markdown_image_in_a_run_title_is_shown_as_text_and_fetches_nothing(se
     )
     time.sleep(1.0)  # give any image the page might load time to be requested
     main = browser.find_element(By.TAG_NAME, "main")
-    assert f"![pixel]({url}/title.png) **loud**" in main.text
+    assert f"![pixel]({url}/title.png) **loud**" in main.text.replace("\u2060", "")
     assert not main.find_elements(By.CSS_SELECTOR, f'img[src^="{url}"]')
     assert not main.find_elements(By.TAG_NAME, "strong") or all(
         "loud" not in e.text for e in main.find_elements(By.TAG_NAME, "strong")
     )
     assert not _errors(browser)
     assert requests == [], f"the page fetched {requests} from the run's text"
+
+
+def _requests(browser) -> list[str]:
+    """The URLs the page requested since the log was last read (Chromium's performance log: DevTools' network events)."""
+    urls = []
+    for entry in browser.get_log("performance"):
+        message = json.loads(entry["message"])["message"]
+        if message["method"] in ("Network.requestWillBeSent", "Network.webSocketCreated"):
+            params = message["params"]
+            urls.append(params["request"]["url"] if "request" in params else params["url"])
+    return urls
+
+
+@pytest.mark.parametrize("page", ["", "overview", "replay", "compare"])
+def test_no_page_makes_a_request_outside_127_0_0_1(server, browser, page):
+    """A local debugging tool fetches nothing from the internet: no icon font, favicon, telemetry or image."""
+    browser.get_log("performance")  # what earlier tests loaded is not this page's
+    browser.get("about:blank")
+    browser.get(f"{server}/{page}?run=alpha.parquet&compare=hostile.parquet")
+    WebDriverWait(browser, 60, poll_frequency=0.25).until(
+        lambda d: (
+            "Alpha" in d.find_element(By.TAG_NAME, "main").text
+            and not d.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]')
+        )
+    )
+    time.sleep(2.0)  # fonts, icons and images are requested after the first paint
+    urls = _requests(browser)
+    assert any(url.startswith(server) for url in urls), "the network log recorded nothing: it is not being read"
+    outside = [
+        url
+        for url in urls
+        # data: and blob: stay in the page; chrome: is the browser's own new-tab page, before ours
+        if urllib.parse.urlsplit(url).scheme not in ("data", "blob", "about", "chrome")
+        and urllib.parse.urlsplit(url).hostname != "127.0.0.1"
+    ]
+    assert outside == [], f"the {page or 'Runs'} page asked for {outside}"
+    assert not _errors(browser)
+
+
+@pytest.mark.parametrize("page", ["", "replay"])
+def test_bare_urls_in_a_title_and_metadata_are_plain_text_not_links(server, browser, page):
+    browser.get(f"{server}/{page}?run=links.parquet")
+    WebDriverWait(browser, 60, poll_frequency=0.25).until(
+        lambda d: (
+            "Links" in d.find_element(By.TAG_NAME, "main").text
+            and not d.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]')
+        )
+    )
+    main = browser.find_element(By.TAG_NAME, "main")
+    shown = main.text.replace("\u2060", "")  # the invisible word joiner that keeps Markdown from linking them
+    assert BARE_LINKS in shown
+    if not page:  # the Runs page shows the picked run's model too
+        assert "https://example.invalid/model" in shown
+    links = [a.get_attribute("href") for a in main.find_elements(By.TAG_NAME, "a")]
+    assert not [href for href in links if href and "example.invalid" in href], links
+    assert not _errors(browser)
+
+
+def test_the_runs_table_shows_length_and_date_without_scrolling_at_1400_px(server, browser):
+    """The browser window is 1,400 px wide: the Runs table fits it, its steps and date columns in view."""
+    browser.get(f"{server}/?run=alpha.parquet")
+    WebDriverWait(browser, 60, poll_frequency=0.25).until(
+        lambda d: (
+            d.find_elements(By.CSS_SELECTOR, '[data-testid="stDataFrame"] .dvn-scroller')
+            and not d.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]')
+        )
+    )
+    time.sleep(1.0)  # the grid sizes its columns after the first paint
+    scroller = browser.find_element(By.CSS_SELECTOR, '[data-testid="stDataFrame"] .dvn-scroller')
+    scroll, client = (int(scroller.get_attribute(a)) for a in ("scrollWidth", "clientWidth"))
+    assert browser.execute_script("return window.innerWidth") == 1400
+    assert scroll <= client + 1, f"the table is {scroll} px wide in a {client} px frame: it scrolls sideways"
+    # every column is in view, so its steps and date are (tests/test_dashboard_app.py checks the columns)
+
+
+@pytest.mark.parametrize("page", ["overview", "replay"])
+def test_no_metric_label_is_cut_in_a_laptop_window(server, browser, page):
+    """A 1,100 px window, the sidebar open: each number's label is whole (the details are in its help)."""
+    browser.set_window_size(1100, 1300)
+    try:
+        _load(browser, f"{server}/{page}?run=alpha.parquet", 1)
+        time.sleep(0.5)
+        labels = browser.find_elements(By.CSS_SELECTOR, '[data-testid="stMetricLabel"]')
+        assert labels, "no metric on the page"
+        cut = [
+            label.text
+            for label in labels
+            for inner in [label, *label.find_elements(By.CSS_SELECTOR, "*")]
+            if int(inner.get_attribute("scrollWidth")) > int(inner.get_attribute("clientWidth")) + 1
+        ]
+    finally:
+        browser.set_window_size(1400, 1300)
+    assert cut == [], f"labels cut short: {cut}"

@@ -45,11 +45,13 @@ def test_dashboard_serves_the_path_on_localhost_at_the_port(tmp_path, started, c
     assert "http://127.0.0.1:8765" in capsys.readouterr().out
 
 
-def test_dashboard_defaults_to_the_shipped_sample_runs(started):
+def test_dashboard_defaults_to_the_shipped_sample_runs(started, capsys):
     assert main(["dashboard"]) == 0
     ((command, env),) = started
     assert env[ENV_PATH] == str(default_runs_path().resolve())
-    assert command[command.index("--server.port") + 1] == "8501"
+    port = command[command.index("--server.port") + 1]
+    # 8501, or the next free port when something else holds it (and then it says so)
+    assert port == "8501" or f"port 8501 is taken: serving on port {port}" in capsys.readouterr().out
     # always headless: logitscope opens the browser itself, where one can be opened
     assert command[command.index("--server.headless") + 1] == "true"
 
@@ -112,6 +114,55 @@ def test_demo_refuses_a_file_as_its_folder(tmp_path, started, capsys):
     assert existing.read_bytes() == b"mine" and not started
 
 
+@pytest.fixture
+def listener():
+    """A program listening on 127.0.0.1 at a port: the port is taken."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        yield int(taken.getsockname()[1])
+
+
+@pytest.mark.parametrize("command", [["dashboard"], ["demo"]])
+def test_a_port_asked_for_and_taken_is_refused_in_one_line_before_anything_runs(
+    command, listener, started, tmp_path, capsys, monkeypatch
+):
+    import logitscope.cli as cli
+
+    monkeypatch.setattr(cli, "_record_demo", lambda *a: pytest.fail("the demo recorded runs on a taken port"))
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--port", str(listener), "--no-browser"])
+    printed = capsys.readouterr()
+    assert exit_info.value.code == 2 and printed.out == "" and not started
+    assert printed.err == (
+        f"logitscope {command[0]}: error: argument --port: port {listener} on 127.0.0.1 is taken "
+        "(another program listens there); choose another with --port N\n"
+    )
+
+
+@pytest.mark.parametrize("command", [["dashboard"], ["demo"]])
+def test_without_a_port_a_taken_8501_gives_the_next_free_one_and_says_which(
+    command, started, tmp_path, capsys, monkeypatch
+):
+    import logitscope.cli as cli
+
+    monkeypatch.setattr(cli, "_record_demo", lambda *a: None)  # the runs are not what this test is about
+    with socket.socket() as taken:
+        try:
+            taken.bind(("127.0.0.1", serve.DEFAULT_PORT))
+        except OSError:
+            pass  # already taken by something else: the same situation
+        else:
+            taken.listen()
+        assert main([*command, "--no-browser"]) == 0
+    ((server, _),) = started
+    port = int(server[server.index("--server.port") + 1])
+    out = capsys.readouterr().out
+    assert port > serve.DEFAULT_PORT
+    assert f"port 8501 is taken: serving on port {port} (choose one with --port N)" in out
+    assert f"http://127.0.0.1:{port}" in out and "http://127.0.0.1:8501" not in out
+
+
 def test_streamlit_command_checks_the_port():
     with pytest.raises(ValueError, match="port must be an int in \\[1, 65535\\], got 0"):
         serve.streamlit_command(0)
@@ -172,7 +223,7 @@ def _wait_healthy(port: int, process: subprocess.Popen, seconds: float, log: Pat
     while time.monotonic() - start < seconds:
         if process.poll() is not None:
             said = log.read_text(errors="replace")[-12000:] if log is not None and log.exists() else ""
-            if f"Port {port} is not available" in said:
+            if f"Port {port} is not available" in said or f"port {port} on 127.0.0.1 is taken" in said:
                 raise PortTaken(said)
             raise AssertionError(f"the command exited with {process.returncode}:\n{said}")
         try:

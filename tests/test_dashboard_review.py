@@ -270,9 +270,9 @@ def test_page_controls_keep_their_values_across_pages(runs):
     at = _go(at, "compare")
     assert at.selectbox(key="b_sequence").value == 1
     assert "agree on their first 1 token and diverge at step 1" in _texts(at)  # sequence 1 parts at "c"
-    at = _pick(at, "one_step.parquet", runs)  # a run of one sequence: B's sequence 1 is gone
+    at = _pick(at, "one_step.parquet", runs)  # a run of one sequence: B's sequence 1 is gone, and no other
     _ok(at)
-    assert at.selectbox(key="b_sequence").value == 0
+    assert any("pick a second run under *Compare with*" in i.value for i in at.info)
 
 
 # 8 ------------------------------------------------------------------ the address follows the picks
@@ -288,6 +288,14 @@ def test_the_query_string_follows_the_run_and_the_step(runs):
     assert at.query_params["step"] == "1"
     at = _go(at, "overview")
     assert at.query_params.get("run") == "other.parquet" and "step" not in at.query_params
+
+
+@pytest.mark.parametrize("step", ["²", "٣", "-1", "1e3", "2 "])
+def test_a_link_s_step_that_is_not_a_number_says_so_and_shows_step_0(runs, step):
+    at = _app(runs, "replay", query={"run": "three.parquet", "step": step})
+    _ok(at)
+    assert at.session_state["step"] == 0 and at.slider(key="step_slider").value == 0
+    assert f"The link's step, {step!r}, is not a number: showing step 0." in [_plain(w.value) for w in at.warning]
 
 
 # 9 ------------------------------------------------------------------ whitespace tokens in the numbers
@@ -324,12 +332,13 @@ def test_compare_counts_tokens_in_words(runs):
     at = _pick(at, "other.parquet", runs, key="run_b")
     _ok(at)
     assert "The two sequences diverge at step 0: A chose b, B chose c." in _texts(at)
-    at.sidebar.selectbox(key="run_b").set_value("").run()
-    assert "The two sequences are the same: 3 tokens, identical." in _texts(at)
+    at.sidebar.selectbox(key="run_b").set_value("").run()  # B: the run's other sequence, never A again
+    assert "The two sequences agree on their first 1 token and diverge at step 1" in _texts(at)
 
 
 def test_compare_names_the_stages_as_the_other_pages_do(stages_run):
     at = _app(stages_run, "compare")
+    at = _pick(at, "two_processors.parquet", stages_run, key="run_b")  # the run has one sequence: B is asked for
     _ok(at)
     options = [_plain(o) for o in at.radio(key="compare_stage").options]
     assert "after:penalties" in options and "after the constraint" not in options

@@ -1,14 +1,17 @@
-"""The README's and docs/*.md's Python examples run as written: in order, each file in a fresh process.
+"""The README's and docs/*.md's Python examples run as written.
 
 Blocks fenced as ``python`` run; any other fence language (``bash``, ``text``,
 ``python no-run`` for code that needs what logitscope does not install) is
-only shown. Each file runs in its own interpreter in an empty temporary
-folder, so a block may use only what the blocks above it in the same file
-defined, as a reader pasting them into a notebook would.
+only shown. The README's blocks each run alone, in a fresh interpreter, and
+each prints what it shows: a newcomer copies one block, not the page. The
+docs' blocks run in order, each file in its own interpreter, so a block may
+use what the blocks above it in the same file defined, as a reader following
+the guide in a notebook would. Everything runs in an empty temporary folder.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -57,10 +60,9 @@ def test_fences_are_found_and_other_languages_are_left_alone():
     assert python_blocks(text) == [(2, "a = 1\n"), (11, "b = a\n")]
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=[str(d.relative_to(ROOT)) for d in DOCS])
-def test_the_python_examples_run_in_order(doc, tmp_path):
-    blocks = python_blocks(doc.read_text(encoding="utf-8"))
-    (tmp_path / "blocks.json").write_text(__import__("json").dumps(blocks))
+def _run(blocks: list[tuple[int, str]], name: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """The blocks, in order, in one fresh interpreter in an empty folder."""
+    (tmp_path / "blocks.json").write_text(json.dumps(blocks))
     work = tmp_path / "work"
     work.mkdir()
     env = {
@@ -68,12 +70,52 @@ def test_the_python_examples_run_in_order(doc, tmp_path):
         "HF_HUB_OFFLINE": "1",
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
-    result = subprocess.run(
-        [sys.executable, "-c", RUNNER, str(tmp_path / "blocks.json"), doc.name],
+    return subprocess.run(
+        [sys.executable, "-c", RUNNER, str(tmp_path / "blocks.json"), name],
         cwd=work,
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
+
+
+GUIDES = [doc for doc in DOCS if doc.name != "README.md"]
+README_BLOCKS = python_blocks((ROOT / "README.md").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("doc", GUIDES, ids=[str(d.relative_to(ROOT)) for d in GUIDES])
+def test_the_python_examples_run_in_order(doc, tmp_path):
+    result = _run(python_blocks(doc.read_text(encoding="utf-8")), doc.name, tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+@pytest.mark.parametrize("line, code", README_BLOCKS, ids=[f"README.md:{line}" for line, _ in README_BLOCKS])
+def test_each_readme_block_runs_alone_and_shows_its_result(line, code, tmp_path):
+    result = _run([(line, code)], "README.md", tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.strip(), f"the block at README.md:{line} prints nothing: a reader running it sees no result"
+
+
+def _bash_blocks(text: str) -> list[list[str]]:
+    """The commands of each ``bash`` block, one per ``&&`` part, comments dropped."""
+    blocks = [m.group(2) for m in FENCE.finditer(text) if m.group(1).strip() == "bash"]
+    return [[part.split("#")[0].strip() for line in b.splitlines() for part in line.split("&&")] for b in blocks]
+
+
+def test_the_readme_s_dashboard_commands_open_what_a_fresh_clone_has():
+    """`logitscope dashboard PATH` names a path the clone holds, or one its own block writes first (`--out`):
+    each block is copied alone, the viewer-only install's on a machine that records nothing."""
+    checked = 0
+    for block in _bash_blocks((ROOT / "README.md").read_text(encoding="utf-8")):
+        written: set[str] = set()
+        for command in block:
+            words = command.split()
+            written.update(words[i + 1].rstrip("/") for i, w in enumerate(words[:-1]) if w == "--out")
+            if "dashboard" in words and words.index("dashboard") + 1 < len(words):
+                path = words[words.index("dashboard") + 1].rstrip("/")
+                if words[words.index("dashboard") - 1] != "logitscope" or path.startswith("-"):
+                    continue
+                checked += 1
+                assert path in written or (ROOT / path).exists(), f"`{command}`: no '{path}' in a fresh clone"
+    assert checked >= 3

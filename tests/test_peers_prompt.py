@@ -51,6 +51,32 @@ def test_perplexity_is_exp_of_the_mean_negative_logprob(tiny_model, char_tokeniz
         assert table["tokens"][row] == 8
 
 
+def test_perplexity_is_the_last_generation_by_default_and_every_one_with_none(tiny_model, char_tokenizer):
+    gen = add_tracking(Generator(tiny_model, char_tokenizer), prompt_logprobs=True)
+    for seed in (1, 2):
+        gen.generate(PROMPTS, SamplingParams(temperature=1.0, seed=seed, max_new_tokens=6, ignore_eos=True))
+    run = gen.logits_processor.run
+    last, every = run.perplexity(), run.perplexity(generation=None)
+    assert list(last["generation"]) == [1, 1] and list(every["generation"]) == [0, 0, 1, 1]
+    assert list(every["sequence"]) == [0, 1, 0, 1]
+    for g in (0, 1):
+        np.testing.assert_array_equal(
+            every[every["generation"] == g].reset_index(drop=True), run.perplexity(generation=g)
+        )
+
+
+def test_a_certain_token_has_surprisal_zero_not_minus_zero(tiny_model, char_tokenizer):
+    """Greedy decoding records a sampled stage of probability 1: its surprisal prints as 0.0, never -0.0."""
+    gen = add_tracking(Generator(tiny_model, char_tokenizer), prompt_logprobs=True)
+    gen.generate(PROMPTS, SamplingParams(max_new_tokens=4))
+    run = gen.logits_processor.run
+    surprisal = run.stats()["surprisal_sampled"]
+    assert (surprisal == 0).all() and not np.signbit(surprisal.to_numpy()).any()
+    assert "-0.0" not in run.stats().to_string()
+    prompt = run.prompt_logprobs()["surprisal"].to_numpy()
+    assert not np.signbit(prompt[~np.isnan(prompt)]).any()
+
+
 def test_without_the_option_the_prompt_has_no_values(tiny_model, char_tokenizer):
     gen = add_tracking(Generator(tiny_model, char_tokenizer))
     gen.generate("abc", SamplingParams(max_new_tokens=3))
@@ -144,3 +170,39 @@ def test_score_prompt_keeps_scores_only_for_the_prompts_generated_from(demo):
     with pytest.warns(UserWarning, match="are not its prompts"):
         run = generated(lambda t: t.score_prompt(model, other.input_ids, other.attention_mask))
     assert run.perplexity()["prompt_perplexity"].isna().all()
+
+
+def test_the_pad_id_is_read_when_a_generation_starts_from_the_model_s_generation_config():
+    """An Outlines-style host whose tokenizer has no pad id; the user sets the model's pad id after tracking."""
+    import copy
+
+    from transformers import LogitsProcessorList
+
+    from logitscope.demo_model import load_demo_model
+
+    model, tokenizer = load_demo_model()
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.pad_token = None
+    model.generation_config.pad_token_id = None
+
+    class Host:  # what add_tracking sees of an Outlines 1.x Generator: .model, .tokenizer, .logits_processor
+        def __init__(self) -> None:
+            self.model, self.tokenizer, self.logits_processor = model, tokenizer, None
+
+    host = add_tracking(Host())
+    tracker = host.logits_processor
+    assert tracker.pad_token_id is None
+    pad = tokenizer.convert_tokens_to_ids("a")  # any id: what the user says pads
+    model.generation_config.pad_token_id = pad  # set after the tracker was made
+    prompts = [tokenizer("Call Maria at ").input_ids, tokenizer("Hi").input_ids]
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    out = model.generate(
+        input_ids,
+        attention_mask=(torch.cumprod((input_ids == pad).long(), dim=1) == 0).long(),
+        logits_processor=LogitsProcessorList([tracker]),
+        do_sample=False,
+        max_new_tokens=3,
+    )
+    tracker.finish(out)
+    assert tracker.run.metadata.generations[0]["prompt_ids"] == prompts  # the padding left out

@@ -45,7 +45,8 @@ class Insight:
         frame = super().stats(sequence=sequence, generation=generation, include_finished=include_finished)  # type: ignore[misc]
         for stage in self.stages:  # type: ignore[attr-defined]
             with np.errstate(divide="ignore"):
-                frame[f"surprisal_{stage}"] = -np.log(frame[f"p_chosen_{stage}"].to_numpy(dtype=np.float64))
+                # 0 - log p, not -log p: a certain token's surprisal is 0.0, never -0.0
+                frame[f"surprisal_{stage}"] = 0.0 - np.log(frame[f"p_chosen_{stage}"].to_numpy(dtype=np.float64))
         if self.metadata.stage_aliases:  # type: ignore[attr-defined]
             sel = self._select(generation, sequence, include_finished)  # type: ignore[attr-defined]
             removed = self._cached(
@@ -115,17 +116,23 @@ class Insight:
                 "token_id": np.asarray(ids, dtype=np.int64),
                 "token": [display[i] for i in ids],
                 "logprob": values,
-                "surprisal": -values,
+                "surprisal": 0.0 - values,  # 0.0 for a certain token, never -0.0
             }
         )
 
-    def perplexity(self, *, generation: int = -1, include_finished: bool = False) -> pd.DataFrame:
-        """One row per sequence: ``prompt_tokens, prompt_perplexity, tokens`` and ``perplexity_{stage}``.
+    def perplexity(self, *, generation: int | None = -1, include_finished: bool = False) -> pd.DataFrame:
+        """One row per sequence: ``generation, sequence, prompt_tokens, prompt_perplexity, tokens`` and
+        ``perplexity_{stage}``.
 
+        ``generation`` is one generation, the last by default (``-1``, as in
+        every query), or ``None`` for every generation of the run, in order.
         A stage's perplexity is ``exp`` of the mean surprisal of the chosen
         tokens under that stage (``natural``: how surprising the text was to
         the model). NaN where not recorded (prompt) or not stored (top-k).
         """
+        if generation is None:
+            tables = [self.perplexity(generation=g, include_finished=include_finished) for g in self.generations()]  # type: ignore[attr-defined]
+            return pd.concat(tables, ignore_index=True)
         rows = []
         for s in self.sequences(generation):  # type: ignore[attr-defined]
             ids, logprobs = self._prompt_values(generation, s)

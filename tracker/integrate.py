@@ -82,6 +82,11 @@ def add_tracking(generator: G, tracker: LogitTrackingProcessor | None = None, **
             "add_tracking: the tracker given wraps no processor but the generator has one; "
             "make it with LogitTrackingProcessor(generator.logits_processor, ...)"
         )
+    if tracker.pad_model is None:  # its generation_config's pad id counts when the tokenizer has none
+        model = getattr(generator, "model", None)
+        tracker.pad_model = next(
+            (m for m in (model, getattr(model, "model", None)) if hasattr(m, "generation_config")), None
+        )
     generator.logits_processor = tracker  # type: ignore[attr-defined]
     taps = getattr(generator, "sample_taps", None)
     if isinstance(taps, list):

@@ -161,7 +161,9 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
             logitscope's Generator; else :meth:`score_prompt`).
         pad_token_id: the id a host pads prompts with on the left; without an
             attention mask from the host, a row's leading run of it is left
-            out of its recorded prompt. By default the tokenizer's.
+            out of its recorded prompt. By default the tokenizer's, else the
+            model's ``generation_config.pad_token_id`` (with ``add_tracking``),
+            read when each generation starts.
         statistics: when each row's statistics (entropy, the chosen token's
             probability and rank, removed mass, margin, EOS probability) are
             computed: ``"record"`` as rows are recorded (on their device, no
@@ -229,11 +231,25 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
             created_at=now(),
             stage_aliases={self._stage_names[-1]: "constrained"} if self._stage_names else {},
         )
-        if pad_token_id is None:  # the tokenizer's; a negative one there means none
-            pad_token_id = getattr(tokenizer, "pad_token_id", None)
-            pad_token_id = None if isinstance(pad_token_id, int) and pad_token_id < 0 else pad_token_id
-        self.pad_token_id = check_pad_token_id(pad_token_id)
+        self._pad_token_id = check_pad_token_id(pad_token_id)  # None: looked up at each generation's start
+        self.pad_model: Any = None  # its generation_config's pad id, for a tokenizer without one (add_tracking)
         self._local = threading.local()
+
+    @property
+    def pad_token_id(self) -> int | None:
+        """The pad id, read as a generation starts (one set later counts): the one given, else the tokenizer's,
+        else ``pad_model.generation_config``'s, as logitscope's Generator pads; a negative one means none."""
+        if self._pad_token_id is not None:
+            return self._pad_token_id
+        config = getattr(self.pad_model, "generation_config", None)
+        for pad in (getattr(self.tokenizer, "pad_token_id", None), getattr(config, "pad_token_id", None)):
+            if isinstance(pad, int) and not isinstance(pad, bool) and pad >= 0:
+                return pad
+        return None
+
+    @pad_token_id.setter
+    def pad_token_id(self, value: int | None) -> None:
+        self._pad_token_id = check_pad_token_id(value)
 
     # ---------------------------------------------------------------- properties
 

@@ -21,8 +21,7 @@ if summary_b.vocab_size != picked.summary.vocab_size:
     st.error(
         f"**{text.md_text(summary_b.label)}** has a vocabulary of {summary_b.vocab_size:,} tokens and "
         f"**{text.md_text(picked.summary.label)}** of {picked.summary.vocab_size:,}: only runs of one vocabulary "
-        "compare (the same tokenizer). Pick another run under *Compare with*.",
-        icon=":material/error:",
+        "compare (the same tokenizer). Pick another run under *Compare with*."
     )
     st.stop()
 
@@ -33,7 +32,28 @@ left.caption("A is the run, generation and sequence picked in the sidebar.")
 right.markdown(f"**B · {text.md_text(summary_b.title or summary_b.label)}**")
 if not st.session_state.get("run_b"):
     right.caption("Pick a second run in the sidebar (*Compare with*), or another generation or sequence of this run:")
+
+
+def _b_in_a_s_run() -> None:
+    """With no second run picked, B is another sequence of A's run: B's pick when it is one (not A's, and in
+    this run), else the sequence after A's (the next sequence, else the next generation's first, wrapping
+    round); a run holding only A's sequence asks for a second run. Never A against itself ("identical")."""
+    run = data.reader(picked.path)
+    order = [(g, s) for g in run.generations() for s in run.sequences(g)]
+    a = (picked.generation, picked.sequence)
+    b = tuple(st.session_state.get(k, st.session_state.get(f"kept:{k}")) for k in ("b_generation", "b_sequence"))
+    if b in order and b != a:
+        return
+    if len(order) < 2:
+        st.info("This run holds one sequence: pick a second run under *Compare with* in the sidebar.")
+        st.stop()
+    after = order.index(a) + 1 if a in order else 0
+    st.session_state["b_generation"], st.session_state["b_sequence"] = order[after % len(order)]
+
+
 try:
+    if not st.session_state.get("run_b"):
+        _b_in_a_s_run()
     generation_b, sequence_b = widgets.pick_generation_sequence(other, prefix="b_", container=right)
     track_a = data.track(picked.path, picked.generation, picked.sequence)
     track_b = data.track(other, generation_b, sequence_b)

@@ -62,14 +62,18 @@ left, right, third, fourth = st.columns(4)
 left.metric("Steps", f"{track.length:,}")
 if "constrained" in stages:
     removed = view.stats["removed_mass"].mean() if "removed_mass" in view.stats else float("nan")
-    right.metric("Mean mass removed by the constraint", "—" if removed != removed else f"{removed:.1%}")
+    right.metric(  # short labels, the details in the help: a label that does not fit is cut with "…"
+        "Mass removed",
+        "—" if removed != removed else f"{removed:.1%}",
+        help="The mean, over the steps shown, of the model's probability mass the constraint masked",
+    )
 else:
     right.metric("Constraint", "none")
 surprisal = view.stats["surprisal_natural"].mean() if "surprisal_natural" in view.stats else float("nan")
 third.metric(
-    "Perplexity (model, steps shown)",
+    "Perplexity",
     "—" if surprisal != surprisal else f"{np.exp(surprisal):.2f}",
-    help="exp of the mean surprisal (−log p, natural) of the chosen tokens",
+    help="Of the steps shown, under the model: exp of the mean surprisal (−log p, natural) of the chosen tokens",
 )
 prompt_ppl = data.prompt_perplexity(picked.path, picked.generation, picked.sequence)
 fourth.metric(

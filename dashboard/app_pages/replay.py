@@ -1,5 +1,7 @@
 """Step replay: scrub or play the steps; at each, the top tokens natural against constrained against sampled."""
 
+import re
+
 import streamlit as st
 
 from dashboard import charts, data, text, views, widgets
@@ -29,7 +31,10 @@ if last < 0:
 where = (picked.path, picked.generation, picked.sequence)
 if st.session_state.get("replay_for") != where:
     linked = st.query_params.get("step", "0") if "replay_for" not in st.session_state else "0"
-    st.session_state.update(replay_for=where, step=int(linked) if linked.isdigit() else 0, playing=False)
+    number = re.fullmatch(r"[0-9]{1,9}", linked)  # ASCII digits only: str.isdigit() takes "²", int() does not
+    if number is None:
+        st.warning(f"The link's step, {text.md_text(repr(linked))}, is not a number: showing step 0.")
+    st.session_state.update(replay_for=where, step=int(linked) if number else 0, playing=False)
 st.session_state["step"] = min(int(st.session_state.get("step", 0)), last)
 st.session_state["step_slider"] = st.session_state["step"]
 

@@ -75,30 +75,28 @@ if len(summaries) > PAGE_ROWS:  # the sidebar's picker is long: pick from this p
         on_change=_open_picked,
         format_func=lambda p: "—" if not p else f"{by_path[p].title or by_path[p].label}  ·  {by_path[p].label}",
     )
+# Fits a 1,400 px window beside the sidebar, length and date first after the text: long texts are cut (hover
+# shows them whole); the model, generations, storage and size of the picked run are in its details below.
 table = pd.DataFrame(
     {
         "run": [s.title or s.label for s in shown],
-        "file": [s.label for s in shown],
         "prompt": [s.prompt for s in shown],
-        "model": [s.model for s in shown],
+        "steps": [s.steps for s in shown],
+        "date": [s.created_at.replace("T", " ")[:16] for s in shown],
+        "file": [s.label for s in shown],
         "processors": [s.processors for s in shown],
         "sampling": [s.sampling for s in shown],
-        "steps": [s.steps for s in shown],
         "sequences": [s.sequences for s in shown],
-        "generations": [s.generations for s in shown],
-        "date": [s.created_at.replace("T", " ")[:16] for s in shown],
-        "storage": [s.storage for s in shown],
-        "MB": [round(s.size_bytes / 2**20, 2) for s in shown],
     }
 )
-narrow = st.column_config.Column(width="small")
+widths = {"run": 150, "prompt": 170, "steps": 60, "date": 130, "file": 110, "processors": 120, "sampling": 110}
 st.dataframe(
     table,
     hide_index=True,
     width="stretch",
-    column_config={  # fits the page: long texts are cut (hover shows them whole), numbers stay narrow
-        **{name: narrow for name in ("file", "model", "steps", "sequences", "generations", "date", "storage", "MB")},
-        **{name: st.column_config.TextColumn(width="medium") for name in ("run", "prompt", "processors", "sampling")},
+    column_config={
+        **{name: st.column_config.Column(width=width) for name, width in widths.items()},
+        "sequences": st.column_config.NumberColumn(width=75, help="Sequences of a generation (the most in any one)"),
     },
 )
 for bad in (s for s in summaries if s.error is not None):
@@ -121,14 +119,16 @@ if picked is not None and picked.error is None:
                 + (f" in {how['dtype']}" if how.get("dtype") else "")
             )
             + ". Compare the two under *Compare*.",
-            icon=":material/compare_arrows:",
         )
     left, right = st.columns(2)
     left.markdown("**Prompt**")
     left.code(picked.prompt, language=None, wrap_lines=True)
     left.markdown(
         f"**Model** {md_text(picked.model or 'unknown')}  \n**Stages** {md_text(picked.stages)}  \n"
-        f"**Storage** {md_text(picked.storage)}, vocabulary {picked.vocab_size:,}"
+        f"**Storage** {md_text(picked.storage)}, vocabulary {picked.vocab_size:,}  \n"
+        f"**Size** {picked.size_bytes / 2**20:.2f} MB  \n"
+        f"**Holds** {picked.generations:,} generation(s) of up to {picked.sequences:,} sequence(s), "
+        f"up to {picked.steps:,} steps"
     )
     right.markdown("**Processors**")
     right.code(picked.processors, language=None, wrap_lines=True)
