@@ -107,18 +107,21 @@ class ChunkStats:
         if not rows:
             return
         eos = eos_on(self._eos, eos_ids, vocab, torch.device("cpu"))
-        results = {}
-        for stage, (todo, ctodo) in rows.items():
-            results[stage] = self._compute(buffers, stage, todo, ctodo, chosen, eos, natural_written)
+        with torch.inference_mode():  # reads only; the buffers may be inference tensors
+            results = {
+                stage: self._compute(buffers, stage, todo, ctodo, chosen, eos, natural_written)
+                for stage, (todo, ctodo) in rows.items()
+            }
         with self._lock:
             if chunk.buffers is not buffers or chunk.on_disk:
                 return  # released (clear) or handed to the disk meanwhile
             for stage, (done, stats, cdone, cstats) in results.items():
+                # through the numpy views: buffers made under torch.inference_mode refuse in-place torch writes
                 if done.size:
-                    buffers[f"{stage}:stats"][torch.from_numpy(done)] = stats
+                    chunk.arrays[f"{stage}:stats"][done] = stats.numpy()
                     chunk.stats_known[stage][done] = True
                 if cdone.size:
-                    buffers[f"{stage}:cstats"][torch.from_numpy(cdone)] = cstats
+                    chunk.arrays[f"{stage}:cstats"][cdone] = cstats.numpy()
                     chunk.chosen_known[stage][cdone] = True
 
     @staticmethod
