@@ -432,6 +432,7 @@ def main() -> None:
         help="the tracker's storage (top-k keeps 20); the straightforward tracker always copies whole rows",
     )
     parser.add_argument("--per-step-only", action="store_true", help="only the per-step table and ratios")
+    parser.add_argument("--analysis-only", action="store_true", help="only the first/repeated query times")
     parser.add_argument("--long", action="store_true", help="one long run with the default memory bound")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -447,20 +448,21 @@ def main() -> None:
         f"{os.cpu_count()} CPUs, load average {load:.1f}"
     )
     for vocab in args.vocab:
-        for batch in args.batch:
+        for batch in args.batch if not args.analysis_only else []:
             for storage in args.storage:
                 print(f"\n=== vocabulary {vocab}, batch {batch}, storage {storage} ===")
                 print_overheads(per_step_overheads(vocab, args.steps, args.repeats, batch, storage))
         if args.per_step_only:
             continue
-        with tempfile.TemporaryDirectory() as folder:
-            sizes, speeds = storage_costs(vocab, min(args.steps, 64), Path(folder))
-        print(f"{'storage':<38}{'bytes per step':>16}")
-        for name, value in sizes.items():
-            print(f"{name:<38}{value:>16,.0f}")
-        print(f"{'writing to disk':<38}{'MB/s':>16}")
-        for name, value in speeds.items():
-            print(f"{name:<38}{value:>16,.0f}")
+        if not args.analysis_only:
+            with tempfile.TemporaryDirectory() as folder:
+                sizes, speeds = storage_costs(vocab, min(args.steps, 64), Path(folder))
+            print(f"{'storage':<38}{'bytes per step':>16}")
+            for name, value in sizes.items():
+                print(f"{name:<38}{value:>16,.0f}")
+            print(f"{'writing to disk':<38}{'MB/s':>16}")
+            for name, value in speeds.items():
+                print(f"{name:<38}{value:>16,.0f}")
         for statistics in ("auto", "record"):
             times = analysis_times(vocab, args.steps, args.repeats, statistics)
             when = "off the decode thread, the CPU default" if statistics == "auto" else "recorded with the rows"
