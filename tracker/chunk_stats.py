@@ -83,8 +83,9 @@ class ChunkStats:
 
     def wait(self) -> None:
         """Block until the work submitted so far is done (tests, benchmarks)."""
-        for future in list(self._pending.values()):
+        for key, future in list(self._pending.items()):
             future.result()
+            self._pending.pop(key, None)
 
     def _fill(self, chunk: Chunk, stages: list[str], eos_ids: list[int]) -> None:
         with self._lock:

@@ -354,11 +354,10 @@ class Recorder:
     # ---------------------------------------------------------------- reading
 
     def batches(self) -> list[pa.RecordBatch]:
-        """Every row so far as record batches (drains CUDA staging: synchronises once).
-
-        Spilled chunks are memory-mapped files; chunks on their way to disk are
-        read from memory.
-        """
+        """Every row so far as record batches (drains CUDA staging: synchronises once). Spilled chunks are
+        memory-mapped files; chunks on their way to disk are read from memory. Waits first (outside the lock)
+        for statistics the background thread has queued."""
+        self._stats.wait()  # no row's statistics computed twice; the rest are computed below
         with self._lock:
             self._drain_staging(everything=True)
             self._collect()
