@@ -1,6 +1,7 @@
 """Measure the tracker against a straightforward one and against the floor, in one process.
 
-    python benchmarks/bench_tracker.py [--steps 512] [--vocab 32768 131072] [--repeats 3]
+    python benchmarks/bench_tracker.py [--steps 512] [--vocab 32768 131072] [--repeats 5]
+    python benchmarks/bench_tracker.py --per-step-only --batch 1 8 --storage float32 float16 topk
     python benchmarks/bench_tracker.py --long [--steps 10000] [--vocab 131072]
 
 ``--long`` records one long run with the default memory bound (float32,
@@ -10,7 +11,7 @@ chunks spilled, and the peak RSS against the bound plus two chunks. It is
 the memory- and disk-heavy one (10,000 steps: about 2.2 GiB of RSS and 8 GiB
 of spill files, removed at the end): run it once.
 
-Per vocabulary size, over ``--steps`` steps of batch 1 with a processor that
+Per vocabulary size, over ``--steps`` steps of ``--batch`` rows (default 1) with a processor that
 masks half the vocabulary (called transformers-style, ``tracker(ids, logits)``):
 
 - per-step overhead over the bare processor of: the logitscope tracker (float32
@@ -30,8 +31,13 @@ masks half the vocabulary (called transformers-style, ``tracker(ids, logits)``):
 
 The variants take turns in segments of 32 steps, so that a shared machine's
 load hits them alike; each one's cost is its whole run's time per step minus
-the bare processor's, the fastest of ``--repeats`` runs. Read the ratios:
-absolute times move with the machine's load.
+the bare processor's, the median of ``--repeats`` runs, as wall time, as the
+decode thread's CPU time (work moved to a background thread, such as touching
+the next chunk's pages or a sealed chunk's statistics, is not the step's) and
+as page faults the decode thread took per step. The ratios against the
+straightforward tracker (goal: at most 1.0x) close each table. Read the
+ratios: absolute times move with the machine's load. At batch 8 and 128k
+tokens each variant holds 4 GiB per 512 steps: pass ``--steps 128`` there.
 """
 
 from __future__ import annotations
@@ -92,21 +98,36 @@ def timed(fn: Callable[[], object]) -> float:
 SEGMENT = 32  # steps per timed segment
 
 
-def per_step_overheads(vocab: int, steps: int, repeats: int) -> dict[str, float]:
-    """Per-step cost over the bare processor of each variant, each running ``steps`` steps.
+def _minor_faults() -> int:
+    """Page faults this thread took so far (0 where the platform does not say)."""
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    except (ImportError, AttributeError, OSError):
+        return 0
+
+
+def per_step_overheads(
+    vocab: int, steps: int, repeats: int, batch: int = 1, storage: str = "float32"
+) -> dict[str, dict[str, float]]:
+    """Per-step cost over the bare processor of each variant, each running ``steps`` steps of ``batch`` rows.
 
     The steps run in segments of :data:`SEGMENT`, the variants taking turns
     segment by segment, so that all of them see the same moments of a busy
     machine; a variant's cost is its whole run's time per step (chunk
-    allocations and all) minus the bare processor's, the fastest of
-    ``repeats`` runs.
+    allocations and all) minus the bare processor's, the median of its runs.
+    Three figures per variant: wall time, the decode thread's CPU time (what
+    work moved to a background thread no longer costs the step; less moved by
+    other processes' load), and page faults the decode thread took per step.
     """
     SHARED_POOL.clear()  # the first run of this vocabulary size starts from fresh memory
     proc = HalfMask(vocab)
-    logits = model_like_logits(vocab, seed=vocab)
-    ids_all = torch.arange(steps + 8).view(1, -1) % vocab
+    logits = model_like_logits(vocab, seed=vocab).expand(POOL, batch, vocab).contiguous()
+    ids_all = torch.arange(steps + 8).view(1, -1).expand(batch, -1) % vocab
     views = [ids_all[:, : 4 + t] for t in range(steps)]
-    warm_tracker = LogitTrackingProcessor(HalfMask(vocab), memory_limit=None)
+    options = {"storage": storage, "top_k": 20, "memory_limit": None}
+    warm_tracker = LogitTrackingProcessor(HalfMask(vocab), **options)
 
     def bare(t: int) -> None:
         proc(views[t], logits[t % POOL])
@@ -114,18 +135,18 @@ def per_step_overheads(vocab: int, steps: int, repeats: int) -> dict[str, float]
     def straightforward(natural: list, constrained: list) -> Callable[[int], None]:
         def step(t: int) -> None:
             x = logits[t % POOL]
-            natural.append(x[0].cpu().numpy().copy())
+            natural.append(x.cpu().numpy().copy())
             out = proc(views[t], x)
-            constrained.append(out[0].cpu().numpy().copy())
+            constrained.append(out.cpu().numpy().copy())
 
         return step
 
     def floor(buffer: np.ndarray) -> Callable[[int], None]:
         def step(t: int) -> None:
             x = logits[t % POOL]
-            np.copyto(buffer[2 * t], x[0].numpy())
+            np.copyto(buffer[2 * t], x.numpy())
             out = proc(views[t], x)
-            np.copyto(buffer[2 * t + 1], out[0].numpy())
+            np.copyto(buffer[2 * t + 1], out.numpy())
 
         return step
 
@@ -135,37 +156,73 @@ def per_step_overheads(vocab: int, steps: int, repeats: int) -> dict[str, float]
 
         return step
 
-    best: dict[str, float] = {}
+    runs: dict[str, dict[str, list[float]]] = {}
     finish: list[float] = []
     for repeat in range(repeats):
-        totals: dict[str, float] = {}
-        fresh_tracker = LogitTrackingProcessor(HalfMask(vocab), memory_limit=None)
+        wall: dict[str, float] = {}
+        cpu: dict[str, float] = {}
+        faults: dict[str, int] = {}
+        fresh_tracker = LogitTrackingProcessor(HalfMask(vocab), **options)
         warm_tracker.clear()
+        later = "first run" if repeat == 0 else "later runs"
         variants = {
             "bare processor": bare,
             # Its rows live in Python lists; once a run's lists are freed the allocator hands their
             # memory to the next run, so its first run (fresh memory) is told apart from later ones.
-            "straightforward (first run)" if repeat == 0 else "straightforward (later runs)": straightforward([], []),
-            "floor (fresh buffer)": floor(np.empty((2 * steps, vocab), dtype=np.float32)),
-            "floor (warm buffer)": floor(np.full((2 * steps, vocab), 1.0, dtype=np.float32)),  # touched
-            "tracker, new (first run)" if repeat == 0 else "tracker, new (later runs)": tracked(fresh_tracker),
+            f"straightforward ({later})": straightforward([], []),
+            "floor (fresh buffer)": floor(np.empty((2 * steps, batch, vocab), dtype=np.float32)),
+            "floor (warm buffer)": floor(np.full((2 * steps, batch, vocab), 1.0, dtype=np.float32)),  # touched
+            f"tracker, new ({later})": tracked(fresh_tracker),
             "tracker (after clear)": tracked(warm_tracker),
         }
         for first in range(0, steps, SEGMENT):
             segment = range(first, min(first + SEGMENT, steps))
             for name, step in variants.items():
-                start = time.perf_counter()
+                faults_before, cpu_start, start = _minor_faults(), time.thread_time(), time.perf_counter()
                 for t in segment:
                     step(t)
-                totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
-        for name, total in totals.items():
-            best[name] = min(best.get(name, float("inf")), total / steps)
+                wall[name] = wall.get(name, 0.0) + time.perf_counter() - start
+                cpu[name] = cpu.get(name, 0.0) + time.thread_time() - cpu_start
+                faults[name] = faults.get(name, 0) + _minor_faults() - faults_before
+        for name in wall:
+            figures = runs.setdefault(name, {"wall": [], "cpu": [], "faults": []})
+            figures["wall"].append(wall[name] / steps)
+            figures["cpu"].append(cpu[name] / steps)
+            figures["faults"].append(faults[name] / steps)
         finish.append(timed(lambda t=fresh_tracker: t.finish(ids_all[:, : 4 + steps])) / steps)
         del variants, fresh_tracker
-    base = best.pop("bare processor")
-    out = {name: value - base for name, value in best.items()}
-    out["tracker read: finish() -> Arrow run"] = min(finish)
+    median = {name: {key: float(np.median(v)) for key, v in figures.items()} for name, figures in runs.items()}
+    base = median.pop("bare processor")
+    out = {
+        name: {"wall": m["wall"] - base["wall"], "cpu": m["cpu"] - base["cpu"], "faults": m["faults"]}
+        for name, m in median.items()
+    }
+    out["tracker read: finish() -> Arrow run"] = {"wall": float(np.median(finish)), "cpu": float("nan"), "faults": 0}
     return out
+
+
+def print_overheads(overheads: dict[str, dict[str, float]]) -> None:
+    """The per-step table, then the tracker's cost as a ratio of the straightforward tracker's (goal: <= 1.0x)."""
+    fresh, warm = overheads["floor (fresh buffer)"]["wall"], overheads["floor (warm buffer)"]["wall"]
+    print(
+        f"{'per-step overhead (median)':<38}{'wall us':>10}{'/ floor (fresh)':>17}{'/ floor (warm)':>16}"
+        f"{'thread CPU us':>15}{'faults/step':>13}"
+    )
+    for name, value in overheads.items():
+        print(
+            f"{name:<38}{value['wall'] * 1e6:>10.1f}{value['wall'] / fresh:>17.2f}{value['wall'] / warm:>16.2f}"
+            f"{value['cpu'] * 1e6:>15.1f}{value['faults']:>13.1f}"
+        )
+    pairs = [
+        ("tracker, new (first run)", "straightforward (first run)"),
+        ("tracker, new (later runs)", "straightforward (later runs)"),
+        ("tracker (after clear)", "straightforward (later runs)"),
+    ]
+    for ours, theirs in pairs:
+        if ours in overheads and theirs in overheads:
+            wall = overheads[ours]["wall"] / overheads[theirs]["wall"]
+            cpu = overheads[ours]["cpu"] / overheads[theirs]["cpu"]
+            print(f"ratio {ours} / {theirs}: wall {wall:.2f}x, decode-thread CPU {cpu:.2f}x (goal: <= 1.0x)")
 
 
 def storage_costs(vocab: int, steps: int, folder: Path) -> tuple[dict[str, float], dict[str, float]]:
@@ -236,7 +293,8 @@ def straightforward_dataframe(natural, constrained, chosen, vocab_text, min_valu
 
 
 def analysis_times(vocab: int, steps: int, repeats: int = 3, statistics: str = "auto") -> dict[str, float]:
-    """Query times on a float32 run; ``statistics`` as the tracker's (on a CPU, ``"auto"`` sums rows up when read)."""
+    """Query times on a float32 run; ``statistics`` as the tracker's (on a CPU, ``"auto"`` computes them on a
+    background thread as chunks are sealed; the read after ``finish()`` computes what it had not reached)."""
     proc = HalfMask(vocab)
     logits = model_like_logits(vocab, seed=vocab + 2)
     pieces = [f"t{i}".encode() for i in range(vocab)]
@@ -254,9 +312,11 @@ def analysis_times(vocab: int, steps: int, repeats: int = 3, statistics: str = "
         token = int(torch.multinomial(torch.softmax(out[0], 0), 1, generator=gen))
         chosen.append(token)
         ids = torch.cat([ids, torch.tensor([[token]])], 1)
-    tracker.finish(ids)
+    start = time.perf_counter()
+    tracker.finish(ids)  # builds the run: statistics the background thread has not reached are computed now
     live = tracker.run
     batches, metadata = live._record_batches(), live.metadata
+    read = time.perf_counter() - start
 
     def fresh_run() -> Run:
         return Run(batches, metadata, vocab_obj)
@@ -281,6 +341,7 @@ def analysis_times(vocab: int, steps: int, repeats: int = 3, statistics: str = "
     ours = run.to_dataframe(min_value=0.01)
     reference = straightforward_dataframe(natural[:8], constrained[:8], chosen, vocab_text)
     assert len(ours[ours.position < 8]) == len(reference), "the two to_dataframe implementations disagree"
+    out["the run's batches, read once after finish()"] = read
     return out
 
 
@@ -361,7 +422,17 @@ def main() -> None:
     parser.add_argument(
         "--vocab", type=int, nargs="+", default=None, help="vocabulary sizes (default 32768 131072; 131072 with --long)"
     )
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each variant (the median is shown)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1], help="rows per step (default 1)")
+    parser.add_argument(
+        "--storage",
+        nargs="+",
+        default=["float32"],
+        choices=["float32", "float16", "bfloat16", "topk"],
+        help="the tracker's storage (top-k keeps 20); the straightforward tracker always copies whole rows",
+    )
+    parser.add_argument("--per-step-only", action="store_true", help="only the per-step table and ratios")
+    parser.add_argument("--analysis-only", action="store_true", help="only the first/repeated query times")
     parser.add_argument("--long", action="store_true", help="one long run with the default memory bound")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -373,31 +444,34 @@ def main() -> None:
     args.vocab = args.vocab or [32768, 131072]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
-        f"{args.steps} steps, batch 1, torch threads {torch.get_num_threads()}, best of {args.repeats}, "
+        f"{args.steps} steps, torch threads {torch.get_num_threads()}, median of {args.repeats}, "
         f"{os.cpu_count()} CPUs, load average {load:.1f}"
     )
     for vocab in args.vocab:
-        print(f"\n=== vocabulary {vocab} ===")
-        overheads = per_step_overheads(vocab, args.steps, args.repeats)
-        fresh, warm = overheads["floor (fresh buffer)"], overheads["floor (warm buffer)"]
-        print(f"{'per-step overhead':<38}{'us':>10}{'/ floor (fresh)':>17}{'/ floor (warm)':>16}")
-        for name, value in overheads.items():
-            print(f"{name:<38}{value * 1e6:>10.1f}{value / fresh:>17.2f}{value / warm:>16.2f}")
-        with tempfile.TemporaryDirectory() as folder:
-            sizes, speeds = storage_costs(vocab, min(args.steps, 64), Path(folder))
-        print(f"{'storage':<38}{'bytes per step':>16}")
-        for name, value in sizes.items():
-            print(f"{name:<38}{value:>16,.0f}")
-        print(f"{'writing to disk':<38}{'MB/s':>16}")
-        for name, value in speeds.items():
-            print(f"{name:<38}{value:>16,.0f}")
+        for batch in args.batch if not args.analysis_only else []:
+            for storage in args.storage:
+                print(f"\n=== vocabulary {vocab}, batch {batch}, storage {storage} ===")
+                print_overheads(per_step_overheads(vocab, args.steps, args.repeats, batch, storage))
+        if args.per_step_only:
+            continue
+        if not args.analysis_only:
+            with tempfile.TemporaryDirectory() as folder:
+                sizes, speeds = storage_costs(vocab, min(args.steps, 64), Path(folder))
+            print(f"{'storage':<38}{'bytes per step':>16}")
+            for name, value in sizes.items():
+                print(f"{name:<38}{value:>16,.0f}")
+            print(f"{'writing to disk':<38}{'MB/s':>16}")
+            for name, value in speeds.items():
+                print(f"{name:<38}{value:>16,.0f}")
         for statistics in ("auto", "record"):
             times = analysis_times(vocab, args.steps, args.repeats, statistics)
-            when = "summed up when read" if statistics == "auto" else "recorded with the rows"
+            when = "off the decode thread, the CPU default" if statistics == "auto" else "recorded with the rows"
             print(f"{'analysis over all positions':<38}{'ms':>10}{'speed-up':>10}   (statistics {when})")
+            read = times.pop("the run's batches, read once after finish()")
             for name, value in times.items():
                 base = times[name.split(":")[0] + ": straightforward"]
                 print(f"{name:<38}{value * 1e3:>10.1f}{base / value:>10.1f}")
+            print(f"{'finish(): the run built, once':<38}{read * 1e3:>10.1f}")
 
 
 if __name__ == "__main__":

@@ -182,7 +182,10 @@ class PromptBoundary:
 def free_to_read(*tensors: torch.Tensor) -> bool:
     """Whether reading these tensors' values costs nothing (host memory); on an accelerator it would
     synchronise, so per-step code decides by shapes there."""
-    return all(t.device.type == "cpu" for t in tensors)
+    for tensor in tensors:  # a loop, not all(generator): this runs every step
+        if tensor.device.type != "cpu":
+            return False
+    return True
 
 
 def continues(input_ids: torch.Tensor, last: torch.Tensor) -> bool:

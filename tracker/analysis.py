@@ -105,13 +105,13 @@ class Analysis(Passes):
         return self.vocab.decode(ids)
 
     def _texts(self, sel: Selection) -> list[str]:
-        key = ("texts", sel.generation, sel.sequence, sel.length)
+        key = ("texts", sel.generation, sel.sequence, sel.length, sel.part)
         return self._cached(key, lambda: self.vocab.prefixes(sel.known_chosen))
 
     def _top(self, sel: Selection, k: int, stage: str | None = None) -> dict[str, np.ndarray]:
         """Per position: the k best allowed tokens with both stages' logits and probabilities."""
         con_stage = self._constrained_stage(stage)
-        key = ("top", k, sel.generation, sel.sequence, sel.length, con_stage)
+        key = ("top", k, sel.generation, sel.sequence, sel.length, sel.part, con_stage)
 
         def build() -> dict[str, np.ndarray]:
             same = con_stage == "natural"
@@ -170,22 +170,27 @@ class Analysis(Passes):
         """
         k = count_arg("k", k)
         sel = self._select(generation, sequence, include_finished)
-        top = self._top(sel, k, stage)
         texts = self._texts(sel)
         where = {int(s): i for i, s in enumerate(sel.steps.tolist())}
         wanted = self._positions(positions, sel)
+        picked = sorted({where[p] for p in wanted if p in where})
+        # a few positions: only their rows are read (on a spilled run, only their chunks mapped in)
+        part = sel if positions is None or len(picked) == sel.length else sel.subset(np.array(picked, np.int64))
+        at = None if part is sel else {i: j for j, i in enumerate(picked)}
+        top = self._top(part, k, stage)
         display = self.vocab.display
         ids_all, counts = top["ids"].tolist(), top["count"].tolist()
         pn, pc = top["natural_prob"].tolist(), top["constrained_prob"].tolist()
         ln, lc = top["natural_logit"].tolist(), top["constrained_logit"].tolist()
-        chosen = sel.chosen.tolist()
-        nonfinite = self._nonfinite(sel).tolist()
-        counts_nan = {stage: [_count(c) for c in values.tolist()] for stage, values in self._nan_counts(sel).items()}
+        chosen = part.chosen.tolist()
+        nonfinite = self._nonfinite(part).tolist()
+        counts_nan = {stage: [_count(c) for c in values.tolist()] for stage, values in self._nan_counts(part).items()}
         results = []
         for pos in wanted:
-            i = where.get(pos)
-            if i is None:
+            whole = where.get(pos)
+            if whole is None:
                 continue
+            i = whole if at is None else at[whole]
             n, mine = counts[i], chosen[i]
             if include_logits:
                 tokens = [
@@ -207,7 +212,7 @@ class Analysis(Passes):
             results.append(
                 {
                     "position": pos,
-                    "text_so_far": texts[min(i, len(texts) - 1)],
+                    "text_so_far": texts[min(whole, len(texts) - 1)],
                     "tokens": tokens,
                     "nonfinite": nonfinite[i],
                     "nan_count": {stage: counts_nan[stage][i] for stage in self.stages},
@@ -269,7 +274,7 @@ class Analysis(Passes):
             return frame[["sequence"] + [c for c in frame.columns if c != "sequence"]]
         sel = self._select(generation, sequence, include_finished)
         con_stage = self._constrained_stage(stage)
-        key = ("frame", show, min_value, sel.generation, sel.sequence, sel.length, con_stage)
+        key = ("frame", show, min_value, sel.generation, sel.sequence, sel.length, sel.part, con_stage)
         rows, ids, nat, con = self._cached(key, lambda: self._entries(sel, show, min_value, con_stage))
         chosen = sel.chosen[rows] == ids
         data = {
@@ -328,7 +333,7 @@ class Analysis(Passes):
         """
         sel = self._select(generation, sequence, include_finished)
         return self._cached(
-            ("logits", sel.generation, sel.sequence, sel.length), lambda: self._arrays(sel, probs=False)
+            ("logits", sel.generation, sel.sequence, sel.length, sel.part), lambda: self._arrays(sel, probs=False)
         )
 
     def get_probabilities(
@@ -336,7 +341,9 @@ class Analysis(Passes):
     ) -> dict[str, np.ndarray]:
         """The softmax of :meth:`get_logits`, same keys (masked tokens have probability 0)."""
         sel = self._select(generation, sequence, include_finished)
-        return self._cached(("probs", sel.generation, sel.sequence, sel.length), lambda: self._arrays(sel, probs=True))
+        return self._cached(
+            ("probs", sel.generation, sel.sequence, sel.length, sel.part), lambda: self._arrays(sel, probs=True)
+        )
 
     def _arrays(self, sel: Selection, probs: bool) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
@@ -387,7 +394,7 @@ class Analysis(Passes):
             ]
             return pd.concat(frames, ignore_index=True)
         sel = self._select(generation, sequence, include_finished)
-        values = self._cached(("stats", sel.generation, sel.sequence, sel.length), lambda: self._stats(sel))
+        values = self._cached(("stats", sel.generation, sel.sequence, sel.length, sel.part), lambda: self._stats(sel))
         frame = pd.DataFrame(
             {
                 "generation": np.full(sel.length, sel.generation, dtype=np.int64),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -60,20 +61,45 @@ class ChunkMemory:
         self._rings: dict[torch.device, PinnedRing] = {}
         self._owned: list[HostBuffer] = []  # host buffers held by the recorder's chunks
         self._given: weakref.WeakSet[HostBuffer] = weakref.WeakSet()  # given back, maybe idle in the pool
+        self._preparing: Future[list[HostBuffer]] | None = None  # the next chunk's buffers, being touched
         weakref.finalize(self, pool.give_all, self._owned)
 
     def host(self, layout: Layout) -> tuple[dict[str, torch.Tensor], list[HostBuffer]]:
-        """Host tensors for ``layout`` (from the pool), and the buffers under them."""
+        """Host tensors for ``layout`` (from the pool), and the buffers under them.
+
+        Waits for buffers :meth:`prepare` is still touching (they were asked
+        for a chunk's worth of steps ago, so usually they are ready).
+        """
+        self._wait_prepared()
         host: list[HostBuffer] = []
         tensors: dict[str, torch.Tensor] = {}
         for name, (shape, dtype) in layout.items():
-            nbytes = int(np.prod(shape, dtype=np.int64)) * torch.tensor([], dtype=dtype).element_size()
-            buf = self.pool.take(max(nbytes, 1))
+            buf = self.pool.take(_nbytes(shape, dtype))
             self._given.discard(buf)
             host.append(buf)
             self._owned.append(buf)
             tensors[name] = buf.tensor(shape, dtype)
         return tensors, host
+
+    def prepare(self, layout: Layout) -> None:
+        """Have the pool hold buffers for one more chunk of ``layout``, their pages touched on a background
+        thread, so that the next chunk's first writes do not fault pages in on the decode thread.
+
+        Once per chunk, on the recording thread; does not wait. Sizes the pool
+        already holds (a chunk given back after a spill or ``clear()``) are not
+        made again, so a spilling run, whose written chunks come back as spares,
+        holds no more than before. The buffers are idle spares of this
+        recorder until taken (a later :meth:`release` may let them go).
+        """
+        self._wait_prepared()
+        sizes = [_nbytes(shape, dtype) for shape, dtype in layout.values()]
+        self._preparing = self.pool.prepare(sizes)
+
+    def _wait_prepared(self) -> None:
+        if self._preparing is not None:
+            future, self._preparing = self._preparing, None
+            for buf in future.result():
+                self._given.add(buf)
 
     def staged_capacity(self, device: torch.device, capacity: int) -> int:
         """Rows a staging chunk on ``device`` holds: ``capacity``, or the ring's slots' if larger.
@@ -144,6 +170,7 @@ class ChunkMemory:
         chunk.cached = None
         chunk.events.clear()
         if spare is not None:
+            self._wait_prepared()  # buffers still being touched count as spares too
             self._let_go(spare)
 
     def _let_go(self, spare: int) -> None:
@@ -157,3 +184,8 @@ class ChunkMemory:
                 self.pool.free.remove(buf)
                 self._given.discard(buf)
                 extra -= buf.nbytes
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a buffer of ``shape`` and ``dtype`` (at least 1)."""
+    return max(1, int(np.prod(shape, dtype=np.int64)) * torch.tensor([], dtype=dtype).element_size())

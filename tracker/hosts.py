@@ -78,13 +78,20 @@ def check_chosen(tokens: Any, vocab_size: int, where: str) -> None:
     not read here (that would synchronise every step) and is checked when the
     run is built. Runs every step; does not synchronise with the device.
     """
+    if vocab_size <= 0:
+        return
     if isinstance(tokens, torch.Tensor):
         if tokens.device.type != "cpu":
             return
-        values = tokens.detach().reshape(-1).to(torch.int64).numpy()
+        flat = tokens.detach().reshape(-1)
+        values = (flat if flat.dtype in _ID_TYPES else flat.to(torch.int64)).numpy()
     else:
         values = np.asarray(list(tokens), dtype=np.int64).reshape(-1)
-    if vocab_size <= 0 or values.size == 0:
+    if values.size <= _FEW:
+        listed = values.tolist()  # a few ids: compared in Python, cheaper than numpy's reductions
+        if not listed or (min(listed) >= 0 and max(listed) < vocab_size):
+            return
+    elif values.min() >= 0 and values.max() < vocab_size:
         return
     bad = np.flatnonzero((values < 0) | (values >= vocab_size))
     if bad.size:
@@ -93,6 +100,10 @@ def check_chosen(tokens: Any, vocab_size: int, where: str) -> None:
             f"{where}: chosen token of row {row} is {int(values[row])}, outside the vocabulary [0, {vocab_size})"
             + (f" ({bad.size} rows out of range)" if bad.size > 1 else "")
         )
+
+
+_ID_TYPES = (torch.int64, torch.int32)  # read as they are (a numpy view); other types are converted
+_FEW = 64
 
 
 @dataclass

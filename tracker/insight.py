@@ -50,7 +50,7 @@ class Insight:
         if self.metadata.stage_aliases:  # type: ignore[attr-defined]
             sel = self._select(generation, sequence, include_finished)  # type: ignore[attr-defined]
             removed = self._cached(
-                ("removed_by", sel.generation, sel.sequence, sel.length),  # type: ignore[attr-defined]
+                ("removed_by", sel.generation, sel.sequence, sel.length, sel.part),  # type: ignore[attr-defined]
                 lambda: self._removed_by_processor(sel),
             )
             for name, values in removed.items():

@@ -56,7 +56,7 @@ class Passes(Selecting):
         return out
 
     def _scanned(self, stage: str, sel: Selection) -> dict[str, np.ndarray] | None:
-        return self._cache().get(("scan", stage, sel.generation, sel.sequence, sel.length))
+        return self._cache().get(("scan", stage, sel.generation, sel.sequence, sel.length, sel.part))
 
     def _recorded_scan(self, stage: str, sel: Selection) -> dict[str, np.ndarray]:
         """The per-row facts from the statistics columns recorded with the rows."""
@@ -82,7 +82,7 @@ class Passes(Selecting):
     def _scan(self, stage: str, sel: Selection) -> dict[str, np.ndarray]:
         """``{"lse", "nan", "nonfinite"}`` per row of a stage: the log-sum-exp as the record reads the row,
         its NaN entries (NaN when unknown) and whether it holds NaN or ``+inf``."""
-        key = ("scan", stage, sel.generation, sel.sequence, sel.length)
+        key = ("scan", stage, sel.generation, sel.sequence, sel.length, sel.part)
         cache = self._cache()
         if key not in cache:
             if self._has_stats(sel):
@@ -109,7 +109,7 @@ class Passes(Selecting):
 
     def _topk(self, stage: str, sel: Selection) -> Block:
         """Top-k storage of a stage over the selection."""
-        key = ("topk", stage, sel.generation, sel.sequence, sel.length)
+        key = ("topk", stage, sel.generation, sel.sequence, sel.length, sel.part)
         return self._cached(key, lambda: topk_columns(self._record_batches(), sel.blocks, stage))
 
     def _map(
@@ -182,7 +182,7 @@ class Passes(Selecting):
         results = map_blocks(one, len(pieces))
         for stage in missing:
             parts = [found[stage] for found, _ in results]
-            self._cache()[("scan", stage, sel.generation, sel.sequence, sel.length)] = {
+            self._cache()[("scan", stage, sel.generation, sel.sequence, sel.length, sel.part)] = {
                 name: np.concatenate([p[name] for p in parts]) if parts else np.zeros(0, dtype=dtype)
                 for name, dtype in _SCAN.items()
             }

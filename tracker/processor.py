@@ -170,9 +170,10 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
             synchronisation), ``"read"`` when a query needs them (float32
             storage only; other modes record them, as only the full row gives
             them exactly), ``"auto"``: when recorded, except for float32 rows on a
-            CPU, which keep the whole row exactly: there they are computed
-            when read (the same values; the passes over every row would cost
-            the CPU more than the step's copy).
+            CPU, which keep the whole row exactly: there they are computed on a
+            background thread as each chunk of rows is sealed, the rest when
+            read (the same values; on the decoding thread the passes over every
+            row would cost more than the step's copy).
     """
 
     def __init__(

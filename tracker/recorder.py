@@ -1,24 +1,21 @@
 """Device to host: each step's rows into preallocated chunks, chunks into Arrow record batches.
 
-A *chunk* (:mod:`tracker.chunks`) is a block of rows (one per sequence and
-step) with one buffer per recorded column. Per step the recorder only copies:
-on a CPU, straight into the current chunk's host buffers (the copy is also
-the snapshot an in-place processor cannot disturb); on CUDA, with
-``non_blocking`` copies into pinned staging buffers (a
-:class:`~tracker.buffers.PinnedRing` slot), recording a CUDA event, with no
-synchronisation. A staging chunk is drained into host memory only when the
-ring has no free slot or someone reads, by which time its copies have long
-finished. Nothing turns into Arrow until it is read.
+A *chunk* (:mod:`tracker.chunks`) is a block of rows (one per sequence and step) with one buffer per recorded
+column. Per step the recorder only copies: on a CPU, straight into the current chunk's host buffers (the copy is
+also the snapshot an in-place processor cannot disturb); on CUDA, with ``non_blocking`` copies into pinned
+staging buffers (a :class:`~tracker.buffers.PinnedRing` slot), recording a CUDA event, with no synchronisation.
+A staging chunk is drained into host memory only when the ring has no free slot or someone reads, by which time
+its copies have long finished. Nothing turns into Arrow until it is read.
 
 Past ``memory_limit`` bytes of host chunks, the oldest complete chunks go to
 disk (:mod:`tracker.spill_handoff`: Arrow IPC files, each written once by a
 background writer with a bounded queue), read back through a memory map.
 
-Every stage's row also gets its statistics (:mod:`tracker.record_stats`) on
-its device when written, and the chosen token's logit, probability and rank
-when that token arrives: until then the recorder keeps rows nobody can write
-into (the stored copy where exact and on their device, ``owned`` rows, else a
-device copy per stage). Those few values are copied like the rest, no sync.
+Every stage's row also gets its statistics (:mod:`tracker.record_stats`) on its device when written, and the
+chosen token's logit, probability and rank when that token arrives: until then the recorder keeps rows nobody
+can write into (the stored copy where exact and on their device, ``owned`` rows, else a device copy per stage).
+Those few values are copied like the rest, no sync. CPU float32 rows (``statistics="auto"``) get them off the
+decode thread as each chunk is sealed (:mod:`tracker.chunk_stats`).
 
 Storage (:mod:`tracker.storage`): the whole row as float32, or as float16 or bfloat16 minus its largest
 logit (converted on the device before the copy), the top ``k`` values with their ids (selected on the
@@ -38,6 +35,7 @@ import torch
 
 from tracker.buffers import SHARED_POOL, BufferPool
 from tracker.chunk_memory import IN_FLIGHT, ChunkMemory, Layout, chunk_rows
+from tracker.chunk_stats import ChunkStats
 from tracker.chunks import Chunk, CudaStaging, StepRows, conform, to_batch
 from tracker.record_stats import chosen_stats, eos_on, offset_rows, stage_stats, summarise_topk
 from tracker.schema import run_schema
@@ -101,6 +99,7 @@ class Recorder:
             raise ValueError(f"statistics must be one of {STATISTICS}, got {statistics!r}")
         self.statistics = statistics
         self.record_stats = statistics == "record"  # decided at the first step (see stats_when_recorded)
+        self.background_stats = False  # CPU float32 rows by default: statistics computed off the decode thread
         self.requested = storage  # "auto" is resolved at the first step (and again after clear())
         self.storage = storage
         self.stages: list[str] = list(stages)
@@ -125,6 +124,7 @@ class Recorder:
         self._eos: dict[Any, torch.Tensor] = {}
         self._retained: StepRows | None = None  # the last step, its rows and statistics until its tokens come
         self._retained_rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._stats = ChunkStats(self._lock)
 
     # ---------------------------------------------------------------- state
 
@@ -143,24 +143,15 @@ class Recorder:
         """Chunks whose rows are on disk."""
         return sum(c.spilled is not None for c in self._chunks)
 
-    @property
-    def rows(self) -> int:
-        return sum(c.n for c in self._chunks)
+    rows = property(lambda self: sum(c.n for c in self._chunks), doc="Rows recorded.")
 
     @property
     def spill_path(self) -> Path | None:
         """The folder holding this run's spilled chunks, once something spilled."""
         return self._handoff.folder
 
-    @property
-    def spilled_bytes(self) -> int:
-        """Bytes of spilled chunks on disk."""
-        return self._handoff.spilled_bytes
-
-    @property
-    def chunk_writes(self) -> int:
-        """Chunk files written (each spilled chunk once)."""
-        return self._handoff.chunk_writes
+    spilled_bytes = property(lambda self: self._handoff.spilled_bytes, doc="Bytes of spilled chunks on disk.")
+    chunk_writes = property(lambda self: self._handoff.chunk_writes, doc="Chunk files written (each spilled once).")
 
     def add_stage(self, stage: str) -> None:
         """Record one more stage from the next step on (earlier rows hold nulls for it)."""
@@ -175,9 +166,8 @@ class Recorder:
         """The Arrow schema of the recorded rows (statistics included; no run metadata, no ``_nonfinite`` flags)."""
         vocab = self.vocab_size or 0
         k = self.storage.k_for(vocab) if vocab else 0
-        return run_schema(
-            self.storage_kind, self.stages, vocab, k, flags=False, stats=self.record_stats or not self.storage.full
-        )
+        stats = self.record_stats or self.background_stats or not self.storage.full
+        return run_schema(self.storage_kind, self.stages, vocab, k, flags=False, stats=stats)
 
     @property
     def storage_kind(self) -> str:
@@ -201,6 +191,7 @@ class Recorder:
                 self.vocab_size = int(vocab_size)
                 self.storage = self.requested.resolve(self.stages, self.vocab_size, batch, self.memory_limit)
                 self.record_stats = stats_when_recorded(self.statistics, self.storage, torch.device(device))
+                self.background_stats = not self.record_stats and self.statistics == "auto"
             elif vocab_size != self.vocab_size:
                 raise ValueError(
                     f"logits: vocabulary size changed from {self.vocab_size} to {vocab_size} "
@@ -208,34 +199,29 @@ class Recorder:
                     "Call clear() before tracking a model with another vocabulary."
                 )
             self._retained, self._retained_rows = None, {}
-            device = torch.device(device)
             chunk = self._active
             if chunk is None or chunk.capacity - chunk.n < batch or chunk.device != device:
-                self._seal_active()
-                chunk = self._active = self._new_chunk(batch, device)
-            elif self._handoff.pending:
-                self._collect()
-            self.raise_failure()  # the disk refused a chunk (now or since the last step): said once
+                device = torch.device(device)
+                if chunk is None or chunk.capacity - chunk.n < batch or chunk.device != device:
+                    self._seal_active()
+                    chunk = self._active = self._new_chunk(batch, device)
+            handoff = self._handoff
+            if handoff.pending or handoff.failure is not None:
+                self.raise_failure()  # the disk refused a chunk (now or since the last step): said once
             self._steps += 1
             start = chunk.n
             end = start + batch
             chunk.n = end
+            # rows are reserved once, in order: their flags are still the zeros they were made with
             chunk.generation[start:end] = generation
-            chunk.sequence[start:end] = self._row_ids(batch)
+            if self._arange.shape[0] < batch:
+                self._arange = np.arange(batch, dtype=np.int32)
+            chunk.sequence[start:end] = self._arange[:batch]
             chunk.step[start:end] = step
-            chunk.processor_error[start:end] = False
-            chunk.chosen_set[start:end] = False
-            for flags in (*chunk.written.values(), *chunk.chosen_known.values()):
-                flags[start:end] = False
             chunk.arrays["chosen"][start:end] = -1
             chunk.version += 1
             self.version += 1
             return StepRows(chunk, start, batch, generation, step)
-
-    def _row_ids(self, batch: int) -> np.ndarray:
-        if self._arange.shape[0] < batch:
-            self._arange = np.arange(max(batch, 2 * self._arange.shape[0]), dtype=np.int32)
-        return self._arange[:batch]
 
     def write(
         self, rows: StepRows, stage: str, values: torch.Tensor, natural: torch.Tensor | None = None, owned: bool = False
@@ -267,11 +253,12 @@ class Recorder:
         nat = None if natural is None or stage == "natural" else natural.detach()
         kept = pre = shift = None  # half-precision rows as stored; their statistics, and the max they are kept minus
         exact = values.detach() if owned else None  # rows nobody else can write into (a later processor may)
-        eos = eos_on(self._eos, self.eos_token_ids, self.vocab_size or 0, src.device)
+        with_stats = self.record_stats and f"{stage}:stats" in chunk.buffers
+        eos = eos_on(self._eos, self.eos_token_ids, self.vocab_size or 0, src.device) if with_stats else None
         if self.storage.full:
             name = f"{stage}:logits"
             dst = chunk.buffers[name]
-            if dst.dtype != torch.float32 and f"{stage}:stats" in chunk.buffers:
+            if dst.dtype != torch.float32 and with_stats:
                 pre, shift = offset_rows(src, eos, nat)
                 src = src.float() - shift[:, None]
             if not staging and src.dtype == dst.dtype and src.dtype in _MEMCPY and src.device.type == "cpu":
@@ -289,7 +276,7 @@ class Recorder:
             summary = summarise_topk(src, self.storage.k_for(self.vocab_size or 0), nat)
             for name, tensor in summary.items():
                 chunk.buffers[f"{stage}:{name}"][start:end].copy_(tensor, non_blocking=staging)
-        if f"{stage}:stats" in chunk.buffers:
+        if with_stats:
             stats, stored = stage_stats(src, eos, nat, kept, pre, shift)
             chunk.buffers[f"{stage}:stats"][start:end].copy_(stored, non_blocking=staging)
             if self._retained is not rows:
@@ -367,11 +354,10 @@ class Recorder:
     # ---------------------------------------------------------------- reading
 
     def batches(self) -> list[pa.RecordBatch]:
-        """Every row so far as record batches (drains CUDA staging: synchronises once).
-
-        Spilled chunks are memory-mapped files; chunks on their way to disk are
-        read from memory.
-        """
+        """Every row so far as record batches (drains CUDA staging: synchronises once). Spilled chunks are
+        memory-mapped files; chunks on their way to disk are read from memory. Waits first (outside the lock)
+        for statistics the background thread has queued."""
+        self._stats.wait()  # no row's statistics computed twice; the rest are computed below
         with self._lock:
             self._drain_staging(everything=True)
             self._collect()
@@ -379,7 +365,8 @@ class Recorder:
             return [self._batch_of(chunk, schema) for chunk in self._chunks if chunk.n]
 
     def flush(self) -> None:
-        """Wait until every chunk queued for the disk is written and mapped back."""
+        """Wait until sealed chunks' statistics are computed and chunks queued for the disk are written and mapped."""
+        self._stats.wait()
         with self._lock:
             self._handoff.flush()
             self._collect()
@@ -393,6 +380,7 @@ class Recorder:
             self._chunks.clear()
             self._active = None
             self._ended.clear()
+            self._stats.forget()
             self._retained, self._retained_rows = None, {}
             self.vocab_size = None
             self.storage = self.requested
@@ -405,12 +393,15 @@ class Recorder:
         vocab = self.vocab_size or 0
         layout: Layout = {"chosen": ((capacity,), torch.int64)}
         for stage in self.stages:
-            for name, (shape, dtype) in self.storage.layout(stage, vocab, self.record_stats).items():
+            for name, (shape, dtype) in self.storage.layout(
+                stage, vocab, self.record_stats or self.background_stats
+            ).items():
                 layout[name] = ((capacity, *shape), dtype)
         return layout
 
     def _capacity(self, batch: int) -> int:
-        per_row = self.storage.row_bytes(self.stages, self.vocab_size or 0, self.record_stats)
+        stats = self.record_stats or self.background_stats
+        per_row = self.storage.row_bytes(self.stages, self.vocab_size or 0, stats)
         return chunk_rows(batch, per_row, self.chunk_bytes, self.memory_limit, self._spill_queue)
 
     def _new_chunk(self, batch: int, device: torch.device) -> Chunk:
@@ -426,13 +417,19 @@ class Recorder:
             chunk.ring_key = key
         else:
             capacity = self._capacity(batch)
-            tensors, host = self._memory.host(self._layout(capacity))
+            layout = self._layout(capacity)
+            tensors, host = self._memory.host(layout)
             chunk = Chunk(index, capacity, self.stages, tensors, host, device)
+            if not any(c.on_disk for c in self._chunks):  # once spilling, written chunks come back as spares
+                self._memory.prepare(layout)  # the next chunk's pages, touched off this thread
         self._chunks.append(chunk)
         return chunk
 
     def _seal_active(self) -> None:
-        """The active chunk takes no more rows; spill old chunks if over the memory bound."""
+        """The active chunk takes no more rows (its statistics go to the background thread, where computed
+        there); spill old chunks if over the memory bound."""
+        if self._active is not None and self.background_stats:
+            self._stats.submit(self._active, self.stages, self.eos_token_ids)
         self._active = None
         self._enforce_bound()
 
@@ -456,11 +453,9 @@ class Recorder:
     def _enforce_bound(self) -> None:
         """Queue the oldest complete chunks for the disk while host memory is over the bound.
 
-        Each chunk is queued once (chunks on disk or on their way are never
-        considered again), so the work is linear in the run's length.
-        Chunks on their way stay in memory until written, and the buffers of
-        one written chunk wait for the next chunk: the rows kept are the bound
-        less room for those, so that everything resident stays within it.
+        Each chunk is queued once, so the work is linear in the run's length. Chunks on their way
+        stay in memory until written, and the buffers of one written chunk wait for the next
+        chunk: the rows kept are the bound less room for those, so everything resident stays within it.
         """
         self._collect()
         if self.memory_limit is None:
@@ -477,6 +472,8 @@ class Recorder:
             if self._handoff.stopped:
                 break  # the disk refused a chunk: rows stay in memory (raise_failure says why)
             schema = self.schema()  # to disk; blocks only while the writer's queue is full
+            if self.background_stats:
+                self._stats.complete(chunk, self.stages, self.eos_token_ids)
             batch = to_batch(chunk, schema, self.stages, self.storage, self.vocab_size or 0)
             if self._handoff.send(chunk, batch, schema, self.run_id, self.describe):
                 excess -= chunk.nbytes
@@ -495,6 +492,8 @@ class Recorder:
         key = (chunk.version, tuple(self.stages))
         if chunk.cached is not None and chunk.cached[:2] == key:
             return chunk.cached[2]
+        if self.background_stats:
+            self._stats.complete(chunk, self.stages, self.eos_token_ids)
         batch = to_batch(chunk, schema, self.stages, self.storage, self.vocab_size or 0)
         chunk.cached = (*key, batch)
         return batch

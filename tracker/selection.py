@@ -81,10 +81,23 @@ class Selection:
     chosen: np.ndarray  # int64, -1 where unknown
     processor_error: np.ndarray
     blocks: tuple[tuple[int, np.ndarray], ...]  # (batch index, rows of that batch)
+    part: tuple[int, ...] | None = None  # a subset's indices into its whole selection (cache keys tell them apart)
 
     @property
     def length(self) -> int:
         return int(self.steps.shape[0])
+
+    def subset(self, index: np.ndarray) -> Selection:
+        """The rows at ``index`` (ascending indices into this selection), reading only the batches they are in:
+        a query about a few positions of a spilled run maps and reads only their chunks."""
+        index = np.asarray(index, dtype=np.int64)
+        batch_of = np.concatenate([np.full(rows.size, b, dtype=np.int64) for b, rows in self.blocks])
+        local = np.concatenate([rows for _, rows in self.blocks])
+        blocks = []
+        for b in dict.fromkeys(batch_of[index].tolist()):  # in the selection's order
+            blocks.append((int(b), local[index[batch_of[index] == b]]))
+        steps, chosen, error = self.steps[index], self.chosen[index], self.processor_error[index]
+        return Selection(self.generation, self.sequence, steps, chosen, error, tuple(blocks), tuple(index.tolist()))
 
     @property
     def known_chosen(self) -> list[int]:
@@ -209,7 +222,7 @@ class Selecting:
 
     def _column(self, name: str, sel: Selection) -> np.ndarray:
         """A per-row column over the selection as float64 (null as NaN)."""
-        key = ("column", name, sel.generation, sel.sequence, sel.length)
+        key = ("column", name, sel.generation, sel.sequence, sel.length, sel.part)
 
         def build() -> np.ndarray:
             batches = self._record_batches()

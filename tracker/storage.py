@@ -28,7 +28,8 @@ _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 #: a query needs them (float32 storage only: other modes record them whatever is asked, since their stored rows
 #: would give inexact statistics); ``"auto"``: when recorded unless the rows are kept whole in float32
 #: on a CPU (top-k, float16 and bfloat16 rows are not the full-precision row the statistics need; on an
-#: accelerator recording them costs a few asynchronous kernels), else when read (exactly the same values).
+#: accelerator recording them costs a few asynchronous kernels), else off the decoding thread as chunks of rows
+#: are sealed (:mod:`tracker.chunk_stats`; exactly the same values).
 STATISTICS = ("auto", "record", "read")
 #: Steps of a batch that ``storage="auto"`` keeps within the memory bound.
 AUTO_STEPS = 500

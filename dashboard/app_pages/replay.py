@@ -7,7 +7,7 @@ import streamlit as st
 from dashboard import charts, data, text, views, widgets
 from dashboard.reader import BadRunError
 
-PLAY_SECONDS = 0.8
+PLAY_SECONDS = 0.2  # Play: five steps a second (each tick reruns only the step's fragment below)
 
 picked = widgets.selected()
 if picked is None:
@@ -48,6 +48,8 @@ def _toggle_play() -> None:
 
 def _move(delta: int) -> None:
     st.session_state["step"] = max(0, min(last, st.session_state["step"] + delta))
+    if st.session_state.get("playing"):
+        st.session_state["stop_timer"] = True  # the fragment's timer goes with a rerun of the whole page
     st.session_state["playing"] = False
 
 
@@ -61,16 +63,14 @@ names = charts.stage_names(stages, data.stage_aliases(picked.path))
 if len(stages) > 3:  # a stage per processor: pick the ones to draw
     widgets.keep("replay_stages", stages, stages)
     stages = st.multiselect("Stages", stages, key="replay_stages", format_func=names.get) or stages
-controls = st.columns([1, 1, 1, 2, 2, 2])
+controls = st.columns([1, 2, 2, 2])
 playing = bool(st.session_state.get("playing", False))
 one_step = last == 0  # nothing to play or move to
 controls[0].button(
     "⏸ Pause" if playing else "▶ Play", key="play", on_click=_toggle_play, width="stretch", disabled=one_step
 )
-controls[1].button("◀ Back", key="back", on_click=_move, args=(-1,), width="stretch", disabled=one_step)
-controls[2].button("Next ▶", key="next", on_click=_move, args=(1,), width="stretch", disabled=one_step)
 widgets.keep("replay_value", "prob", ["prob", "logit"])
-value = controls[3].radio(
+value = controls[1].radio(
     "Show",
     ["prob", "logit"],
     horizontal=True,
@@ -78,7 +78,7 @@ value = controls[3].radio(
     format_func={"prob": "probability", "logit": "logit"}.get,
 )
 widgets.keep("replay_scale", "linear", ["linear", "log"])
-scale = controls[4].radio(
+scale = controls[2].radio(
     "Scale",
     ["linear", "log"],
     horizontal=True,
@@ -87,12 +87,15 @@ scale = controls[4].radio(
     help="A log scale shows the small probabilities; logits are already on one.",
 )
 widgets.keep("replay_k", 10, range(3, 31))
-k = controls[5].slider("Tokens shown", 3, 30, key="replay_k")
+k = controls[3].slider("Tokens shown", 3, 30, key="replay_k")
 
 
 @st.fragment(run_every=PLAY_SECONDS if playing else None)
 def _stepper() -> None:
-    """The step's view; while playing, each run of this fragment moves one step on."""
+    """The step's view; while playing, each run of this fragment moves one step on. Back, Next and the
+    slider live here too, so that a click redraws this step's view, not the page (its reads are cached)."""
+    if st.session_state.pop("stop_timer", False):
+        st.rerun()
     if st.session_state.get("playing"):
         if st.session_state["step"] < last:
             st.session_state["step"] += 1
@@ -100,10 +103,13 @@ def _stepper() -> None:
         if st.session_state["step"] >= last:
             st.session_state["playing"] = False
             st.rerun()
+    moves = st.columns([1, 1, 8], vertical_alignment="bottom")
+    moves[0].button("◀ Back", key="back", on_click=_move, args=(-1,), width="stretch", disabled=one_step)
+    moves[1].button("Next ▶", key="next", on_click=_move, args=(1,), width="stretch", disabled=one_step)
     if one_step:
-        st.caption("This sequence has one step: step 0.")
+        moves[2].caption("This sequence has one step: step 0.")
     else:
-        st.slider("Step", 0, last, key="step_slider", on_change=_slid, help="Drag, or use Play / Back / Next above.")
+        moves[2].slider("Step", 0, last, key="step_slider", on_change=_slid, help="Drag, or use Play, Back and Next.")
     position = int(st.session_state["step"])
     widgets.follow_link("step", str(position))  # a link to this page shows this step
     try:
