@@ -22,6 +22,8 @@
 
 from __future__ import annotations
 
+import numbers
+import os
 import threading
 import warnings
 from dataclasses import dataclass
@@ -37,7 +39,7 @@ from tracker.recorder import Recorder
 from tracker.run import Run
 from tracker.run_metadata import Generation
 
-__all__ = ["BEAMS", "HostState", "TransformersHost", "check_chosen", "find_tokenizer"]
+__all__ = ["BEAMS", "HostState", "TransformersHost", "check_chosen", "check_tracker_arguments", "find_tokenizer"]
 
 BEAMS = (
     "beam search (num_beams > 1) is not tracked: the tracker records rows by position and beam search reorders "
@@ -317,3 +319,25 @@ class TransformersHost:
 
     def _forget_host(self) -> None:
         self._local.host = None
+
+
+def check_tracker_arguments(
+    processor: Any, tokenizer: Any, memory_limit: Any, chunk_bytes: Any, processor_stages: Any, prompt_logprobs: Any
+) -> None:
+    """Refuse, by name, constructor arguments of the wrong kind (each would fail later, far from here)."""
+    if hasattr(processor, "convert_ids_to_tokens"):  # a tokenizer is callable, so it would pass as a processor
+        raise TypeError(
+            f"processor is a tokenizer ({type(processor).__name__}): pass it as tokenizer=, e.g. "
+            "LogitTrackingProcessor(my_processor, tokenizer=tok) or LogitTrackingProcessor(None, tokenizer=tok)"
+        )
+    if isinstance(tokenizer, (str, bytes, os.PathLike)):
+        raise TypeError(
+            f"tokenizer must be a tokenizer object (e.g. AutoTokenizer.from_pretrained(path)), got {tokenizer!r}: "
+            "logitscope does not load tokenizers by name"
+        )
+    for name, value, none_ok in (("memory_limit", memory_limit, True), ("chunk_bytes", chunk_bytes, False)):
+        if not (value is None and none_ok) and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            raise TypeError(f"{name} must be a number of bytes (an int{' or None' if none_ok else ''}), got {value!r}")
+    for name, value in (("processor_stages", processor_stages), ("prompt_logprobs", prompt_logprobs)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")

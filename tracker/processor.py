@@ -56,8 +56,6 @@ hosts' quirks (:mod:`tracker.hosts`), the run's description and generations
 from __future__ import annotations
 
 import copy
-import numbers
-import os
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -69,7 +67,7 @@ from processors import BatchContext, LogitsProcessor, ProcessorError, as_process
 from processors.protocol import check_logits
 from processors.vocab import eos_token_ids
 from tracker.fs import is_url
-from tracker.hosts import TransformersHost, check_chosen, find_tokenizer
+from tracker.hosts import TransformersHost, check_chosen, check_tracker_arguments, find_tokenizer
 from tracker.layout import folder_arg
 from tracker.prompt import leading_pad_mask, prompt_logprobs, prompt_rows, score_prompt
 from tracker.queries import RunQueries
@@ -88,28 +86,6 @@ from tracker.stages import apply_recording, per_processor
 __all__ = ["LogitTrackingProcessor", "find_tokenizer"]
 
 StageKind = Literal["logits", "logprobs", "probs"]
-
-
-def _check_arguments(
-    processor: Any, tokenizer: Any, memory_limit: Any, chunk_bytes: Any, processor_stages: Any, prompt_logprobs: Any
-) -> None:
-    """Refuse, by name, constructor arguments of the wrong kind (each would fail later, far from here)."""
-    if hasattr(processor, "convert_ids_to_tokens"):  # a tokenizer is callable, so it would pass as a processor
-        raise TypeError(
-            f"processor is a tokenizer ({type(processor).__name__}): pass it as tokenizer=, e.g. "
-            "LogitTrackingProcessor(my_processor, tokenizer=tok) or LogitTrackingProcessor(None, tokenizer=tok)"
-        )
-    if isinstance(tokenizer, (str, bytes, os.PathLike)):
-        raise TypeError(
-            f"tokenizer must be a tokenizer object (e.g. AutoTokenizer.from_pretrained(path)), got {tokenizer!r}: "
-            "logitscope does not load tokenizers by name"
-        )
-    for name, value, none_ok in (("memory_limit", memory_limit, True), ("chunk_bytes", chunk_bytes, False)):
-        if not (value is None and none_ok) and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
-            raise TypeError(f"{name} must be a number of bytes (an int{' or None' if none_ok else ''}), got {value!r}")
-    for name, value in (("processor_stages", processor_stages), ("prompt_logprobs", prompt_logprobs)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
@@ -193,7 +169,7 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
         pad_token_id: int | None = None,
         statistics: Literal["auto", "record", "read"] = "auto",
     ) -> None:
-        _check_arguments(processor, tokenizer, memory_limit, chunk_bytes, processor_stages, prompt_logprobs)
+        check_tracker_arguments(processor, tokenizer, memory_limit, chunk_bytes, processor_stages, prompt_logprobs)
         if spill_dir is not None:
             if is_url(spill_dir):
                 raise ValueError(
