@@ -14,11 +14,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
+
 from dashboard.reader import IPC_SUFFIXES, PARQUET_SUFFIXES, BadRunError, RunReader
 from tracker.layout import is_partition
 from tracker.spill import RUN_JSON
 
-__all__ = ["MAX_DEPTH", "RunSummary", "find_runs", "is_run_folder", "summarize", "summary_of"]
+__all__ = ["MAX_DEPTH", "RunSummary", "find_runs", "is_run_folder", "summarize", "summary_of", "unexpected_reason"]
 
 MAX_DEPTH = 4
 RUN_SUFFIXES = PARQUET_SUFFIXES + IPC_SUFFIXES
@@ -44,19 +46,28 @@ def _leads_out(entry: Path, inside: Path) -> bool:
         return True
 
 
+def _holds_outside_links(folder: Path, inside: Path) -> bool:
+    """A run folder one of whose files (a part, a spill chunk) is a symlink leading out of ``inside``."""
+    try:
+        return any(_leads_out(entry, inside) for entry in folder.iterdir())
+    except OSError:
+        return True
+
+
 def find_runs(root: str | Path) -> list[Path]:
     """The runs at or under ``root``, sorted by path.
 
     FileNotFoundError naming ``root`` if it is missing; PermissionError if
     ``root`` itself cannot be listed (unreadable subfolders are skipped).
-    Symlinks are followed only to targets inside ``root``.
+    Symlinks are followed only to targets inside ``root``; a run folder holding a symlink that leads out
+    (``run_id=x/part-00000.parquet`` linked from elsewhere) is not listed either.
     """
     base = Path(root)
     if not base.exists():
         raise FileNotFoundError(f"path: nothing at '{base}' (give a run file or a folder of runs)")
-    if base.is_file() or is_run_folder(base):
-        return [base]
     inside = base.resolve()
+    if base.is_file() or is_run_folder(base):
+        return [] if base.is_dir() and _holds_outside_links(base, inside) else [base]
     found: list[Path] = []
 
     def walk(folder: Path, depth: int) -> None:
@@ -73,7 +84,8 @@ def find_runs(root: str | Path) -> list[Path]:
                 if entry.is_file() and entry.suffix in RUN_SUFFIXES:
                     found.append(entry)
                 elif is_run_folder(entry):
-                    found.append(entry)
+                    if not _holds_outside_links(entry, inside):  # a part linked from elsewhere: not shown
+                        found.append(entry)
                 elif entry.is_dir() and depth < MAX_DEPTH:
                     walk(entry, depth + 1)
             except OSError:
@@ -165,3 +177,11 @@ def summarize(path: str | Path, root: str | Path | None = None) -> RunSummary:
         return summary_of(RunReader(target), label)
     except BadRunError as exc:
         return RunSummary(path=str(target), label=label, error=exc.reason)
+    except (ValueError, TypeError, KeyError, IndexError, RecursionError, MemoryError, pa.ArrowException) as exc:
+        return RunSummary(path=str(target), label=label, error=unexpected_reason(exc))
+
+
+def unexpected_reason(exc: BaseException) -> str:
+    """One line for a fault no check named (a run file damaged in a way not foreseen): listing goes on."""
+    text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+    return f"it could not be read ({type(exc).__name__}{': ' + text if text else ''})"

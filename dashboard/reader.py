@@ -32,6 +32,7 @@ import pyarrow as pa
 
 import tracker
 from processors.vocab import Vocabulary
+from tracker.checks import check_topk, damaged_lse
 from tracker.layout import (
     ID_COLUMNS,
     IPC_SUFFIXES,
@@ -43,7 +44,7 @@ from tracker.layout import (
     arrow_reason,
     open_layout,
 )
-from tracker.schema import FIELD_DTYPE, META_RUN, RunMetadata, as_float32, row_offsets, run_schema
+from tracker.schema import FIELD_DTYPE, ID_SCHEMA, META_RUN, RunMetadata, as_float32, row_offsets, run_schema
 from tracker.selection import sequence_end
 
 __all__ = [
@@ -186,14 +187,20 @@ class RunReader:
         parts: dict[str, list[np.ndarray]] = {
             k: [] for k in ("generation", "sequence", "step", "chosen", "error", "part", "block", "local")
         }
-        for p, part in enumerate(self._parts):
+        read: list[tuple[pa.Table, list[int]]] = []
+        for part in self._parts:
             try:
-                ids = part.read_ids()
-                sizes = part.block_sizes()
+                ids, sizes = part.read_ids(), part.block_sizes()
             except (pa.ArrowException, OSError) as exc:
                 raise BadRunError(part.path, arrow_reason(exc)) from exc
             if sum(sizes) != ids.num_rows:
                 raise BadRunError(part.path, f"its blocks hold {sum(sizes)} rows but its id columns {ids.num_rows}")
+            read.append((ids, sizes))
+        try:  # nulls, chosen ids outside the vocabulary, a row twice: before any value is used
+            self._layout.check_rows(pa.concat_tables([ids for ids, _ in read]) if read else ID_SCHEMA.empty_table())
+        except RunFileError as exc:
+            raise BadRunError(exc.path, exc.reason) from exc
+        for p, (ids, sizes) in enumerate(read):
             parts["generation"].append(ids.column("generation").to_numpy())
             parts["sequence"].append(ids.column("sequence").to_numpy())
             parts["step"].append(ids.column("step").to_numpy())
@@ -343,7 +350,12 @@ class RunReader:
             names = ID_COLUMNS + self._value_columns(0)
             return pa.schema([source.field(n) for n in names], metadata=metadata).empty_table()
         tables = [p.replace_schema_metadata(None) for p in pieces]
-        return pa.concat_tables(tables, promote_options="default").replace_schema_metadata(metadata)
+        table = pa.concat_tables(tables, promote_options="default").replace_schema_metadata(metadata)
+        try:
+            check_topk(self.path, table, self.metadata)  # the window's k-wide ids only
+        except RunFileError as exc:
+            raise BadRunError(exc.path, exc.reason) from exc
+        return table
 
     def window(self, track: Track, start: int, stop: int) -> tracker.Run:
         """Positions ``[start, stop)`` of ``track`` as a :class:`tracker.Run`, for its analysis API."""
@@ -406,6 +418,14 @@ class RunReader:
             natural = nat_column.values.slice((nat_column.offset + local) * k, k).to_numpy(zero_copy_only=False)
         lse = table.column(f"{stage}_lse")[local].as_py()
         allowed = table.column(f"{stage}_allowed")[local].as_py()
+        if (ids.size and (ids.min() < 0 or ids.max() >= m.vocab_size)) or damaged_lse(
+            values[None, :].astype(np.float64), np.array([np.nan if lse is None else lse])
+        )[0]:
+            raise BadRunError(
+                self.path,
+                f"the row of stage {stage!r} at block row {local} is damaged: token ids outside [0, {m.vocab_size}) "
+                "or a log-sum-exp below its largest stored logit",
+            )
         return StageRow(
             stage,
             True,

@@ -34,6 +34,7 @@ import pyarrow as pa
 
 from processors.vocab import Vocabulary
 from tracker.analysis import Analysis, stage_matrix
+from tracker.checks import check_topk
 from tracker.insight import Insight
 from tracker.layout import (
     PartialRunWarning,
@@ -47,10 +48,12 @@ from tracker.layout import (
 from tracker.rows import nonfinite_rows
 from tracker.schema import (
     GENERATIONS_COLUMN,
+    ID_SCHEMA,
     META_RUN,
     META_VOCAB,
     RunMetadata,
     check_columns,
+    check_generations,
     flag_column,
     generations_from_column,
     run_schema,
@@ -207,6 +210,7 @@ class Run(Insight, Analysis):
             metadata = metadata_from(meta.get(META_RUN))
             if GENERATIONS_COLUMN in table.schema.names:
                 entries = generations_from_column(table.column(GENERATIONS_COLUMN))
+                check_generations(entries, metadata.vocab_size)
                 metadata = replace(metadata, generations=metadata.generations + entries)
                 table = table.drop_columns([GENERATIONS_COLUMN])
             check_columns(table.schema, metadata)
@@ -232,4 +236,8 @@ class Run(Insight, Analysis):
         layout = open_layout(path, run_id)
         if layout.note is not None:
             warnings.warn(layout.note, PartialRunWarning, stacklevel=2)
-        return cls(layout.batches(), layout.metadata, layout.vocabulary())
+        batches = layout.batches()
+        if batches:
+            layout.check_rows(pa.Table.from_batches([b.select(list(ID_SCHEMA.names)) for b in batches]))
+            check_topk(layout.path, batches, layout.metadata)
+        return cls(batches, layout.metadata, layout.vocabulary())

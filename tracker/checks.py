@@ -1,0 +1,162 @@
+"""What a run file's values must satisfy, checked where they are read: run files may come from anyone.
+
+A crafted file must be refused with one line naming it, never crash the
+process nor answer wrongly. The checks here are those that read values, kept
+cheap and off the recording path:
+
+- :func:`check_batch`: a record batch's declared lengths fit its buffers
+  (``RecordBatch.validate``: sizes only, no pass over the values; once per
+  batch of a memory-mapped IPC file, before any value is touched);
+- :func:`check_ids`: the id columns (read whole by every reader anyway): no
+  nulls where the schema has none, non-negative generation/sequence/step,
+  chosen ids in the vocabulary (null or -1: unknown), each
+  (generation, sequence, step) once (a folder holding a run and a copy of it
+  is refused, never read with every step twice);
+- :func:`check_topk`: top-k ids inside the vocabulary (one pass over the
+  ``k``-wide id columns, not the vocabulary-wide values);
+- :func:`damaged_lse`: rows whose log-sum-exp is below their largest stored
+  logit (probabilities above 1): the query reading them says so.
+
+Metadata limits (nesting depth, field types) are checked by
+:meth:`tracker.schema.RunMetadata.from_json`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from processors.vocab import Vocabulary
+from tracker.schema import RunMetadata
+
+__all__ = [
+    "DamagedRowError",
+    "arrow_reason",
+    "metadata_from",
+    "vocabulary_from",
+    "check_batch",
+    "check_ids",
+    "check_topk",
+    "damaged_lse",
+    "LSE_TOLERANCE",
+]
+
+#: How far (nats) a stored log-sum-exp may sit below the row's largest stored logit (float32 rounding).
+LSE_TOLERANCE = 1e-3
+
+
+def arrow_reason(exc: BaseException) -> str:
+    """What an Arrow or OS error reading a run file means, in words."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    lowered = text.lower()
+    if "checksum" in lowered or "crc" in lowered:
+        return f"a data page fails its checksum: the file is damaged ({text})"
+    if "magic" in lowered or "footer" in lowered or "not an arrow file" in lowered:
+        return f"the file is truncated or is not a Parquet/Arrow file ({text})"
+    return f"the file could not be read ({type(exc).__name__}: {text})"
+
+
+def metadata_from(raw: bytes | None) -> RunMetadata:
+    """Run metadata from its JSON (a schema's :data:`META_RUN` value); ValueError saying what is wrong."""
+    if raw is None:
+        raise ValueError(
+            "it holds no logitscope run metadata (schema key 'logitscope.run'); it is a table, but not one "
+            "written by tracker's Run.to_arrow / to_parquet / to_dataset"
+        )
+    return RunMetadata.from_json(raw)
+
+
+def vocabulary_from(raw: bytes | None) -> Vocabulary | None:
+    """A vocabulary from its serialised form (a schema's :data:`META_VOCAB` value), None when there is none."""
+    if raw is None:
+        return None
+    try:
+        return Vocabulary.deserialize(raw)
+    except Exception as exc:  # base64, Arrow or layout errors: all mean a damaged vocabulary
+        raise ValueError(
+            f"its vocabulary (schema key 'logitscope.vocab') is damaged ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def _fail(path: str | os.PathLike[str], reason: str) -> None:
+    from tracker.layout import RunFileError
+
+    raise RunFileError(path, reason)
+
+
+def check_batch(path: str | os.PathLike[str], batch: pa.RecordBatch, where: str) -> None:
+    """RunFileError naming ``path`` when ``batch``'s declared lengths do not fit its buffers (reads no value)."""
+    try:
+        batch.validate()
+    except pa.ArrowException as exc:
+        reason = str(exc).strip().splitlines()[0]
+        _fail(path, f"{where} declares more values than its buffers hold: the file is damaged ({reason})")
+
+
+def check_ids(path: str | os.PathLike[str], ids: pa.Table | pa.RecordBatch, vocab_size: int) -> None:
+    """RunFileError naming ``path`` when the id columns cannot be a run's (see the module docstring).
+
+    One pass over the id columns (and a sort of the row keys to find repeated ones).
+    """
+    for name in ("generation", "sequence", "step", "processor_error"):
+        column = ids.column(name)
+        if column.null_count:
+            _fail(path, f"column {name!r} holds {column.null_count} null(s); every row has one")
+    for name in ("generation", "sequence", "step"):
+        low = pc.min(ids.column(name)).as_py()
+        if low is not None and low < 0:
+            _fail(path, f"column {name!r} holds {low}; it must be >= 0")
+    chosen = pc.min_max(ids.column("chosen")).as_py()
+    if chosen["min"] is not None and (chosen["min"] < -1 or chosen["max"] >= max(vocab_size, 1)):
+        bad = chosen["min"] if chosen["min"] < -1 else chosen["max"]
+        _fail(
+            path,
+            f"column 'chosen' holds {bad}, outside the vocabulary [0, {vocab_size}) (null or -1: not known)",
+        )
+    if ids.num_rows < 2:
+        return
+    columns = [ids.column(n).to_numpy().astype(np.int64) for n in ("generation", "sequence", "step")]
+    order = np.lexsort(columns[::-1])
+    keys = np.stack([c[order] for c in columns], axis=1)
+    same = np.all(keys[1:] == keys[:-1], axis=1)
+    if same.any():
+        g, s, t = keys[int(np.argmax(same))].tolist()
+        _fail(
+            path,
+            f"generation {g}, sequence {s}, step {t} is recorded {int(same.sum()) + 1 if same.sum() == 1 else 'several'} "
+            "times (two files of one run id, or a copy of a run beside it?); keep one copy",
+        )
+
+
+def check_topk(path: str | os.PathLike[str], batches: list[pa.RecordBatch] | pa.Table, metadata: RunMetadata) -> None:
+    """RunFileError naming ``path`` when a stored top-k id is outside ``[0, vocab_size)`` (one pass over the
+    ``k``-wide id columns; nothing to do in full storage)."""
+    if metadata.storage != "topk":
+        return
+    for batch in batches.to_batches() if isinstance(batches, pa.Table) else batches:
+        for stage in metadata.stages:
+            name = f"{stage}_topk_ids"
+            if name not in batch.schema.names:
+                continue
+            bounds = pc.min_max(batch.column(name).flatten()).as_py()
+            if bounds["min"] is not None and (bounds["min"] < 0 or bounds["max"] >= metadata.vocab_size):
+                bad = bounds["min"] if bounds["min"] < 0 else bounds["max"]
+                _fail(path, f"column {name!r} holds token id {bad}, outside the vocabulary [0, {metadata.vocab_size})")
+
+
+class DamagedRowError(ValueError):
+    """A stored row whose values cannot be right (a run file crafted or damaged past what its checks at load
+    catch); the query that reads it raises this rather than answer."""
+
+
+def damaged_lse(values: np.ndarray, lse: np.ndarray) -> np.ndarray:
+    """``[t]`` bool: rows whose log-sum-exp is below their largest stored (finite) logit, or NaN where the
+    row holds a value: their probabilities would exceed 1. ``values`` ``[t, k]``, ``lse`` ``[t]``."""
+    with np.errstate(invalid="ignore"):
+        finite = np.where(np.isfinite(values), values, -np.inf)
+        top = finite.max(axis=1) if finite.shape[1] else np.full(len(lse), -np.inf)
+        stored = np.isfinite(top)
+        return stored & ~(lse >= top - LSE_TOLERANCE)
