@@ -32,7 +32,7 @@ import pyarrow as pa
 
 import tracker
 from processors.vocab import Vocabulary
-from tracker.checks import check_topk, damaged_lse
+from tracker.checks import check_topk, damaged_lse, stats_damage
 from tracker.layout import (
     ID_COLUMNS,
     IPC_SUFFIXES,
@@ -168,6 +168,7 @@ class RunReader:
         self._index = self._read_index()
         if not self._index["step"].size:  # nothing to pick or show (a filtered or sliced table written as a run)
             raise BadRunError(self.path, "it holds no recorded steps (0 rows)")
+        _ = self.vocab  # read (and checked against the rows' width) at open: every page shows tokens
 
     # ---------------------------------------------------------------- opening
 
@@ -299,6 +300,9 @@ class RunReader:
                 table, nbytes = source.read_block(block, ID_COLUMNS + self._value_columns(part))
             except (pa.ArrowException, OSError) as exc:
                 raise BadRunError(source.path, f"block {block} could not be read: {arrow_reason(exc)}") from exc
+            damage = stats_damage(table, self.metadata)  # the block's scalar statistics, once per read
+            if damage is not None:
+                raise BadRunError(source.path, f"block {block}: {damage}")
             self.blocks_read += 1
             self.bytes_read += nbytes
             size = int(table.nbytes)

@@ -33,6 +33,8 @@ from processors.vocab import Vocabulary
 from tracker.schema import RunMetadata
 
 __all__ = [
+    "check_stats",
+    "stats_damage",
     "DamagedRowError",
     "arrow_reason",
     "metadata_from",
@@ -160,3 +162,50 @@ def damaged_lse(values: np.ndarray, lse: np.ndarray) -> np.ndarray:
         top = finite.max(axis=1) if finite.shape[1] else np.full(len(lse), -np.inf)
         stored = np.isfinite(top)
         return stored & ~(lse >= top - LSE_TOLERANCE)
+
+
+def _floats(data: pa.RecordBatch | pa.Table, name: str) -> np.ndarray | None:
+    if name not in data.schema.names:
+        return None
+    return data.column(name).to_numpy(zero_copy_only=False).astype(np.float64)  # nulls as NaN
+
+
+def stats_damage(data: pa.RecordBatch | pa.Table, metadata: RunMetadata) -> str | None:
+    """What is impossible in the recorded statistics of ``data`` (None: nothing). Vectorised over the rows'
+    scalar columns only (never the values): a log-sum-exp that is NaN, or that its row's largest logit and
+    allowed count cannot give; an allowed count outside ``[0, vocab_size]``; an entropy outside
+    ``[0, log(allowed)]``; a probability outside ``[0, 1]``."""
+    for stage in metadata.stages:
+        lse = _floats(data, f"{stage}_lse")
+        if lse is None:
+            continue
+        recorded = data.column(f"{stage}_lse").is_valid().to_numpy(zero_copy_only=False)
+        allowed = _floats(data, f"{stage}_allowed")
+        top = _floats(data, f"{stage}_max")
+        entropy = _floats(data, f"{stage}_entropy")
+        with np.errstate(invalid="ignore", divide="ignore"):
+            finite = np.isfinite(lse)
+            tol = 1e-3 * np.maximum(1.0, np.abs(np.where(finite, lse, 0.0)))
+            if (recorded & np.isnan(lse)).any():
+                return f"column '{stage}_lse' is NaN in a recorded row (NaN logits are left out of it)"
+            if allowed is not None and (recorded & ~((allowed >= 0) & (allowed <= metadata.vocab_size))).any():
+                return f"column '{stage}_allowed' holds counts outside [0, {metadata.vocab_size}]"
+            room = np.log(np.maximum(allowed, 1)) if allowed is not None else np.inf
+            if top is not None:
+                bad = finite & ~((top <= lse + tol) & (lse <= top + room + tol))
+                if bad.any():
+                    return f"columns '{stage}_lse' and '{stage}_max' disagree (the log-sum-exp of a row lies in [max, max + log(allowed)])"
+            if entropy is not None and (finite & ~((entropy >= -tol) & (entropy <= room + tol))).any():
+                return f"column '{stage}_entropy' holds values outside [0, log(allowed)] (or NaN) for rows with a distribution"
+            for name in ("p_chosen", "p_eos", "removed_mass"):
+                p = _floats(data, f"{stage}_{name}")
+                if p is not None and ((p < -1e-6) | (p > 1 + 1e-6) | np.isinf(p)).any():
+                    return f"column '{stage}_{name}' holds probabilities outside [0, 1]"
+    return None
+
+
+def check_stats(path: str | os.PathLike[str], data: pa.RecordBatch | pa.Table, metadata: RunMetadata) -> None:
+    """RunFileError naming ``path`` when :func:`stats_damage` finds something impossible."""
+    reason = stats_damage(data, metadata)
+    if reason is not None:
+        _fail(path, reason)

@@ -34,7 +34,7 @@ import pyarrow as pa
 
 from processors.vocab import Vocabulary
 from tracker.analysis import Analysis, stage_matrix
-from tracker.checks import check_topk
+from tracker.checks import check_stats, check_topk
 from tracker.insight import Insight
 from tracker.layout import (
     PartialRunWarning,
@@ -240,4 +240,6 @@ class Run(Insight, Analysis):
         if batches:
             layout.check_rows(pa.Table.from_batches([b.select(list(ID_SCHEMA.names)) for b in batches]))
             check_topk(layout.path, batches, layout.metadata)
+            for batch in batches:
+                check_stats(layout.path, batch, layout.metadata)
         return cls(batches, layout.metadata, layout.vocabulary())
