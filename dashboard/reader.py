@@ -158,6 +158,7 @@ class RunReader:
         self._cache_bytes = int(cache_bytes)
         self._cache: OrderedDict[tuple[int, int], pa.Table] = OrderedDict()
         self._cached_bytes = 0
+        self._checked: set[tuple[int, int]] = set()
         self._lock = threading.RLock()
         self.blocks_read = 0
         self.bytes_read = 0
@@ -300,9 +301,11 @@ class RunReader:
                 table, nbytes = source.read_block(block, ID_COLUMNS + self._value_columns(part))
             except (pa.ArrowException, OSError) as exc:
                 raise BadRunError(source.path, f"block {block} could not be read: {arrow_reason(exc)}") from exc
-            damage = stats_damage(table, self.metadata)  # the block's scalar statistics, once per read
-            if damage is not None:
-                raise BadRunError(source.path, f"block {block}: {damage}")
+            if key not in self._checked:  # the block's scalar statistics, once per reader
+                damage = stats_damage(table, self.metadata)
+                if damage is not None:
+                    raise BadRunError(source.path, f"block {block}: {damage}")
+                self._checked.add(key)
             self.blocks_read += 1
             self.bytes_read += nbytes
             size = int(table.nbytes)
