@@ -199,7 +199,10 @@ class RunReader:
                 raise BadRunError(part.path, f"its blocks hold {sum(sizes)} rows but its id columns {ids.num_rows}")
             read.append((ids, sizes))
         try:  # nulls, chosen ids outside the vocabulary, a row twice: before any value is used
-            self._layout.check_rows(pa.concat_tables([ids for ids, _ in read]) if read else ID_SCHEMA.empty_table())
+            tables = [ids for ids, _ in read]
+            self._layout.check_rows(
+                pa.concat_tables(tables, promote_options="permissive") if read else ID_SCHEMA.empty_table()
+            )
         except RunFileError as exc:
             raise BadRunError(exc.path, exc.reason) from exc
         for p, (ids, sizes) in enumerate(read):

@@ -41,6 +41,7 @@ from tracker.schema import (
     check_generations,
     generations_column,
     generations_from_column,
+    value_column,
 )
 from tracker.spill import CHUNK_GLOB, RUN_JSON, VOCAB_FILE, atomic_path, fsync_path, remove_orphans
 
@@ -303,9 +304,9 @@ def _check(layout: RunLayout) -> None:
     present: set[str] = set()
     for part in layout.parts:
         names = set(part.schema.names)
-        lacking = [n for n in ID_COLUMNS if n not in names]
-        if lacking:
-            raise RunFileError(part.path, f"it lacks the id columns {lacking} every run has")
+        lacking = [n for n in (*ID_COLUMNS, value_column("natural", layout.metadata.storage)) if n not in names]
+        if lacking:  # the id columns and the natural stage's values: every run, every chunk has them
+            raise RunFileError(part.path, f"it lacks the columns {lacking} every run has")
         try:
             check_columns(part.schema, layout.metadata, complete=False)
         except ValueError as exc:

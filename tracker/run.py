@@ -238,7 +238,8 @@ class Run(Insight, Analysis):
             warnings.warn(layout.note, PartialRunWarning, stacklevel=2)
         batches = layout.batches()
         if batches:
-            layout.check_rows(pa.Table.from_batches([b.select(list(ID_SCHEMA.names)) for b in batches]))
+            ids = [pa.Table.from_batches([b.select(list(ID_SCHEMA.names))]) for b in batches]
+            layout.check_rows(pa.concat_tables(ids, promote_options="permissive"))
             check_topk(layout.path, batches, layout.metadata)
             for batch in batches:
                 check_stats(layout.path, batch, layout.metadata)

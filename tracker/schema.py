@@ -452,6 +452,11 @@ def check_columns(
             f"(vocabulary {metadata.vocab_size}), but columns {missing} are missing"
         )
     names = set(schema.names)
+    for stage in metadata.stages:  # a stage's statistics come together: some without the others is damage
+        kept = [n for n in stat_names(stage) if f"{stage}_{n}" in names]
+        if kept and "entropy" in kept and len(kept) < len(stat_names(stage)):
+            lacking = [f"{stage}_{n}" for n in stat_names(stage) if n not in kept]
+            raise ValueError(f"it has statistics columns of stage {stage!r} but lacks {lacking}")
     stats = [pa.field(f"{s}_{name}", STAT_COLUMNS[name]) for s in metadata.stages for name in stat_names(s)]
     for expected_field in [*expected, *stats]:  # statistics columns, where there, have their types too
         if expected_field.name in names:
