@@ -33,6 +33,7 @@ from processors.vocab import Vocabulary
 from tracker.schema import RunMetadata
 
 __all__ = [
+    "RunFileError",
     "check_stats",
     "stats_damage",
     "DamagedRowError",
@@ -83,9 +84,16 @@ def vocabulary_from(raw: bytes | None) -> Vocabulary | None:
         ) from exc
 
 
-def _fail(path: str | os.PathLike[str], reason: str) -> None:
-    from tracker.layout import RunFileError
+class RunFileError(ValueError):
+    """A file or folder that cannot be read as a run; the message names it and what is wrong."""
 
+    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"'{path}' cannot be read as a logitscope run: {reason}")
+
+
+def _fail(path: str | os.PathLike[str], reason: str) -> None:
     raise RunFileError(path, reason)
 
 

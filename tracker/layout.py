@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from processors.vocab import Vocabulary
-from tracker.checks import arrow_reason, check_batch, check_ids, metadata_from, vocabulary_from
+from tracker.checks import RunFileError, arrow_reason, check_batch, check_ids, metadata_from, vocabulary_from
 from tracker.schema import (
     GENERATIONS_COLUMN,
     ID_SCHEMA,
@@ -70,15 +70,6 @@ IPC_SUFFIXES = (".arrow", ".feather", ".ipc")
 ROW_GROUP_BYTES = 8 << 20
 PARQUET_SUFFIXES = (".parquet", ".pq")
 ID_COLUMNS: tuple[str, ...] = tuple(ID_SCHEMA.names)
-
-
-class RunFileError(ValueError):
-    """A file or folder that cannot be read as a run; the message names it and what is wrong."""
-
-    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
-        self.path = str(path)
-        self.reason = reason
-        super().__init__(f"'{path}' cannot be read as a logitscope run: {reason}")
 
 
 class PartialRunWarning(UserWarning):
