@@ -289,17 +289,23 @@ def _lie_rows(run: Path, rng: random.Random) -> None:
         raise _NotApplicable
     table = _read(part)
     rows = table.num_rows  # the same run in one record batch, then its lengths lied about
+    part.write_bytes(lying_lengths(table, {rows: 1_000_000, rows * 60: 60_000_000}))
+
+
+def lying_lengths(table: pa.Table, lies: dict[int, int]) -> bytes:
+    """``table`` as an Arrow IPC file (one record batch) with every 64-bit length ``old`` in ``lies`` replaced by
+    its ``new`` value: the batch's and its columns' lengths say more than the buffers hold."""
     sink = pa.BufferOutputStream()
     with pa.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table)
     data = bytearray(sink.getvalue().to_pybytes())
-    for old, new in ((rows, 1_000_000), (rows * 60, 60_000_000)):
+    for old, new in lies.items():
         before, after = struct.pack("<q", old), struct.pack("<q", new)
         at = data.find(before, 8)
         while at >= 0:
             data[at : at + 8] = after
             at = data.find(before, at + 8)
-    part.write_bytes(bytes(data))
+    return bytes(data)
 
 
 def _duplicate(run: Path, rng: random.Random) -> None:

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shutil
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 import streamlit as st
 import torch
 from streamlit.testing.v1 import AppTest
+from test_fuzz_files import lying_lengths
 from test_trust_files import recorded, rewrite
 
 from dashboard.discover import find_runs, summarize
@@ -42,17 +42,7 @@ def lying_ipc(path: Path, rows: int = 1_000_000) -> Path:
     """An Arrow IPC run whose record batch declares ``rows`` rows (and ``rows * V`` logits) while its buffers
     hold 13 rows: read as declared, values lie past the end of the memory map (SIGBUS, or other memory)."""
     table = recorded(steps=8, vocab=50).run.to_arrow().slice(0, 13)
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table)
-    data = bytearray(sink.getvalue().to_pybytes())
-    for old, new in ((13, rows), (13 * 50, rows * 50)):  # the batch's and every column's length, the values'
-        before, after = struct.pack("<q", old), struct.pack("<q", new)
-        at = data.find(before, 8)
-        while at >= 0:
-            data[at : at + 8] = after
-            at = data.find(before, at + 8)
-    path.write_bytes(bytes(data))
+    path.write_bytes(lying_lengths(table, {13: rows, 13 * 50: rows * 50}))  # the batch's, columns', values'
     return path
 
 
