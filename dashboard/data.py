@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
 import streamlit as st
 
 from dashboard.discover import (
@@ -28,6 +29,7 @@ from dashboard.discover import (
     marker_summaries,
     summary_from_marker,
     summary_of,
+    unexpected_reason,
 )
 from dashboard.reader import BadRunError, RunReader, Track
 from dashboard.views import (
@@ -38,6 +40,7 @@ from dashboard.views import (
     token_pieces,
     window_view,
 )
+from tracker.checks import DamagedRowError
 from tracker.compare import Comparison, compare
 from tracker.dataset import list_runs
 from tracker.fs import is_url
@@ -130,6 +133,8 @@ def _runs(root: str, version: Stamp) -> list[RunSummary]:  # 0.3 s (RunSummary i
             summaries.append(summary_of(reader(str(path)), label))
         except BadRunError as exc:
             summaries.append(RunSummary(path=str(path), label=label, error=exc.reason))
+        except (ValueError, TypeError, KeyError, IndexError, RecursionError, MemoryError, pa.ArrowException) as exc:
+            summaries.append(RunSummary(path=str(path), label=label, error=unexpected_reason(exc)))
         except OSError as exc:  # no permission to read it, or it vanished while listing
             summaries.append(
                 RunSummary(path=str(path), label=label, error=f"it cannot be read ({exc.strerror or exc})")
@@ -211,7 +216,10 @@ def step(path: str, generation: int, sequence: int, position: int, k: int) -> tu
 def _window(path: str, version: Stamp, generation: int, sequence: int, start: int, stop: int) -> WindowView:
     run = reader(path)
     part = run.window(run.track(generation, sequence), start, stop)
-    view = window_view(part, generation, sequence)
+    try:
+        view = window_view(part, generation, sequence)
+    except DamagedRowError as exc:
+        raise BadRunError(path, str(exc)) from exc
     # the text as the whole sequence decodes it: a character split across the window's edge is not two "�"
     return replace(view, tokens=_pieces(path, version, generation, sequence)[start:stop])
 
@@ -239,7 +247,17 @@ def _comparison(
         run = reader(path)
         track_ = run.track(generation, sequence)
         parts.append(run.window(track_, min(start, track_.length), min(stop, track_.length)))
-    result = compare(
+    try:
+        result = _compare(parts, generation_a, sequence_a, generation_b, sequence_b)
+    except DamagedRowError as exc:
+        raise BadRunError(f"{path_a}' or '{path_b}", str(exc)) from exc
+    result.steps["step"] += start
+    result.tokens["step"] += start
+    return result
+
+
+def _compare(parts: list, generation_a: int, sequence_a: int, generation_b: int, sequence_b: int) -> Comparison:
+    return compare(
         parts[0],
         parts[1],
         generation_a=generation_a,
@@ -248,9 +266,6 @@ def _comparison(
         sequence_b=sequence_b,
         include_finished=True,
     )
-    result.steps["step"] += start
-    result.tokens["step"] += start
-    return result
 
 
 def comparison(

@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 from dashboard.reader import IPC_SUFFIXES, PARQUET_SUFFIXES, BadRunError, RunReader
@@ -36,6 +37,7 @@ __all__ = [
     "summary_of",
     "summary_from_marker",
     "marker_summaries",
+    "unexpected_reason",
 ]
 
 MAX_DEPTH = 4
@@ -62,6 +64,14 @@ def _leads_out(entry: Path, inside: Path) -> bool:
         return True
 
 
+def _holds_outside_links(folder: Path, inside: Path) -> bool:
+    """A run folder one of whose files (a part, a spill chunk) is a symlink leading out of ``inside``."""
+    try:
+        return any(_leads_out(entry, inside) for entry in folder.iterdir())
+    except OSError:
+        return True
+
+
 def _find_remote(url: str) -> list[str]:
     """The runs at a URL: the run file or run folder it names, else the complete runs of the dataset there."""
     fs, where = resolve(url, "path")
@@ -78,16 +88,17 @@ def find_runs(root: str | Path) -> list[Path] | list[str]:
 
     FileNotFoundError naming ``root`` if it is missing; PermissionError if
     ``root`` itself cannot be listed (unreadable subfolders are skipped).
-    Symlinks are followed only to targets inside ``root``.
+    Symlinks are followed only to targets inside ``root``; a run folder holding a symlink that leads out
+    (``run_id=x/part-00000.parquet`` linked from elsewhere) is not listed either.
     """
     if is_url(root):
         return _find_remote(str(root))
     base = Path(root)
     if not base.exists():
         raise FileNotFoundError(f"path: nothing at '{base}' (give a run file or a folder of runs)")
-    if base.is_file() or is_run_folder(base):
-        return [base]
     inside = base.resolve()
+    if base.is_file() or is_run_folder(base):
+        return [] if base.is_dir() and _holds_outside_links(base, inside) else [base]
     found: list[Path] = []
 
     def walk(folder: Path, depth: int) -> None:
@@ -104,7 +115,8 @@ def find_runs(root: str | Path) -> list[Path] | list[str]:
                 if entry.is_file() and entry.suffix in RUN_SUFFIXES:
                     found.append(entry)
                 elif is_run_folder(entry):
-                    found.append(entry)
+                    if not _holds_outside_links(entry, inside):  # a part linked from elsewhere: not shown
+                        found.append(entry)
                 elif entry.is_dir() and depth < MAX_DEPTH:
                     walk(entry, depth + 1)
             except OSError:
@@ -196,6 +208,14 @@ def summarize(path: str | Path, root: str | Path | None = None) -> RunSummary:
         return summary_of(RunReader(target), label)
     except BadRunError as exc:
         return RunSummary(path=str(target), label=label, error=exc.reason)
+    except (ValueError, TypeError, KeyError, IndexError, RecursionError, MemoryError, pa.ArrowException) as exc:
+        return RunSummary(path=str(target), label=label, error=unexpected_reason(exc))
+
+
+def unexpected_reason(exc: BaseException) -> str:
+    """One line for a fault no check named (a run file damaged in a way not foreseen): listing goes on."""
+    text = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+    return f"it could not be read ({type(exc).__name__}{': ' + text if text else ''})"
 
 
 def summary_from_marker(entry: RunEntry, label: str) -> RunSummary:

@@ -32,6 +32,7 @@ import pyarrow as pa
 
 import tracker
 from processors.vocab import Vocabulary
+from tracker.checks import check_topk, damaged_lse, stats_damage
 from tracker.fs import is_url
 from tracker.layout import (
     ID_COLUMNS,
@@ -44,7 +45,7 @@ from tracker.layout import (
     arrow_reason,
     open_layout,
 )
-from tracker.schema import FIELD_DTYPE, META_RUN, RunMetadata, as_float32, row_offsets, run_schema
+from tracker.schema import FIELD_DTYPE, ID_SCHEMA, META_RUN, RunMetadata, as_float32, row_offsets, run_schema
 from tracker.selection import sequence_end
 
 __all__ = [
@@ -158,6 +159,7 @@ class RunReader:
         self._cache_bytes = int(cache_bytes)
         self._cache: OrderedDict[tuple[int, int], pa.Table] = OrderedDict()
         self._cached_bytes = 0
+        self._checked: set[tuple[int, int]] = set()
         self._lock = threading.RLock()
         self.blocks_read = 0
         self.bytes_read = 0
@@ -168,6 +170,7 @@ class RunReader:
         self._index = self._read_index()
         if not self._index["step"].size:  # nothing to pick or show (a filtered or sliced table written as a run)
             raise BadRunError(self.path, "it holds no recorded steps (0 rows)")
+        _ = self.vocab  # read (and checked against the rows' width) at open: every page shows tokens
 
     # ---------------------------------------------------------------- opening
 
@@ -187,14 +190,23 @@ class RunReader:
         parts: dict[str, list[np.ndarray]] = {
             k: [] for k in ("generation", "sequence", "step", "chosen", "error", "part", "block", "local")
         }
-        for p, part in enumerate(self._parts):
+        read: list[tuple[pa.Table, list[int]]] = []
+        for part in self._parts:
             try:
-                ids = part.read_ids()
-                sizes = part.block_sizes()
+                ids, sizes = part.read_ids(), part.block_sizes()
             except (pa.ArrowException, OSError) as exc:
                 raise BadRunError(part.path, arrow_reason(exc)) from exc
             if sum(sizes) != ids.num_rows:
                 raise BadRunError(part.path, f"its blocks hold {sum(sizes)} rows but its id columns {ids.num_rows}")
+            read.append((ids, sizes))
+        try:  # nulls, chosen ids outside the vocabulary, a row twice: before any value is used
+            tables = [ids for ids, _ in read]
+            self._layout.check_rows(
+                pa.concat_tables(tables, promote_options="permissive") if read else ID_SCHEMA.empty_table()
+            )
+        except RunFileError as exc:
+            raise BadRunError(exc.path, exc.reason) from exc
+        for p, (ids, sizes) in enumerate(read):
             parts["generation"].append(ids.column("generation").to_numpy())
             parts["sequence"].append(ids.column("sequence").to_numpy())
             parts["step"].append(ids.column("step").to_numpy())
@@ -293,6 +305,11 @@ class RunReader:
                 table, nbytes = source.read_block(block, ID_COLUMNS + self._value_columns(part))
             except (pa.ArrowException, OSError) as exc:
                 raise BadRunError(source.path, f"block {block} could not be read: {arrow_reason(exc)}") from exc
+            if key not in self._checked:  # the block's scalar statistics, once per reader
+                damage = stats_damage(table, self.metadata)
+                if damage is not None:
+                    raise BadRunError(source.path, f"block {block}: {damage}")
+                self._checked.add(key)
             self.blocks_read += 1
             self.bytes_read += nbytes
             size = int(table.nbytes)
@@ -344,7 +361,12 @@ class RunReader:
             names = ID_COLUMNS + self._value_columns(0)
             return pa.schema([source.field(n) for n in names], metadata=metadata).empty_table()
         tables = [p.replace_schema_metadata(None) for p in pieces]
-        return pa.concat_tables(tables, promote_options="default").replace_schema_metadata(metadata)
+        table = pa.concat_tables(tables, promote_options="default").replace_schema_metadata(metadata)
+        try:
+            check_topk(self.path, table, self.metadata)  # the window's k-wide ids only
+        except RunFileError as exc:
+            raise BadRunError(exc.path, exc.reason) from exc
+        return table
 
     def window(self, track: Track, start: int, stop: int) -> tracker.Run:
         """Positions ``[start, stop)`` of ``track`` as a :class:`tracker.Run`, for its analysis API."""
@@ -407,6 +429,14 @@ class RunReader:
             natural = nat_column.values.slice((nat_column.offset + local) * k, k).to_numpy(zero_copy_only=False)
         lse = table.column(f"{stage}_lse")[local].as_py()
         allowed = table.column(f"{stage}_allowed")[local].as_py()
+        if (ids.size and (ids.min() < 0 or ids.max() >= m.vocab_size)) or damaged_lse(
+            values[None, :].astype(np.float64), np.array([np.nan if lse is None else lse])
+        )[0]:
+            raise BadRunError(
+                self.path,
+                f"the row of stage {stage!r} at block row {local} is damaged: token ids outside [0, {m.vocab_size}) "
+                "or a log-sum-exp below its largest stored logit",
+            )
         return StageRow(
             stage,
             True,

@@ -288,7 +288,9 @@ def _print_listing(out: TextIO, summaries: list[Any]) -> None:
 
 def cmd_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser, out: TextIO | None = None) -> int:
     """Print a run (or the runs under a folder); exit status 1 if a run asked for cannot be read."""
-    from dashboard.discover import find_runs, summarize, summary_of
+    from pyarrow import ArrowException
+
+    from dashboard.discover import find_runs, summarize, summary_of, unexpected_reason
     from dashboard.reader import BadRunError, RunReader
     from tracker.fs import is_url
 
@@ -318,10 +320,13 @@ def cmd_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser, out: 
     try:
         reader = RunReader(path)
         summary = summary_of(reader, str(path).rstrip("/").rsplit("/", 1)[-1])
+        sequences = [_sequence_record(reader, g, s, args.steps, args.top) for g, s in _selected(reader, args, parser)]
     except BadRunError as exc:
-        print(f"logitscope inspect: '{path}' is not a readable run: {exc.reason}", file=sys.stderr)
+        print(f"logitscope inspect: '{exc.path}' is not a readable run: {exc.reason}", file=sys.stderr)
         return 1
-    sequences = [_sequence_record(reader, g, s, args.steps, args.top) for g, s in _selected(reader, args, parser)]
+    except (ValueError, TypeError, KeyError, IndexError, RecursionError, MemoryError, ArrowException) as exc:
+        print(f"logitscope inspect: '{path}' is not a readable run: {unexpected_reason(exc)}", file=sys.stderr)
+        return 1
     if args.json:
         json.dump({"run": vars(summary), "sequences": sequences}, out, indent=1, ensure_ascii=False)
         print(file=out)

@@ -331,6 +331,7 @@ class Vocabulary:
         import pyarrow as pa
 
         table = pa.ipc.open_stream(pa.py_buffer(base64.b64decode(raw))).read_all()
+        table.validate(full=True)  # offsets inside their buffers before any is followed (the bytes come from a file)
         column = table.column("bytes").combine_chunks()
         offsets_buffer, data_buffer = column.buffers()[1], column.buffers()[2]
         offsets = np.frombuffer(offsets_buffer, dtype=np.int64)[column.offset : column.offset + len(column) + 1]

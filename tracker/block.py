@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from tracker.checks import DamagedRowError, damaged_lse
 from tracker.rows import NEG_INF, as_float32, effective
 from tracker.schema import FIELD_DTYPE, row_offsets, value_column
 
@@ -178,6 +179,13 @@ def topk_columns(batches: list[pa.RecordBatch], blocks: tuple[tuple[int, np.ndar
             parts.setdefault("natural_lse", []).append(column.to_numpy(zero_copy_only=False)[rows].astype(np.float64))
     out = {k: np.concatenate(v) for k, v in parts.items()}
     lse, allowed = out["lse"], out["allowed"]
+    damaged = damaged_lse(out["logits"], lse)
+    if damaged.any():  # probabilities above 1: refuse rather than answer them
+        raise DamagedRowError(
+            f"stage {stage!r}: {int(damaged.sum())} stored row(s) have a log-sum-exp ({stage}_lse) below their "
+            f"largest stored logit (first: {lse[damaged][0]:.4g} < {np.nanmax(out['logits'][damaged][0]):.4g}); "
+            "the run file is damaged"
+        )
     values = one_hot_rows(out["logits"].astype(np.float32), lse)
     natural = None
     if "natural" in out:

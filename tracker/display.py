@@ -118,7 +118,8 @@ def _compact_table(
     rows = [f'<table class="ls-table"><tr><th>step</th><th>chosen</th><th>p</th><th>{_e(heading)}</th></tr>']
     for i, entry in enumerate(top):
         others = ", ".join(_e(_alternative(t, both)) for t in entry["tokens"] if not t["is_chosen"])
-        name = _e(token_label(chosen[i])) if i < len(chosen) and chosen[i] is not None else "—"
+        known = i < len(chosen) and isinstance(chosen[i], str)  # None or NaN: the chosen token is unknown
+        name = _e(token_label(chosen[i])) if known else "—"
         rows.append(
             f"<tr><td>{entry['position']}</td><td>{name}</td><td>{format_probability(probs[i])}</td><td>{others}</td></tr>"
         )

@@ -32,6 +32,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from processors.vocab import Vocabulary
+from tracker.checks import RunFileError, arrow_reason, check_batch, check_ids, metadata_from, vocabulary_from
 from tracker.fs import is_url, resolve
 from tracker.marker import COMPLETE, PARQUET_SUFFIXES, complete_runs, is_partition, read_marker
 from tracker.schema import (
@@ -41,7 +42,9 @@ from tracker.schema import (
     META_VOCAB,
     RunMetadata,
     check_columns,
+    check_generations,
     generations_from_column,
+    value_column,
 )
 from tracker.spill import CHUNK_GLOB, RUN_JSON, VOCAB_FILE
 
@@ -71,15 +74,6 @@ IPC_SUFFIXES = (".arrow", ".feather", ".ipc")
 ID_COLUMNS: tuple[str, ...] = tuple(ID_SCHEMA.names)
 
 
-class RunFileError(ValueError):
-    """A file or folder that cannot be read as a run; the message names it and what is wrong."""
-
-    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
-        self.path = str(path)
-        self.reason = reason
-        super().__init__(f"'{path}' cannot be read as a logitscope run: {reason}")
-
-
 class PartialRunWarning(UserWarning):
     """A run read from a spill folder: only the rows that had spilled to disk (see :attr:`RunLayout.note`)."""
 
@@ -91,39 +85,6 @@ class NoRunError(FileNotFoundError):
         self.path = str(path)
         self.reason = reason
         super().__init__(f"path: no run at '{path}' ({reason})")
-
-
-def arrow_reason(exc: BaseException) -> str:
-    """What an Arrow or OS error reading a run file means, in words."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    lowered = text.lower()
-    if "checksum" in lowered or "crc" in lowered:
-        return f"a data page fails its checksum: the file is damaged ({text})"
-    if "magic" in lowered or "footer" in lowered or "not an arrow file" in lowered:
-        return f"the file is truncated or is not a Parquet/Arrow file ({text})"
-    return f"the file could not be read ({type(exc).__name__}: {text})"
-
-
-def metadata_from(raw: bytes | None) -> RunMetadata:
-    """Run metadata from its JSON (a schema's :data:`META_RUN` value); ValueError saying what is wrong."""
-    if raw is None:
-        raise ValueError(
-            "it holds no logitscope run metadata (schema key 'logitscope.run'); it is a table, but not one "
-            "written by tracker's Run.to_arrow / to_parquet / to_dataset"
-        )
-    return RunMetadata.from_json(raw)
-
-
-def vocabulary_from(raw: bytes | None) -> Vocabulary | None:
-    """A vocabulary from its serialised form (a schema's :data:`META_VOCAB` value), None when there is none."""
-    if raw is None:
-        return None
-    try:
-        return Vocabulary.deserialize(raw)
-    except Exception as exc:  # base64, Arrow or layout errors: all mean a damaged vocabulary
-        raise ValueError(
-            f"its vocabulary (schema key 'logitscope.vocab') is damaged ({type(exc).__name__}: {exc})"
-        ) from exc
 
 
 # ---------------------------------------------------------------- parts: the files of a run
@@ -187,36 +148,48 @@ class _ParquetPart:
 
 
 class _IpcPart:
-    """An Arrow IPC file through a memory map: blocks are record batches, read without a copy."""
+    """An Arrow IPC file through a memory map: blocks are record batches, read without a copy, each checked
+    against its buffers before a value is touched (:func:`~tracker.checks.check_batch`, once per batch)."""
 
     def __init__(self, path: Path | str, source: pa.NativeFile | None = None) -> None:
         self.path = path
         self.reader = pa.ipc.open_file(pa.memory_map(str(path), "r") if source is None else source)
         self.nbytes = int(os.path.getsize(path) if source is None else source.size())
+        self._checked: set[int] = set()
 
     @property
     def schema(self) -> pa.Schema:
         return self.reader.schema
 
+    def _batch(self, i: int) -> pa.RecordBatch:
+        batch = self.reader.get_batch(i)
+        if i not in self._checked:
+            check_batch(self.path, batch, f"record batch {i}")
+            self._checked.add(i)
+        return batch
+
     def block_sizes(self) -> list[int]:
-        return [self.reader.get_batch(i).num_rows for i in range(self.reader.num_record_batches)]
+        return [self._batch(i).num_rows for i in range(self.reader.num_record_batches)]
 
     def read_ids(self) -> pa.Table:
-        batches = [self.reader.get_batch(i).select(list(ID_COLUMNS)) for i in range(self.reader.num_record_batches)]
+        batches = [self._batch(i).select(list(ID_COLUMNS)) for i in range(self.reader.num_record_batches)]
         return pa.Table.from_batches(batches, schema=pa.schema([self.reader.schema.field(n) for n in ID_COLUMNS]))
 
     def read_block(self, block: int, columns: tuple[str, ...]) -> tuple[pa.Table, int]:
-        batch = self.reader.get_batch(block).select(list(columns))
+        batch = self._batch(block).select(list(columns))
         return pa.Table.from_batches([batch]), int(batch.nbytes)
 
     def read_all(self) -> pa.Table:
-        table = self.reader.read_all()
+        table = pa.Table.from_batches(
+            [self._batch(i) for i in range(self.reader.num_record_batches)], schema=self.reader.schema
+        )
         return table.drop_columns([GENERATIONS_COLUMN]) if GENERATIONS_COLUMN in table.schema.names else table
 
     def generations(self) -> list[dict]:
         if GENERATIONS_COLUMN not in self.schema.names:
             return []
-        return generations_from_column(self.reader.read_all().column(GENERATIONS_COLUMN))
+        column = [self._batch(i).column(GENERATIONS_COLUMN) for i in range(self.reader.num_record_batches)]
+        return generations_from_column(pa.chunked_array(column, self.schema.field(GENERATIONS_COLUMN).type))
 
 
 def open_part(path: Path, fs: pafs.FileSystem | None = None, url: str | None = None) -> Part:
@@ -282,9 +255,20 @@ class RunLayout:
     def vocabulary(self) -> Vocabulary | None:
         """The run's vocabulary (None when it carries none); RunFileError when it is damaged."""
         try:
-            return vocabulary_from(self.vocab_raw)
+            vocab = vocabulary_from(self.vocab_raw)
         except ValueError as exc:
             raise RunFileError(self.vocab_path, str(exc)) from exc
+        if vocab is not None and vocab.size < self.metadata.vocab_size:
+            raise RunFileError(
+                self.vocab_path,
+                f"its vocabulary holds {vocab.size} tokens, fewer than the {self.metadata.vocab_size} its rows have",
+            )
+        return vocab
+
+    def check_rows(self, ids: pa.Table) -> None:
+        """RunFileError naming the run when its id columns ``ids`` (every row's) cannot be a run's
+        (:func:`~tracker.checks.check_ids`: nulls, chosen ids outside the vocabulary, a row twice)."""
+        check_ids(self.path, ids, self.metadata.vocab_size)
 
     def batches(self) -> list[pa.RecordBatch]:
         """Every row of the run (a spill chunk keeps the columns it was written with); RunFileError naming
@@ -311,7 +295,9 @@ def _with_generations(metadata: RunMetadata, parts: list[Part]) -> RunMetadata:
     entries = list(metadata.generations)
     for part in parts:
         try:
-            entries += part.generations()
+            found = part.generations()
+            check_generations(found, metadata.vocab_size)
+            entries += found
         except (pa.ArrowException, OSError) as exc:
             raise RunFileError(part.path, arrow_reason(exc)) from exc
         except ValueError as exc:
@@ -325,9 +311,9 @@ def _check(layout: RunLayout) -> None:
     present: set[str] = set()
     for part in layout.parts:
         names = set(part.schema.names)
-        lacking = [n for n in ID_COLUMNS if n not in names]
-        if lacking:
-            raise RunFileError(part.path, f"it lacks the id columns {lacking} every run has")
+        lacking = [n for n in (*ID_COLUMNS, value_column("natural", layout.metadata.storage)) if n not in names]
+        if lacking:  # the id columns and the natural stage's values: every run, every chunk has them
+            raise RunFileError(part.path, f"it lacks the columns {lacking} every run has")
         try:
             check_columns(part.schema, layout.metadata, complete=False)
         except ValueError as exc:

@@ -35,6 +35,7 @@ import pyarrow as pa
 
 from processors.vocab import Vocabulary
 from tracker.analysis import Analysis, stage_matrix
+from tracker.checks import check_stats, check_topk
 from tracker.dataset import write_run
 from tracker.insight import Insight
 from tracker.layout import (
@@ -48,10 +49,12 @@ from tracker.rows import nonfinite_rows
 from tracker.run_file import write_parquet
 from tracker.schema import (
     GENERATIONS_COLUMN,
+    ID_SCHEMA,
     META_RUN,
     META_VOCAB,
     RunMetadata,
     check_columns,
+    check_generations,
     flag_column,
     generations_from_column,
     run_schema,
@@ -219,6 +222,7 @@ class Run(Insight, Analysis):
             metadata = metadata_from(meta.get(META_RUN))
             if GENERATIONS_COLUMN in table.schema.names:
                 entries = generations_from_column(table.column(GENERATIONS_COLUMN))
+                check_generations(entries, metadata.vocab_size)
                 metadata = replace(metadata, generations=metadata.generations + entries)
                 table = table.drop_columns([GENERATIONS_COLUMN])
             check_columns(table.schema, metadata)
@@ -248,4 +252,11 @@ class Run(Insight, Analysis):
         layout = open_layout(path, run_id)
         if layout.note is not None:
             warnings.warn(layout.note, PartialRunWarning, stacklevel=2)
-        return cls(layout.batches(), layout.metadata, layout.vocabulary())
+        batches = layout.batches()
+        if batches:
+            ids = [pa.Table.from_batches([b.select(list(ID_SCHEMA.names))]) for b in batches]
+            layout.check_rows(pa.concat_tables(ids, promote_options="permissive"))
+            check_topk(layout.path, batches, layout.metadata)
+            for batch in batches:
+                check_stats(layout.path, batch, layout.metadata)
+        return cls(batches, layout.metadata, layout.vocabulary())

@@ -114,9 +114,14 @@ def write_parquet(
     remove_orphans(target.parent, target.name)
     if scratch is not None:
         remove_orphans(scratch, target.name)
-    with atomic_path(target, scratch) as tmp:
-        _write(table, str(tmp), metadata, compression, pafs.LocalFileSystem())
-        fsync_path(tmp)
+    try:
+        with atomic_path(target, scratch) as tmp:
+            _write(table, str(tmp), metadata, compression, pafs.LocalFileSystem())
+            fsync_path(tmp)
+    except OSError as exc:  # disk full, file too large, I/O error: say which file (Arrow's message does not)
+        if exc.filename is not None or exc.errno is None:
+            raise
+        raise OSError(exc.errno, f"{os.strerror(exc.errno)}: the run could not be written to '{target}'") from exc
     for folder in (target.parent, scratch) if scratch is not None else (target.parent,):
         fsync_path(folder)  # the file's entry (and, in a dataset, its new partition's)
     return target

@@ -86,6 +86,8 @@ __all__ = [
     "flag_column",
     "GENERATIONS_COLUMN",
     "MAX_METADATA_BYTES",
+    "MAX_METADATA_DEPTH",
+    "check_generations",
     "STAT_COLUMNS",
     "stat_names",
     "as_float32",
@@ -299,6 +301,8 @@ class RunMetadata:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ValueError(f"run metadata is not valid JSON ({exc})") from exc
+        except RecursionError:
+            raise ValueError(f"run metadata is nested deeper than {MAX_METADATA_DEPTH} levels") from None
         if not isinstance(data, dict):
             raise ValueError(f"run metadata must be a JSON object, got {type(data).__name__}")
         version = str(data.get("schema_version", ""))
@@ -327,10 +331,75 @@ class RunMetadata:
             )
         if not all(isinstance(s, str) for s in data["stages"]):
             raise ValueError(f"run metadata field 'stages' must be a list of names, got {data['stages']!r:.80}")
-        if not all(isinstance(g, dict) for g in data.get("generations", [])):
-            raise ValueError("run metadata field 'generations' must be a list of objects")
+        if not data["stages"] or data["stages"][0] != "natural":
+            raise ValueError(f"run metadata field 'stages' must begin with 'natural', got {data['stages']!r:.80}")
+        check_generations(data.get("generations", []), data["vocab_size"])
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in data.get("eos_token_ids", [])):
+            raise ValueError(
+                f"run metadata field 'eos_token_ids' must be a list of token ids, got {data['eos_token_ids']!r:.80}"
+            )
+        too_deep = _deeper_than({k: v for k, v in data.items() if k != "generations"}, MAX_METADATA_DEPTH)
+        if too_deep:
+            raise ValueError(f"run metadata field {too_deep!r} is nested deeper than {MAX_METADATA_DEPTH} levels")
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+#: How deep run metadata (``extra``, ``sampling``, a generation's entry) may nest: deeper is refused, so that no
+#: reader recurses past Python's limit (json, repr, copies) on a crafted file.
+MAX_METADATA_DEPTH = 32
+_BULK_KEYS = ("prompt_ids", "prompt_logprobs")
+
+
+def _deeper_than(value: Any, limit: int) -> str | None:
+    """The top-level key of ``value`` (a dict) under which containers nest deeper than ``limit``, else None.
+    Walks containers without recursion; lists of scalars cost one ``isinstance`` per item."""
+    for key, item in value.items():
+        stack = [(item, 1)]
+        while stack:
+            node, depth = stack.pop()
+            if depth > limit:
+                return str(key)
+            children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+            stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return None
+
+
+def _token_rows(rows: Any, vocab_size: int, what: str) -> None:
+    if not isinstance(rows, list) or not all(isinstance(r, list) for r in rows):
+        raise ValueError(f"{what} must be a list of token id lists, got {rows!r:.80}")
+    for row in rows:
+        if not all(type(t) is int for t in row):
+            raise ValueError(f"{what} must hold integer token ids, got {row!r:.80}")
+        if row and (min(row) < 0 or max(row) >= vocab_size):
+            raise ValueError(
+                f"{what} holds token id {min(row) if min(row) < 0 else max(row)}, outside [0, {vocab_size})"
+            )
+
+
+def check_generations(entries: Any, vocab_size: int) -> None:
+    """ValueError saying what is wrong when generation entries (see :class:`RunMetadata`) are not what a run
+    writes: objects with an integer ``generation`` >= 0, integer prompt ids in the vocabulary, nesting
+    within :data:`MAX_METADATA_DEPTH`. One pass over the prompt ids."""
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ValueError("run metadata field 'generations' must be a list of objects")
+    for entry in entries:
+        number = entry.get("generation")
+        if type(number) is not int or number < 0:
+            raise ValueError(f"a generation entry's 'generation' must be an integer >= 0, got {number!r:.80}")
+        what = f"generation {number}'s"
+        if "batch_size" in entry and (type(entry["batch_size"]) is not int or entry["batch_size"] < 0):
+            raise ValueError(f"{what} 'batch_size' must be an integer >= 0, got {entry['batch_size']!r:.80}")
+        if "prompt_ids" in entry:
+            _token_rows(entry["prompt_ids"], vocab_size, f"{what} 'prompt_ids'")
+        scores = entry.get("prompt_logprobs", [])
+        if not isinstance(scores, list) or not all(isinstance(r, list) for r in scores):
+            raise ValueError(f"{what} 'prompt_logprobs' must be a list of lists, got {scores!r:.80}")
+        if any(not (v is None or isinstance(v, (int, float))) for r in scores for v in r):
+            raise ValueError(f"{what} 'prompt_logprobs' must hold numbers or nulls")
+        too_deep = _deeper_than({k: v for k, v in entry.items() if k not in _BULK_KEYS}, MAX_METADATA_DEPTH)
+        if too_deep:
+            raise ValueError(f"{what} field {too_deep!r} is nested deeper than {MAX_METADATA_DEPTH} levels")
 
 
 #: The column of a Parquet run file holding each generation's metadata entry (JSON, on its first row).
@@ -383,7 +452,13 @@ def check_columns(
             f"(vocabulary {metadata.vocab_size}), but columns {missing} are missing"
         )
     names = set(schema.names)
-    for expected_field in expected:
+    for stage in metadata.stages:  # a stage's statistics come together: some without the others is damage
+        kept = [n for n in stat_names(stage) if f"{stage}_{n}" in names]
+        if kept and "entropy" in kept and len(kept) < len(stat_names(stage)):
+            lacking = [f"{stage}_{n}" for n in stat_names(stage) if n not in kept]
+            raise ValueError(f"it has statistics columns of stage {stage!r} but lacks {lacking}")
+    stats = [pa.field(f"{s}_{name}", STAT_COLUMNS[name]) for s in metadata.stages for name in stat_names(s)]
+    for expected_field in [*expected, *stats]:  # statistics columns, where there, have their types too
         if expected_field.name in names:
             actual = schema.field(expected_field.name).type
             if actual != expected_field.type:
@@ -415,6 +490,8 @@ def generations_from_column(column: pa.ChunkedArray | pa.Array) -> list[dict[str
             value = json.loads(raw)
         except ValueError as exc:
             raise ValueError(f"column {GENERATIONS_COLUMN!r} holds text that is not JSON ({exc})") from exc
+        except RecursionError:
+            raise ValueError(f"column {GENERATIONS_COLUMN!r} holds JSON nested too deep") from None
         if not isinstance(value, list) or not all(isinstance(e, dict) for e in value):
             raise ValueError(f"column {GENERATIONS_COLUMN!r} must hold JSON lists of objects, got {raw[:80]!r}")
         entries.extend(value)

@@ -110,6 +110,7 @@ def atomic_path(
     """
     target = Path(path)
     folder = target.parent if scratch is None else Path(scratch)
+    made = [p for p in (folder, *folder.parents) if not p.exists()]  # removed again if the write fails
     if make_folders:
         folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{_writer_tag()}.", suffix=".tmp", dir=folder)
@@ -123,6 +124,9 @@ def atomic_path(
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        for created in made:  # deepest first: a failed write leaves no empty folder it made
+            with contextlib.suppress(OSError):
+                created.rmdir()
         raise
 
 
