@@ -299,12 +299,15 @@ def lying_lengths(table: pa.Table, lies: dict[int, int]) -> bytes:
     with pa.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table)
     data = bytearray(sink.getvalue().to_pybytes())
+    # Only the record batch's own header lies: not the schema message, the values or the footer, where the same
+    # numbers may stand by chance. Messages: 0xFFFFFFFF, their header's length, the header, then the body.
+    schema_end = 16 + struct.unpack("<i", data[12:16])[0]
+    header_end = schema_end + 8 + struct.unpack("<i", data[schema_end + 4 : schema_end + 8])[0]
     for old, new in lies.items():
         before, after = struct.pack("<q", old), struct.pack("<q", new)
-        at = data.find(before, 8)
-        while at >= 0:
-            data[at : at + 8] = after
-            at = data.find(before, at + 8)
+        for at in range(schema_end + 8, header_end - 7, 8):  # int64 fields sit 8-aligned in the header
+            if data[at : at + 8] == before:
+                data[at : at + 8] = after
     return bytes(data)
 
 

@@ -56,6 +56,8 @@ shown = {}
 for page in (None, "overview", "replay", "compare"):
     at = AppTest.from_file(str(APP), default_timeout=120)
     at.session_state["root"] = str(root)
+    if page == "compare":  # a second run to compare with (the sample runs hold one sequence each)
+        at.session_state["run_b"] = str(root / "hot.parquet")
     if page is not None:
         at.switch_page(f"app_pages/{page}.py")
     at.run()

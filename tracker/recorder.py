@@ -420,7 +420,8 @@ class Recorder:
             layout = self._layout(capacity)
             tensors, host = self._memory.host(layout)
             chunk = Chunk(index, capacity, self.stages, tensors, host, device)
-            if not any(c.on_disk for c in self._chunks):  # once spilling, written chunks come back as spares
+            room = self.memory_limit is None or self.host_bytes + 2 * chunk.nbytes <= self.memory_limit
+            if room and not any(c.on_disk for c in self._chunks):  # once spilling, written chunks are the spares
                 self._memory.prepare(layout)  # the next chunk's pages, touched off this thread
         self._chunks.append(chunk)
         return chunk
