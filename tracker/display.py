@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from tracker.why import step_probabilities
+
 __all__ = ["SequenceView", "StepView", "format_probability", "run_html", "sequence_html", "step_html", "step_svg"]
 __all__ += ["token_label"]
 
@@ -129,10 +131,6 @@ def _compact_table(
 
 def _step_rows(run: Any, position: int, generation: int, sequence: int, k: int, include_finished: bool = False):
     """The k tokens with the highest probability in any stage at one step: ids and ``{stage: probs}``."""
-    # imported here: tracker.stages also wraps processors (the recording side), which token_label's users
-    # (the dashboard, tracker.compare) have no need to load
-    from tracker.stages import step_probabilities
-
     rows, chosen, i = step_probabilities(
         run, position, sequence=sequence, generation=generation, include_finished=include_finished
     )

@@ -2,7 +2,7 @@
 prompt, the "why" of a step, comparison with another run, and notebook display.
 
 :class:`Insight` is a mixin of :class:`~tracker.Run`; each method is a thin
-call into the module that does the work (:mod:`tracker.stages`,
+call into the module that does the work (:mod:`tracker.why`,
 :mod:`tracker.prompt`, :mod:`tracker.compare`, :mod:`tracker.display`).
 """
 
@@ -17,7 +17,8 @@ import pandas as pd
 from tracker import metrics
 from tracker.prompt import perplexity as _perplexity
 from tracker.selection import count_arg, index_arg
-from tracker.stages import display_stages, why
+from tracker.stages import display_stages
+from tracker.why import why
 
 __all__ = ["Insight"]
 
@@ -189,7 +190,7 @@ class Insight:
     def why(
         self, position: int, *, sequence: int = 0, generation: int = -1, include_finished: bool = False
     ) -> pd.DataFrame:
-        """Which stage changed the chosen token and the model's favourite at ``position`` (see :func:`tracker.stages.why`).
+        """Which stage changed the chosen token and the model's favourite at ``position`` (see :func:`tracker.why.why`).
 
         A position past the sequence's end raises ValueError unless ``include_finished`` is True.
         """

@@ -69,6 +69,7 @@ from processors.vocab import eos_token_ids
 from tracker.fs import is_url
 from tracker.hosts import TransformersHost, check_chosen, check_tracker_arguments, find_tokenizer
 from tracker.layout import folder_arg
+from tracker.processor_stages import apply_recording, per_processor
 from tracker.prompt import leading_pad_mask, prompt_logprobs, prompt_rows, score_prompt
 from tracker.queries import RunQueries
 from tracker.recorder import Recorder, Storage
@@ -81,7 +82,6 @@ from tracker.run_metadata import (
     new_run_id,
     now,
 )
-from tracker.stages import apply_recording, per_processor
 
 __all__ = ["LogitTrackingProcessor", "find_tokenizer"]
 
@@ -130,7 +130,7 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
         model: the model or its name, for the run's metadata.
         processor_stages: with a ``ProcessorList`` of two or more, record the
             logits after each processor as its own stage (``after:<name>``;
-            see :mod:`tracker.stages`). Off by default: each extra stage costs
+            see :mod:`tracker.processor_stages`). Off by default: each extra stage costs
             a row per step (``4 V`` bytes in float32).
         prompt_logprobs: record each prompt's per-token log-probabilities
             from the prefill logits (hosts that call ``on_prefill``, such as
