@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tracker.engines.vllm import LogitscopeLogitsProcessor
+from tracker.recording.engines.vllm import LogitscopeLogitsProcessor
 
 
 @dataclass

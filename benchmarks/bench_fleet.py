@@ -12,7 +12,7 @@
   than writers, expect less than 4).
 - *the run browser*: a dataset of ``--runs`` small complete runs (built once
   by 4 writer processes, kept under ``--keep``, reused when it is there),
-  then, in this process: :func:`tracker.dataset.list_runs` reading every
+  then, in this process: :func:`tracker.format.dataset.list_runs` reading every
   marker, and again with the markers it has seen cached, the Runs page's first render on a fresh Streamlit session and cache (``AppTest``,
   server side: script, widgets, table), and its baseline, ``AppTest`` running
   a one-line script (Streamlit's own start-up). For scale, opening runs the
@@ -75,7 +75,7 @@ def write_throughput(writers: int, runs_each: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         one = _processes(RECORD, f"{tmp}/one", [(0, total)])
         many = _processes(RECORD, f"{tmp}/many", [(w * runs_each, runs_each) for w in range(writers)])
-        from tracker.dataset import list_runs
+        from tracker.format.dataset import list_runs
 
         assert len(list_runs(f"{tmp}/one")) == total == len(list_runs(f"{tmp}/many"))
     print(f"write: {total} top-k runs (k=20, V=32,000, 64 steps) recorded and written to one dataset")
@@ -104,7 +104,7 @@ def run_browser(runs: int, keep: Path) -> None:
     from dashboard.discover import find_runs, summary_of
     from dashboard.paths import APP
     from dashboard.reader import RunReader
-    from tracker.dataset import list_runs
+    from tracker.format.dataset import list_runs
 
     root = keep / f"fleet-{runs}"
     have = len(list_runs(root)) if root.is_dir() else 0

@@ -58,8 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from processors import LogitsProcessor  # noqa: E402
 from tracker import LogitTrackingProcessor, Run, Vocabulary  # noqa: E402
-from tracker.buffers import SHARED_POOL  # noqa: E402
-from tracker.spill import write_ipc  # noqa: E402
+from tracker.format.spill import write_ipc  # noqa: E402
+from tracker.recording.buffers import SHARED_POOL  # noqa: E402
 
 POOL = 8  # distinct logits rows cycled through (as a model would produce new ones)
 
@@ -357,7 +357,7 @@ def long_run(vocab: int, steps: int) -> None:
     """One run of ``steps`` steps with the tracker's default bound: flat time per step, linear spill, bounded RSS."""
     import warnings
 
-    from tracker.recorder import SpillWarning
+    from tracker.recording.recorder import SpillWarning
 
     tracker = LogitTrackingProcessor(HalfMask(vocab))  # the defaults: float32, memory_limit 2 GiB
     recorder = tracker.recorder

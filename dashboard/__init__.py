@@ -20,5 +20,5 @@ dashboard [PATH]``), :mod:`logitscope.samples` records the sample runs
 runs without a model for tests and benchmarks, :mod:`dashboard.paths` says
 where things are, and :mod:`dashboard.threads` keeps torch, where it is
 loaded, on one thread for the dashboard's small computations. Viewing runs
-needs no torch: the pages read runs through :mod:`tracker.layout`.
+needs no torch: the pages read runs through :mod:`tracker.format.layout`.
 """

@@ -40,11 +40,11 @@ from dashboard.views import (
     token_pieces,
     window_view,
 )
-from tracker.checks import DamagedRowError
-from tracker.compare import Comparison, compare
-from tracker.dataset import list_runs
-from tracker.fs import is_url
-from tracker.prompt import perplexity
+from tracker.format.checks import DamagedRowError
+from tracker.format.dataset import list_runs
+from tracker.format.fs import is_url
+from tracker.reading.compare import Comparison, compare
+from tracker.reading.prompt import perplexity
 
 __all__ = [
     "WINDOW_BYTES",
@@ -296,14 +296,14 @@ def prompt_perplexity(path: str, generation: int, sequence: int) -> float:
 
 @st.cache_data(max_entries=4, show_spinner="Comparing every sequence of the two runs…")
 def _run_statistics(path_a: str, version_a: Stamp, path_b: str, version_b: Stamp) -> tuple[pd.DataFrame, str]:
-    from tracker.divergence import compare_runs
-    from tracker.run import Run
+    from tracker.reading.divergence import compare_runs
+    from tracker.reading.run import Run
 
     result = compare_runs(Run.load(path_a), Run.load(path_b))
     return result.table(), result.note
 
 
 def run_statistics(path_a: str, path_b: str) -> tuple[pd.DataFrame, str]:
-    """:func:`tracker.divergence.compare_runs` of two whole runs: its table (KL quantiles, top-1 agreement,
+    """:func:`tracker.reading.divergence.compare_runs` of two whole runs: its table (KL quantiles, top-1 agreement,
     Δp, perplexities) and its note (top-k bounds)."""
     return _run_statistics(path_a, stamp(path_a), path_b, stamp(path_b))

@@ -8,7 +8,7 @@ server may not read. A file that looks like a run but cannot be read still appea
 its error, so the browser can say what is wrong with it.
 
 A dataset's complete runs (``run_id=...`` folders with their ``_complete.json``,
-:mod:`tracker.dataset`) are described from that marker alone, so a folder of
+:mod:`tracker.format.dataset`) are described from that marker alone, so a folder of
 10,000 runs is listed without opening one. A URL (``s3://bucket/runs``) is a
 run file, a run folder or a dataset root on that store.
 """
@@ -23,10 +23,10 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from dashboard.reader import IPC_SUFFIXES, PARQUET_SUFFIXES, BadRunError, RunReader
-from tracker.dataset import RunEntry, list_runs
-from tracker.fs import is_url, resolve
-from tracker.layout import COMPLETE, is_partition
-from tracker.spill import RUN_JSON
+from tracker.format.dataset import RunEntry, list_runs
+from tracker.format.fs import is_url, resolve
+from tracker.format.layout import COMPLETE, is_partition
+from tracker.format.spill import RUN_JSON
 
 __all__ = [
     "MAX_DEPTH",

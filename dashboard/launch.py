@@ -1,7 +1,7 @@
 """``python -m dashboard.launch run APP ...``: Streamlit's command line, with the app's heavy imports done early.
 
 The first page of a new session otherwise pays for importing pandas, pyarrow
-and plotly (through ``tracker.run`` and the chart and view modules) inside the
+and plotly (through ``tracker.reading.run`` and the chart and view modules) inside the
 script run. Here they are imported before the server starts, so that the
 first visitor finds them loaded. (Not on a background thread beside the
 server: a session's script importing the same packages at the same moment
@@ -15,8 +15,8 @@ import importlib
 
 #: Imported before the server starts (none of them calls Streamlit).
 EARLY = (
-    "tracker.run",
-    "tracker.compare",
+    "tracker.reading.run",
+    "tracker.reading.compare",
     "dashboard.reader",
     "dashboard.discover",
     "dashboard.views",

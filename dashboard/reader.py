@@ -11,7 +11,7 @@ least-recently-used cache, so moving back and forth between nearby steps
 reads nothing twice. ``blocks_read`` and ``bytes_read`` count what was read,
 for tests and benchmarks.
 
-Readable layouts are those :mod:`tracker.layout` opens (the same reader as
+Readable layouts are those :mod:`tracker.format.layout` opens (the same reader as
 ``tracker.Run.load``): a ``.parquet`` or Arrow IPC file, a folder of Parquet
 parts (a ``run_id=...`` dataset partition), a dataset root holding one run,
 and a spill folder. Anything else, a truncated file, or a run written with a
@@ -32,9 +32,9 @@ import pyarrow as pa
 
 import tracker
 from processors.vocab import Vocabulary
-from tracker.checks import check_topk, damaged_lse, stats_damage
-from tracker.fs import is_url
-from tracker.layout import (
+from tracker.format.checks import check_topk, damaged_lse, stats_damage
+from tracker.format.fs import is_url
+from tracker.format.layout import (
     ID_COLUMNS,
     IPC_SUFFIXES,
     PARQUET_SUFFIXES,
@@ -45,8 +45,8 @@ from tracker.layout import (
     arrow_reason,
     open_layout,
 )
-from tracker.schema import FIELD_DTYPE, ID_SCHEMA, META_RUN, RunMetadata, as_float32, row_offsets, run_schema
-from tracker.selection import sequence_end
+from tracker.format.schema import FIELD_DTYPE, ID_SCHEMA, META_RUN, RunMetadata, as_float32, row_offsets, run_schema
+from tracker.reading.selection import sequence_end
 
 __all__ = [
     "BadRunError",
@@ -263,7 +263,7 @@ class RunReader:
         return ""
 
     def track(self, generation: int, sequence: int, *, include_finished: bool = False) -> Track:
-        """The rows of a sequence in step order (by default cut where it ended: :func:`tracker.selection.sequence_end`)."""
+        """The rows of a sequence in step order (by default cut where it ended: :func:`tracker.reading.selection.sequence_end`)."""
         key = ("track", generation, sequence, include_finished)
         cached = self._memo.get(key)
         if cached is not None:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from dashboard.paths import APP, ENV_ANY_PATH, ENV_PATH, REPO_ROOT
-from tracker.fs import is_url
+from tracker.format.fs import is_url
 
 __all__ = [
     "DEFAULT_PORT",

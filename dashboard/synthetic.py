@@ -23,8 +23,8 @@ import torch
 import tracker
 from processors import BatchContext
 from tracker import Vocabulary
-from tracker.schema import META_RUN, META_VOCAB, RunMetadata, run_schema
-from tracker.spill import atomic_path
+from tracker.format.schema import META_RUN, META_VOCAB, RunMetadata, run_schema
+from tracker.format.spill import atomic_path
 
 __all__ = ["hand_made_run", "write_large_run", "large_run_metadata", "write_run_dataset"]
 

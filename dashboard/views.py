@@ -27,11 +27,12 @@ import pandas as pd
 import tracker
 from dashboard.reader import StageRow, StepRow
 from dashboard.threads import one_torch_thread
-from tracker import Vocabulary, metrics
-from tracker.block import Block, one_hot_rows, read_as_recorded
-from tracker.compare import first_divergence  # one definition, shared with tracker.compare
-from tracker.display import format_probability, token_label  # one definition, shared with the notebook display
-from tracker.rows import nonfinite_rows, probabilities
+from tracker import Vocabulary
+from tracker.reading import metrics
+from tracker.reading.block import Block, one_hot_rows, read_as_recorded
+from tracker.reading.compare import first_divergence  # one definition, shared with tracker.compare
+from tracker.reading.display import format_probability, token_label  # one definition, shared with the notebook display
+from tracker.reading.rows import nonfinite_rows, probabilities
 
 __all__ = [
     "COLOR_METRICS",
@@ -228,7 +229,7 @@ def _block(stage: StageRow) -> Block:
 
 def step_summary(row: StepRow, vocab: Vocabulary) -> StepSummary:
     """Allowed tokens, removed mass, each stage's entropy and chosen-token probability at one step
-    (the tracker's metrics, :mod:`tracker.metrics`, on this one row)."""
+    (the tracker's metrics, :mod:`tracker.reading.metrics`, on this one row)."""
     blocks = {name: _block(stage) for name, stage in row.stages.items() if stage.recorded}
     chosen = np.array([row.chosen])
     # the statistics recorded from the whole row where the run has them (exact in top-k and half precision);

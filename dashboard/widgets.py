@@ -35,7 +35,7 @@ from dashboard.paths import (
 )
 from dashboard.reader import BadRunError
 from dashboard.text import md_text
-from tracker.fs import is_url
+from tracker.format.fs import is_url
 
 __all__ = [
     "Selected",

@@ -175,7 +175,7 @@ def _generate(gen, prompts: list[str], params, batch_size: int) -> tuple[list, i
 
 
 def _check_out_file(parser: argparse.ArgumentParser, out: str, force: bool) -> Path | str:
-    from tracker.fs import is_url, resolve
+    from tracker.format.fs import is_url, resolve
 
     if is_url(out):  # s3://bucket/run.parquet: one look-up now, the write when the run is done
         try:
@@ -338,7 +338,7 @@ def _record_demo(args: argparse.Namespace, out: Path) -> None:
 def cmd_dashboard(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from dashboard.paths import default_runs_path
     from dashboard.serve import serve
-    from tracker.fs import is_url
+    from tracker.format.fs import is_url
 
     if args.path is not None and is_url(args.path):  # a store: s3://bucket/runs (its runs are listed on the page)
         return serve(args.path, args.port, open_browser=not args.no_browser, allow_any_path=args.allow_any_path)

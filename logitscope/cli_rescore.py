@@ -3,7 +3,7 @@
     logitscope rescore run.parquet --model ./my-model --dtype bfloat16 --out rescored.parquet
     logitscope compare run.parquet rescored.parquet [--json]
 
-Thin: the work is :func:`tracker.rescore.rescore` and :func:`tracker.divergence.compare_runs`.
+Thin: the work is :func:`tracker.recording.rescore.rescore` and :func:`tracker.reading.divergence.compare_runs`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ DTYPES = ("bfloat16", "float16", "float32")
 
 
 def _load_run(parser: argparse.ArgumentParser, argument: str, path: str) -> Any:
-    from tracker.layout import RunFileError
-    from tracker.run import Run
+    from tracker.format.layout import RunFileError
+    from tracker.reading.run import Run
 
     try:
         return Run.load(path)
@@ -75,7 +75,7 @@ def cmd_rescore(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 
 
 def cmd_compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from tracker.divergence import compare_runs
+    from tracker.reading.divergence import compare_runs
 
     run_a = _load_run(parser, "A", args.a)
     run_b = _load_run(parser, "B", args.b)

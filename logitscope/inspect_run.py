@@ -203,13 +203,13 @@ def _nan(value: float | None) -> float:
 
 
 def _probability(p: float | None, state: str) -> str:
-    from tracker.display import format_probability
+    from tracker.reading.display import format_probability
 
     return format_probability(_nan(p)) if state == "kept" else state
 
 
 def _step_lines(step: dict[str, Any], stages: list[str], names: dict[str, str]) -> list[str]:
-    from tracker.display import format_probability, token_label
+    from tracker.reading.display import format_probability, token_label
 
     chosen = f"{token_label(step['chosen_token'])!r} (id {step['chosen_id']})" if step["chosen_id"] >= 0 else "unknown"
     failed = "  [the wrapped processor raised at this step]" if step["processor_error"] else ""
@@ -244,7 +244,7 @@ def _nats(v: float | None) -> str:
 
 
 def _removed(mass: float | None) -> str:
-    from tracker.display import format_probability
+    from tracker.reading.display import format_probability
 
     return "" if mass is None else f", probability mass removed by constraints: {format_probability(mass)}"
 
@@ -292,7 +292,7 @@ def cmd_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser, out: 
 
     from dashboard.discover import find_runs, summarize, summary_of, unexpected_reason
     from dashboard.reader import BadRunError, RunReader
-    from tracker.fs import is_url
+    from tracker.format.fs import is_url
 
     out = out or sys.stdout
     path: Path | str = args.path if is_url(args.path) else Path(args.path)  # a URL: s3://bucket/runs

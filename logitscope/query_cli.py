@@ -58,8 +58,8 @@ def _write_parquet(table: Any, target: str) -> None:
     """Write ``table`` to ``target`` (a path, written atomically, or a storage URL)."""
     import pyarrow.parquet as pq
 
-    from tracker.fs import is_url, resolve
-    from tracker.spill import atomic_path
+    from tracker.format.fs import is_url, resolve
+    from tracker.format.spill import atomic_path
 
     if is_url(target):  # an object is written whole by its last write: no reader sees half of it
         fs, path = resolve(target, "--parquet")
@@ -71,8 +71,8 @@ def _write_parquet(table: Any, target: str) -> None:
 
 def cmd_query(args: argparse.Namespace, parser: argparse.ArgumentParser, out: TextIO | None = None) -> int:
     """Answer the query and print (or write) the answer."""
-    from tracker.layout import NoRunError, RunFileError
-    from tracker.query import QueryError, open_dataset
+    from tracker.format.layout import NoRunError, RunFileError
+    from tracker.reading.query import QueryError, open_dataset
 
     out = out or sys.stdout
     try:

@@ -16,7 +16,7 @@ TensorRT-LLM    ``fn(req_id, logits [beam, 1, V], token_ids,``          None
 
 (*) vLLM's per-request form (``vllm.logits_process.LogitsProcessor``), which vLLM V1
 calls through ``AdapterLogitsProcessor.new_req_logits_processor``; a vLLM V1
-engine's own interface is the batch-level class (``tracker.engines.vllm``). Where
+engine's own interface is the batch-level class (``tracker.recording.engines.vllm``). Where
 TensorRT-LLM runs under Dynamo, Dynamo's adapter calls the Dynamo form.
 
 ``from_*`` turns a function of that convention into a logitscope

@@ -101,7 +101,7 @@ class VLLMProcessor:
     vLLM V1 calls this form through its ``AdapterLogitsProcessor``: a
     subclass's ``new_req_logits_processor(params)`` returns one callable per
     request (the callable's signature says which form it takes). For tracking
-    a whole server, :mod:`tracker.engines.vllm` is the batch-level processor.
+    a whole server, :mod:`tracker.recording.engines.vllm` is the batch-level processor.
     vLLM makes one callable per request and calls them interleaved, request
     after request within a step, so each callable holds its own copy of the
     processor (a tracker's copy shares its recording: each request becomes a

@@ -83,7 +83,7 @@ def demo():
 def slow_disk(monkeypatch):
     """``slow_disk(seconds)``: every spill file then takes that much longer to write, so chunks queue up on
     their way to disk."""
-    import tracker.spill as spill
+    import tracker.format.spill as spill
 
     original = spill.write_ipc
 

@@ -17,7 +17,7 @@ from dashboard import data
 from dashboard.paths import APP, default_runs_path
 from dashboard.synthetic import hand_made_run, write_large_run
 from tracker import LogitTrackingProcessor, Run
-from tracker.schema import META_RUN
+from tracker.format.schema import META_RUN
 
 TOKENS = ["a", " b", "c", "d", "e", "<eos>"]
 EOS = 5

@@ -13,7 +13,7 @@ import tracker
 from dashboard.discover import find_runs, summarize
 from dashboard.reader import BadRunError, RunReader
 from dashboard.synthetic import hand_made_run, write_large_run
-from tracker.schema import META_RUN
+from tracker.format.schema import META_RUN
 
 TOKENS = ["a", " b", "c", "d", "e", "<eos>"]
 

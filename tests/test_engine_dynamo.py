@@ -14,7 +14,7 @@ from engines_support import import_or_skip
 
 from processors import from_dynamo, to_dynamo
 from tracker import LogitTrackingProcessor
-from tracker.block import stage_matrix
+from tracker.reading.block import stage_matrix
 
 pytestmark = pytest.mark.engines
 

@@ -14,8 +14,8 @@ from engines_support import import_or_skip
 from test_tracker_support import byte_tokenizer
 
 from tracker import Run
-from tracker.block import stage_matrix
-from tracker.dataset import list_runs
+from tracker.format.dataset import list_runs
+from tracker.reading.block import stage_matrix
 
 pytestmark = pytest.mark.engines
 
@@ -48,7 +48,7 @@ class _Config:
 
 
 def _processor_class(root):
-    from tracker.engines.vllm import LogitscopeLogitsProcessor
+    from tracker.recording.engines.vllm import LogitscopeLogitsProcessor
 
     class Tracked(LogitscopeLogitsProcessor):
         runs = str(root)
@@ -255,9 +255,9 @@ def test_each_finished_request_is_its_own_part_read_while_the_server_runs(vllm, 
 
 def test_vllm_loads_it_by_name_and_never_skips_it_for_greedy_requests(vllm):
     lp = vllm["lp"]
-    from tracker.engines.vllm import LogitscopeLogitsProcessor
+    from tracker.recording.engines.vllm import LogitscopeLogitsProcessor
 
-    loaded = lp._load_logitsprocs_by_fqcns(["tracker.engines.vllm:LogitscopeLogitsProcessor"])
+    loaded = lp._load_logitsprocs_by_fqcns(["tracker.recording.engines.vllm:LogitscopeLogitsProcessor"])
     assert loaded == [LogitscopeLogitsProcessor]
     instance = LogitscopeLogitsProcessor(None, torch.device("cpu"), False)
     assert instance in list(lp.LogitsProcessors([instance]).non_argmax_invariant)
@@ -266,7 +266,7 @@ def test_vllm_loads_it_by_name_and_never_skips_it_for_greedy_requests(vllm):
 
 
 def test_malformed_tracking_options_are_refused_with_the_key_named(vllm):
-    from tracker.engines.vllm import LogitscopeLogitsProcessor
+    from tracker.recording.engines.vllm import LogitscopeLogitsProcessor
 
     params = vllm["params"]
     LogitscopeLogitsProcessor.validate_params(params(extra_args={"logitscope": {"storage": "topk", "top_k": 5}}))
@@ -332,7 +332,7 @@ def test_per_request_callables_run_inside_vllms_adapter_logits_processor(vllm):
 
 def test_http_clients_switch_tracking_with_numbers_and_json_text():
     """vLLM's HTTP ``vllm_xargs`` carry strings and numbers only: 1/0 and an object's JSON text work too."""
-    from tracker.engines.requests import RequestOptions
+    from tracker.recording.engines.requests import RequestOptions
 
     assert RequestOptions.parse(1, "float32", 20, "x").storage == "float32"
     assert RequestOptions.parse(0, "float32", 20, "x") is None

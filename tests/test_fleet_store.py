@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from tracker import LogitTrackingProcessor, Run
-from tracker.dataset import COMPLETE, list_runs
-from tracker.layout import PartialRunWarning
+from tracker.format.dataset import COMPLETE, list_runs
+from tracker.format.layout import PartialRunWarning
 
 pytest.importorskip("moto")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -208,7 +208,7 @@ def test_many_writers_into_one_local_and_one_s3_dataset(s3, tmp_path):
 
 
 def test_run_ids_do_not_collide():
-    from tracker.run_metadata import new_run_id
+    from tracker.recording.run_metadata import new_run_id
 
     ids = [new_run_id() for _ in range(20000)]
     assert len(set(ids)) == len(ids)

@@ -26,8 +26,8 @@ from dashboard.paths import APP
 from dashboard.reader import BadRunError, RunReader
 from processors.vocab import Vocabulary
 from tracker import LogitTrackingProcessor, Run
-from tracker.layout import RunFileError
-from tracker.schema import META_RUN, META_VOCAB
+from tracker.format.layout import RunFileError
+from tracker.format.schema import META_RUN, META_VOCAB
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -264,7 +264,7 @@ def test_a_damaged_top_k_row_is_named_by_the_query_that_reads_it(topk_run):
     keep = [n for n in table.schema.names if not re.match(r"natural_(max|entropy|nan|p_|chosen_|rank_)", n)]
     table = _set("natural_lse", 1, -50.0)(table.select(keep))
     run = Run.from_arrow(table)
-    from tracker.checks import DamagedRowError
+    from tracker.format.checks import DamagedRowError
 
     with pytest.raises(DamagedRowError, match="log-sum-exp .* below their largest stored logit"):
         run.get_top_tokens(k=3)

@@ -9,7 +9,7 @@ import pytest
 
 from sampling import Generator, SamplingParams
 from tracker import Run, add_tracking, compare
-from tracker.compare import distances
+from tracker.reading.compare import distances
 
 
 def _run(model, tok, seed, storage="float32", seeds=None):

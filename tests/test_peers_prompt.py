@@ -10,7 +10,7 @@ import torch
 
 from sampling import Generator, SamplingParams
 from tracker import LogitTrackingProcessor, Run, add_tracking
-from tracker.prompt import perplexity, prompt_logprobs
+from tracker.reading.prompt import perplexity, prompt_logprobs
 
 PROMPTS = ["hello there", "abc"]
 

@@ -23,8 +23,8 @@ import pytest
 
 from logitscope.cli import main
 from tracker import Run, open_dataset
-from tracker.layout import NoRunError
-from tracker.query import QueryError
+from tracker.format.layout import NoRunError
+from tracker.reading.query import QueryError
 
 SCHEMA = {
     "type": "object",

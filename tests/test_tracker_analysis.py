@@ -343,7 +343,8 @@ package = types.ModuleType("tracker")  # the modules alone, not the package's pu
 package.__path__ = [{str(root / "tracker")!r}]
 sys.modules["tracker"] = package
 import numpy as np
-from tracker import analysis, block, candidates, metrics, passes, rows, selection, stages
+from tracker.format import stages
+from tracker.reading import analysis, block, candidates, metrics, passes, rows, selection
 x = np.random.default_rng(0).standard_normal((3, 5000)).astype(np.float32)
 values, ids = rows.topk_rows(x, 4)
 assert (values[:, 0] == x.max(axis=1)).all()

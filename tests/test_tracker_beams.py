@@ -57,7 +57,7 @@ def accelerator_rules(monkeypatch):
     """The transformers host's rules for tensors on an accelerator (no value read per step: steps follow on by
     shape, a reorder is a flag on the device, read once) applied to the demo model on the CPU."""
     import processors.protocol as protocol
-    import tracker.hosts as hosts
+    import tracker.recording.hosts as hosts
 
     monkeypatch.setattr(protocol, "free_to_read", lambda *tensors: False)
     monkeypatch.setattr(hosts, "free_to_read", lambda *tensors: False)

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from tracker import candidates, metrics, rows
-from tracker.block import Block
+from tracker.reading import candidates, metrics, rows
+from tracker.reading.block import Block
 
 NEG_INF = float("-inf")
 

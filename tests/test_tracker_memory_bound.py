@@ -17,8 +17,8 @@ from test_tracker_support import json_from_a_fresh_process
 
 from processors import LogitsProcessor
 from tracker import LogitTrackingProcessor
-from tracker.buffers import BufferPool
-from tracker.recorder import Recorder, SpillWarning, Storage
+from tracker.recording.buffers import BufferPool
+from tracker.recording.recorder import Recorder, SpillWarning, Storage
 
 CPU = torch.device("cpu")
 

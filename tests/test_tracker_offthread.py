@@ -14,8 +14,8 @@ import torch
 
 from processors import LogitsProcessor
 from tracker import LogitTrackingProcessor
-from tracker.buffers import BufferPool
-from tracker.recorder import Recorder, Storage
+from tracker.recording.buffers import BufferPool
+from tracker.recording.recorder import Recorder, Storage
 
 CPU = torch.device("cpu")
 

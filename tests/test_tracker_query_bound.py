@@ -15,7 +15,7 @@ from test_tracker_support import json_from_a_fresh_process
 
 from processors import LogitsProcessor
 from tracker import LogitTrackingProcessor
-from tracker.recorder import SpillWarning
+from tracker.recording.recorder import SpillWarning
 
 
 class MaskThird(LogitsProcessor):

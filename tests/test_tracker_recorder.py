@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tracker import PartialRunWarning, Run
-from tracker.buffers import BufferPool
-from tracker.recorder import Recorder, Storage
+from tracker.recording.buffers import BufferPool
+from tracker.recording.recorder import Recorder, Storage
 
 CPU = torch.device("cpu")
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 from test_tracker_support import FailsOnThirdCall, byte_tokenizer, record_until_the_processor_raises
 
-import tracker.layout as layout_module
+import tracker.format.layout as layout_module
 from processors import LogitsProcessor
 from tracker import LogitTrackingProcessor, Run, Vocabulary
-from tracker.schema import META_RUN, SCHEMA_VERSION, RunMetadata
+from tracker.format.schema import META_RUN, SCHEMA_VERSION, RunMetadata
 
 
 class MaskOdd(LogitsProcessor):
@@ -190,7 +190,7 @@ def test_vocabulary_serialises_bytes_that_are_not_utf8():
 def test_a_run_outlives_its_tracker_and_a_dropped_tracker_frees_its_buffers_at_once():
     import gc
 
-    from tracker.buffers import SHARED_POOL
+    from tracker.recording.buffers import SHARED_POOL
 
     tok = byte_tokenizer()
     tracker = LogitTrackingProcessor(MaskOdd(), tokenizer=tok)

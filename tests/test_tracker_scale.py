@@ -19,8 +19,8 @@ from test_tracker_support import json_from_a_fresh_process
 from processors import LogitsProcessor
 from sampling import Generator, SamplingParams
 from tracker import LogitTrackingProcessor
-from tracker.recorder import Recorder, SpillWarning, Storage
-from tracker.spill import remove_stale_spill_folders, temporary_spill_folder
+from tracker.format.spill import remove_stale_spill_folders, temporary_spill_folder
+from tracker.recording.recorder import Recorder, SpillWarning, Storage
 
 CPU = torch.device("cpu")
 

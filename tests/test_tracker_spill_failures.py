@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import LogitsProcessorList
 
-import tracker.spill as spill
+import tracker.format.spill as spill
 from tracker import LogitTrackingProcessor, Run
-from tracker.recorder import SpillWarning
+from tracker.recording.recorder import SpillWarning
 
 BOUND = dict(memory_limit=0, chunk_bytes=8 << 10, storage="float32")  # every complete step spills
 

@@ -19,7 +19,7 @@ from dashboard.discover import find_runs
 from dashboard.paths import APP, ENV_ANY_PATH, ENV_PATH
 from dashboard.synthetic import hand_made_run
 from dashboard.text import md_text
-from tracker.schema import META_RUN
+from tracker.format.schema import META_RUN
 
 IMAGE = "http://127.0.0.1:9/leak.png"
 #: Token texts and run fields that are Markdown (or HTML) if shown as such.

@@ -17,7 +17,7 @@ from test_tracker_support import byte_tokenizer
 
 from dashboard.reader import BadRunError, RunReader
 from tracker import LogitTrackingProcessor, Run
-from tracker.schema import META_RUN, META_VOCAB, RunMetadata
+from tracker.format.schema import META_RUN, META_VOCAB, RunMetadata
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -166,7 +166,7 @@ def test_metadata_that_disagrees_with_the_columns_is_refused(tmp_path):
 
 KILLED_EXPORT = """
 import os, signal, sys
-from tracker.spill import atomic_path
+from tracker.format.spill import atomic_path
 with atomic_path(sys.argv[1]) as tmp:
     tmp.write_bytes(b"half a run" * 1000)
     os.kill(os.getpid(), signal.SIGKILL)

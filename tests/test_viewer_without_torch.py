@@ -118,7 +118,7 @@ def _python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_importing_the_run_reader_loads_no_generation_stack():
     done = _python(
-        "import json, sys, dashboard.reader, tracker.layout, tracker.schema; print(json.dumps(sorted(sys.modules)))"
+        "import json, sys, dashboard.reader, tracker.format.layout, tracker.format.schema; print(json.dumps(sorted(sys.modules)))"
     )
     assert done.returncode == 0, done.stderr[-3000:]
     loaded = {name.split(".")[0] for name in json.loads(done.stdout)}

@@ -13,7 +13,7 @@ import pytest
 from processors import LogitBiasLogitsProcessor, PenaltiesLogitsProcessor, ProcessorList
 from sampling import Generator, SamplingParams
 from tracker import Run, add_tracking
-from tracker.display import format_probability, token_label
+from tracker.reading.display import format_probability, token_label
 
 PROMPT = "abcab"
 KEYS = {"natural": "unstructured", "constrained": "structured"}

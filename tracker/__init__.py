@@ -9,8 +9,8 @@
 
 Which module holds what, and what each may import: ``docs/architecture.md``.
 
-The names below are imported on first use: reading runs (``tracker.schema``,
-``tracker.layout``, ``Run.load``, the dashboard) needs pyarrow and numpy, not
+The names below are imported on first use: reading runs (``tracker.format.schema``,
+``tracker.format.layout``, ``Run.load``, the dashboard) needs pyarrow and numpy, not
 the recorder's torch.
 """
 
@@ -24,16 +24,16 @@ from processors.exports import lazy_exports
 
 if TYPE_CHECKING:
     from processors.vocab import Vocabulary
-    from tracker.analysis import Continuation
-    from tracker.compare import Comparison, compare
-    from tracker.divergence import RunComparison, compare_runs
-    from tracker.integrate import add_tracking
-    from tracker.layout import PartialRunWarning
-    from tracker.processor import LogitTrackingProcessor
-    from tracker.query import Dataset, open_dataset
-    from tracker.recorder import Recorder, Storage
-    from tracker.run import Run
-    from tracker.schema import SCHEMA_VERSION, RunMetadata
+    from tracker.format.layout import PartialRunWarning
+    from tracker.format.schema import SCHEMA_VERSION, RunMetadata
+    from tracker.reading.analysis import Continuation
+    from tracker.reading.compare import Comparison, compare
+    from tracker.reading.divergence import RunComparison, compare_runs
+    from tracker.reading.query import Dataset, open_dataset
+    from tracker.reading.run import Run
+    from tracker.recording.integrate import add_tracking
+    from tracker.recording.processor import LogitTrackingProcessor
+    from tracker.recording.recorder import Recorder, Storage
 
 __all__ = [
     "LogitTrackingProcessor",
@@ -55,24 +55,24 @@ __all__ = [
 ]
 
 #: Where each public name lives. Imported on first use (PEP 562), so that reading a run
-#: (``tracker.schema``, ``tracker.layout``, the dashboard) does not load the recorder and torch.
+#: (``tracker.format.schema``, ``tracker.format.layout``, the dashboard) does not load the recorder and torch.
 _HOMES = {
-    "LogitTrackingProcessor": "tracker.processor",
-    "add_tracking": "tracker.integrate",
-    "Run": "tracker.run",
-    "RunMetadata": "tracker.schema",
-    "Continuation": "tracker.analysis",
-    "compare": "tracker.compare",
-    "Comparison": "tracker.compare",
-    "compare_runs": "tracker.divergence",
-    "RunComparison": "tracker.divergence",
+    "LogitTrackingProcessor": "tracker.recording.processor",
+    "add_tracking": "tracker.recording.integrate",
+    "Run": "tracker.reading.run",
+    "RunMetadata": "tracker.format.schema",
+    "Continuation": "tracker.reading.analysis",
+    "compare": "tracker.reading.compare",
+    "Comparison": "tracker.reading.compare",
+    "compare_runs": "tracker.reading.divergence",
+    "RunComparison": "tracker.reading.divergence",
     "Vocabulary": "processors.vocab",
-    "Storage": "tracker.recorder",
-    "Recorder": "tracker.recorder",
-    "SCHEMA_VERSION": "tracker.schema",
-    "PartialRunWarning": "tracker.layout",
-    "open_dataset": "tracker.query",
-    "Dataset": "tracker.query",
+    "Storage": "tracker.recording.recorder",
+    "Recorder": "tracker.recording.recorder",
+    "SCHEMA_VERSION": "tracker.format.schema",
+    "PartialRunWarning": "tracker.format.layout",
+    "open_dataset": "tracker.reading.query",
+    "Dataset": "tracker.reading.query",
 }
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -1,0 +1,219 @@
+"""What a run file's values must satisfy, checked where they are read: run files may come from anyone.
+
+A crafted file must be refused with one line naming it, never crash the
+process nor answer wrongly. The checks here are those that read values, kept
+cheap and off the recording path:
+
+- :func:`check_batch`: a record batch's declared lengths fit its buffers
+  (``RecordBatch.validate``: sizes only, no pass over the values; once per
+  batch of a memory-mapped IPC file, before any value is touched);
+- :func:`check_ids`: the id columns (read whole by every reader anyway): no
+  nulls where the schema has none, non-negative generation/sequence/step,
+  chosen ids in the vocabulary (null or -1: unknown), each
+  (generation, sequence, step) once (a folder holding a run and a copy of it
+  is refused, never read with every step twice);
+- :func:`check_topk`: top-k ids inside the vocabulary (one pass over the
+  ``k``-wide id columns, not the vocabulary-wide values);
+- :func:`damaged_lse`: rows whose log-sum-exp is below their largest stored
+  logit (probabilities above 1): the query reading them says so.
+
+Metadata limits (nesting depth, field types) are checked by
+:meth:`tracker.format.schema.RunMetadata.from_json`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from processors.vocab import Vocabulary
+from tracker.format.schema import RunMetadata
+
+__all__ = [
+    "RunFileError",
+    "check_stats",
+    "stats_damage",
+    "DamagedRowError",
+    "arrow_reason",
+    "metadata_from",
+    "vocabulary_from",
+    "check_batch",
+    "check_ids",
+    "check_topk",
+    "damaged_lse",
+    "LSE_TOLERANCE",
+]
+
+#: How far (nats) a stored log-sum-exp may sit below the row's largest stored logit (float32 rounding).
+LSE_TOLERANCE = 1e-3
+
+
+def arrow_reason(exc: BaseException) -> str:
+    """What an Arrow or OS error reading a run file means, in words."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    lowered = text.lower()
+    if "checksum" in lowered or "crc" in lowered:
+        return f"a data page fails its checksum: the file is damaged ({text})"
+    if "magic" in lowered or "footer" in lowered or "not an arrow file" in lowered:
+        return f"the file is truncated or is not a Parquet/Arrow file ({text})"
+    return f"the file could not be read ({type(exc).__name__}: {text})"
+
+
+def metadata_from(raw: bytes | None) -> RunMetadata:
+    """Run metadata from its JSON (a schema's :data:`META_RUN` value); ValueError saying what is wrong."""
+    if raw is None:
+        raise ValueError(
+            "it holds no logitscope run metadata (schema key 'logitscope.run'); it is a table, but not one "
+            "written by tracker's Run.to_arrow / to_parquet / to_dataset"
+        )
+    return RunMetadata.from_json(raw)
+
+
+def vocabulary_from(raw: bytes | None) -> Vocabulary | None:
+    """A vocabulary from its serialised form (a schema's :data:`META_VOCAB` value), None when there is none."""
+    if raw is None:
+        return None
+    try:
+        return Vocabulary.deserialize(raw)
+    except Exception as exc:  # base64, Arrow or layout errors: all mean a damaged vocabulary
+        raise ValueError(
+            f"its vocabulary (schema key 'logitscope.vocab') is damaged ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+class RunFileError(ValueError):
+    """A file or folder that cannot be read as a run; the message names it and what is wrong."""
+
+    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"'{path}' cannot be read as a logitscope run: {reason}")
+
+
+def _fail(path: str | os.PathLike[str], reason: str) -> None:
+    raise RunFileError(path, reason)
+
+
+def check_batch(path: str | os.PathLike[str], batch: pa.RecordBatch, where: str) -> None:
+    """RunFileError naming ``path`` when ``batch``'s declared lengths do not fit its buffers (reads no value)."""
+    try:
+        batch.validate()
+    except pa.ArrowException as exc:
+        reason = str(exc).strip().splitlines()[0]
+        _fail(path, f"{where} declares more values than its buffers hold: the file is damaged ({reason})")
+
+
+def check_ids(path: str | os.PathLike[str], ids: pa.Table | pa.RecordBatch, vocab_size: int) -> None:
+    """RunFileError naming ``path`` when the id columns cannot be a run's (see the module docstring).
+
+    One pass over the id columns (and a sort of the row keys to find repeated ones).
+    """
+    for name in ("generation", "sequence", "step", "processor_error"):
+        column = ids.column(name)
+        if column.null_count:
+            _fail(path, f"column {name!r} holds {column.null_count} null(s); every row has one")
+    for name in ("generation", "sequence", "step"):
+        low = pc.min(ids.column(name)).as_py()
+        if low is not None and low < 0:
+            _fail(path, f"column {name!r} holds {low}; it must be >= 0")
+    chosen = pc.min_max(ids.column("chosen")).as_py()
+    if chosen["min"] is not None and (chosen["min"] < -1 or chosen["max"] >= max(vocab_size, 1)):
+        bad = chosen["min"] if chosen["min"] < -1 else chosen["max"]
+        _fail(
+            path,
+            f"column 'chosen' holds {bad}, outside the vocabulary [0, {vocab_size}) (null or -1: not known)",
+        )
+    if ids.num_rows < 2:
+        return
+    columns = [ids.column(n).to_numpy().astype(np.int64) for n in ("generation", "sequence", "step")]
+    order = np.lexsort(columns[::-1])
+    keys = np.stack([c[order] for c in columns], axis=1)
+    same = np.all(keys[1:] == keys[:-1], axis=1)
+    if same.any():
+        g, s, t = keys[int(np.argmax(same))].tolist()
+        _fail(
+            path,
+            f"generation {g}, sequence {s}, step {t} is recorded {int(same.sum()) + 1 if same.sum() == 1 else 'several'} "
+            "times (two files of one run id, or a copy of a run beside it?); keep one copy",
+        )
+
+
+def check_topk(path: str | os.PathLike[str], batches: list[pa.RecordBatch] | pa.Table, metadata: RunMetadata) -> None:
+    """RunFileError naming ``path`` when a stored top-k id is outside ``[0, vocab_size)`` (one pass over the
+    ``k``-wide id columns; nothing to do in full storage)."""
+    if metadata.storage != "topk":
+        return
+    for batch in batches.to_batches() if isinstance(batches, pa.Table) else batches:
+        for stage in metadata.stages:
+            name = f"{stage}_topk_ids"
+            if name not in batch.schema.names:
+                continue
+            bounds = pc.min_max(batch.column(name).flatten()).as_py()
+            if bounds["min"] is not None and (bounds["min"] < 0 or bounds["max"] >= metadata.vocab_size):
+                bad = bounds["min"] if bounds["min"] < 0 else bounds["max"]
+                _fail(path, f"column {name!r} holds token id {bad}, outside the vocabulary [0, {metadata.vocab_size})")
+
+
+class DamagedRowError(ValueError):
+    """A stored row whose values cannot be right (a run file crafted or damaged past what its checks at load
+    catch); the query that reads it raises this rather than answer."""
+
+
+def damaged_lse(values: np.ndarray, lse: np.ndarray) -> np.ndarray:
+    """``[t]`` bool: rows whose log-sum-exp is below their largest stored (finite) logit, or NaN where the
+    row holds a value: their probabilities would exceed 1. ``values`` ``[t, k]``, ``lse`` ``[t]``."""
+    with np.errstate(invalid="ignore"):
+        finite = np.where(np.isfinite(values), values, -np.inf)
+        top = finite.max(axis=1) if finite.shape[1] else np.full(len(lse), -np.inf)
+        stored = np.isfinite(top)
+        return stored & ~(lse >= top - LSE_TOLERANCE)
+
+
+def _floats(data: pa.RecordBatch | pa.Table, name: str) -> np.ndarray | None:
+    if name not in data.schema.names:
+        return None
+    return data.column(name).to_numpy(zero_copy_only=False).astype(np.float64)  # nulls as NaN
+
+
+def stats_damage(data: pa.RecordBatch | pa.Table, metadata: RunMetadata) -> str | None:
+    """What is impossible in the recorded statistics of ``data`` (None: nothing). Vectorised over the rows'
+    scalar columns only (never the values): a log-sum-exp that is NaN, or that its row's largest logit and
+    allowed count cannot give; an allowed count outside ``[0, vocab_size]``; an entropy outside
+    ``[0, log(allowed)]``; a probability outside ``[0, 1]``."""
+    for stage in metadata.stages:
+        lse = _floats(data, f"{stage}_lse")
+        if lse is None:
+            continue
+        recorded = data.column(f"{stage}_lse").is_valid().to_numpy(zero_copy_only=False)
+        allowed = _floats(data, f"{stage}_allowed")
+        top = _floats(data, f"{stage}_max")
+        entropy = _floats(data, f"{stage}_entropy")
+        with np.errstate(invalid="ignore", divide="ignore"):
+            finite = np.isfinite(lse)
+            tol = 1e-3 * np.maximum(1.0, np.abs(np.where(finite, lse, 0.0)))
+            if (recorded & np.isnan(lse)).any():
+                return f"column '{stage}_lse' is NaN in a recorded row (NaN logits are left out of it)"
+            if allowed is not None and (recorded & ~((allowed >= 0) & (allowed <= metadata.vocab_size))).any():
+                return f"column '{stage}_allowed' holds counts outside [0, {metadata.vocab_size}]"
+            room = np.log(np.maximum(allowed, 1)) if allowed is not None else np.inf
+            if top is not None:
+                bad = finite & ~((top <= lse + tol) & (lse <= top + room + tol))
+                if bad.any():
+                    return f"columns '{stage}_lse' and '{stage}_max' disagree (the log-sum-exp of a row lies in [max, max + log(allowed)])"
+            if entropy is not None and (finite & ~((entropy >= -tol) & (entropy <= room + tol))).any():
+                return f"column '{stage}_entropy' holds values outside [0, log(allowed)] (or NaN) for rows with a distribution"
+            for name in ("p_chosen", "p_eos", "removed_mass"):
+                p = _floats(data, f"{stage}_{name}")
+                if p is not None and ((p < -1e-6) | (p > 1 + 1e-6) | np.isinf(p)).any():
+                    return f"column '{stage}_{name}' holds probabilities outside [0, 1]"
+    return None
+
+
+def check_stats(path: str | os.PathLike[str], data: pa.RecordBatch | pa.Table, metadata: RunMetadata) -> None:
+    """RunFileError naming ``path`` when :func:`stats_damage` finds something impossible."""
+    reason = stats_damage(data, metadata)
+    if reason is not None:
+        _fail(path, reason)
