@@ -140,3 +140,31 @@ def test_no_module_over_500_lines():
         if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES
     }
     assert long == {}
+
+
+#: Inside the tracker, three groups import one way: recording -> reading -> format (DESIGN.md, "Layout").
+TRACKER_GROUPS = {
+    "tracker.recording": {"tracker.recording", "tracker.reading", "tracker.format"},
+    "tracker.reading": {"tracker.reading", "tracker.format"},
+    "tracker.format": {"tracker.format"},
+}
+
+
+def _group(name: str) -> str | None:
+    return next((g for g in TRACKER_GROUPS if name == g or name.startswith(g + ".")), None)
+
+
+def test_tracker_modules_sit_in_a_group():
+    loose = sorted(n for n in MODULES if n.startswith("tracker.") and _group(n) is None)
+    assert loose == []
+
+
+def test_tracker_groups_import_one_way():
+    wrong = sorted(
+        f"{name} imports {target}"
+        for name, targets in GRAPH.items()
+        if (group := _group(name))
+        for target in targets
+        if target.startswith("tracker.") and _group(target) not in TRACKER_GROUPS[group]
+    )
+    assert wrong == []
