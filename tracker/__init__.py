@@ -16,9 +16,7 @@ the recorder's torch.
 
 from __future__ import annotations
 
-import sys
-import types
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from processors.exports import lazy_exports
 
@@ -77,15 +75,3 @@ _HOMES = {
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)
 
-
-class _Package(types.ModuleType):
-    """The package's module type: ``tracker.compare`` stays the function once the submodule of that name
-    is imported (the import system then sets the package attribute to the submodule)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "compare" and isinstance(value, types.ModuleType):
-            value = value.compare
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
