@@ -74,4 +74,3 @@ _HOMES = {
 }
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)
-
