@@ -27,7 +27,7 @@ import mmap
 import sys
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,17 +94,22 @@ def prefault(owner: np.ndarray) -> None:
         flat[start : start + _TOUCH_PIECE : _PAGE] = 0
 
 
-_PREPARER: ThreadPoolExecutor | None = None
-_PREPARER_LOCK = threading.Lock()
+def background_thread(name: str) -> Callable[[], ThreadPoolExecutor]:
+    """A getter of one process-wide background thread called ``name``, started on its first use."""
+    started: list[ThreadPoolExecutor] = []
+    lock = threading.Lock()
+
+    def get() -> ThreadPoolExecutor:
+        with lock:
+            if not started:
+                started.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix=name))
+            return started[0]
+
+    return get
 
 
-def _preparer() -> ThreadPoolExecutor:
-    """The one background thread that touches buffers ahead of time (started on first use)."""
-    global _PREPARER
-    with _PREPARER_LOCK:
-        if _PREPARER is None:
-            _PREPARER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logitscope-prefault")
-        return _PREPARER
+#: The one background thread that touches buffers ahead of time.
+_preparer = background_thread("logitscope-prefault")
 
 
 def _malloc_trim() -> object:

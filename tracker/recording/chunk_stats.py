@@ -21,13 +21,13 @@ and the views it holds keep those buffers out of the pool until it is done.
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 import torch
 
+from tracker.recording.buffers import background_thread
 from tracker.recording.chunks import Chunk
 from tracker.recording.record_stats import chosen_stats, eos_on, row_stats
 
@@ -35,17 +35,8 @@ __all__ = ["ChunkStats"]
 
 _BLOCK_BYTES = 8 << 20  # rows per computation: about 8 MiB of float32 (bounded scratch memory)
 
-_WORKER: ThreadPoolExecutor | None = None
-_WORKER_LOCK = threading.Lock()
-
-
-def _worker() -> ThreadPoolExecutor:
-    """The one background thread that computes chunks' statistics (started on first use)."""
-    global _WORKER
-    with _WORKER_LOCK:
-        if _WORKER is None:
-            _WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logitscope-stats")
-        return _WORKER
+#: The one background thread that computes chunks' statistics.
+_worker = background_thread("logitscope-stats")
 
 
 class ChunkStats:
