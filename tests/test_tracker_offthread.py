@@ -11,20 +11,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from test_tracker_support import MaskThird
 
-from processors import LogitsProcessor
 from tracker import LogitTrackingProcessor
 from tracker.recording.buffers import BufferPool
 from tracker.recording.recorder import Recorder, Storage
 
 CPU = torch.device("cpu")
-
-
-class MaskThird(LogitsProcessor):
-    def process(self, logits, ctx):
-        out = logits.clone()
-        out[:, ::3] = float("-inf")
-        return out
 
 
 def record(statistics: str, seed: int, steps: int = 60, batch: int = 2, vocab: int = 3000) -> LogitTrackingProcessor:

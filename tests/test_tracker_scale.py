@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_tracker_support import json_from_a_fresh_process
+from test_tracker_support import MaskThird, json_from_a_fresh_process
 
 from processors import LogitsProcessor
 from sampling import Generator, SamplingParams
@@ -23,15 +23,6 @@ from tracker.format.spill import remove_stale_spill_folders, temporary_spill_fol
 from tracker.recording.recorder import Recorder, SpillWarning, Storage
 
 CPU = torch.device("cpu")
-
-
-class MaskThird(LogitsProcessor):
-    """Masks every third token (a new tensor, like most processors)."""
-
-    def process(self, logits, ctx):
-        out = logits.clone()
-        out[:, ::3] = float("-inf")
-        return out
 
 
 def fill(recorder: Recorder, steps: int, batch: int, vocab: int, seed: int = 0) -> None:

@@ -11,6 +11,8 @@ import functools
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
+from processors import LogitsProcessor
+
 CORPUS = [
     "the cat sat on the mat with a catfish and a cathedral",
     'héllo wörld ☃ 12345 {"name": "Ada", "age": 36}',
@@ -53,6 +55,15 @@ def random_gpt2(vocab_size: int, seed: int = 0, init: float = 0.5) -> GPT2LMHead
         pad_token_id=0,
     )
     return GPT2LMHeadModel(config).eval()
+
+
+class MaskThird(LogitsProcessor):
+    """Masks every third token (a new tensor, like most processors)."""
+
+    def process(self, logits, ctx):
+        out = logits.clone()
+        out[:, ::3] = float("-inf")
+        return out
 
 
 class FailsOnThirdCall:
