@@ -13,9 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_tracker_support import json_from_a_fresh_process
+from test_tracker_support import MaskThird, json_from_a_fresh_process
 
-from processors import LogitsProcessor
 from tracker import LogitTrackingProcessor
 from tracker.recording.buffers import BufferPool
 from tracker.recording.recorder import Recorder, SpillWarning, Storage
@@ -54,13 +53,6 @@ def test_a_bound_smaller_than_a_chunk_holds_with_chunks_on_their_way_and_every_r
     logits = np.concatenate([b.column("natural_logits").flatten().to_numpy() for b in batches])
     np.testing.assert_array_equal(steps_read, np.repeat(np.arange(steps), batch))
     np.testing.assert_array_equal(logits.reshape(steps, batch, vocab), fed.numpy())
-
-
-class MaskThird(LogitsProcessor):
-    def process(self, logits, ctx):
-        out = logits.clone()
-        out[:, ::3] = float("-inf")
-        return out
 
 
 def anon_bytes() -> int:

@@ -11,18 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_tracker_support import json_from_a_fresh_process
+from test_tracker_support import MaskThird, json_from_a_fresh_process
 
-from processors import LogitsProcessor
 from tracker import LogitTrackingProcessor
 from tracker.recording.recorder import SpillWarning
-
-
-class MaskThird(LogitsProcessor):
-    def process(self, logits, ctx):
-        out = logits.clone()
-        out[:, ::3] = float("-inf")
-        return out
 
 
 def record(folder: str | None, steps: int, vocab: int, bound: int | None, seed: int = 0) -> LogitTrackingProcessor:
