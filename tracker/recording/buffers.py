@@ -87,11 +87,67 @@ def prefault(owner: np.ndarray) -> None:
     the strided writes, and the pieces keep each page-table lock short, so a
     decode thread allocating meanwhile is not held up (measured: the median
     of a 20 us loop on the other thread did not move while 256 MiB were
-    touched).
+    touched). It writes, so nothing may use the buffer until it is done
+    (:func:`populate` has no such limit, where the kernel has it).
     """
     flat = owner.reshape(-1).view(np.uint8)
     for start in range(0, flat.shape[0], _TOUCH_PIECE):
         flat[start : start + _TOUCH_PIECE : _PAGE] = 0
+
+
+def _libc_madvise() -> Any:
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (AttributeError, OSError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14 and later: fault pages in writable without changing what they hold
+_MADVISE = _libc_madvise() if sys.platform.startswith("linux") else None
+_POPULATES: list[bool] = []  # whether this kernel takes MADV_POPULATE_WRITE (found on first use)
+
+
+def populates() -> bool:
+    """Whether :func:`populate` works here (Linux 5.14 or later, glibc or musl): checked once on a one-page map."""
+    if not _POPULATES:
+        ok = False
+        if _MADVISE is not None and getattr(mmap, "MAP_ANONYMOUS", None) is not None:
+            probe = mmap.mmap(-1, _PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            view = np.frombuffer(probe, dtype=np.uint8)
+            ok = _MADVISE(view.ctypes.data, _PAGE, _MADV_POPULATE_WRITE) == 0
+            del view
+            probe.close()
+        _POPULATES.append(ok)
+    return _POPULATES[0]
+
+
+def populate(keep: object, address: int, nbytes: int) -> None:
+    """Fault in the pages of ``nbytes`` at ``address`` (a mapping ``keep`` holds alive meanwhile), 1 MiB per call.
+
+    ``MADV_POPULATE_WRITE`` changes no byte, so the buffer may be written
+    meanwhile: a decode thread that reaches a page first faults it in itself,
+    and otherwise finds it resident. ctypes releases the interpreter lock for
+    each call. A failing call (memory pressure) leaves the rest to be faulted
+    in when written.
+    """
+    for start in range(0, nbytes, _TOUCH_PIECE):
+        if _MADVISE(address + start, min(_TOUCH_PIECE, nbytes - start), _MADV_POPULATE_WRITE) != 0:
+            return
+
+
+def _fresh(nbytes: int) -> np.ndarray:
+    """``nbytes`` of fresh memory for the calling thread to use at once: where the kernel can populate a
+    mapping while it is written (:func:`populate`), mapped now and populated on the background thread,
+    else with every page populated in the mapping call (:func:`_allocate`)."""
+    if nbytes < _MAP_MIN or not populates():
+        return _allocate(nbytes)
+    owner = _allocate(nbytes, populate=False)
+    if isinstance(owner.base, memoryview):  # an anonymous mapping (the heap's arrays are faulted in as used)
+        _preparer().submit(populate, owner.base, owner.ctypes.data, nbytes)
+    return owner
 
 
 def background_thread(name: str) -> Callable[[], ThreadPoolExecutor]:
@@ -201,17 +257,22 @@ class BufferPool:
                 if buf.nbytes == nbytes and buf.unreferenced():
                     return self.free.pop(i)
             self.allocated_bytes += nbytes
-        return HostBuffer(_allocate(nbytes), nbytes)
+        return HostBuffer(_fresh(nbytes), nbytes)
 
     def prepare(self, sizes: Sequence[int]) -> Future[list[HostBuffer]] | None:
         """Have buffers of ``sizes`` ready in the pool soon, touched off the calling thread.
 
         Sizes the pool already holds free (and unviewed) buffers of are not
-        made again; the others are mapped and their pages touched on a
-        background thread (:func:`prefault`), then given to the pool. Returns
-        the future of the new buffers (None when none were needed): wait for
-        it before :meth:`take`-ing those sizes, so they are not made twice.
-        The decode thread calls this once per chunk; it does not wait.
+        made again. Where the kernel can populate a mapping while it is in
+        use (:func:`populates`), the others are mapped at once, given to the
+        pool, and their pages faulted in on a background thread
+        (:func:`populate`): a chunk that needs them before that is done takes
+        them anyway and faults the rest in itself, never waiting. Elsewhere
+        they are mapped and touched on the background thread
+        (:func:`prefault`), then given to the pool. Returns the future of the
+        new buffers (None when none were needed): wait for it before
+        :meth:`take`-ing those sizes, so they are not made twice. The decode
+        thread calls this once per chunk; it does not wait.
         """
         with self.lock:
             have = Counter(b.nbytes for b in self.free if b.unreferenced())
@@ -225,7 +286,16 @@ class BufferPool:
             return None
         with self.lock:
             self.allocated_bytes += sum(need)  # counted when asked for, so a reader sees it at once
-        return _preparer().submit(self._make_touched, need)
+        mapped = [size for size in need if size >= _MAP_MIN] if populates() else []
+        ready = [HostBuffer(_fresh(size), size) for size in mapped]  # usable at once, populated off this thread
+        for buf in ready:
+            self.give(buf)
+        rest = list((Counter(need) - Counter(mapped)).elements())  # heap buffers: touched before they are given
+        if not rest:
+            done: Future[list[HostBuffer]] = Future()
+            done.set_result(ready)
+            return done
+        return _preparer().submit(lambda: ready + self._make_touched(rest))
 
     def _make_touched(self, sizes: list[int]) -> list[HostBuffer]:
         bufs = []
