@@ -167,3 +167,26 @@ def test_the_decode_thread_does_not_fault_in_the_pages_of_later_chunks():
     table = pa.Table.from_batches(recorder.batches())
     got = matrix(table, "natural_logits", vocab)
     np.testing.assert_array_equal(got[1:], torch.cat([rows_fed[t % 4] for t in range(1, steps)]).numpy())
+
+
+@pytest.mark.parametrize("kernel_populates", [True, False])
+def test_fresh_buffers_written_while_their_pages_are_populated_keep_every_value(monkeypatch, kernel_populates):
+    """A new buffer is handed out while the background thread still faults its pages in (where the kernel
+    can do that without changing them): what the recording thread writes meanwhile must all stay. Where it
+    cannot, buffers are touched before they are given out, with the same result."""
+    from tracker.recording import buffers
+
+    if kernel_populates and not buffers.populates():
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    monkeypatch.setattr(buffers, "_POPULATES", [kernel_populates])
+    pool = BufferPool()
+    rng = np.random.default_rng()
+    sizes = [8 << 20, 4 << 20, 1 << 20, 3 << 18]  # mapped ones, and one from the heap
+    pool.prepare(sizes).result()
+    for size in sizes + [16 << 20]:  # the prepared ones, then a fresh one made on the spot
+        buf = pool.take(size)
+        values = rng.standard_normal(size // 4).astype(np.float32)
+        view = buf.tensor((size // 4,), torch.float32)
+        view.copy_(torch.from_numpy(values))  # at once: the background thread may still be populating
+        buffers._preparer().submit(lambda: None).result()  # the population queued so far is done
+        np.testing.assert_array_equal(view.numpy(), values)
