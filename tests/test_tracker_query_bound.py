@@ -11,35 +11,19 @@ import functools
 import math
 import os
 import platform
-import warnings
+import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
-import torch
-from test_tracker_support import MaskThird, json_from_a_fresh_process
+from test_tracker_support import json_from_a_fresh_process
 
-from tracker import LogitTrackingProcessor, Run, compare
-from tracker.recording.recorder import SpillWarning
+from tracker import Run, compare
 
-
-def record(
-    folder: str | None, steps: int, vocab: int, bound: int | None, seed: int = 0, statistics: str = "auto"
-) -> LogitTrackingProcessor:
-    gen = torch.Generator().manual_seed(seed)
-    tracker = LogitTrackingProcessor(
-        MaskThird(), storage="float32", memory_limit=bound, spill_dir=folder, statistics=statistics
-    )
-    ids = torch.ones(1, 4, dtype=torch.long)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", SpillWarning)
-        for _ in range(steps):
-            out = tracker(ids, torch.randn(1, vocab, generator=gen) * 3)
-            ids = torch.cat([ids, torch.multinomial(torch.softmax(out, 1), 1, generator=gen)], 1)
-        tracker.finish(ids)
-        tracker.recorder.flush()
-    return tracker
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench_query_memory import peak_growth  # noqa: E402
+from bench_query_memory import record_spilled_run as record  # noqa: E402
 
 
 @pytest.mark.parametrize("spill", [False, True])
@@ -122,11 +106,6 @@ def one_position_queries_on_a_spill(folder: str) -> dict[str, object]:
     query about one position of a spilled chunk (a chunk of its own, so no query finds pages another read);
     return the bound, the chunk size and, per query, how much the process's peak resident memory (heap and
     mapped file pages) rose above what it held before the query."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from bench_query_memory import peak_growth
-
     from dashboard.reader import RunReader
 
     bound = 16 << 20
