@@ -95,6 +95,10 @@ def test_every_query_about_one_position_answers_as_on_the_whole_run(tmp_path, sp
             for stage, key in (("natural", "unstructured"), ("constrained", "structured")):
                 want = softmax64(logits[key][position])[t]
                 assert math.isclose(answer.probabilities[stage], want, rel_tol=1e-5, abs_tol=1e-12)
+    for nothing in ([], 999):  # no position recorded: no rows, the same columns
+        assert list(fresh(run).stats(positions=nothing).columns) == list(stats.columns)
+        assert fresh(run).to_dataframe(min_value=0.01, positions=nothing).empty
+        assert compare(fresh(run), fresh(run), positions=nothing).steps.empty
     with pytest.raises(ValueError, match="positions"):
         run.stats(positions=-1)
     with pytest.raises(TypeError, match="positions"):

@@ -420,8 +420,8 @@ class Analysis(Passes):
             self.stages,
             lambda start, b: metrics.step_metrics(b, sel.chosen[start : start + b["natural"].rows], eos),
         )
-        if not parts:
-            return {}
+        if not parts:  # no rows (positions= named none that was recorded): every column, empty
+            return self._stats_recorded(sel)
         return self._order_stats({name: np.concatenate([p[name] for p in parts]) for name in parts[0]})
 
     def _stats_recorded(self, sel: Selection) -> dict[str, np.ndarray]:
