@@ -39,10 +39,16 @@ VOCAB = 32768
 
 
 def record_spilled_run(
-    folder: str, steps: int = 800, vocab: int = VOCAB, bound: int = BOUND, seed: int = 0, statistics: str = "auto"
+    folder: str,
+    steps: int = 800,
+    vocab: int = VOCAB,
+    bound: int | None = BOUND,
+    seed: int = 0,
+    statistics: str = "auto",
+    storage: str = "float32",
 ) -> Any:
-    """A tracker that recorded ``steps`` steps of random float32 logits (half the vocabulary masked) under a
-    ``bound``-byte memory limit, its chunks spilled under ``folder``; returns the tracker (every chunk on disk).
+    """A tracker that recorded ``steps`` steps of random logits (half the vocabulary masked) in ``storage`` under
+    a ``bound``-byte memory limit, its chunks spilled under ``folder``; returns the tracker (every chunk on disk).
     ``statistics``: as the tracker takes it (``"read"``: no statistics columns, queries sum the rows up)."""
     import torch
 
@@ -51,7 +57,7 @@ def record_spilled_run(
 
     gen = torch.Generator().manual_seed(seed)
     tracker = LogitTrackingProcessor(
-        HalfMask(vocab), storage="float32", memory_limit=bound, spill_dir=folder, statistics=statistics
+        HalfMask(vocab), storage=storage, memory_limit=bound, spill_dir=folder, statistics=statistics
     )
     ids = torch.ones(1, 4, dtype=torch.long)
     with warnings.catch_warnings():
