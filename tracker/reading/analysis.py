@@ -12,7 +12,7 @@ is free. Selectors as in :mod:`tracker.reading.selection`.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -172,11 +172,8 @@ class Analysis(Passes):
         sel = self._select(generation, sequence, include_finished)
         texts = self._texts(sel)
         where = {int(s): i for i, s in enumerate(sel.steps.tolist())}
-        wanted = self._positions(positions, sel)
-        picked = sorted({where[p] for p in wanted if p in where})
-        # a few positions: only their rows are read (on a spilled run, only their chunks mapped in)
-        part = sel if positions is None or len(picked) == sel.length else sel.subset(np.array(picked, np.int64))
-        at = None if part is sel else {i: j for j, i in enumerate(picked)}
+        part, wanted = self._at(sel, positions)  # a few positions: only their rows (and chunks) are read
+        at = {int(s): j for j, s in enumerate(part.steps.tolist())}
         top = self._top(part, k, stage)
         display = self.vocab.display
         ids_all, counts = top["ids"].tolist(), top["count"].tolist()
@@ -190,7 +187,7 @@ class Analysis(Passes):
             whole = where.get(pos)
             if whole is None:
                 continue
-            i = whole if at is None else at[whole]
+            i = at[pos]
             n, mine = counts[i], chosen[i]
             if include_logits:
                 tokens = [
@@ -220,17 +217,6 @@ class Analysis(Passes):
             )
         return results
 
-    @staticmethod
-    def _positions(positions: int | Sequence[int] | None, sel: Selection) -> list[int]:
-        if positions is None:
-            return [int(s) for s in sel.steps.tolist()]
-        try:
-            return [index_arg("positions", positions)]  # an int, numpy or 0-d tensor integer
-        except TypeError:
-            if isinstance(positions, (str, bytes, bool, np.bool_)) or not isinstance(positions, Iterable):
-                raise TypeError(f"positions must be None, an int or a list of ints, got {positions!r}") from None
-        return [index_arg(f"positions[{i}]", p) for i, p in enumerate(positions)]
-
     def to_dataframe(
         self,
         show: Literal["probs", "logits"] = "probs",
@@ -241,6 +227,7 @@ class Analysis(Passes):
         include_finished: bool = False,
         token_ids: bool = False,
         stage: str | None = None,
+        positions: int | Sequence[int] | None = None,
     ) -> pd.DataFrame:
         """One row per (position, token) with columns ``position, token, natural, constrained, chosen``.
 
@@ -250,7 +237,8 @@ class Analysis(Passes):
         ``chosen`` compares token ids. ``sequence=None`` takes every sequence
         of the generation and adds a ``sequence`` column; ``token_ids=True``
         adds a ``token_id`` column. ``stage`` names the stage in the
-        ``constrained`` column (default ``constrained``; e.g. ``"after:regex"``).
+        ``constrained`` column (default ``constrained``; e.g. ``"after:regex"``). ``positions`` (an int or a
+        list) keeps those positions only, in step order, and reads only their rows.
         """
         if show not in ("probs", "logits"):
             raise ValueError(f"show must be 'probs' or 'logits', got {show!r}")
@@ -267,12 +255,13 @@ class Analysis(Passes):
                     include_finished=include_finished,
                     token_ids=token_ids,
                     stage=stage,
+                    positions=positions,
                 ).assign(sequence=s)
                 for s in self.sequences(generation)
             ]
             frame = pd.concat(frames, ignore_index=True)
             return frame[["sequence"] + [c for c in frame.columns if c != "sequence"]]
-        sel = self._select(generation, sequence, include_finished)
+        sel, _ = self._at(self._select(generation, sequence, include_finished), positions)
         con_stage = self._constrained_stage(stage)
         key = ("frame", show, min_value, sel.generation, sel.sequence, sel.length, sel.part, con_stage)
         rows, ids, nat, con = self._cached(key, lambda: self._entries(sel, show, min_value, con_stage))
@@ -369,7 +358,14 @@ class Analysis(Passes):
             out["structured"] = out["unstructured"]
         return out
 
-    def stats(self, *, sequence: int | None = 0, generation: int = -1, include_finished: bool = False) -> pd.DataFrame:
+    def stats(
+        self,
+        *,
+        sequence: int | None = 0,
+        generation: int = -1,
+        include_finished: bool = False,
+        positions: int | Sequence[int] | None = None,
+    ) -> pd.DataFrame:
         """One row per step: how the constraint and the sampler changed the distribution.
 
         Columns: ``generation, sequence, position, chosen_id, chosen_token``;
@@ -385,15 +381,16 @@ class Analysis(Passes):
         whole row when it was recorded, so they are exact in every storage
         mode (runs written before schema 1.1 compute them from the stored
         rows; in top-k storage what those cannot tell is NaN).
-        ``sequence=None`` gives every sequence.
+        ``sequence=None`` gives every sequence. ``positions`` (an int or a list) keeps those steps only, in
+        step order, and reads only their rows.
         """
         if sequence is None:
             frames = [
-                self.stats(sequence=s, generation=generation, include_finished=include_finished)
+                self.stats(sequence=s, generation=generation, include_finished=include_finished, positions=positions)
                 for s in self.sequences(generation)
             ]
             return pd.concat(frames, ignore_index=True)
-        sel = self._select(generation, sequence, include_finished)
+        sel, _ = self._at(self._select(generation, sequence, include_finished), positions)
         values = self._cached(("stats", sel.generation, sel.sequence, sel.length, sel.part), lambda: self._stats(sel))
         frame = pd.DataFrame(
             {
@@ -423,8 +420,8 @@ class Analysis(Passes):
             self.stages,
             lambda start, b: metrics.step_metrics(b, sel.chosen[start : start + b["natural"].rows], eos),
         )
-        if not parts:
-            return {}
+        if not parts:  # no rows (positions= named none that was recorded): every column, empty
+            return self._stats_recorded(sel)
         return self._order_stats({name: np.concatenate([p[name] for p in parts]) for name in parts[0]})
 
     def _stats_recorded(self, sel: Selection) -> dict[str, np.ndarray]:
@@ -453,24 +450,32 @@ class Analysis(Passes):
         order += ["allowed", "removed_mass", "margin"]
         return {name: values[name] for name in order if name in values}
 
+    def _arrays_at(self, sel: Selection, index: np.ndarray, probs: bool) -> dict[str, np.ndarray]:
+        """:meth:`get_probabilities` (``probs``) or :meth:`get_logits` at rows ``index`` (ascending) of ``sel``:
+        the same values, read from those rows' batches alone (taken from the whole arrays when cached)."""
+        name = "probs" if probs else "logits"
+        arrays = self._cache().get((name, sel.generation, sel.sequence, sel.length, sel.part))
+        if arrays is not None:
+            return {stage: values[index] for stage, values in arrays.items()}
+        part = sel.subset(index)
+        return self._cached(
+            (name, part.generation, part.sequence, part.length, part.part), lambda: self._arrays(part, probs)
+        )
+
     def _probability_row(self, sel: Selection, i: int) -> dict[str, np.ndarray]:
-        """One position's probabilities per stage (keys as :meth:`get_probabilities`), read from its row alone."""
+        """One position's float64 probabilities per stage (keys as :meth:`get_probabilities`), read from its
+        row alone (on a spilled run, its chunk alone)."""
         out: dict[str, np.ndarray] = {}
-        batches = self._record_batches()
-        offset = 0
-        for b, rows in sel.blocks:  # noqa: B007 (the block found is used after the loop)
-            if i < offset + rows.size:
-                break
-            offset += rows.size
-        row = rows[i - offset : i - offset + 1]
+        part = sel.subset(np.array([i]))
+        ((b, row),) = part.blocks
         for stage in self.stages:
-            facts = self._scan(stage, sel)
+            facts = self._scan(stage, part)
             if self._full:
-                values, valid = full_rows(batches[b], stage, row, self.metadata.vocab_size)
-                values = read_as_recorded(values, facts["nonfinite"][i : i + 1], valid)[0]
+                values, valid = full_rows(self._record_batches()[b], stage, row, self.metadata.vocab_size)
+                values = read_as_recorded(values, facts["nonfinite"], valid)[0]
             else:
-                values = self._topk(stage, sel).dense(self.metadata.vocab_size)[i]
-            out[_KEYS.get(stage, stage)] = probabilities(values.astype(np.float64), float(facts["lse"][i]))
+                values = self._topk(stage, part).dense(self.metadata.vocab_size)[0]
+            out[_KEYS.get(stage, stage)] = probabilities(values.astype(np.float64), float(facts["lse"][0]))
         if "structured" not in out:
             out["structured"] = out["unstructured"]
         return out

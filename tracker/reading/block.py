@@ -152,8 +152,11 @@ def topk_columns(batches: list[pa.RecordBatch], blocks: tuple[tuple[int, np.ndar
     """The top-k storage of a stage over selected rows (``(batch, rows)`` pairs) as a :class:`Block`.
 
     A ``+inf`` row is a one-hot on its ``+inf`` tokens: 0 there, ``-inf``
-    elsewhere, log-sum-exp the log of their count. A null row is NaN.
+    elsewhere, log-sum-exp the log of their count. A null row is NaN. No rows: an empty block.
     """
+    if not blocks:
+        empty = np.zeros((0, 0), np.float32)
+        return Block(empty, np.zeros(0, np.float32), np.zeros((0, 0), np.int64), np.zeros(0))
     parts: dict[str, list[np.ndarray]] = {}
     for b, rows in blocks:
         batch = batches[b]

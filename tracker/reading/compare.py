@@ -43,7 +43,7 @@ import pandas as pd
 
 from tracker.format.stages import resolve_stage
 from tracker.reading.display import token_label
-from tracker.reading.selection import count_arg
+from tracker.reading.selection import count_arg, positions_arg
 
 __all__ = ["Comparison", "compare", "distances"]
 
@@ -262,14 +262,23 @@ def _pick_stages(run_a: Any, run_b: Any, stages: Sequence[str] | None) -> list[t
     return picked
 
 
+def _values(run: Any, sel: Any, index: np.ndarray | None, probs: bool, options: dict[str, Any]) -> dict[str, Any]:
+    """``get_probabilities`` (``probs``) or ``get_logits`` of a sequence, or (``index``: ascending rows of its
+    selection ``sel``) of those rows alone, read from their batches alone."""
+    if index is None:
+        return (run.get_probabilities if probs else run.get_logits)(**options)
+    return run._arrays_at(sel, index, probs)
+
+
 def _unseen_rows(
-    run: Any, stage: str, sel: Any, sequence: int, generation: int, include_finished: bool, n: int
+    run: Any, stage: str, sel: Any, index: np.ndarray | None, options: dict[str, Any], n: int
 ) -> tuple[np.ndarray, np.ndarray] | None:
-    """:func:`_unseen` of the first ``n`` rows of a sequence (None when the run keeps whole rows)."""
+    """:func:`_unseen` of the first ``n`` rows of a sequence, or of its rows ``index`` (None when the run keeps
+    whole rows)."""
     if getattr(run.metadata, "storage", None) != "topk" or not hasattr(run, "get_logits"):
         return None
-    logits = run.get_logits(sequence=sequence, generation=generation, include_finished=include_finished)
-    return _unseen(run, stage, logits[_KEYS.get(stage, stage)][:n], sel)
+    logits = _values(run, sel, index, False, options)[_KEYS.get(stage, stage)][:n]
+    return _unseen(run, stage, logits, sel if index is None else sel.subset(index))
 
 
 def compare(
@@ -283,6 +292,7 @@ def compare(
     stages: Sequence[str] | None = None,
     top: int = 5,
     include_finished: bool = False,
+    positions: int | Sequence[int] | None = None,
 ) -> Comparison:
     """Compare a sequence of ``run_a`` with one of ``run_b`` (the same run, another generation, another run;
     a tracker stands for the run it recorded).
@@ -290,7 +300,8 @@ def compare(
     ``generation_b``/``sequence_b`` default to A's. ``stages`` picks stages
     both runs recorded, by name or alias (default: all they share). Runs of
     different storage modes can be compared (see the module docstring on
-    top-k storage).
+    top-k storage). ``positions`` (an int or a list of steps) compares those steps only, reading only their
+    rows; ``divergence`` and the lengths still speak of the whole sequences.
     """
     top = count_arg("top", top)
     run_a, run_b = _as_run(run_a, "run_a"), _as_run(run_b, "run_b")
@@ -307,24 +318,30 @@ def compare(
     sel_b = run_b._select(generation_b, sequence_b, include_finished)
     chosen_a, chosen_b = sel_a.chosen, sel_b.chosen
     n = min(sel_a.length, sel_b.length)
+    steps, index = np.arange(n, dtype=np.int64), None
+    if positions is not None:  # those steps alone: only their rows are read
+        index = steps = np.array(sorted({p for p in positions_arg(positions, steps) if p < n}), dtype=np.int64)
+        n = steps.size
     display_a, display_b = run_a.vocab.display, run_b.vocab.display
     frame: dict[str, Any] = {
-        "step": np.arange(n, dtype=np.int64),
-        "chosen_a": chosen_a[:n],
-        "chosen_b": chosen_b[:n],
-        "token_a": [display_a[c] if c >= 0 else None for c in chosen_a[:n].tolist()],
-        "token_b": [display_b[c] if c >= 0 else None for c in chosen_b[:n].tolist()],
-        "same": chosen_a[:n] == chosen_b[:n],
+        "step": steps,
+        "chosen_a": chosen_a[steps],
+        "chosen_b": chosen_b[steps],
+        "token_a": [display_a[c] if c >= 0 else None for c in chosen_a[steps].tolist()],
+        "token_b": [display_b[c] if c >= 0 else None for c in chosen_b[steps].tolist()],
+        "same": chosen_a[steps] == chosen_b[steps],
     }
-    probs_a = run_a.get_probabilities(sequence=sequence_a, generation=generation_a, include_finished=include_finished)
-    probs_b = run_b.get_probabilities(sequence=sequence_b, generation=generation_b, include_finished=include_finished)
+    options_a = {"sequence": sequence_a, "generation": generation_a, "include_finished": include_finished}
+    options_b = {"sequence": sequence_b, "generation": generation_b, "include_finished": include_finished}
+    probs_a = _values(run_a, sel_a, index, True, options_a)
+    probs_b = _values(run_b, sel_b, index, True, options_b)
     token_parts: list[pd.DataFrame] = []
     exact = True
     block = max(1, _BLOCK_ELEMENTS // max(1, va))
     for stage, stage_a, stage_b in picked:
         pa_, pb_ = probs_a[_KEYS.get(stage_a, stage_a)][:n], probs_b[_KEYS.get(stage_b, stage_b)][:n]
-        unseen_a = _unseen_rows(run_a, stage_a, sel_a, sequence_a, generation_a, include_finished, n)
-        unseen_b = _unseen_rows(run_b, stage_b, sel_b, sequence_b, generation_b, include_finished, n)
+        unseen_a = _unseen_rows(run_a, stage_a, sel_a, index, options_a, n)
+        unseen_b = _unseen_rows(run_b, stage_b, sel_b, index, options_b, n)
         parts: list[tuple[np.ndarray, ...]] = []
         for a in range(0, n, block):
             span = slice(a, a + block)
@@ -337,7 +354,7 @@ def compare(
             token_parts.append(
                 pd.DataFrame(
                     {
-                        "step": rows.astype(np.int64),
+                        "step": steps[rows],
                         "stage": stage,
                         "token_id": ids.astype(np.int64),
                         "token": [display_a[i] for i in ids.tolist()],

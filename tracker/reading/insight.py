@@ -9,6 +9,7 @@ call into the module that does the work (:mod:`tracker.reading.why`,
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -28,7 +29,14 @@ class Insight:
 
     # ---------------------------------------------------------------- stats with surprisal and per-processor mass
 
-    def stats(self, *, sequence: int | None = 0, generation: int = -1, include_finished: bool = False) -> pd.DataFrame:
+    def stats(
+        self,
+        *,
+        sequence: int | None = 0,
+        generation: int = -1,
+        include_finished: bool = False,
+        positions: int | Sequence[int] | None = None,
+    ) -> pd.DataFrame:
         """Per-step statistics (see :meth:`tracker.reading.analysis.Analysis.stats`), plus:
 
         ``surprisal_{stage}`` (``-log p_chosen``, nats) for every stage and,
@@ -37,19 +45,17 @@ class Insight:
         let back), from the statistics recorded with the rows where the run
         has them (exact in every storage mode), else from the stored rows.
         """
+        options = {"generation": generation, "include_finished": include_finished, "positions": positions}
         if sequence is None:
-            frames = [
-                self.stats(sequence=s, generation=generation, include_finished=include_finished)
-                for s in self.sequences(generation)
-            ]  # type: ignore[attr-defined]
+            frames = [self.stats(sequence=s, **options) for s in self.sequences(generation)]  # type: ignore[attr-defined]
             return pd.concat(frames, ignore_index=True)
-        frame = super().stats(sequence=sequence, generation=generation, include_finished=include_finished)  # type: ignore[misc]
+        frame = super().stats(sequence=sequence, **options)  # type: ignore[misc]
         for stage in self.stages:  # type: ignore[attr-defined]
             with np.errstate(divide="ignore"):
                 # 0 - log p, not -log p: a certain token's surprisal is 0.0, never -0.0
                 frame[f"surprisal_{stage}"] = 0.0 - np.log(frame[f"p_chosen_{stage}"].to_numpy(dtype=np.float64))
         if self.metadata.stage_aliases:  # type: ignore[attr-defined]
-            sel = self._select(generation, sequence, include_finished)  # type: ignore[attr-defined]
+            sel, _ = self._at(self._select(generation, sequence, include_finished), positions)  # type: ignore[attr-defined]
             removed = self._cached(
                 ("removed_by", sel.generation, sel.sequence, sel.length, sel.part),  # type: ignore[attr-defined]
                 lambda: self._removed_by_processor(sel),

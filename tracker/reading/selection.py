@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +24,7 @@ from tracker.format.schema import RunMetadata
 if TYPE_CHECKING:
     from processors.vocab import Vocabulary
 
-__all__ = ["Selection", "Selecting", "sequence_end", "index_arg", "count_arg"]
+__all__ = ["Selection", "Selecting", "sequence_end", "index_arg", "count_arg", "positions_arg"]
 
 
 def index_arg(name: str, value: Any) -> int:
@@ -54,6 +54,19 @@ def count_arg(name: str, value: Any, minimum: int = 1, context: str = "") -> int
     if count is None or count < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}{context}, got {value!r}")
     return count
+
+
+def positions_arg(positions: Any, steps: np.ndarray) -> list[int]:
+    """The positions a query asks about, in the order asked: ``steps`` (every recorded one) for None, else an int
+    or a list of ints (each >= 0); TypeError or ValueError naming the argument and the value."""
+    if positions is None:
+        return [int(s) for s in steps.tolist()]
+    try:
+        return [index_arg("positions", positions)]  # an int, numpy or 0-d tensor integer
+    except TypeError:
+        if isinstance(positions, (str, bytes, bool, np.bool_)) or not isinstance(positions, Iterable):
+            raise TypeError(f"positions must be None, an int or a list of ints, got {positions!r}") from None
+    return [index_arg(f"positions[{i}]", p) for i, p in enumerate(positions)]
 
 
 def sequence_end(steps: np.ndarray, chosen: np.ndarray, metadata: RunMetadata, generation: int, sequence: int) -> int:
@@ -203,6 +216,21 @@ class Selecting:
             return Selection(g, int(sequence), index["step"][rows], chosen, index["error"][rows], tuple(blocks))
 
         return self._cached(key, build)
+
+    def _at(self, sel: Selection, positions: int | Sequence[int] | None) -> tuple[Selection, list[int]]:
+        """``(rows, wanted)``: the rows of ``sel`` at ``positions`` in step order (positions not recorded left
+        out) and the positions asked for, in the order asked (see :func:`positions_arg`).
+
+        Every position (None, or all of them): ``sel`` itself. A few: :meth:`Selection.subset`, so that the
+        query reads only the batches holding them (on a spilled run, maps in only their chunks) and caches
+        its answer apart from the whole selection's.
+        """
+        wanted = positions_arg(positions, sel.steps)
+        if positions is None:
+            return sel, wanted
+        where = {int(s): i for i, s in enumerate(sel.steps.tolist())}
+        picked = sorted({where[p] for p in wanted if p in where})
+        return (sel if len(picked) == sel.length else sel.subset(np.array(picked, np.int64))), wanted
 
     def _has(self, stage: str) -> bool:
         return stage in self.metadata.stages

@@ -7,7 +7,6 @@ pandas only.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -40,9 +39,12 @@ def locate(run: Any, position: int, *, sequence: int = 0, generation: int = -1, 
     raise ValueError(f"position={position} was not recorded; recorded positions are {shown}")
 
 
-def _rows(arrays: dict[str, np.ndarray], stages: Sequence[str], i: int) -> dict[str, np.ndarray]:
+def _rows(run: Any, sel: Any, i: int, probs: bool) -> dict[str, np.ndarray]:
+    """Every stage's probabilities (``probs``) or logits at row ``i`` of ``sel``, float64 ``[V]``: the values of
+    ``get_probabilities``/``get_logits`` there, read from that row alone."""
     keys = {"natural": "unstructured", "constrained": "structured"}
-    return {s: np.asarray(arrays[keys.get(s, s)][i], dtype=np.float64) for s in stages}
+    arrays = run._arrays_at(sel, np.array([i]), probs)
+    return {s: np.asarray(arrays[keys.get(s, s)][0], dtype=np.float64) for s in run.metadata.stages}
 
 
 def step_probabilities(
@@ -51,8 +53,7 @@ def step_probabilities(
     """Every stage's probabilities at one step (float64 ``[V]``, NaN where top-k storage kept none),
     the chosen token (-1 when unknown) and the step's index in the sequence (see :func:`locate`)."""
     sel, i = locate(run, position, sequence=sequence, generation=generation, include_finished=include_finished)
-    probs = run.get_probabilities(sequence=sequence, generation=generation, include_finished=include_finished)
-    return _rows(probs, run.metadata.stages, i), int(sel.chosen[i]), i
+    return _rows(run, sel, i, probs=True), int(sel.chosen[i]), i
 
 
 def _rank(values: np.ndarray, token: int, storage: str, top_k: int) -> tuple[float, float, float, bool]:
@@ -117,13 +118,13 @@ def why(
     stopped) raises ValueError unless ``include_finished`` is True.
     """
     sel, i = locate(run, position, sequence=sequence, generation=generation, include_finished=include_finished)
-    options = {"sequence": sequence, "generation": generation, "include_finished": include_finished}
     stages = list(run.metadata.stages)
     names = display_stages(stages, run.metadata.stage_aliases)
-    probs = np.stack(list(_rows(run.get_probabilities(**options), stages, i).values()))  # [S, V]
-    logits = np.stack(list(_rows(run.get_logits(**options), stages, i).values()))
+    probs = np.stack(list(_rows(run, sel, i, probs=True).values()))  # [S, V]
+    logits = np.stack(list(_rows(run, sel, i, probs=False).values()))
     chosen = int(sel.chosen[i])
-    recorded = chosen >= 0 and run._has_stats(sel)
+    step = sel.subset(np.array([i]))  # its statistics columns, read from its batch alone
+    recorded = chosen >= 0 and run._has_stats(step)
     favourite = int(np.nanargmax(probs[0]))
     tokens = [("chosen", chosen)] if chosen >= 0 else []
     tokens.append(("favourite", favourite))
@@ -134,7 +135,7 @@ def why(
         with np.errstate(divide="ignore"):
             values = np.log(probs[:, token])
         for s, stage in enumerate(stages if recorded and token == chosen else []):
-            p, r = run._column(f"{stage}_p_chosen", sel)[i], run._column(f"{stage}_rank_chosen", sel)[i]
+            p, r = run._column(f"{stage}_p_chosen", step)[0], run._column(f"{stage}_rank_chosen", step)[0]
             if p == p and r == r:  # the statistics recorded with the whole row
                 with np.errstate(divide="ignore"):
                     values[s] = np.log(p)
