@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import weakref
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -181,6 +182,7 @@ class DeferredRows:
         self._running = False  # the background thread has work submitted
         self._preparing: Future[list[HostBuffer]] | None = None  # the next block, its pages being touched
         self.limit = DEFAULT_LIMIT
+        weakref.finalize(self, _give_back, pool, self._blocks)  # a recorder collected: its blocks serve the next
 
     @property
     def nbytes(self) -> int:
@@ -299,9 +301,8 @@ class DeferredRows:
             self._queue.clear()
             self._current = None
             self._block = None
-            for block in self._blocks:
-                self._pool.give(block.buffer)
-            self._blocks, self._free = [], []
+            self._free.clear()
+            _give_back(self._pool, self._blocks)
 
     # ------------------------------------------------------------ internals
 
@@ -423,6 +424,15 @@ class DeferredRows:
         step.writes = []
 
     def _reuse(self, block: _Block) -> None:
+        """An empty block goes on the free list (unless ``clear()`` gave it back meanwhile)."""
         if block in self._blocks:
             block.used = 0
             self._free.append(block)
+
+
+def _give_back(pool: BufferPool, blocks: list[_Block]) -> None:
+    """Give staging blocks back to the pool (emptying ``blocks``, so that nothing views them any more)."""
+    buffers = [block.buffer for block in blocks]
+    blocks.clear()
+    for buffer in buffers:
+        pool.give(buffer)
