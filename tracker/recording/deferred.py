@@ -279,12 +279,12 @@ class DeferredRows:
                 todo = [s for s in self._queue if chunk is None or any(w.chunk is chunk for w in s.writes)]
                 if not todo:
                     return
-                step = todo[0]
-                if step.state == "running":
+                step = next((s for s in todo if s.state == "queued"), None)
+                if step is None:  # the rest is on the background thread: wait for it
                     self._cond.wait()
                     continue
                 step.state = "running"
-            self._store(step)
+            self._store(step)  # beside the background thread, which goes on with the next one
             self._finish(step)
 
     def wait(self) -> None:
