@@ -151,7 +151,7 @@ class _Write:
 
 @dataclass(eq=False)
 class _Step:
-    """The staged writes of one step; ``state``: current (its step still in progress), queued, running, done."""
+    """The staged writes of one step (current while its step is in progress, then queued until stored)."""
 
     rows: StepRows
     storage: Storage
@@ -159,7 +159,9 @@ class _Step:
     writes: list[_Write] = field(default_factory=list)
     source: Any = None  # the natural tensor as handed in (compared by identity only), while current
     tokens: torch.Tensor | None = None  # the chosen tokens, told while the step was current
-    state: str = "current"
+    workers: int = 0  # threads storing it now
+    stored: bool = False  # one of them finished
+    failed: bool = False  # the background thread could not store it (a read stores it, raising the error)
 
 
 class DeferredRows:
@@ -173,7 +175,9 @@ class DeferredRows:
 
     def __init__(self, pool: BufferPool) -> None:
         self._pool = pool
-        self._cond = threading.Condition()
+        self._guard = (
+            threading.RLock()
+        )  # the queue, the blocks and their counts (the background thread takes it briefly)
         self._queue: deque[_Step] = deque()  # steps done with, oldest first, not yet stored
         self._current: _Step | None = None
         self._block: _Block | None = None
@@ -256,11 +260,10 @@ class DeferredRows:
         if step is None:
             return
         step.source = None
-        with self._cond:
+        with self._guard:
             if not any(self._pending(w, step) for w in step.writes):
                 self._release(step)
                 return
-            step.state = "queued"
             self._queue.append(step)
             if not self._running:
                 self._running = True
@@ -269,35 +272,32 @@ class DeferredRows:
     # ------------------------------------------------------------ reads
 
     def complete(self, chunk: Chunk | None = None) -> None:
-        """Store now, on this thread, every waiting step (or those with rows in ``chunk``), waiting for the
-        one the background thread is storing. Before a read or a spill (synchronises with that thread)."""
+        """Store now, on this thread, every waiting step (or those with rows in ``chunk``), beside the
+        background thread: a step it is storing is stored here too (the same values), not waited for, since
+        it yields to this thread. Before a read, a spill or ``flush()``."""
         current = self._current
         if current is not None and (chunk is None or any(w.chunk is chunk for w in current.writes)):
             self._store(current)
+        done: set[int] = set()
         while True:
-            with self._cond:
-                todo = [s for s in self._queue if chunk is None or any(w.chunk is chunk for w in s.writes)]
+            with self._guard:
+                todo = [
+                    s
+                    for s in self._queue
+                    if id(s) not in done and (chunk is None or any(w.chunk is chunk for w in s.writes))
+                ]
                 if not todo:
                     return
-                step = next((s for s in todo if s.state == "queued"), None)
-                if step is None:  # the rest is on the background thread: wait for it
-                    self._cond.wait()
-                    continue
-                step.state = "running"
-            self._store(step)  # beside the background thread, which goes on with the next one
-            self._finish(step)
-
-    def wait(self) -> None:
-        """Block until the background thread has stored every queued step (tests, benchmarks, ``flush()``)."""
-        with self._cond:
-            while self._queue:
-                self._cond.wait()
+                step = next((s for s in todo if not s.workers), todo[0])
+                step.workers += 1
+            done.add(id(step))
+            self._run(step, here=True)
 
     def forget(self) -> None:
-        """Drop every staged row (``clear()``): waits for the step being stored, stores nothing more."""
-        with self._cond:
-            while any(s.state == "running" for s in self._queue):
-                self._cond.wait()
+        """Drop every staged row (``clear()``). A step the background thread is storing meanwhile finds its
+        chunk released (and is dropped); the blocks it reads stay out of the pool's circulation until it is
+        done, since it still views them."""
+        with self._guard:
             self._queue.clear()
             self._current = None
             self._block = None
@@ -313,7 +313,7 @@ class DeferredRows:
     def _room(self, count: int, vocab: int) -> tuple[_Block, int]:
         """Rows for one write: in the current block, a free one, a new one within the limit, or one freed by
         storing the oldest waiting steps here."""
-        with self._cond:  # the background thread gives blocks back under it
+        with self._guard:  # the background thread gives blocks back under it
             return self._take_room(count, vocab)
 
     def _take_room(self, count: int, vocab: int) -> tuple[_Block, int]:
@@ -355,43 +355,46 @@ class DeferredRows:
         return block
 
     def _store_oldest(self) -> bool:
-        """Store the oldest waiting step here, or wait for the one the background thread is storing; False if
-        none waits."""
-        with self._cond:
-            if not self._queue:
+        """Store here the oldest step nobody is storing; False if there is none (the background thread is on
+        the only ones left: rather than wait for it, the caller takes a block past the limit)."""
+        with self._guard:
+            step = next((s for s in self._queue if not s.workers and not s.stored), None)
+            if step is None:
                 return False
-            step = self._queue[0]
-            if step.state == "running":
-                while step.state == "running":
-                    self._cond.wait()
-                return True
-            step.state = "running"
-        self._store(step)
-        self._finish(step)
+            step.workers += 1
+        self._run(step, here=True)
         return True
 
     def _drain(self) -> None:
         """The background thread: store queued steps, oldest first, until none is left."""
         _yield_to_decoding()
         while True:
-            with self._cond:
-                step = next((s for s in self._queue if s.state == "queued"), None)
+            with self._guard:
+                step = next((s for s in self._queue if not s.workers and not s.stored and not s.failed), None)
                 if step is None:
                     self._running = False
                     return
-                step.state = "running"
-            try:
-                self._store(step)
-            finally:
-                self._finish(step)
+                step.workers += 1
+            self._run(step, here=False)
 
-    def _finish(self, step: _Step) -> None:
-        with self._cond:
-            step.state = "done"
-            if step in self._queue:
-                self._queue.remove(step)
-                self._release(step)
-            self._cond.notify_all()
+    def _run(self, step: _Step, here: bool) -> None:
+        """Store a claimed step; the last of the threads storing it gives its staging rows back. An error
+        is raised on a calling thread (``here``); the background thread leaves the step to it."""
+        stored = False
+        try:
+            self._store(step)
+            stored = True
+        except Exception:
+            if here:
+                raise
+        finally:
+            with self._guard:
+                step.workers -= 1
+                step.stored = step.stored or stored
+                step.failed = step.failed or not stored
+                if not step.workers and step.stored and step in self._queue:
+                    self._queue.remove(step)
+                    self._release(step)
 
     @staticmethod
     def _store(step: _Step) -> None:

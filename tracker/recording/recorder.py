@@ -15,7 +15,8 @@ Every stage's row also gets its statistics (:mod:`tracker.recording.record_stats
 chosen token's logit, probability and rank when that token arrives: until then the recorder keeps rows nobody
 can write into (the stored copy where exact and on their device, ``owned`` rows, else a device copy per stage).
 Those few values are copied like the rest, no sync. CPU float32 rows (``statistics="auto"``) get them off the
-decode thread as each chunk is sealed (:mod:`tracker.recording.chunk_stats`).
+decode thread as each chunk is sealed (:mod:`tracker.recording.chunk_stats`); CPU float16, bfloat16 and top-k
+rows are staged as float32 and stored, statistics and all, off it (:mod:`tracker.recording.deferred`).
 
 Storage (:mod:`tracker.recording.storage`): the whole row as float32, or as float16 or bfloat16 minus its largest
 logit (converted on the device before the copy), the top ``k`` values with their ids (selected on the
@@ -362,8 +363,8 @@ class Recorder:
         """Wait until sealed chunks' statistics are computed, staged rows stored, and chunks queued for the disk
         written and mapped."""
         self._stats.wait()
-        self._deferred.wait()
         with self._lock:
+            self._deferred.complete()
             self._handoff.flush()
             self._collect()
 
