@@ -158,7 +158,8 @@ def test_under_a_memory_bound_that_spills_the_rows_are_those_recorded(tmp_path, 
             tables[statistics] = direct_run(recorder, fed, chosen, read_mid_step={20})
             recorder.flush()
             assert recorder.chunks_spilled > 2, "the run should have spilled"
-            assert recorder._deferred.nbytes <= bound // 4 + 2 * 2 * 8192 * 4  # a quarter, or a step's rows
+            # a quarter of the bound, past it the step being written and the one the background thread stores
+            assert recorder._deferred.nbytes <= bound // 4 + 2 * (2 * 2 * 8192 * 4)
     assert_same_bits(tables["auto"], tables["record"])
 
 
@@ -177,3 +178,25 @@ def test_half_precision_rows_read_back_within_their_rounding_of_the_float64_row(
     np.testing.assert_allclose(back, rows[plain], atol=2e-3 * 16, rtol=1e-3)
     want = np.log(np.exp(rows[plain] - rows[plain].max(1, keepdims=True)).sum(1)) + rows[plain].max(1)
     np.testing.assert_allclose(table.column("constrained_lse").to_numpy(zero_copy_only=False)[plain], want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_that_cannot_wait_in_float32_are_stored_as_they_come_and_still_as_recorded(kind):
+    """float64 logits (float32 staging would round them) and a natural row handed in that is not the one
+    recorded as this step's natural stage are stored on the calling thread, mixed with staged ones."""
+    fed, chosen = feed(13, 24, 2, 3001)
+    tables = {}
+    for statistics in ("auto", "record"):
+        recorder = Recorder(
+            Storage.parse(kind, 6), ["natural", "constrained"], chunk_bytes=1 << 16, statistics=statistics
+        )
+        for t in range(fed.shape[0]):
+            rows = recorder.begin_step(0, t, 2, 3001, CPU)
+            natural = fed[t, 0].double() if t % 3 == 0 else fed[t, 0]
+            recorder.write(rows, "natural", natural)
+            other = fed[t, 0] + 1 if t % 4 == 1 else None  # the rows before the processor, as the caller has them
+            recorder.write(rows, "constrained", fed[t, 1], natural=other)
+            recorder.set_chosen(rows, chosen[t])
+        tables[statistics] = pa.Table.from_batches(recorder.batches())
+        assert recorder.deferred == (statistics == "auto")
+    assert_same_bits(tables["auto"], tables["record"])

@@ -15,12 +15,17 @@ A step's rows wait in staging until the next step begins (its chosen tokens
 arrive before that); then the background thread stores them. Staging is
 bounded (:data:`DEFAULT_LIMIT`, or a quarter of the recorder's memory bound,
 counted against that bound): when it is full, the decode thread stores the
-oldest waiting steps itself. A read (a query, ``finish()``, a spill) first
-stores every waiting step of the rows it reads on the calling thread, waiting
-for the one the background thread is storing, so a batch handed out always
-holds every written row as recorded. The background thread takes no lock of
-the recorder: it writes only rows nobody else writes or reads before it is
-done, and ``clear()`` waits for it.
+oldest waiting step itself. The background thread runs at the lowest
+scheduling priority (it must not slow the decode thread, nor a model's
+threads), so nothing ever waits for it: past the bound staging holds at most
+the rows of the step being written and of the step that thread is storing, and
+a read (a query, ``finish()``, a spill, ``flush()``) stores every waiting step
+of the rows it reads on the calling thread, the one that thread is on
+included (the same values, written twice), so a batch handed out always holds
+every written row as recorded. The background thread takes no lock of the
+recorder. ``clear()`` does not wait for it either: a step it is storing then
+finds its chunk released, and the views it holds keep that memory out of the
+pool until it is done.
 """
 
 from __future__ import annotations
