@@ -185,17 +185,20 @@ def pair_stats(natural: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, to
     return torch.nan_to_num(removed, nan=0.0), margin
 
 
-def stored_lse(kept: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+def stored_lse(kept: torch.Tensor, exact: torch.Tensor, nan_free: bool = False) -> torch.Tensor:
     """``[B]`` log-sum-exp of rows as stored (``kept``: float16 or bfloat16), NaN entries left out.
 
     It normalises the probabilities a query reads off the stored rows, so that
     they sum to 1 (with the full row's ``exact`` log-sum-exp, a rounded-up
     best logit would read as a probability above 1). Where it or ``exact`` is
     not finite (nothing allowed, a ``+inf`` row, a logit past float16's
-    range) it is ``exact``. Kernels on the rows' device; no synchronisation.
+    range) it is ``exact``. ``nan_free``: the rows hold no NaN (known on the host: two passes fewer, the
+    same values). Kernels on the rows' device; no synchronisation.
     """
     rounded = kept.to(device=exact.device, dtype=torch.float32)
-    lse = torch.logsumexp(rounded.masked_fill(torch.isnan(rounded), NEG_INF), dim=1)
+    if not nan_free:
+        rounded = rounded.masked_fill(torch.isnan(rounded), NEG_INF)
+    lse = torch.logsumexp(rounded, dim=1)
     return torch.where(torch.isfinite(lse) & torch.isfinite(exact), lse, exact)
 
 
@@ -226,11 +229,12 @@ def stage_stats(
     if kept is None:
         return stats, stats
     stored = stats.clone()
+    nan_free = stats.device.type == "cpu" and not bool(stats[:, 4].any())  # a host value only on the CPU
     if offset is None:
-        stored[:, 0] = stored_lse(kept, stats[:, 0])
+        stored[:, 0] = stored_lse(kept, stats[:, 0], nan_free)
     else:
         offset = offset.to(stats.device)
-        stored[:, 0] = stored_lse(kept, stats[:, 0] - offset) + offset
+        stored[:, 0] = stored_lse(kept, stats[:, 0] - offset, nan_free) + offset
     return stats, stored
 
 

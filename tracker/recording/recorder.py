@@ -15,7 +15,8 @@ Every stage's row also gets its statistics (:mod:`tracker.recording.record_stats
 chosen token's logit, probability and rank when that token arrives: until then the recorder keeps rows nobody
 can write into (the stored copy where exact and on their device, ``owned`` rows, else a device copy per stage).
 Those few values are copied like the rest, no sync. CPU float32 rows (``statistics="auto"``) get them off the
-decode thread as each chunk is sealed (:mod:`tracker.recording.chunk_stats`).
+decode thread as each chunk is sealed (:mod:`tracker.recording.chunk_stats`); CPU float16, bfloat16 and top-k
+rows are staged as float32 and stored, statistics and all, off it (:mod:`tracker.recording.deferred`).
 
 Storage (:mod:`tracker.recording.storage`): the whole row as float32, or as float16 or bfloat16 minus its largest
 logit (converted on the device before the copy), the top ``k`` values with their ids (selected on the
@@ -38,13 +39,12 @@ from tracker.recording.buffers import SHARED_POOL, BufferPool
 from tracker.recording.chunk_memory import IN_FLIGHT, ChunkMemory, Layout, chunk_rows
 from tracker.recording.chunk_stats import ChunkStats
 from tracker.recording.chunks import Chunk, CudaStaging, StepRows, conform, to_batch
-from tracker.recording.record_stats import chosen_stats, eos_on, offset_rows, stage_stats, summarise_topk
+from tracker.recording.deferred import DeferredRows, store_stage
+from tracker.recording.record_stats import chosen_stats, eos_on
 from tracker.recording.spill_handoff import Describe, SpillHandoff, SpillWarning
 from tracker.recording.storage import STATISTICS, Storage, stats_when_recorded
 
 __all__ = ["Storage", "StepRows", "Recorder", "SpillWarning"]
-
-_MEMCPY = (torch.float32, torch.float16)
 
 
 class Recorder:
@@ -100,6 +100,7 @@ class Recorder:
         self.statistics = statistics
         self.record_stats = statistics == "record"  # decided at the first step (see stats_when_recorded)
         self.background_stats = False  # CPU float32 rows by default: statistics computed off the decode thread
+        self.deferred = False  # CPU low-precision and top-k rows: stored off the decode thread
         self.requested = storage  # "auto" is resolved at the first step (and again after clear())
         self.storage = storage
         self.stages: list[str] = list(stages)
@@ -125,6 +126,7 @@ class Recorder:
         self._retained: StepRows | None = None  # the last step, its rows and statistics until its tokens come
         self._retained_rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._stats = ChunkStats(self._lock)
+        self._deferred = DeferredRows(self._pool)
 
     # ---------------------------------------------------------------- state
 
@@ -192,6 +194,9 @@ class Recorder:
                 self.storage = self.requested.resolve(self.stages, self.vocab_size, batch, self.memory_limit)
                 self.record_stats = stats_when_recorded(self.statistics, self.storage, torch.device(device))
                 self.background_stats = not self.record_stats and self.statistics == "auto"
+                cpu = torch.device(device).type == "cpu"
+                self.deferred = cpu and self.storage.kind != "float32" and self.statistics != "record"
+                self._deferred.configure(self.memory_limit)
             elif vocab_size != self.vocab_size:
                 raise ValueError(
                     f"logits: vocabulary size changed from {self.vocab_size} to {vocab_size} "
@@ -199,6 +204,7 @@ class Recorder:
                     "Call clear() before tracking a model with another vocabulary."
                 )
             self._retained, self._retained_rows = None, {}
+            self._deferred.next_step()
             chunk = self._active
             if chunk is None or chunk.capacity - chunk.n < batch or chunk.device != device:
                 device = torch.device(device)
@@ -247,41 +253,27 @@ class Recorder:
         chunk.check_writable("write")
         if (shape := tuple(values.shape)) != (rows.count, self.vocab_size):
             raise ValueError(f"{stage} values must have shape {(rows.count, self.vocab_size)}, got {tuple(shape)}")
-        staging, start, end, src = chunk.host is None, rows.start, rows.end, values.detach()
-        if stage != "natural" and natural is None and self._retained is rows and "natural" in self._retained_rows:
+        staging, start, end = chunk.host is None, rows.start, rows.end
+        with_stats = self.record_stats and f"{stage}:stats" in chunk.buffers
+        eos = eos_on(self._eos, self.eos_token_ids, self.vocab_size or 0, values.device) if with_stats else None
+        retained_natural = self._retained is rows and "natural" in self._retained_rows
+        vocab = self.vocab_size or 0
+        if self.deferred and (natural is not None or not retained_natural):
+            if self._deferred.stage(rows, stage, values, natural, eos, self.storage, vocab):
+                written[start:end] = True
+                chunk.version += 1
+                self.version += 1
+                return
+        if self.deferred:
+            self._deferred.supersede(rows, stage)  # this write stands, not an earlier staged one
+        if stage != "natural" and natural is None and retained_natural:
             natural = self._retained_rows["natural"][0]
         nat = None if natural is None or stage == "natural" else natural.detach()
-        kept = pre = shift = None  # half-precision rows as stored; their statistics, and the max they are kept minus
-        exact = values.detach() if owned else None  # rows nobody else can write into (a later processor may)
-        with_stats = self.record_stats and f"{stage}:stats" in chunk.buffers
-        eos = eos_on(self._eos, self.eos_token_ids, self.vocab_size or 0, src.device) if with_stats else None
-        if self.storage.full:
-            name = f"{stage}:logits"
-            dst = chunk.buffers[name]
-            if dst.dtype != torch.float32 and with_stats:
-                pre, shift = offset_rows(src, eos, nat)
-                src = src.float() - shift[:, None]
-            if not staging and src.dtype == dst.dtype and src.dtype in _MEMCPY and src.device.type == "cpu":
-                # a plain memcpy: torch would split a long row across threads for no gain
-                np.copyto(chunk.arrays[name][start:end], src.numpy())
-            else:
-                if staging and src.dtype != dst.dtype:
-                    src = src.to(dst.dtype)  # convert on the device, copy the smaller row
-                dst[start:end].copy_(src, non_blocking=staging)
-            if dst.dtype != torch.float32:
-                kept = src if src.dtype == dst.dtype else dst[start:end]
-            same = dst.dtype == values.dtype and dst.device == values.device and shift is None
-            exact, src = dst[start:end] if same else exact, values.detach()
-        else:
-            summary = summarise_topk(src, self.storage.k_for(self.vocab_size or 0), nat)
-            for name, tensor in summary.items():
-                chunk.buffers[f"{stage}:{name}"][start:end].copy_(tensor, non_blocking=staging)
-        if with_stats:
-            stats, stored = stage_stats(src, eos, nat, kept, pre, shift)
-            chunk.buffers[f"{stage}:stats"][start:end].copy_(stored, non_blocking=staging)
+        kept = store_stage(chunk, stage, start, end, values, nat, eos, self.storage, vocab, with_stats, owned)
+        if kept is not None:
             if self._retained is not rows:
                 self._retained, self._retained_rows = rows, {}
-            self._retained_rows[stage] = (src.clone() if exact is None else exact, stats)
+            self._retained_rows[stage] = kept
         if staging:
             chunk.note_stream()
         written[start:end] = True
@@ -323,6 +315,8 @@ class Recorder:
             np.copyto(chunk.arrays["chosen"][start:end], src.numpy(), casting="unsafe")
         else:
             chunk.buffers["chosen"][start:end].copy_(src.to(torch.int64), non_blocking=staging)
+        if self.deferred:
+            self._deferred.chosen(rows, src)
         if self._retained is rows:
             staging = chunk.host is None
             for stage, (values, stats) in self._retained_rows.items():
@@ -359,15 +353,18 @@ class Recorder:
         for statistics the background thread has queued."""
         self._stats.wait()  # no row's statistics computed twice; the rest are computed below
         with self._lock:
+            self._deferred.complete()  # rows still in float32 staging: stored here
             self._drain_staging(everything=True)
             self._collect()
             schema = self.schema()
             return [self._batch_of(chunk, schema) for chunk in self._chunks if chunk.n]
 
     def flush(self) -> None:
-        """Wait until sealed chunks' statistics are computed and chunks queued for the disk are written and mapped."""
+        """Wait until sealed chunks' statistics are computed, staged rows stored, and chunks queued for the disk
+        written and mapped."""
         self._stats.wait()
         with self._lock:
+            self._deferred.complete()
             self._handoff.flush()
             self._collect()
 
@@ -375,6 +372,7 @@ class Recorder:
         """Forget every row, delete spill files, keep buffers for reuse."""
         with self._lock:
             self._handoff.reset()
+            self._deferred.forget()  # before the chunks' buffers go back
             for chunk in self._chunks:
                 self._memory.release(chunk)
             self._chunks.clear()
@@ -464,7 +462,7 @@ class Recorder:
         sizes = [c.nbytes for c in self._chunks if c.nbytes]
         on_the_way = sum(c.nbytes for c in self._chunks if c.spilling)
         room = (sizes[-1] if sizes else 0) * (self._spill_queue + IN_FLIGHT)  # queued, and IN_FLIGHT's
-        excess = self.host_bytes - on_the_way + room - self.memory_limit
+        excess = self.host_bytes - on_the_way + room + self._deferred.nbytes - self.memory_limit
         for chunk in list(self._chunks):
             if excess <= 0:
                 break
@@ -475,6 +473,7 @@ class Recorder:
             schema = self.schema()  # to disk; blocks only while the writer's queue is full
             if self.background_stats:
                 self._stats.complete(chunk, self.stages, self.eos_token_ids)
+            self._deferred.complete(chunk)
             batch = to_batch(chunk, schema, self.stages, self.storage, self.vocab_size or 0)
             if self._handoff.send(chunk, batch, schema, self.run_id, self.describe):
                 excess -= chunk.nbytes

@@ -29,7 +29,10 @@ _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 #: would give inexact statistics); ``"auto"``: when recorded unless the rows are kept whole in float32
 #: on a CPU (top-k, float16 and bfloat16 rows are not the full-precision row the statistics need; on an
 #: accelerator recording them costs a few asynchronous kernels), else off the decoding thread as chunks of rows
-#: are sealed (:mod:`tracker.recording.chunk_stats`; exactly the same values).
+#: are sealed (:mod:`tracker.recording.chunk_stats`; exactly the same values). On a CPU, float16, bfloat16 and
+#: top-k rows recorded with any value but ``"record"`` are copied as float32 on the decoding thread and
+#: converted, selected and summed up on a background thread (:mod:`tracker.recording.deferred`; again the
+#: same values, bit for bit).
 STATISTICS = ("auto", "record", "read")
 #: Steps of a batch that ``storage="auto"`` keeps within the memory bound.
 AUTO_STEPS = 500
