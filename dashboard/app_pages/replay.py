@@ -48,6 +48,7 @@ def _toggle_play() -> None:
 
 def _move(delta: int) -> None:
     st.session_state["step"] = max(0, min(last, st.session_state["step"] + delta))
+    st.session_state["step_slider"] = st.session_state["step"]  # only the fragment reruns: the slider follows here
     if st.session_state.get("playing"):
         st.session_state["stop_timer"] = True  # the fragment's timer goes with a rerun of the whole page
     st.session_state["playing"] = False
