@@ -1,0 +1,330 @@
+"""The dashboard in headless Chromium: what a person waits for, from the click until the page settles.
+
+    python benchmarks/bench_dashboard_browser.py                        # sample runs + a 10,000 x 128k run
+    python benchmarks/bench_dashboard_browser.py --steps 1000 --keep /tmp/runs
+    python benchmarks/bench_dashboard_browser.py --replay-run sample_runs/json_record.parquet
+
+Starts the real app (``dashboard.serve.start``, as ``logitscope dashboard``
+does) on a free 127.0.0.1 port and drives Debian's Chromium through
+selenium (the binaries by path: nothing is downloaded). It reports:
+
+- *first page*: a new browser session on the shipped sample runs, from the
+  navigation until the page settles (Streamlit's status widget gone, the
+  main element present, no change to the page for :data:`QUIET_S`); once on
+  a server nobody visited yet, then as further new sessions (reloads);
+- *Step replay* on a large run (by default 10,000 steps x 131,072 tokens,
+  Arrow IPC, written by :func:`dashboard.synthetic.write_large_run` to a
+  temporary folder removed at the end, or to ``--keep``): Next, Back and a
+  slider move to a far step, each from the click until the page shows that
+  step and settles; and Play's steps per second over ``--play-seconds``.
+
+For each click it also reports the *server time* (from the browser sending
+the rerun to receiving Streamlit's "script finished", read from Chromium's
+log of the WebSocket frames), whether only the step's fragment ran, and the
+bytes the server sent. Figures are medians. Goals (issue 32): a step under
+200 ms of server time, Play at 5 steps a second, the first page under 3 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dashboard.paths import default_runs_path  # noqa: E402
+from dashboard.serve import _wait_until_up, start  # noqa: E402
+from dashboard.synthetic import write_large_run  # noqa: E402
+
+#: A page has settled when it has not changed for this long (seconds).
+QUIET_S = 0.75
+#: Each change to the page stamps ``window.__changed`` (ms since navigation) before any page script runs.
+WATCH = """
+window.__changed = performance.now();
+new MutationObserver(() => { window.__changed = performance.now(); })
+  .observe(document, {subtree: true, childList: true, attributes: true, characterData: true});
+"""
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+    "--window-size=1400,1300",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def chromium(profile: Path):
+    """Headless Chromium from the system's packages, its network log on (the WebSocket frames)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_path = shutil.which("chromedriver")
+    if binary is None or driver_path is None:
+        raise SystemExit("headless Chromium is not installed: apt-get install chromium chromium-driver")
+    options = webdriver.ChromeOptions()
+    options.binary_location = binary
+    for flag in (*CHROMIUM_FLAGS, f"--user-data-dir={profile}"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"performance": "ALL"})
+    os.environ.setdefault("SE_OFFLINE", "true")  # selenium's manager must not fetch anything
+    driver = webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
+    driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": WATCH})
+    return driver
+
+
+@dataclass
+class Exchange:
+    """What went over the WebSocket for one action: server seconds, whether only a fragment ran, bytes."""
+
+    server_s: float
+    fragment_only: bool
+    bytes_received: int
+
+
+def _frames(driver) -> list[tuple[str, float, bytes]]:
+    """The WebSocket frames since the log was last read: (sent/received, monotonic seconds, payload)."""
+    frames = []
+    for entry in driver.get_log("performance"):
+        message = json.loads(entry["message"])["message"]
+        method = message["method"]
+        if method in ("Network.webSocketFrameSent", "Network.webSocketFrameReceived"):
+            response = message["params"]["response"]
+            payload = response["payloadData"]
+            data = base64.b64decode(payload) if response.get("opcode") == 2 else payload.encode()
+            frames.append(("sent" if method.endswith("Sent") else "received", message["params"]["timestamp"], data))
+    return frames
+
+
+def exchanges(driver) -> list[Exchange]:
+    """Each rerun the browser asked for since the log was last read, until its script finished."""
+    from streamlit.proto.BackMsg_pb2 import BackMsg
+    from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
+
+    done: list[Exchange] = []
+    asked: tuple[float, bool] | None = None
+    received = 0
+    for way, stamp, data in _frames(driver):
+        if way == "sent":
+            back = BackMsg.FromString(data)
+            if back.WhichOneof("type") == "rerun_script" and asked is None:
+                asked, received = (stamp, bool(back.rerun_script.fragment_id)), 0
+            continue
+        received += len(data)
+        forward = ForwardMsg.FromString(data)
+        if forward.WhichOneof("type") == "script_finished" and asked is not None:
+            done.append(Exchange(stamp - asked[0], asked[1], received))
+            asked = None
+    return done
+
+
+def settle(driver, since_ms: float, shown, timeout: float = 60.0) -> float:
+    """Seconds from ``since_ms`` (the page's clock) until the last change of the page, once ``shown(driver)``
+    holds, Streamlit's status widget is gone and nothing changed for :data:`QUIET_S`."""
+    from selenium.webdriver.common.by import By
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ready = shown(driver) and not driver.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]')
+        except Exception:  # an element replaced while reading it: not settled yet
+            ready = False
+        if ready:
+            now, changed = driver.execute_script("return [performance.now(), window.__changed]")
+            if now - changed >= QUIET_S * 1e3:
+                return (changed - since_ms) / 1e3
+        time.sleep(0.05)
+    raise TimeoutError(f"the page did not settle within {timeout:.0f} s")
+
+
+def _main_shown(driver) -> bool:
+    return bool(driver.execute_script("const m = document.querySelector('main'); return m && m.innerText.trim();"))
+
+
+def first_pages(url: str, profile: Path, repeats: int) -> tuple[float, list[float]]:
+    """Seconds to a settled first page: the very first session of the server, then ``repeats`` new sessions."""
+    driver = chromium(profile)
+    try:
+        times = []
+        for _ in range(repeats + 1):
+            driver.get("about:blank")
+            driver.get(url)  # a new page load is a new Streamlit session
+            times.append(settle(driver, 0.0, _main_shown))
+        return times[0], times[1:]
+    finally:
+        driver.quit()
+
+
+def shown_step(driver) -> int | None:
+    """The step the replay shows (its chart's title), None while none is drawn."""
+    return driver.execute_script(
+        "for (const t of document.querySelectorAll('.js-plotly-plot .gtitle'))"
+        "  if (t.textContent.startsWith('Step ')) return parseInt(t.textContent.slice(5));"
+        "return null;"
+    )
+
+
+def _click(driver, label: str) -> float:
+    """Click the button whose text holds ``label``; the page's clock at the click (ms)."""
+    return float(
+        driver.execute_script(
+            "const b = [...document.querySelectorAll('button')].find(b => b.innerText.includes(arguments[0]));"
+            "const t = performance.now(); b.click(); return t;",
+            label,
+        )
+    )
+
+
+def _slide(driver, key: str) -> float:
+    """Press ``key`` on the step slider (the page's last); the page's clock at the key press (ms)."""
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    since = float(
+        driver.execute_script(
+            "const s = document.querySelectorAll('[data-testid=\"stSlider\"] input[type=range]');"
+            "s[s.length - 1].focus(); return performance.now();"
+        )
+    )
+    ActionChains(driver).send_keys(key).perform()
+    return since
+
+
+def slider_step(driver) -> int:
+    """The step the step slider shows."""
+    return int(
+        driver.execute_script(
+            "const s = document.querySelectorAll('[data-testid=\"stSlider\"] input[type=range]');"
+            "return s[s.length - 1].value;"
+        )
+    )
+
+
+def replay(url: str, profile: Path, repeats: int, play_seconds: float) -> dict[str, list]:
+    """Settle seconds and exchanges of Next, Back and slider moves, and Play's steps per second."""
+    from selenium.webdriver.common.keys import Keys
+
+    driver = chromium(profile)
+    results: dict[str, list] = {}
+    try:
+        driver.get(url)
+        results["replay page (new session)"] = [settle(driver, 0.0, lambda d: shown_step(d) == 0)]
+        _frames(driver)  # the page load's frames are not a click's
+
+        def act(name: str, do, expect: int) -> None:
+            since = do()
+            seconds = settle(driver, since, lambda d: shown_step(d) == expect == slider_step(d))
+            results.setdefault(name, []).append((seconds, exchanges(driver)))
+
+        step = 0
+        for _ in range(repeats):
+            act("Next", lambda: _click(driver, "Next"), step + 1)
+            act("Back", lambda: _click(driver, "Back"), step)
+        last = int(
+            driver.execute_script(
+                "const s = document.querySelectorAll('[data-testid=\"stSlider\"] input[type=range]');"
+                "return s[s.length - 1].max;"
+            )
+        )
+        for _ in range(max(1, repeats // 2)):
+            act("slider to the last step", lambda: _slide(driver, Keys.END), last)
+            act("slider to the first step", lambda: _slide(driver, Keys.HOME), 0)
+        _click(driver, "Play")
+        time.sleep(1.0)  # the timer's first ticks
+        _frames(driver)
+        first, start = shown_step(driver), time.monotonic()
+        time.sleep(play_seconds)
+        moved, elapsed = (shown_step(driver) or 0) - (first or 0), time.monotonic() - start
+        ticks = exchanges(driver)
+        _click(driver, "Pause")
+        results["Play"] = [(moved / elapsed, ticks)]
+    finally:
+        driver.quit()
+    return results
+
+
+def _report(name: str, values: list) -> None:
+    if name == "Play":
+        rate, ticks = values[0]
+        server = statistics.median(t.server_s for t in ticks) if ticks else float("nan")
+        print(f"  Play: {rate:.2f} steps a second; server {server * 1e3:.0f} ms a tick (median of {len(ticks)})")
+        return
+    if not isinstance(values[0], tuple):
+        print(f"  {name:<28} settled in {statistics.median(values):6.2f} s")
+        return
+    settled = statistics.median(v[0] for v in values)
+    runs = [e for _, found in values for e in found]
+    server = statistics.median(e.server_s for e in runs) if runs else float("nan")
+    sent = statistics.median(e.bytes_received for e in runs) if runs else 0
+    scope = "fragment only" if runs and all(e.fragment_only for e in runs) else "whole page"
+    print(
+        f"  {name:<28} settled in {settled * 1e3:6.0f} ms; server {server * 1e3:5.0f} ms ({scope}), "
+        f"{sent / 1024:.0f} KiB sent (median of {len(values)})"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10_000)
+    parser.add_argument("--vocab", type=int, default=131_072)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--play-seconds", type=float, default=5.0)
+    parser.add_argument("--keep", default=None, help="folder to write the large run to and keep (default: temporary)")
+    parser.add_argument("--replay-run", default=None, help="replay this run file instead of writing a large one")
+    args = parser.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="bench-dashboard-browser-"))
+    folder = Path(args.keep) if args.keep else work / "runs"
+    try:
+        port = _free_port()
+        samples = default_runs_path()
+        print(f"first page of a new session on {samples}; load {os.getloadavg()[0]:.1f}", flush=True)
+        with start(samples, port) as server:
+            if not _wait_until_up(server.child, port):
+                raise SystemExit("the dashboard server did not start")
+            cold, warm = first_pages(server.url, work / "profile-first", args.repeats)
+        print(f"  first session on a new server      settled in {cold:6.2f} s")
+        _report("a new session (server warm)", warm)
+        if args.replay_run:
+            run = Path(args.replay_run)
+        else:
+            folder.mkdir(parents=True, exist_ok=True)
+            run = folder / f"large-{args.steps}x{args.vocab}.arrow"
+            if not run.exists():
+                need = 2 * 4 * args.steps * args.vocab
+                if need > shutil.disk_usage(folder).free:
+                    raise SystemExit(f"the run needs {need / 2**30:.1f} GiB; pass --keep FOLDER or fewer --steps")
+                write_large_run(run, args.steps, args.vocab)
+        print(f"\nStep replay of {run.name} ({run.stat().st_size / 2**30:.2f} GiB); load {os.getloadavg()[0]:.1f}")
+        port = _free_port()
+        with start(run.parent, port) as server:
+            if not _wait_until_up(server.child, port):
+                raise SystemExit("the dashboard server did not start")
+            found = replay(
+                f"{server.url}/replay?run={run.name}", work / "profile-replay", args.repeats, args.play_seconds
+            )
+        for name, values in found.items():
+            _report(name, values)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
