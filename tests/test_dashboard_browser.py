@@ -199,6 +199,33 @@ def test_play_moves_the_step_slider_by_itself(server, browser):
     assert not _errors(browser)
 
 
+def _replay_shows(browser) -> tuple[int | None, int, str]:
+    """The step in the chart's title, the step slider's value and the chosen token's number on the page."""
+    return browser.execute_script(
+        "const title = [...document.querySelectorAll('.js-plotly-plot .gtitle')].map(t => t.textContent)"
+        "  .find(t => t.startsWith('Step '));"
+        "const sliders = document.querySelectorAll('[data-testid=\"stSlider\"] input[type=range]');"
+        "const chosen = document.querySelector('[data-testid=\"stMetricValue\"]');"
+        "return [title ? parseInt(title.slice(5)) : null, parseInt(sliders[sliders.length - 1].value),"
+        "  chosen ? chosen.innerText : ''];"
+    )
+
+
+def test_next_and_back_move_the_step_its_tokens_and_the_slider(server, browser):
+    """Back and Next redraw the step's part of the page: the chart, the chosen token and the slider follow."""
+    _load(browser, f"{server}/replay?run=alpha.parquet", 1)
+    assert _replay_shows(browser) == [0, 0, "␣b"]  # step 0 chose " b"
+    for button, expected in (("Next", [1, 1, "c"]), ("Next", [2, 2, "d"]), ("Back", [1, 1, "c"])):
+        next(b for b in browser.find_elements(By.TAG_NAME, "button") if button in b.text).click()
+        WebDriverWait(browser, 20, poll_frequency=0.1, ignored_exceptions=(StaleElementReferenceException,)).until(
+            lambda d: (
+                _replay_shows(d) == expected and not d.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]')
+            )
+        )
+    assert "step=1" in browser.current_url  # the address links to the step shown
+    assert not _errors(browser)
+
+
 @pytest.mark.parametrize("page", ["", "replay"])
 def test_a_markdown_image_in_a_run_title_is_shown_as_text_and_fetches_nothing(server, browser, beacon, page):
     url, requests = beacon
