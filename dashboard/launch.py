@@ -28,6 +28,7 @@ EARLY = (
     "dashboard.views",
     "dashboard.charts",
     "dashboard.text",
+    "streamlit.emojis",  # the page icon is checked against its catalogue: 0.4-1.4 s to import on the first page
 )
 
 
