@@ -37,7 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -92,6 +92,15 @@ def chromium(profile: Path):
 
 
 @dataclass
+class Timing:
+    """Seconds until the page showed the result and until it settled; what went over the WebSocket."""
+
+    shown_s: float
+    settled_s: float
+    exchanges: list[Exchange] = field(default_factory=list)
+
+
+@dataclass
 class Exchange:
     """What went over the WebSocket for one action: server seconds, whether only a fragment ran, bytes."""
 
@@ -136,12 +145,15 @@ def exchanges(driver) -> list[Exchange]:
     return done
 
 
-def settle(driver, since_ms: float, shown, timeout: float = 60.0) -> float:
-    """Seconds from ``since_ms`` (the page's clock) until the last change of the page, once ``shown(driver)``
-    holds, Streamlit's status widget is gone and nothing changed for :data:`QUIET_S`."""
+def settle(driver, since_ms: float, shown, timeout: float = 60.0) -> tuple[float, float]:
+    """Seconds from ``since_ms`` (the page's clock) until the page showed what ``shown(driver)`` checks with
+    Streamlit's status widget gone (the last change before a poll, every 50 ms, first saw it), and until its
+    last change, once nothing changed for :data:`QUIET_S` (a font that arrives late, a table that sizes its
+    columns after drawing)."""
     from selenium.webdriver.common.by import By
 
     deadline = time.monotonic() + timeout
+    first = None
     while time.monotonic() < deadline:
         try:
             ready = shown(driver) and not driver.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]')
@@ -149,8 +161,11 @@ def settle(driver, since_ms: float, shown, timeout: float = 60.0) -> float:
             ready = False
         if ready:
             now, changed = driver.execute_script("return [performance.now(), window.__changed]")
+            first = changed if first is None else first  # the change that showed it (the poll comes later)
             if now - changed >= QUIET_S * 1e3:
-                return (changed - since_ms) / 1e3
+                return (first - since_ms) / 1e3, (changed - since_ms) / 1e3
+        else:
+            first = None
         time.sleep(0.05)
     raise TimeoutError(f"the page did not settle within {timeout:.0f} s")
 
@@ -159,16 +174,16 @@ def _main_shown(driver) -> bool:
     return bool(driver.execute_script("const m = document.querySelector('main'); return m && m.innerText.trim();"))
 
 
-def first_pages(url: str, profile: Path, repeats: int) -> tuple[float, list[float]]:
-    """Seconds to a settled first page: the very first session of the server, then ``repeats`` new sessions."""
+def first_pages(url: str, profile: Path, repeats: int) -> list[Timing]:
+    """The first page: the very first session of the server, then ``repeats`` new sessions (page loads)."""
     driver = chromium(profile)
     try:
         times = []
         for _ in range(repeats + 1):
             driver.get("about:blank")
             driver.get(url)  # a new page load is a new Streamlit session
-            times.append(settle(driver, 0.0, _main_shown))
-        return times[0], times[1:]
+            times.append(Timing(*settle(driver, 0.0, _main_shown)))
+        return times
     finally:
         driver.quit()
 
@@ -217,26 +232,27 @@ def slider_step(driver) -> int:
     )
 
 
-def replay(url: str, profile: Path, repeats: int, play_seconds: float) -> dict[str, list]:
-    """Settle seconds and exchanges of Next, Back and slider moves, and Play's steps per second."""
+def replay(url: str, profile: Path, repeats: int, play_seconds: float) -> tuple[dict[str, list[Timing]], tuple]:
+    """Next (each to a step not shown yet), Back (to steps shown before), slider moves to the last step (a
+    block not read yet) and back to the first; then Play: (steps shown a second, exchanges of its ticks)."""
     from selenium.webdriver.common.keys import Keys
 
     driver = chromium(profile)
-    results: dict[str, list] = {}
+    results: dict[str, list[Timing]] = {}
     try:
         driver.get(url)
-        results["replay page (new session)"] = [settle(driver, 0.0, lambda d: shown_step(d) == 0)]
+        results["replay page (new session)"] = [Timing(*settle(driver, 0.0, lambda d: shown_step(d) == 0))]
         _frames(driver)  # the page load's frames are not a click's
 
         def act(name: str, do, expect: int) -> None:
             since = do()
-            seconds = settle(driver, since, lambda d: shown_step(d) == expect == slider_step(d))
-            results.setdefault(name, []).append((seconds, exchanges(driver)))
+            shown, settled = settle(driver, since, lambda d: shown_step(d) == expect == slider_step(d))
+            results.setdefault(name, []).append(Timing(shown, settled, exchanges(driver)))
 
-        step = 0
-        for _ in range(repeats):
-            act("Next", lambda: _click(driver, "Next"), step + 1)
-            act("Back", lambda: _click(driver, "Back"), step)
+        for step in range(1, repeats + 1):
+            act("Next (a new step)", lambda: _click(driver, "Next"), step)
+        for step in range(repeats - 1, -1, -1):
+            act("Back (a step shown before)", lambda: _click(driver, "Back"), step)
         last = int(
             driver.execute_script(
                 "const s = document.querySelectorAll('[data-testid=\"stSlider\"] input[type=range]');"
@@ -254,30 +270,22 @@ def replay(url: str, profile: Path, repeats: int, play_seconds: float) -> dict[s
         moved, elapsed = (shown_step(driver) or 0) - (first or 0), time.monotonic() - start
         ticks = exchanges(driver)
         _click(driver, "Pause")
-        results["Play"] = [(moved / elapsed, ticks)]
+        return results, (moved / elapsed, len(ticks) / elapsed, ticks)
     finally:
         driver.quit()
-    return results
 
 
-def _report(name: str, values: list) -> None:
-    if name == "Play":
-        rate, ticks = values[0]
-        server = statistics.median(t.server_s for t in ticks) if ticks else float("nan")
-        print(f"  Play: {rate:.2f} steps a second; server {server * 1e3:.0f} ms a tick (median of {len(ticks)})")
-        return
-    if not isinstance(values[0], tuple):
-        print(f"  {name:<28} settled in {statistics.median(values):6.2f} s")
-        return
-    settled = statistics.median(v[0] for v in values)
-    runs = [e for _, found in values for e in found]
-    server = statistics.median(e.server_s for e in runs) if runs else float("nan")
-    sent = statistics.median(e.bytes_received for e in runs) if runs else 0
-    scope = "fragment only" if runs and all(e.fragment_only for e in runs) else "whole page"
-    print(
-        f"  {name:<28} settled in {settled * 1e3:6.0f} ms; server {server * 1e3:5.0f} ms ({scope}), "
-        f"{sent / 1024:.0f} KiB sent (median of {len(values)})"
-    )
+def _report(name: str, values: list[Timing]) -> None:
+    shown = statistics.median(v.shown_s for v in values)
+    settled = statistics.median(v.settled_s for v in values)
+    line = f"  {name:<30} shown {shown * 1e3:6.0f} ms, settled {settled * 1e3:6.0f} ms"
+    runs = [e for v in values for e in v.exchanges]
+    if runs:
+        server = statistics.median(e.server_s for e in runs)
+        sent = statistics.median(e.bytes_received for e in runs)
+        scope = "fragment only" if all(e.fragment_only for e in runs) else "whole page"
+        line += f"; server {server * 1e3:5.0f} ms ({scope}), {sent / 1024:.0f} KiB sent"
+    print(f"{line} (median of {len(values)})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,9 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         with start(samples, port) as server:
             if not _wait_until_up(server.child, port):
                 raise SystemExit("the dashboard server did not start")
-            cold, warm = first_pages(server.url, work / "profile-first", args.repeats)
-        print(f"  first session on a new server      settled in {cold:6.2f} s")
-        _report("a new session (server warm)", warm)
+            pages = first_pages(server.url, work / "profile-first", args.repeats)
+        _report("the server's first session", pages[:1])
+        _report("a new session (server warm)", pages[1:])
         if args.replay_run:
             run = Path(args.replay_run)
         else:
@@ -316,11 +324,16 @@ def main(argv: list[str] | None = None) -> int:
         with start(run.parent, port) as server:
             if not _wait_until_up(server.child, port):
                 raise SystemExit("the dashboard server did not start")
-            found = replay(
+            found, (rate, ticks_rate, ticks) = replay(
                 f"{server.url}/replay?run={run.name}", work / "profile-replay", args.repeats, args.play_seconds
             )
         for name, values in found.items():
             _report(name, values)
+        server_s = statistics.median(t.server_s for t in ticks) if ticks else float("nan")
+        print(
+            f"  Play                           {rate:.2f} steps shown a second ({ticks_rate:.2f} ticks a second "
+            f"finished; server {server_s * 1e3:.0f} ms a tick, median of {len(ticks)})"
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
