@@ -65,14 +65,16 @@ CHROMIUM_FLAGS = (
 )
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def chromium(profile: Path):
-    """Headless Chromium from the system's packages, its network log on (the WebSocket frames)."""
+def chromium(profile: Path, *flags: str, watch: bool = False):
+    """Headless Chromium from the system's packages (:data:`CHROMIUM_FLAGS` and ``flags``), its network log
+    on (requests and WebSocket frames); with ``watch``, every page stamps its changes (:data:`WATCH`)."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -82,12 +84,13 @@ def chromium(profile: Path):
         raise SystemExit("headless Chromium is not installed: apt-get install chromium chromium-driver")
     options = webdriver.ChromeOptions()
     options.binary_location = binary
-    for flag in (*CHROMIUM_FLAGS, f"--user-data-dir={profile}"):
+    for flag in (*CHROMIUM_FLAGS, f"--user-data-dir={profile}", *flags):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"performance": "ALL"})
     os.environ.setdefault("SE_OFFLINE", "true")  # selenium's manager must not fetch anything
     driver = webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
-    driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": WATCH})
+    if watch:
+        driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": WATCH})
     return driver
 
 
@@ -176,7 +179,7 @@ def _main_shown(driver) -> bool:
 
 def first_pages(url: str, profile: Path, repeats: int) -> list[Timing]:
     """The first page: the very first session of the server, then ``repeats`` new sessions (page loads)."""
-    driver = chromium(profile)
+    driver = chromium(profile, watch=True)
     try:
         times = []
         for _ in range(repeats + 1):
@@ -237,7 +240,7 @@ def replay(url: str, profile: Path, repeats: int, play_seconds: float) -> tuple[
     block not read yet) and back to the first; then Play: (steps shown a second, exchanges of its ticks)."""
     from selenium.webdriver.common.keys import Keys
 
-    driver = chromium(profile)
+    driver = chromium(profile, watch=True)
     results: dict[str, list[Timing]] = {}
     try:
         driver.get(url)
@@ -300,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-dashboard-browser-"))
     folder = Path(args.keep) if args.keep else work / "runs"
     try:
-        port = _free_port()
+        port = free_port()
         samples = default_runs_path()
         print(f"first page of a new session on {samples}; load {os.getloadavg()[0]:.1f}", flush=True)
         with start(samples, port) as server:
@@ -320,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise SystemExit(f"the run needs {need / 2**30:.1f} GiB; pass --keep FOLDER or fewer --steps")
                 write_large_run(run, args.steps, args.vocab)
         print(f"\nStep replay of {run.name} ({run.stat().st_size / 2**30:.2f} GiB); load {os.getloadavg()[0]:.1f}")
-        port = _free_port()
+        port = free_port()
         with start(run.parent, port) as server:
             if not _wait_until_up(server.child, port):
                 raise SystemExit("the dashboard server did not start")
