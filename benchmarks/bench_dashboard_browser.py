@@ -21,8 +21,12 @@ selenium (the binaries by path: nothing is downloaded). It reports:
 For each click it also reports the *server time* (from the browser sending
 the rerun to receiving Streamlit's "script finished", read from Chromium's
 log of the WebSocket frames), whether only the step's fragment ran, and the
-bytes the server sent. Figures are medians. Goals (issue 32): a step under
-200 ms of server time, Play at 5 steps a second, the first page under 3 s.
+bytes the server sent. Figures are medians. The baseline, in the same
+browser and hour, is a one-button Streamlit script served with the same
+options (:data:`HELLO`): its first page and a click, what any Streamlit app
+costs here; each figure is also given as a ratio to it. Goals (issue 32): a
+step under 200 ms of server time, Play at 5 steps a second, the first page
+under 3 s.
 """
 
 from __future__ import annotations
@@ -278,6 +282,12 @@ def replay(url: str, profile: Path, repeats: int, play_seconds: float) -> tuple[
         driver.quit()
 
 
+def _ratio(name: str, values: list[Timing], floor: list[Timing]) -> None:
+    """How many times the baseline's time until shown ``values`` took (medians)."""
+    ratio = statistics.median(v.shown_s for v in values) / statistics.median(v.shown_s for v in floor)
+    print(f"    {name}: {ratio:.2f}x")
+
+
 def _report(name: str, values: list[Timing]) -> None:
     shown = statistics.median(v.shown_s for v in values)
     settled = statistics.median(v.settled_s for v in values)
@@ -289,6 +299,57 @@ def _report(name: str, values: list[Timing]) -> None:
         scope = "fragment only" if all(e.fragment_only for e in runs) else "whole page"
         line += f"; server {server * 1e3:5.0f} ms ({scope}), {sent / 1024:.0f} KiB sent"
     print(f"{line} (median of {len(values)})")
+
+
+#: The baseline: a one-button Streamlit script, what any Streamlit app costs in the same browser and hour.
+HELLO = """
+import streamlit as st
+if "n" not in st.session_state:
+    st.session_state.n = 0
+if st.button("Next"):
+    st.session_state.n += 1
+st.write(f"Step {st.session_state.n}")
+"""
+
+
+def baseline(folder: Path, repeats: int) -> dict[str, list[Timing]]:
+    """The first page and a button click of :data:`HELLO`, served as the dashboard is (same options)."""
+    import subprocess
+
+    from dashboard.serve import FAST_OPTIONS, QUIET_OPTIONS
+
+    script = folder / "hello.py"
+    script.write_text(HELLO)
+    port = free_port()
+    command = [sys.executable, "-m", "streamlit", "run", str(script), "--server.address", "127.0.0.1"]
+    command += ["--server.port", str(port), "--server.headless", "true"]
+    for option, value in {**QUIET_OPTIONS, **FAST_OPTIONS}.items():
+        command += [f"--{option}", value]
+    child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    driver = None
+    try:
+        if not _wait_until_up(child, port):
+            raise SystemExit("the baseline's Streamlit server did not start")
+        driver = chromium(folder / "profile-baseline", watch=True)
+
+        def says(n: int):
+            return lambda d: f"Step {n}" in (d.execute_script("return document.querySelector('main')?.innerText") or "")
+
+        results: dict[str, list[Timing]] = {}
+        for _ in range(repeats + 1):
+            driver.get("about:blank")
+            driver.get(f"http://127.0.0.1:{port}")
+            results.setdefault("first page", []).append(Timing(*settle(driver, 0.0, says(0))))
+        _frames(driver)
+        for n in range(1, repeats + 1):
+            since = _click(driver, "Next")
+            results.setdefault("a click", []).append(Timing(*settle(driver, since, says(n)), exchanges(driver)))
+        return results
+    finally:
+        if driver is not None:
+            driver.quit()
+        child.terminate()
+        child.wait(timeout=20)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-dashboard-browser-"))
     folder = Path(args.keep) if args.keep else work / "runs"
     try:
+        print(f"baseline: a one-button Streamlit script; load {os.getloadavg()[0]:.1f}", flush=True)
+        floor = baseline(work, args.repeats)
+        _report("first page (new sessions)", floor["first page"][1:])
+        _report("a button click (whole script)", floor["a click"])
         port = free_port()
         samples = default_runs_path()
         print(f"first page of a new session on {samples}; load {os.getloadavg()[0]:.1f}", flush=True)
@@ -312,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
             pages = first_pages(server.url, work / "profile-first", args.repeats)
         _report("the server's first session", pages[:1])
         _report("a new session (server warm)", pages[1:])
+        _ratio("a new session / the baseline's", pages[1:], floor["first page"][1:])
         if args.replay_run:
             run = Path(args.replay_run)
         else:
@@ -332,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         for name, values in found.items():
             _report(name, values)
+            if name != "replay page (new session)":
+                _ratio(f"{name.split(' (')[0]} / the baseline's click", values, floor["a click"])
         server_s = statistics.median(t.server_s for t in ticks) if ticks else float("nan")
         print(
             f"  Play                           {rate:.2f} steps shown a second ({ticks_rate:.2f} ticks a second "
