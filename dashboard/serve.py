@@ -19,6 +19,7 @@ it cost more than the rest of a click.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -70,9 +71,11 @@ FAST_OPTIONS = {"runner.postScriptGC": "false"}
 
 
 def _env_name(option: str) -> str:
-    """Streamlit's environment variable for a config option: ``server.showEmailPrompt`` -> ``STREAMLIT_SERVER_SHOW_EMAIL_PROMPT``."""
+    """Streamlit's environment variable for a config option: ``server.showEmailPrompt`` ->
+    ``STREAMLIT_SERVER_SHOW_EMAIL_PROMPT``, ``runner.postScriptGC`` -> ``STREAMLIT_RUNNER_POST_SCRIPT_GC``
+    (a capital after a lower-case letter or digit starts a word)."""
     section, name = option.split(".")
-    snake = "".join(f"_{c}" if c.isupper() else c for c in name).upper()
+    snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).upper()
     return f"STREAMLIT_{section.upper()}_{snake}"
 
 
