@@ -15,13 +15,17 @@ in this process:
   :class:`~dashboard.reader.RunReader` (metadata and id columns), the first
   step's table and numbers, the text, and the overview's first window of
   steps (statistics, alternatives, heatmap);
-- *a step, new block*: moving to a step whose row group (or IPC batch) was
-  not read yet; *a step, same block*: moving to a neighbour in a block
-  already read (served from the reader's cache);
+- *a step drawn, new block*: what Step replay's fragment does for a step
+  whose row group (or IPC batch) was not read yet: the row read, its table
+  and numbers, the figure, and Streamlit's serialisation of figure and
+  table; *same block*: the same for a neighbour in a block already read
+  (the reader's cache). Streamlit's own cost of a fragment rerun, and the
+  browser's, are what ``bench_dashboard_browser.py`` adds;
 - *through Streamlit*: ``AppTest`` runs of the real pages on a fresh server
   and session (script, widgets, figure serialisation included): the run
   browser (which opens the run), the overview, the step replay, a slider move
-  to a new block and the Next button.
+  to a new block and the Next button (``AppTest`` reruns the whole script on
+  a click: in a browser, Next reruns only the step's fragment).
 
 With ``--new-session``, what a newcomer waits for instead: in a new Python
 process (nothing imported, nothing cached), the first page of a new session
@@ -52,6 +56,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tracker  # noqa: E402
+from dashboard import charts  # noqa: E402
 from dashboard.reader import RunReader  # noqa: E402
 from dashboard.synthetic import write_large_run  # noqa: E402
 from dashboard.views import step_summary, step_table, token_pieces, window_view  # noqa: E402
@@ -85,20 +90,35 @@ def first_view(path: Path, window: int) -> RunReader:
     return reader
 
 
-def step_times(reader: RunReader, repeats: int) -> tuple[float, float]:
-    """Median seconds for a step in a block not read yet, and for its neighbour (same block)."""
+def draw_step(reader: RunReader, track, position: int) -> int:
+    """What Step replay's fragment computes and sends for one step: the row read, its table and numbers,
+    the figure, and Streamlit's serialisation of both (figure JSON, table Arrow). Returns the bytes."""
+    import plotly.io
+    import plotly.tools
+    from streamlit import dataframe_util
+
+    row = reader.step(track, position)
+    table = step_table(row, reader.vocab, 10)
+    summary = step_summary(row, reader.vocab)
+    stages = list(row.stages)
+    figure = charts.step_bars(table, stages, title=f"Step {summary.step}: top 10 tokens by stage")
+    spec = plotly.io.to_json(plotly.tools.return_figure_from_figure_or_data(figure, True), validate=False)
+    shown = dataframe_util.convert_pandas_df_to_arrow_bytes(table.drop(columns=["token"]))
+    return len(spec) + len(shown)
+
+
+def step_times(reader: RunReader, repeats: int) -> tuple[float, float, int]:
+    """Median seconds to draw a step in a block not read yet, and its neighbour (same block); bytes a step."""
     track = reader.track(0, 0)
     stride = max(1, track.length // (repeats + 1))
-    fresh, near = [], []
+    fresh, near, sent = [], [], []
     for i in range(1, repeats + 1):
         position = i * stride
         for bucket, where in ((fresh, position), (near, position + 1)):
             start = time.perf_counter()
-            row = reader.step(track, min(where, track.length - 1))
-            step_table(row, reader.vocab, 10)
-            step_summary(row, reader.vocab)
+            sent.append(draw_step(reader, track, min(where, track.length - 1)))
             bucket.append(time.perf_counter() - start)
-    return statistics.median(fresh), statistics.median(near)
+    return statistics.median(fresh), statistics.median(near), int(statistics.median(sent))
 
 
 def through_streamlit(path: Path, repeats: int) -> dict[str, float]:
@@ -126,7 +146,7 @@ def through_streamlit(path: Path, repeats: int) -> dict[str, float]:
         timed("overview page (first window)", lambda: at.switch_page("app_pages/overview.py").run())
         timed("replay page", lambda: at.switch_page("app_pages/replay.py").run())
         timed("replay: slider to a new block", lambda: at.slider(key="step_slider").set_value(1000 + 997 * i).run())
-        timed("replay: Next (same block)", lambda: at.button(key="next").click().run())
+        timed("replay: Next (whole script)", lambda: at.button(key="next").click().run())
     return {name: statistics.median(values) for name, values in times.items()}
 
 
@@ -227,12 +247,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  baseline: tracker.Run.load (mmap)     {load * 1e3:9.1f} ms")
             view = _median(lambda: first_view(path, WINDOW), args.repeats)
             reader = first_view(path, WINDOW)
-            fresh, near = step_times(reader, args.repeats)
+            fresh, near, sent = step_times(reader, args.repeats)
             print(
                 f"  first view (open, step 0, {WINDOW}-step overview) {view * 1e3:9.1f} ms   (whole-file read / first view: {whole / view:.1f})"
             )
-            print(f"  a step, new block                     {fresh * 1e3:9.1f} ms")
-            print(f"  a step, same block (cached)           {near * 1e3:9.1f} ms")
+            print(
+                f"  a step drawn, new block               {fresh * 1e3:9.1f} ms   ({sent / 1024:.0f} KiB of figure and table)"
+            )
+            print(f"  a step drawn, same block (cached)     {near * 1e3:9.1f} ms")
             print(
                 f"  bytes read for {reader.blocks_read} blocks: {reader.bytes_read / 2**20:.1f} MiB of {path.stat().st_size / 2**20:,.0f} MiB"
             )

@@ -25,6 +25,7 @@ __all__ = [
     "STAGE_NAMES",
     "color",
     "layout",
+    "layout_spec",
     "stage_colors",
     "stage_names",
 ]
@@ -91,8 +92,13 @@ def integer_steps(fig: go.Figure, steps: pd.Series | Sequence[int]) -> None:
         fig.update_xaxes(dtick=1)
 
 
-def layout(fig: go.Figure, title: str, height: int) -> go.Figure:
-    fig.update_layout(
+#: Axis styles every figure shares.
+X_AXIS = dict(showgrid=False, linecolor="#ccc")
+Y_AXIS = dict(gridcolor="#eee", zerolinecolor="#ccc")
+
+
+def _shared(title: str, height: int) -> dict:
+    return dict(
         title=dict(text=title, x=0, xanchor="left"),
         height=height,
         margin=dict(l=50, r=20, t=60, b=40),
@@ -100,6 +106,16 @@ def layout(fig: go.Figure, title: str, height: int) -> go.Figure:
         legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1),
         plot_bgcolor="white",
     )
-    fig.update_xaxes(showgrid=False, linecolor="#ccc")
-    fig.update_yaxes(gridcolor="#eee", zerolinecolor="#ccc")
+
+
+def layout(fig: go.Figure, title: str, height: int) -> go.Figure:
+    """The shared title, size, fonts, legend and axis styles, on every axis of ``fig``."""
+    fig.update_layout(_shared(title, height))
+    fig.update_xaxes(X_AXIS)
+    fig.update_yaxes(Y_AXIS)
     return fig
+
+
+def layout_spec(title: str, height: int, xaxis: dict, yaxis: dict) -> dict:
+    """:func:`layout` as a plain layout dict for a figure of one x and one y axis, each merged with its style."""
+    return {**_shared(title, height), "xaxis": {**X_AXIS, **xaxis}, "yaxis": {**Y_AXIS, **yaxis}}

@@ -182,14 +182,19 @@ def step_table(row: StepRow, vocab: Vocabulary, k: int = 10) -> pd.DataFrame:
     chosen_at = np.nonzero(ids == row.chosen)[0]
     if chosen_at.size and chosen_at[0] not in keep:
         keep = np.append(keep, chosen_at[0])
-    frame = pd.DataFrame({"token_id": ids, "token": [vocab.display[int(i)] for i in ids], "chosen": ids == row.chosen})
-    for name, column in columns.items():
-        frame[name] = column
     removed = []
     for i in range(ids.size):
         first = next((s for s in stages if columns[f"{s}_state"][i] == "masked"), "")  # type: ignore[index]
         removed.append(first)
-    frame["removed_by"] = removed
+    frame = pd.DataFrame(  # built at once: a column added at a time costs more than the rest of the table
+        {
+            "token_id": ids,
+            "token": [vocab.display[int(i)] for i in ids],
+            "chosen": ids == row.chosen,
+            **columns,
+            "removed_by": removed,
+        }
+    )
     frame = frame.iloc[keep]
     order = np.lexsort((-frame[f"{stages[-1]}_prob"].fillna(0).to_numpy(), -frame["natural_prob"].fillna(0).to_numpy()))
     frame = frame.iloc[order].reset_index(drop=True)

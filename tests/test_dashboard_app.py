@@ -194,9 +194,11 @@ def test_play_moves_one_step_per_tick_and_stops_at_the_end(runs):
     _ok(at)
     assert at.session_state["playing"] and at.session_state["step"] == 1 and at.button(key="play").label == "⏸ Pause"
     at.run()  # a tick of the timer
-    assert at.session_state["step"] == 2
+    assert at.session_state["step"] == 2 and _plain(at.metric[0].value) == "d"  # step 2 chose "d"
+    assert not at.dataframe  # while playing, the step's table of numbers waits ...
     at.button(key="play").click().run()  # pause
     assert not at.session_state["playing"] and at.session_state["step"] == 2
+    assert at.dataframe[0].value["token"].tolist()[:1] == ["d"]  # ... and comes back at the pause, for this step
     at.button(key="play").click().run()
     at.run()
     assert at.session_state["step"] == 3 and not at.session_state["playing"]  # the last step stops the play

@@ -8,16 +8,16 @@ No tool here downloads a browser: the binaries are given by path.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.parse
 import urllib.request
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,19 +36,14 @@ if CHROMIUM is None or CHROMEDRIVER is None:
         allow_module_level=True,
     )
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from bench_dashboard_browser import chromium, free_port  # noqa: E402
 from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
-from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 TOKENS = ["a", " b", "c", "d", "e", "<eos>"]
 BARE_LINKS = "https://example.invalid/page www.example.invalid someone@example.invalid"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +89,7 @@ def server(tmp_path_factory, beacon):
     links = hand_made_run(natural[:1], chosen[:1], TOKENS, eos_token_id=5, title=f"Links {BARE_LINKS}")
     meta = replace(links.metadata, model="https://example.invalid/model")
     type(links)(links.to_arrow().to_batches(), meta, links.vocab).to_parquet(folder / "links.parquet")
-    port = _free_port()
+    port = free_port()
     log = open(folder / "server.log", "wb")
     process = subprocess.Popen(streamlit_command(port), env=streamlit_env(folder), stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
@@ -117,24 +112,8 @@ def server(tmp_path_factory, beacon):
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    profile = tmp_path_factory.mktemp("chromium-profile")
-    for argument in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--no-first-run",
-        f"--user-data-dir={profile}",
-        "--window-size=1400,1300",
-        "--hide-scrollbars",
-    ):
-        options.add_argument(argument)
-    options.set_capability("goog:loggingPrefs", {"performance": "ALL"})  # the network log, see _requests
-    os.environ.setdefault("SE_OFFLINE", "true")  # selenium's manager must not fetch anything
-    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    # the benchmark's Chromium: the system's binaries by path, a 1,400 x 1,300 window, the network log on
+    driver = chromium(tmp_path_factory.mktemp("chromium-profile"), "--hide-scrollbars")
     yield driver
     driver.quit()
 
@@ -196,6 +175,33 @@ def test_play_moves_the_step_slider_by_itself(server, browser):
     WebDriverWait(
         browser, 20, poll_frequency=0.2, ignored_exceptions=(ValueError, IndexError, StaleElementReferenceException)
     ).until(lambda d: step() >= 2)
+    assert not _errors(browser)
+
+
+def _replay_shows(browser) -> tuple[int | None, int, str]:
+    """The step in the chart's title, the step slider's value and the chosen token's number on the page."""
+    return browser.execute_script(
+        "const title = [...document.querySelectorAll('.js-plotly-plot .gtitle')].map(t => t.textContent)"
+        "  .find(t => t.startsWith('Step '));"
+        "const sliders = document.querySelectorAll('[data-testid=\"stSlider\"] input[type=range]');"
+        "const chosen = document.querySelector('[data-testid=\"stMetricValue\"]');"
+        "return [title ? parseInt(title.slice(5)) : null, parseInt(sliders[sliders.length - 1].value),"
+        "  chosen ? chosen.innerText : ''];"
+    )
+
+
+def test_next_and_back_move_the_step_its_tokens_and_the_slider(server, browser):
+    """Back and Next redraw the step's part of the page: the chart, the chosen token and the slider follow."""
+    _load(browser, f"{server}/replay?run=alpha.parquet", 1)
+    assert _replay_shows(browser) == [0, 0, "␣b"]  # step 0 chose " b"
+    for button, expected in (("Next", [1, 1, "c"]), ("Next", [2, 2, "d"]), ("Back", [1, 1, "c"])):
+        next(b for b in browser.find_elements(By.TAG_NAME, "button") if button in b.text).click()
+        WebDriverWait(browser, 20, poll_frequency=0.1, ignored_exceptions=(StaleElementReferenceException,)).until(
+            lambda d, expected=expected: (
+                _replay_shows(d) == expected and not d.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]')
+            )
+        )
+    assert "step=1" in browser.current_url  # the address links to the step shown
     assert not _errors(browser)
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
 import pandas as pd
+import plotly.graph_objects as go
 import pytest
 
 from dashboard import charts, text, views
@@ -125,6 +127,14 @@ def test_step_bars_draw_each_stage_mark_the_masked_token_and_the_chosen_one(tabl
     assert masked[0].y[0] == pytest.approx(0.5, rel=1e-5)  # at the height the model gave it
     assert [a.text for a in fig.layout.annotations] == ["chosen"] and fig.layout.annotations[0].x == 1
     assert fig.layout.yaxis.type is None and fig.layout.yaxis.title.text == "probability"
+
+
+@pytest.mark.parametrize("value, log_y", [("prob", False), ("prob", True), ("logit", False)])
+def test_step_bars_pass_plotly_s_own_validation(table, value, log_y):
+    """The figure is built without plotly's checks (it is drawn at every click): plotly accepts it in full."""
+    fig = charts.step_bars(table, ["natural", "constrained"], value=value, log_y=log_y, title="step 0")
+    checked = go.Figure(fig.to_dict())  # raises on any property plotly does not know or any value it refuses
+    assert json.loads(checked.to_json()) == json.loads(fig.to_json())  # and draws the same
 
 
 def test_tokens_the_sampler_cut_are_marked_apart_from_those_the_constraint_masked():

@@ -67,6 +67,19 @@ def test_the_server_never_prompts_nor_collects_usage_statistics(tmp_path, starte
     )
 
 
+def test_the_server_skips_the_garbage_collection_after_each_script_run(tmp_path, started):
+    """It cost more than the rest of a Step replay click; the name of each option's variable is Streamlit's own."""
+    import streamlit.config
+
+    assert main(["dashboard", str(tmp_path)]) == 0
+    ((command, env),) = started
+    assert command[command.index("--runner.postScriptGC") + 1] == "false"
+    assert env["STREAMLIT_RUNNER_POST_SCRIPT_GC"] == "false"
+    options = streamlit.config.get_config_options()
+    for option in {**serve.QUIET_OPTIONS, **serve.FAST_OPTIONS}:
+        assert env[options[option].env_var] == ({**serve.QUIET_OPTIONS, **serve.FAST_OPTIONS})[option], option
+
+
 def test_the_default_path_finds_sample_runs_in_a_checkout_and_in_an_installed_package(tmp_path):
     runs = sorted(p.name for p in default_runs_path().glob("*.parquet"))
     assert "regex_phone.parquet" in runs and len(runs) >= 8

@@ -48,6 +48,7 @@ def _toggle_play() -> None:
 
 def _move(delta: int) -> None:
     st.session_state["step"] = max(0, min(last, st.session_state["step"] + delta))
+    st.session_state["step_slider"] = st.session_state["step"]  # only the fragment reruns: the slider follows here
     if st.session_state.get("playing"):
         st.session_state["stop_timer"] = True  # the fragment's timer goes with a rerun of the whole page
     st.session_state["playing"] = False
@@ -164,6 +165,8 @@ def _stepper() -> None:
         )
     if (table[[f"{s}_state" for s in stages]] == "not stored").any(axis=None):
         st.caption("? marks a value this run's top-k storage did not keep: unknown, not masked.")
+    if st.session_state.get("playing"):
+        return  # the table waits for a pause: no one reads it at five steps a second, and the browser draws less
     with st.expander("The numbers"):
         # tokens labelled as in the chart (a space as ␣, a newline as ↵)
         st.dataframe(table.drop(columns=["token"]).rename(columns={"label": "token"}), hide_index=True, width="stretch")
