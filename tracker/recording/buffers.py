@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["HostBuffer", "BufferPool", "SHARED_POOL", "PinnedRing", "numpy_dtype_for", "trim_heap"]
+__all__ = ["HostBuffer", "BufferPool", "SHARED_POOL", "PinnedRing", "numpy_dtype_for", "trim_heap", "exiting"]
 
 _MAP_MIN = 1 << 20  # smaller buffers come from the heap
 _TOUCH_PIECE = 1 << 20  # pages touched per numpy call off the decode thread (see prefault)
@@ -163,6 +163,20 @@ def background_thread(name: str) -> Callable[[], ThreadPoolExecutor]:
 
     return get
 
+
+_EXITING = threading.Event()
+
+
+def exiting() -> bool:
+    """Whether the interpreter is shutting down: background work still queued then is dropped, not done
+    (nothing will read it), so that a script ending right after a long run does not wait for it."""
+    return _EXITING.is_set()
+
+
+try:  # called before the interpreter joins the worker threads (the private hook concurrent.futures uses)
+    threading._register_atexit(_EXITING.set)  # type: ignore[attr-defined]
+except (AttributeError, RuntimeError):  # another interpreter, or already shutting down
+    pass
 
 #: The one background thread that touches buffers ahead of time.
 _preparer = background_thread("logitscope-prefault")

@@ -21,13 +21,14 @@ and the views it holds keep those buffers out of the pool until it is done.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 import torch
 
-from tracker.recording.buffers import background_thread
+from tracker.recording.buffers import background_thread, exiting
 from tracker.recording.chunks import Chunk
 from tracker.recording.record_stats import chosen_stats, eos_on, row_stats
 
@@ -92,6 +93,8 @@ class ChunkStats:
             self._pending.pop(key, None)
 
     def _fill(self, chunk: Chunk, stages: list[str], eos_ids: list[int]) -> None:
+        if exiting() and threading.current_thread() is not threading.main_thread():
+            return  # the interpreter is shutting down: a queued chunk is left, nothing will read it
         with self._lock:
             buffers = chunk.buffers
             if not buffers or chunk.on_disk:

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tracker.recording.buffers import BufferPool, HostBuffer, background_thread
+from tracker.recording.buffers import BufferPool, HostBuffer, background_thread, exiting
 from tracker.recording.chunks import Chunk, StepRows
 from tracker.recording.record_stats import chosen_stats, offset_rows, stage_stats, summarise_topk
 from tracker.recording.storage import Storage
@@ -376,7 +376,7 @@ class DeferredRows:
         while True:
             with self._guard:
                 step = next((s for s in self._queue if not s.workers and not s.stored and not s.failed), None)
-                if step is None:
+                if step is None or exiting():  # at exit nothing will read what is left
                     self._running = False
                     return
                 step.workers += 1
