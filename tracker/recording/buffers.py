@@ -300,11 +300,11 @@ class BufferPool:
             return None
         with self.lock:
             self.allocated_bytes += sum(need)  # counted when asked for, so a reader sees it at once
-        mapped = [size for size in need if size >= _MAP_MIN] if populates() else []
-        ready = [HostBuffer(_fresh(size), size) for size in mapped]  # usable at once, populated off this thread
+        mapped = populates()  # mapped buffers are usable at once, populated off this thread
+        ready = [HostBuffer(_fresh(size), size) for size in need if mapped and size >= _MAP_MIN]
         for buf in ready:
             self.give(buf)
-        rest = list((Counter(need) - Counter(mapped)).elements())  # heap buffers: touched before they are given
+        rest = [size for size in need if not mapped or size < _MAP_MIN]  # touched before they are given
         if not rest:
             done: Future[list[HostBuffer]] = Future()
             done.set_result(ready)

@@ -21,7 +21,6 @@ and the views it holds keep those buffers out of the pool until it is done.
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future
 from typing import Any
 
@@ -58,7 +57,13 @@ class ChunkStats:
         if chunk.host is None or chunk.n == 0:
             return
         stages, eos_ids = list(stages), list(eos_ids)
-        self._pending[id(chunk)] = (_worker().submit(self._fill, chunk, stages, eos_ids), chunk, stages, eos_ids)
+        self._pending[id(chunk)] = (_worker().submit(self._later, chunk, stages, eos_ids), chunk, stages, eos_ids)
+
+    def _later(self, chunk: Chunk, stages: list[str], eos_ids: list[int]) -> None:
+        """The background thread's work on one chunk; skipped once the interpreter is shutting down (nothing
+        will read it then, and the exit would wait for it)."""
+        if not exiting():
+            self._fill(chunk, stages, eos_ids)
 
     def complete(self, chunk: Chunk, stages: list[str], eos_ids: list[int]) -> None:
         """Compute, now, the statistics of every written row the background thread has not stored.
@@ -93,8 +98,6 @@ class ChunkStats:
             self._pending.pop(key, None)
 
     def _fill(self, chunk: Chunk, stages: list[str], eos_ids: list[int]) -> None:
-        if exiting() and threading.current_thread() is not threading.main_thread():
-            return  # the interpreter is shutting down: a queued chunk is left, nothing will read it
         with self._lock:
             buffers = chunk.buffers
             if not buffers or chunk.on_disk:

@@ -180,9 +180,8 @@ class DeferredRows:
 
     def __init__(self, pool: BufferPool) -> None:
         self._pool = pool
-        self._guard = (
-            threading.RLock()
-        )  # the queue, the blocks and their counts (the background thread takes it briefly)
+        # the queue, the blocks and their counts (the background thread takes it briefly)
+        self._guard = threading.RLock()
         self._queue: deque[_Step] = deque()  # steps done with, oldest first, not yet stored
         self._current: _Step | None = None
         self._block: _Block | None = None
