@@ -348,16 +348,26 @@ class Recorder:
     # ---------------------------------------------------------------- reading
 
     def batches(self) -> list[pa.RecordBatch]:
-        """Every row so far as record batches (drains CUDA staging: synchronises once). Spilled chunks are
-        memory-mapped files; chunks on their way to disk are read from memory. Waits first (outside the lock)
-        for statistics the background thread has queued."""
+        """Every row so far as record batches (see :meth:`read`)."""
+        return self.read()[0]
+
+    def read(self) -> tuple[list[pa.RecordBatch], list[dict[str, np.ndarray]]]:
+        """``(batches, maxima)``: every row so far as record batches, and per batch the group maxima of each
+        stage whose rows all have them (read-only views; see :mod:`tracker.recording.chunk_stats`).
+
+        Drains CUDA staging (synchronises once). Spilled chunks are
+        memory-mapped files (no maxima); chunks on their way to disk are read
+        from memory. Waits first (outside the lock) for statistics the
+        background thread has queued.
+        """
         self._stats.wait()  # no row's statistics computed twice; the rest are computed below
         with self._lock:
             self._deferred.complete()  # rows still in float32 staging: stored here
             self._drain_staging(everything=True)
             self._collect()
             schema = self.schema()
-            return [self._batch_of(chunk, schema) for chunk in self._chunks if chunk.n]
+            chunks = [chunk for chunk in self._chunks if chunk.n]
+            return [self._batch_of(chunk, schema) for chunk in chunks], [self._maxima_of(chunk) for chunk in chunks]
 
     def flush(self) -> None:
         """Wait until sealed chunks' statistics are computed, staged rows stored, and chunks queued for the disk
@@ -392,14 +402,14 @@ class Recorder:
         layout: Layout = {"chosen": ((capacity,), torch.int64)}
         for stage in self.stages:
             for name, (shape, dtype) in self.storage.layout(
-                stage, vocab, self.record_stats or self.background_stats
+                stage, vocab, self.record_stats or self.background_stats, self.background_stats
             ).items():
                 layout[name] = ((capacity, *shape), dtype)
         return layout
 
     def _capacity(self, batch: int) -> int:
         stats = self.record_stats or self.background_stats
-        per_row = self.storage.row_bytes(self.stages, self.vocab_size or 0, stats)
+        per_row = self.storage.row_bytes(self.stages, self.vocab_size or 0, stats, self.background_stats)
         return chunk_rows(batch, per_row, self.chunk_bytes, self.memory_limit, self._spill_queue)
 
     def _new_chunk(self, batch: int, device: torch.device) -> Chunk:
@@ -485,6 +495,19 @@ class Recorder:
             self._handoff.notice(
                 self.storage, self.stages, self.vocab_size or 0, self.rows / max(1, self._steps), self.memory_limit or 0
             )
+
+    def _maxima_of(self, chunk: Chunk) -> dict[str, np.ndarray]:
+        """The group maxima of each stage of ``chunk`` whose written rows all have them (call after
+        :meth:`_batch_of`, which computes what the background thread had not)."""
+        if chunk.spilled is not None or chunk.host is None:
+            return {}
+        n, out = chunk.n, {}
+        for stage, known in chunk.maxima_known.items():
+            if f"{stage}:gmax" in chunk.arrays and known[:n].all():
+                view = chunk.arrays[f"{stage}:gmax"][:n]
+                view.flags.writeable = False
+                out[stage] = view
+        return out
 
     def _batch_of(self, chunk: Chunk, schema: pa.Schema) -> pa.RecordBatch:
         if chunk.spilled is not None:
