@@ -45,12 +45,14 @@ def rows_like_a_models(gen: torch.Generator, scale: float) -> torch.Tensor:
     return x * scale
 
 
-def record(seed: int, scale: float = 3.0, tracker: LogitTrackingProcessor | None = None) -> LogitTrackingProcessor:
+def record(
+    seed: int, scale: float = 3.0, tracker: LogitTrackingProcessor | None = None, statistics: str = "auto"
+) -> LogitTrackingProcessor:
     """Two generations into small chunks: NaN and +inf entries, a fully masked row, and the processor raising
     once (that step keeps only the model's row); rows alternate between random ones and model-like ones."""
     gen = torch.Generator().manual_seed(seed)
     if tracker is None:
-        tracker = LogitTrackingProcessor(MaskedUntilItRaises(fail_at=12), memory_limit=None)
+        tracker = LogitTrackingProcessor(MaskedUntilItRaises(fail_at=12), memory_limit=None, statistics=statistics)
         tracker.recorder.chunk_bytes = 1 << 20  # a few steps a chunk: several sealed while recording
     ids = torch.ones(2, 3, dtype=torch.long)
     for t in range(30):
@@ -95,16 +97,18 @@ def assert_same(ours: dict[str, object], theirs: dict[str, object]) -> None:
             assert ours[key] == value, key
 
 
-def test_the_trackers_answers_equal_those_of_its_rows_read_without_the_index():
-    tracker = record(seed=11)
+@pytest.mark.parametrize("statistics", ["auto", "record"])  # kept off the decode thread, or as each row is written
+def test_the_trackers_answers_equal_those_of_its_rows_read_without_the_index(statistics):
+    tracker = record(seed=11, statistics=statistics)
     run = tracker.run
     assert any(run._maxima), "precondition: the tracker kept group maxima for some chunk"
     assert len(run.generations()) == 2
     assert_same(answers(run), answers(without_index(run)))
 
 
-def test_top_tokens_with_the_index_match_a_float64_reference():
-    tracker = record(seed=12)
+@pytest.mark.parametrize("statistics", ["auto", "record"])
+def test_top_tokens_with_the_index_match_a_float64_reference(statistics):
+    tracker = record(seed=12, statistics=statistics)
     run = tracker.run
     table = run.to_arrow()
     natural = table.column("natural_logits").combine_chunks()
@@ -139,8 +143,9 @@ def test_top_tokens_with_the_index_match_a_float64_reference():
     assert checked > 20
 
 
-def test_memory_reused_after_clear_leaves_no_stale_index():
-    tracker = record(seed=13, scale=40.0)  # large logits: stale maxima would be far above the next run's
+@pytest.mark.parametrize("statistics", ["auto", "record"])
+def test_memory_reused_after_clear_leaves_no_stale_index(statistics):
+    tracker = record(seed=13, scale=40.0, statistics=statistics)  # stale maxima would be far above the next run's
     first = answers(tracker.run)
     tracker.clear()
     record(seed=14, scale=0.5, tracker=tracker)
@@ -160,3 +165,25 @@ def test_maxima_must_match_the_batches():
     run = tracker.run
     with pytest.raises(ValueError, match="maxima must hold one entry per batch"):
         Run(run._record_batches(), run.metadata, Vocabulary.placeholder(VOCAB), maxima=[{}])
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_group_maxima_on_the_device_equal_the_read_sides_fold(device, dtype):
+    from tracker.reading.rows import group_max
+    from tracker.recording.record_stats import group_maxima
+
+    gen = torch.Generator().manual_seed(21)
+    x = (torch.randn(5, VOCAB + 9, generator=gen) * 4).to(
+        dtype
+    )  # a tail past the last group, as some vocabularies have
+    x[1, 300] = float("nan")
+    x[2, 7] = float("inf")
+    x[3] = float("-inf")
+    x[4, ::5] = float("-inf")
+    found = group_maxima(x.to(device)).float().cpu().numpy()
+    expected = group_max(x.float().numpy())
+    np.testing.assert_array_equal(found, expected)

@@ -16,6 +16,8 @@ buffers): the index the read side's candidate searches start from
 ``to_dataframe`` does not fold every row again. They are handed to the
 tracker's :class:`~tracker.Run` beside its record batches, never written to a
 file: a run read from disk has no such index and folds its rows when asked.
+(Rows recorded with their statistics get their maxima the same way, on their
+device: :func:`tracker.recording.deferred.store_stage`.)
 
 Rows the background thread has not reached when they are read (the chunk
 still filling, the last step's chosen tokens) are computed then, by

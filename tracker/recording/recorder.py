@@ -401,15 +401,14 @@ class Recorder:
         vocab = self.vocab_size or 0
         layout: Layout = {"chosen": ((capacity,), torch.int64)}
         for stage in self.stages:
-            for name, (shape, dtype) in self.storage.layout(
-                stage, vocab, self.record_stats or self.background_stats, self.background_stats
-            ).items():
+            stats = self.record_stats or self.background_stats
+            for name, (shape, dtype) in self.storage.layout(stage, vocab, stats, stats).items():
                 layout[name] = ((capacity, *shape), dtype)
         return layout
 
     def _capacity(self, batch: int) -> int:
         stats = self.record_stats or self.background_stats
-        per_row = self.storage.row_bytes(self.stages, self.vocab_size or 0, stats, self.background_stats)
+        per_row = self.storage.row_bytes(self.stages, self.vocab_size or 0, stats, stats)
         return chunk_rows(batch, per_row, self.chunk_bytes, self.memory_limit, self._spill_queue)
 
     def _new_chunk(self, batch: int, device: torch.device) -> Chunk:
