@@ -112,13 +112,15 @@ def _stepper() -> None:
     else:
         moves[2].slider("Step", 0, last, key="step_slider", on_change=_slid, help="Drag, or use Play, Back and Next.")
     position = int(st.session_state["step"])
-    widgets.follow_link("step", str(position))  # a link to this page shows this step
+    playing_now = bool(st.session_state.get("playing"))
+    if not playing_now:  # while playing, the address follows at the pause: a new one each tick costs the browser
+        widgets.follow_link("step", str(position))  # a link to this page shows this step
     try:
         table, summary = data.step(picked.path, picked.generation, picked.sequence, position, int(k))
     except BadRunError as exc:
         widgets.show_bad_run(picked.summary.label, exc.reason)
         return
-    st.html(text.text_so_far_html(prompt, pieces[:position], pieces[position]))
+    text_so_far = text.text_so_far_html(prompt, pieces[:position], pieces[position])
     shown = [s for s in stages if s in summary.p_chosen]
     removed = summary.removed_mass
     numbers = [
@@ -137,12 +139,17 @@ def _stepper() -> None:
     ]
     # each number as wide as its text (or its label, in smaller type) needs: a long token is not cut short
     widths = [
-        max(4, len(shown_as.replace("\\", "")), 0.4 * len(label) + (3 if note else 1))
+        min(16, max(4, len(shown_as.replace("\\", "")), 0.4 * len(label) + (3 if note else 1)))
         for label, shown_as, note in numbers
     ]
-    cells = st.columns([min(16, w) for w in widths])
-    for cell, (label, shown_as, note) in zip(cells, numbers):
-        cell.metric(label, shown_as, help=note)
+    if playing_now:
+        # the text and the numbers as one element, the numbers drawn as the metrics are: five times a second the
+        # browser redraws one block of HTML instead of a row of columns holding a metric each
+        st.html(text_so_far + text.numbers_html(numbers, widths))
+    else:
+        st.html(text_so_far)
+        for cell, (label, shown_as, note) in zip(st.columns(widths), numbers):
+            cell.metric(label, shown_as, help=note)
     if summary.processor_error:
         st.warning("The wrapped processor raised at this step: only the model's distribution was recorded.")
     st.plotly_chart(
@@ -154,6 +161,7 @@ def _stepper() -> None:
             title=f"Step {summary.step}: top {min(k, len(table))} tokens by stage",  # top-k storage may hold fewer
             names=names,
             run_stages=run_stages,
+            steady=playing_now,
         ),
         key="step_bars",
         width="stretch",
@@ -165,7 +173,7 @@ def _stepper() -> None:
         )
     if (table[[f"{s}_state" for s in stages]] == "not stored").any(axis=None):
         st.caption("? marks a value this run's top-k storage did not keep: unknown, not masked.")
-    if st.session_state.get("playing"):
+    if playing_now:
         return  # the table waits for a pause: no one reads it at five steps a second, and the browser draws less
     with st.expander("The numbers"):
         # tokens labelled as in the chart (a space as ␣, a newline as ↵)
