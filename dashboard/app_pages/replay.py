@@ -39,11 +39,12 @@ st.session_state["step"] = min(int(st.session_state.get("step", 0)), last)
 st.session_state["step_slider"] = st.session_state["step"]
 
 
-def _toggle_play() -> None:
-    playing = not st.session_state.get("playing", False)
-    if playing and st.session_state["step"] >= last:
+def _play(start: bool) -> None:
+    """Play or pause, as the button said when it was drawn: a click the server sees twice (a tick of the timer
+    can interrupt the rerun the click asked for, which then runs again with the click) still pauses."""
+    if start and not st.session_state.get("playing", False) and st.session_state["step"] >= last:
         st.session_state["step"] = 0  # playing from the end starts over
-    st.session_state["playing"] = playing
+    st.session_state["playing"] = start
 
 
 def _move(delta: int) -> None:
@@ -68,7 +69,12 @@ controls = st.columns([1, 2, 2, 2])
 playing = bool(st.session_state.get("playing", False))
 one_step = last == 0  # nothing to play or move to
 controls[0].button(
-    "⏸ Pause" if playing else "▶ Play", key="play", on_click=_toggle_play, width="stretch", disabled=one_step
+    "⏸ Pause" if playing else "▶ Play",
+    key="play",
+    on_click=_play,
+    args=(not playing,),
+    width="stretch",
+    disabled=one_step,
 )
 widgets.keep("replay_value", "prob", ["prob", "logit"])
 value = controls[1].radio(
