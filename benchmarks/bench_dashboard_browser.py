@@ -16,7 +16,11 @@ selenium (the binaries by path: nothing is downloaded). It reports:
   Arrow IPC, written by :func:`dashboard.synthetic.write_large_run` to a
   temporary folder removed at the end, or to ``--keep``): Next, Back and a
   slider move to a far step, each from the click until the page shows that
-  step and settles; and Play's steps per second over ``--play-seconds``.
+  step and settles; and Play's steps per second over ``--play-seconds``,
+  with what each step shown cost the browser: its main thread's script,
+  layout and style seconds (DevTools' ``Performance.getMetrics``)
+  and the CPU seconds of its renderer processes, which other jobs on the
+  machine do not inflate as they do wall time.
 
 For each click it also reports the *server time* (from the browser sending
 the rerun to receiving Streamlit's "script finished", read from Chromium's
@@ -272,14 +276,56 @@ def replay(url: str, profile: Path, repeats: int, play_seconds: float) -> tuple[
         _click(driver, "Play")
         time.sleep(1.0)  # the timer's first ticks
         _frames(driver)
+        driver.execute_cdp_cmd("Performance.enable", {})
+        before, cpu_before = main_thread(driver), renderer_cpu(driver)
         first, start = shown_step(driver), time.monotonic()
         time.sleep(play_seconds)
         moved, elapsed = (shown_step(driver) or 0) - (first or 0), time.monotonic() - start
+        after, cpu_after = main_thread(driver), renderer_cpu(driver)
         ticks = exchanges(driver)
         _click(driver, "Pause")
-        return results, (moved / elapsed, len(ticks) / elapsed, ticks)
+        per_step = {name: (after[name] - before[name]) / max(moved, 1) for name in after}
+        per_step["renderer CPU"] = (cpu_after - cpu_before) / max(moved, 1)
+        return results, (moved / elapsed, len(ticks) / elapsed, ticks, per_step)
     finally:
         driver.quit()
+
+
+#: What Chromium's DevTools protocol (``Performance.getMetrics``) counts of the page's main thread, in seconds.
+MAIN_THREAD = ("ScriptDuration", "LayoutDuration", "RecalcStyleDuration")
+
+
+def main_thread(driver) -> dict[str, float]:
+    """Seconds the page's main thread has spent so far running scripts, laying out and restyling."""
+    metrics = driver.execute_cdp_cmd("Performance.getMetrics", {})["metrics"]
+    return {m["name"]: float(m["value"]) for m in metrics if m["name"] in MAIN_THREAD}
+
+
+def renderer_cpu(driver) -> float:
+    """CPU seconds (user and system, all threads) Chromium's renderer processes under this driver have used:
+    unlike wall time, it does not grow when other jobs hold the cores (Linux ``/proc``; 0 elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir() if Path("/proc/self/stat").exists() else []:
+        try:
+            children.setdefault(int(_stat(entry)[1]), []).append(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    total, todo = 0.0, [driver.service.process.pid]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            if b"--type=renderer" in (Path("/proc") / str(pid) / "cmdline").read_bytes():
+                fields = _stat(Path("/proc") / str(pid))
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except OSError:
+            continue
+    return total
+
+
+def _stat(process: Path) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command name (state first, parent's pid second)."""
+    return (process / "stat").read_text().rsplit(")", 1)[1].split()
 
 
 def _ratio(name: str, values: list[Timing], floor: list[Timing]) -> None:
@@ -393,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         with start(run.parent, port) as server:
             if not _wait_until_up(server.child, port):
                 raise SystemExit("the dashboard server did not start")
-            found, (rate, ticks_rate, ticks) = replay(
+            found, (rate, ticks_rate, ticks, per_step) = replay(
                 f"{server.url}/replay?run={run.name}", work / "profile-replay", args.repeats, args.play_seconds
             )
         for name, values in found.items():
@@ -404,6 +450,13 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  Play                           {rate:.2f} steps shown a second ({ticks_rate:.2f} ticks a second "
             f"finished; server {server_s * 1e3:.0f} ms a tick, median of {len(ticks)})"
+        )
+        print(
+            "    the browser a step shown: main thread "
+            + ", ".join(
+                f"{name.removesuffix('Duration').lower()} {per_step[name] * 1e3:.0f} ms" for name in MAIN_THREAD
+            )
+            + f"; renderer processes' CPU {per_step['renderer CPU'] * 1e3:.0f} ms; load {os.getloadavg()[0]:.1f}"
         )
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -57,6 +57,11 @@ __all__ = [
 ]
 
 
+#: The margins (px) the step's bars start with while playing: what plotly's automargin gives one line of token
+#: labels and probabilities from 0 to 1 in the dashboard's fonts (71 px at the bottom, 71-78 at the left).
+STEADY_MARGINS = {"l": 80, "b": 72}
+
+
 def _marks(x: np.ndarray, y: np.ndarray, tokens: np.ndarray, mark: dict, hover: str, legend: set[str]) -> dict:
     """A row of ✕ (masked) or ? (not stored) markers, each labelled; ``mark`` gives word, colour, symbol, name.
     The first row of a name (not yet in ``legend``, which it joins) shows in the legend."""
@@ -91,6 +96,7 @@ def step_bars(
     title: str = "",
     names: Mapping[str, str] | None = None,
     run_stages: Sequence[str] | None = None,
+    steady: bool = False,
 ) -> go.Figure:
     """Grouped bars of one step's tokens (from :func:`dashboard.views.step_table`), one colour per stage.
 
@@ -109,7 +115,14 @@ def step_bars(
     Step replay draws this figure at every click and every tick of Play, so
     it is built as a plain dict and handed to plotly without its property
     validation (30 ms a figure of the 40 it took; the tests validate the same
-    figures in full).
+    figures in full). Streamlit draws each new figure as a new plot, so the
+    layout spares plotly the work it can: tick labels are not measured, each
+    against every other, for overflow past the chart's edge (the margins keep
+    them inside; one that still passes it is cut there, not hidden), and with
+    ``steady`` (Play) the margins start wide enough for the usual labels,
+    so that plotly draws the figure once instead of again with the margins
+    its labels push out, and the plot area stays put from step to step
+    (labels that need more still widen them).
     """
     if value not in ("prob", "logit"):
         raise ValueError(f"value must be 'prob' or 'logit', got {value!r}")
@@ -204,12 +217,15 @@ def step_bars(
         ticktext=ticks,
         range=[-0.5, len(table) - 0.5],
         tickfont=_TOKEN_FONT,
+        ticklabeloverflow="allow",
     )
-    yaxis = dict(title=dict(text="probability" if value == "prob" else "logit"))
+    yaxis = dict(title=dict(text="probability" if value == "prob" else "logit"), ticklabeloverflow="allow")
     if log_scale:
         yaxis["type"] = "log"
     layout = _layout_spec(title, 420, xaxis, yaxis)
     layout.update(barmode="overlay", annotations=annotations)
+    if steady:
+        layout["margin"] = {**layout["margin"], **STEADY_MARGINS}
     return go.Figure(dict(data=traces, layout=layout), _validate=False)
 
 

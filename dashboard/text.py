@@ -38,6 +38,8 @@ __all__ = [
     "token_text_html",
     "text_so_far_html",
     "divergent_text_html",
+    "md_shown",
+    "numbers_html",
 ]
 
 _MD_ESCAPES = str.maketrans({c: "\\" + c for c in string.punctuation})
@@ -59,6 +61,15 @@ def md_text(value: object) -> str:
     invisible :data:`WORD_JOINER` goes after its ``:``, ``www`` or ``@``.
     """
     return _AUTOLINK.sub(WORD_JOINER, str(value).translate(_LINE_BREAKS)).translate(_MD_ESCAPES)
+
+
+_MD_ESCAPED = re.compile("\\\\([" + re.escape(string.punctuation) + "])")
+
+
+def md_shown(value: str) -> str:
+    """What Markdown shows of ``value``: each backslash-escaped ASCII punctuation mark as the mark itself (the
+    text :func:`md_text` was given; a backslash before anything else stays, as Markdown shows it)."""
+    return _MD_ESCAPED.sub(r"\1", value)
 
 
 def plot_text(value: object) -> str:
@@ -203,3 +214,33 @@ def divergent_text_html(prompt: str, pieces: Sequence[str], divergence: int | No
             f'<span style="background:rgba(228,87,86,0.25); border-radius:3px">{html.escape("".join(rest))}</span>'
         )
     return f'<div class="logitscope-text" style="{_STYLE}">{"".join(parts)}</div>'
+
+
+#: The numbers' row as ``st.metric`` draws it in a row of ``st.columns`` (Streamlit 1.67): a 1rem gap between
+#: columns, a 14 px label line 24 px high, a 36 px value with 4 px below it; the page's font and colours.
+_ROW = "display:flex; gap:1rem; margin-top:1rem; width:100%;"
+_CELL = "flex:{weight:.6g} 1 0; min-width:0;"
+_LABEL = (
+    "font-size:14px; line-height:24px; min-height:24px; white-space:nowrap; overflow:hidden; text-overflow:ellipsis;"
+)
+_VALUE = "font-size:36px; padding-bottom:4px; white-space:nowrap; overflow:hidden; text-overflow:ellipsis;"
+
+
+def numbers_html(numbers: Sequence[tuple[str, str, str | None]], widths: Sequence[float]) -> str:
+    """A row of labelled numbers as one block of HTML, drawn as ``st.metric`` in ``st.columns(widths)`` draws them.
+
+    ``numbers`` are ``(label, value, help)`` in the Markdown ``st.metric`` takes (:func:`md_text`); each is shown
+    as that Markdown shows it, escaped, with its help on hover. Step replay draws its numbers this way while
+    playing: one element for the browser to redraw each step instead of a column and a metric per number.
+    """
+    if len(numbers) != len(widths):
+        raise ValueError(f"numbers and widths must be as long, got {len(numbers)} numbers and {len(widths)} widths")
+    cells = []
+    for (label, value, note), weight in zip(numbers, widths):
+        hover = f' title="{html.escape(note)}"' if note else ""
+        cells.append(
+            f'<div style="{_CELL.format(weight=weight)}">'
+            f'<div style="{_LABEL}"{hover}>{html.escape(md_shown(label))}</div>'
+            f'<div style="{_VALUE}">{html.escape(md_shown(value))}</div></div>'
+        )
+    return f'<div class="logitscope-numbers" style="{_ROW}">{"".join(cells)}</div>'

@@ -6,6 +6,7 @@ import base64
 import html
 import json
 import re
+from html.parser import HTMLParser
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -188,17 +189,48 @@ def test_step_replay_moves_steps_with_the_slider_and_the_buttons(runs):
     assert _charts(at)[0]["layout"]["yaxis"]["title"]["text"] == "logit"
 
 
+class _Texts(HTMLParser):
+    """The texts of an HTML block in order, and the ``title`` (hover) of each element that has one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.texts: list[str] = []
+        self.titles: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        self.titles += [value for name, value in attrs if name == "title"]
+
+    def handle_data(self, data: str) -> None:
+        self.texts.append(data)
+
+
+def _numbers(at: AppTest) -> tuple[list[tuple[str, str]], list[str]]:
+    """Step replay's numbers as a reader sees them, (label, value) in order, and their help texts: from the
+    metrics when paused, from the one block of HTML that holds them while playing."""
+    if at.metric:
+        return [(_plain(m.label), _plain(m.value)) for m in at.metric], [m.help for m in at.metric if m.help]
+    block = [h.value for h in at.html if "logitscope-numbers" in h.value]
+    assert len(block) == 1, "no metrics and no block of numbers on the page"
+    texts = _Texts()
+    texts.feed(block[0][block[0].index('<div class="logitscope-numbers"') :])
+    return list(zip(texts.texts[::2], texts.texts[1::2])), texts.titles
+
+
 def test_play_moves_one_step_per_tick_and_stops_at_the_end(runs):
     at = _app(runs, "replay")
     at.button(key="play").click().run()
     _ok(at)
     assert at.session_state["playing"] and at.session_state["step"] == 1 and at.button(key="play").label == "⏸ Pause"
     at.run()  # a tick of the timer
-    assert at.session_state["step"] == 2 and _plain(at.metric[0].value) == "d"  # step 2 chose "d"
-    assert not at.dataframe  # while playing, the step's table of numbers waits ...
+    playing = _numbers(at)
+    assert at.session_state["step"] == 2 and playing[0][0] == ("Chosen token", "d")  # step 2 chose "d"
+    assert not at.metric and not at.dataframe  # while playing, one block shows the numbers; the table waits ...
+    assert at.query_params.get("step") == "0"  # ... and the address follows at the pause
     at.button(key="play").click().run()  # pause
     assert not at.session_state["playing"] and at.session_state["step"] == 2
     assert at.dataframe[0].value["token"].tolist()[:1] == ["d"]  # ... and comes back at the pause, for this step
+    assert _numbers(at) == playing and len(playing[0]) == 5  # the same numbers, labels and help as the metrics
+    assert at.query_params.get("step") == "2"
     at.button(key="play").click().run()
     at.run()
     assert at.session_state["step"] == 3 and not at.session_state["playing"]  # the last step stops the play

@@ -129,12 +129,28 @@ def test_step_bars_draw_each_stage_mark_the_masked_token_and_the_chosen_one(tabl
     assert fig.layout.yaxis.type is None and fig.layout.yaxis.title.text == "probability"
 
 
+@pytest.mark.parametrize("steady", [False, True])
 @pytest.mark.parametrize("value, log_y", [("prob", False), ("prob", True), ("logit", False)])
-def test_step_bars_pass_plotly_s_own_validation(table, value, log_y):
+def test_step_bars_pass_plotly_s_own_validation(table, value, log_y, steady):
     """The figure is built without plotly's checks (it is drawn at every click): plotly accepts it in full."""
-    fig = charts.step_bars(table, ["natural", "constrained"], value=value, log_y=log_y, title="step 0")
+    fig = charts.step_bars(table, ["natural", "constrained"], value=value, log_y=log_y, title="step 0", steady=steady)
     checked = go.Figure(fig.to_dict())  # raises on any property plotly does not know or any value it refuses
     assert json.loads(checked.to_json()) == json.loads(fig.to_json())  # and draws the same
+
+
+@pytest.mark.parametrize("value, log_y", [("prob", False), ("prob", True), ("logit", False)])
+def test_the_step_bars_drawn_while_playing_differ_only_in_their_margins(table, value, log_y):
+    """Play's figure: the same bars, marks, labels, hover, colours and title; only the margins it starts with
+    (those automargin gives the usual labels) differ, and automargin still widens them for longer labels."""
+    paused, playing = (
+        json.loads(charts.step_bars(table, ["natural", "constrained"], value=value, log_y=log_y, steady=s).to_json())
+        for s in (False, True)
+    )
+    assert playing["data"] == paused["data"]
+    margins = playing["layout"].pop("margin"), paused["layout"].pop("margin")
+    assert playing["layout"] == paused["layout"]
+    assert margins[0] == {**margins[1], **charts.STEADY_MARGINS} != margins[1]
+    assert all(playing["layout"][axis].get("automargin") is not False for axis in ("xaxis", "yaxis"))
 
 
 def test_tokens_the_sampler_cut_are_marked_apart_from_those_the_constraint_masked():

@@ -18,7 +18,7 @@ from dashboard import data
 from dashboard.discover import find_runs
 from dashboard.paths import APP, ENV_ANY_PATH, ENV_PATH
 from dashboard.synthetic import hand_made_run
-from dashboard.text import md_text
+from dashboard.text import md_shown, md_text, numbers_html
 from tracker.format.schema import META_RUN
 
 IMAGE = "http://127.0.0.1:9/leak.png"
@@ -112,6 +112,18 @@ def test_md_text_escapes_every_markdown_construct():
         shown = md_text(text)
         # the text itself, with a word joiner (U+2060) where a bare URL would have become a link
         assert re.sub(r"\\(.)", r"\1", shown).replace("\u2060", "") == text.replace("\n", " ")
+
+
+def test_numbers_drawn_as_html_show_run_text_as_the_metrics_do():
+    """While playing, Step replay draws its numbers as one block of HTML from the Markdown it gives the metrics:
+    each shows as that Markdown does, as text, whatever a token holds."""
+    for text in (TITLE, PROMPT_TEXT, "<b>x</b>", "a\\b", "**bold** & <img src=x>", "50%"):
+        assert md_shown(md_text(text)).replace("\u2060", "") == text.replace("\n", " ")  # U+2060: see md_text
+    block = numbers_html([(md_text("<token>"), md_text("<img src=x> **b**"), 'help "<i>"')], [4])
+    assert "<img" not in block and "&lt;img src=x&gt; **b**" in block and "&lt;token&gt;" in block
+    assert 'title="help &quot;&lt;i&gt;&quot;"' in block
+    with pytest.raises(ValueError, match="numbers and widths"):
+        numbers_html([("a", "b", None)], [1, 2])
 
 
 def test_the_path_box_stays_inside_the_served_folder(tmp_path, monkeypatch):

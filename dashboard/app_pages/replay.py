@@ -39,11 +39,12 @@ st.session_state["step"] = min(int(st.session_state.get("step", 0)), last)
 st.session_state["step_slider"] = st.session_state["step"]
 
 
-def _toggle_play() -> None:
-    playing = not st.session_state.get("playing", False)
-    if playing and st.session_state["step"] >= last:
+def _play(start: bool) -> None:
+    """Play or pause, as the button said when it was drawn: a click the server sees twice (a tick of the timer
+    can interrupt the rerun the click asked for, which then runs again with the click) still pauses."""
+    if start and not st.session_state.get("playing", False) and st.session_state["step"] >= last:
         st.session_state["step"] = 0  # playing from the end starts over
-    st.session_state["playing"] = playing
+    st.session_state["playing"] = start
 
 
 def _move(delta: int) -> None:
@@ -68,7 +69,12 @@ controls = st.columns([1, 2, 2, 2])
 playing = bool(st.session_state.get("playing", False))
 one_step = last == 0  # nothing to play or move to
 controls[0].button(
-    "⏸ Pause" if playing else "▶ Play", key="play", on_click=_toggle_play, width="stretch", disabled=one_step
+    "⏸ Pause" if playing else "▶ Play",
+    key="play",
+    on_click=_play,
+    args=(not playing,),
+    width="stretch",
+    disabled=one_step,
 )
 widgets.keep("replay_value", "prob", ["prob", "logit"])
 value = controls[1].radio(
@@ -112,13 +118,15 @@ def _stepper() -> None:
     else:
         moves[2].slider("Step", 0, last, key="step_slider", on_change=_slid, help="Drag, or use Play, Back and Next.")
     position = int(st.session_state["step"])
-    widgets.follow_link("step", str(position))  # a link to this page shows this step
+    playing_now = bool(st.session_state.get("playing"))
+    if not playing_now:  # while playing, the address follows at the pause: a new one each tick costs the browser
+        widgets.follow_link("step", str(position))  # a link to this page shows this step
     try:
         table, summary = data.step(picked.path, picked.generation, picked.sequence, position, int(k))
     except BadRunError as exc:
         widgets.show_bad_run(picked.summary.label, exc.reason)
         return
-    st.html(text.text_so_far_html(prompt, pieces[:position], pieces[position]))
+    text_so_far = text.text_so_far_html(prompt, pieces[:position], pieces[position])
     shown = [s for s in stages if s in summary.p_chosen]
     removed = summary.removed_mass
     numbers = [
@@ -137,12 +145,17 @@ def _stepper() -> None:
     ]
     # each number as wide as its text (or its label, in smaller type) needs: a long token is not cut short
     widths = [
-        max(4, len(shown_as.replace("\\", "")), 0.4 * len(label) + (3 if note else 1))
+        min(16, max(4, len(shown_as.replace("\\", "")), 0.4 * len(label) + (3 if note else 1)))
         for label, shown_as, note in numbers
     ]
-    cells = st.columns([min(16, w) for w in widths])
-    for cell, (label, shown_as, note) in zip(cells, numbers):
-        cell.metric(label, shown_as, help=note)
+    if playing_now:
+        # the text and the numbers as one element, the numbers drawn as the metrics are: five times a second the
+        # browser redraws one block of HTML instead of a row of columns holding a metric each
+        st.html(text_so_far + text.numbers_html(numbers, widths))
+    else:
+        st.html(text_so_far)
+        for cell, (label, shown_as, note) in zip(st.columns(widths), numbers):
+            cell.metric(label, shown_as, help=note)
     if summary.processor_error:
         st.warning("The wrapped processor raised at this step: only the model's distribution was recorded.")
     st.plotly_chart(
@@ -154,6 +167,7 @@ def _stepper() -> None:
             title=f"Step {summary.step}: top {min(k, len(table))} tokens by stage",  # top-k storage may hold fewer
             names=names,
             run_stages=run_stages,
+            steady=playing_now,
         ),
         key="step_bars",
         width="stretch",
@@ -165,7 +179,7 @@ def _stepper() -> None:
         )
     if (table[[f"{s}_state" for s in stages]] == "not stored").any(axis=None):
         st.caption("? marks a value this run's top-k storage did not keep: unknown, not masked.")
-    if st.session_state.get("playing"):
+    if playing_now:
         return  # the table waits for a pause: no one reads it at five steps a second, and the browser draws less
     with st.expander("The numbers"):
         # tokens labelled as in the chart (a space as ␣, a newline as ↵)
