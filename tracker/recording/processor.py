@@ -297,10 +297,14 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
         step = ctx.num_generated
         with self._shared.lock:
             gen = self._generation_for(ctx, batch, step)
-            self._chosen_from_input(gen, ctx, int(logits.shape[1]), step)
-            rows = recorder.begin_step(gen.id, step, batch, int(logits.shape[1]), logits.device)
-            gen.last_rows, gen.last_step, gen.chosen_known = rows, step, False
-            recorder.write(rows, "natural", logits)
+            rows = self._plain_step(gen, ctx, logits, step)  # the common case in one go (hot_path), or None
+            if rows is None:
+                self._chosen_from_input(gen, ctx, int(logits.shape[1]), step)
+                rows = recorder.begin_step(gen.id, step, batch, int(logits.shape[1]), logits.device)
+                gen.last_rows, gen.last_step, gen.chosen_known = rows, step, False
+                recorder.write(rows, "natural", logits)
+            else:
+                gen.last_rows, gen.last_step, gen.chosen_known = rows, step, False
         processor = self.processor
         if processor is None:
             return logits

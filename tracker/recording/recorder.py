@@ -40,6 +40,7 @@ from tracker.recording.chunk_memory import IN_FLIGHT, ChunkMemory, Layout, chunk
 from tracker.recording.chunk_stats import ChunkStats
 from tracker.recording.chunks import Chunk, CudaStaging, StepRows, conform, to_batch
 from tracker.recording.deferred import DeferredRows, store_stage
+from tracker.recording.hot_path import PlainSteps
 from tracker.recording.record_stats import chosen_stats, eos_on
 from tracker.recording.spill_handoff import Describe, SpillHandoff, SpillWarning
 from tracker.recording.storage import STATISTICS, Storage, stats_when_recorded
@@ -47,7 +48,7 @@ from tracker.recording.storage import STATISTICS, Storage, stats_when_recorded
 __all__ = ["Storage", "StepRows", "Recorder", "SpillWarning"]
 
 
-class Recorder:
+class Recorder(PlainSteps):
     """Rows of logits from any device into Arrow record batches.
 
     Args:
@@ -214,34 +215,20 @@ class Recorder:
             handoff = self._handoff
             if handoff.pending or handoff.failure is not None:
                 self.raise_failure()  # the disk refused a chunk (now or since the last step): said once
-            self._steps += 1
-            start = chunk.n
-            end = start + batch
-            chunk.n = end
-            # rows are reserved once, in order: their flags are still the zeros they were made with
-            chunk.generation[start:end] = generation
-            if self._arange.shape[0] < batch:
-                self._arange = np.arange(batch, dtype=np.int32)
-            chunk.sequence[start:end] = self._arange[:batch]
-            chunk.step[start:end] = step
-            chunk.arrays["chosen"][start:end] = -1
-            chunk.version += 1
-            self.version += 1
-            return StepRows(chunk, start, batch, generation, step)
+            return self._reserve(chunk, generation, step, batch)
 
     def write(
         self, rows: StepRows, stage: str, values: torch.Tensor, natural: torch.Tensor | None = None, owned: bool = False
     ) -> None:
         """Record ``values [count, V]`` as ``stage`` for the reserved rows, with their statistics.
 
-        ``natural`` (the rows before the processor, unmodified; by default
-        this step's) supplies the natural logits at the stage's top-k ids and
-        the removed mass and margin. ``owned``: nobody else holds ``values``.
-        Runs every step and stage. Kernels and ``non_blocking`` copies only:
-        does not synchronise with the device.
+        ``natural`` (the rows before the processor, unmodified; by default this step's) supplies the natural
+        logits at the stage's top-k ids and the removed mass and margin. ``owned``: nobody else holds ``values``.
+        Runs every step and stage. Kernels and ``non_blocking`` copies only: does not synchronise.
         """
         with self._lock:
-            self._write(rows, stage, values, natural, owned)
+            if not self.plain_write(rows, stage, values):  # float32 rows kept as they come: a memcpy
+                self._write(rows, stage, values, natural, owned)
 
     def _write(
         self, rows: StepRows, stage: str, values: torch.Tensor, natural: torch.Tensor | None, owned: bool
