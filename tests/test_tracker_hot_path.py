@@ -171,6 +171,7 @@ class Paths:
         with self.monkeypatch.context() as m:
             m.setattr(Recorder, "plain_step", lambda recorder, *args: None)
             m.setattr(Recorder, "plain_write", lambda recorder, *args: False)
+            m.setattr(Recorder, "plain_chosen", lambda recorder, *args: False)
             m.setattr(hosts, "host_ids", lambda ids: None)
             full = scenario(seed)
         return fast, full
@@ -292,13 +293,18 @@ def test_a_host_that_tells_the_tokens_records_the_same_run(paths):
         tracker.add_stage("sampled")
         events: list[Any] = []
         ids = prompt(rng, 2, 3)
-        for _ in range(6):
+        for t in range(6):
             logits = random_logits(rng, 2)
             ctx = BatchContext(input_ids=ids, prompt_length=3)
             out = tracker.process(logits, ctx)
             tracker.sample_tap(torch.softmax(out.nan_to_num(0.0), dim=-1))
             tokens = torch.from_numpy(rng.integers(0, V, size=2))
-            tracker.on_sampled(tokens, ctx)
+            if t == 3:  # an id outside the vocabulary is refused, then the host tells the right ones
+                try:
+                    tracker.on_sampled(torch.tensor([1, V + 2]), ctx)
+                except ValueError as exc:
+                    events.append(str(exc))
+            tracker.on_sampled(tokens if t % 2 else tokens.to(torch.int32)[:, None], ctx)
             ids = torch.cat([ids, tokens[:, None]], dim=1)
             events.append(None)
         tracker.finish()
@@ -308,6 +314,8 @@ def test_a_host_that_tells_the_tokens_records_the_same_run(paths):
     fast, full = paths.both(scenario, seed)
     assert_same_runs(fast, full, seed)
     assert paths.fast_steps == 5  # every step but the first (which makes the first chunk)
+    assert "on_sampled (generation 0, step 3): chosen token of row 1" in fast["events"][3]
+    assert fast["columns"]["chosen"][1].tolist() == full["columns"]["chosen"][1].tolist()
 
 
 def test_threads_sharing_a_tracker_record_each_generation_as_given(paths):

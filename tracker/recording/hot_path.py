@@ -125,15 +125,8 @@ class PlainSteps:
             written = chunk.written.get("natural")
             if written is None:
                 return None
-            if previous is not None:
-                done = previous.chunk
-                if done.on_disk or chosen is None or chosen.size != previous.count:
-                    return None
-                start, end = previous.start, previous.start + previous.count
-                done.arrays["chosen"][start:end] = chosen  # as np.copyto(casting="unsafe"), cheaper
-                done.chosen_set[start:end] = True
-                done.version += 1
-                self.version += 1
+            if previous is not None and (chosen is None or not self._plain_chosen(previous, chosen)):
+                return None
             self._deferred.next_step()
             rows = self._reserve(chunk, generation, step, batch)
             start, end = rows.start, rows.start + batch
@@ -142,6 +135,24 @@ class PlainSteps:
             chunk.version += 1
             self.version += 1
             return rows
+
+    def plain_chosen(self, rows: StepRows, chosen: np.ndarray) -> bool:
+        """:meth:`set_chosen` of host ids (already checked against the vocabulary) in the plain case, True when
+        done; False (nothing done) otherwise. Every step; numpy writes only: does not synchronise."""
+        with self._lock:
+            return self._plain_chosen(rows, chosen)
+
+    def _plain_chosen(self, rows: StepRows, chosen: np.ndarray) -> bool:
+        chunk = rows.chunk
+        if chunk.on_disk or chunk.host is None or chosen.size != rows.count or not self._plain():
+            return False  # the full path collects, refuses or computes the chosen token's statistics
+        start = rows.start
+        end = start + rows.count
+        chunk.arrays["chosen"][start:end] = chosen.reshape(-1)  # as np.copyto(casting="unsafe"), cheaper
+        chunk.chosen_set[start:end] = True
+        chunk.version += 1
+        self.version += 1
+        return True
 
     def _reserve(self, chunk: Chunk, generation: int, step: int, batch: int) -> StepRows:
         """The next ``batch`` rows of ``chunk`` for a step (it has room): their id columns, no value yet.

@@ -71,6 +71,7 @@ from tracker.format.layout import folder_arg
 from tracker.reading.prompt import leading_pad_mask, prompt_logprobs, prompt_rows, score_prompt
 from tracker.reading.run import Run
 from tracker.recording.hosts import TransformersHost, check_chosen, check_tracker_arguments, find_tokenizer
+from tracker.recording.hot_path import host_ids, ids_in_range
 from tracker.recording.processor_stages import apply_recording, per_processor
 from tracker.recording.queries import RunQueries
 from tracker.recording.recorder import Recorder, Storage
@@ -399,10 +400,11 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
         """
         gen = self._current()
         if gen is not None and gen.last_rows is not None:
-            check_chosen(
-                tokens, self.recorder.vocab_size or 0, f"on_sampled (generation {gen.id}, step {gen.last_step})"
-            )
-            self.recorder.set_chosen(gen.last_rows, tokens)
+            vocab = self.recorder.vocab_size or 0
+            ids = host_ids(tokens) if isinstance(tokens, torch.Tensor) else None  # on the CPU: a numpy view
+            if ids is None or not ids_in_range(ids, vocab) or not self.recorder.plain_chosen(gen.last_rows, ids):
+                check_chosen(tokens, vocab, f"on_sampled (generation {gen.id}, step {gen.last_step})")
+                self.recorder.set_chosen(gen.last_rows, tokens)
             gen.chosen_known = True
         if self.processor is not None:
             self.processor.on_sampled(tokens, ctx)
