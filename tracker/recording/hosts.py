@@ -37,7 +37,7 @@ from processors.protocol import continues, free_to_read
 from processors.vocab import hf_tokenizer
 from tracker.reading.run import Run
 from tracker.recording.chunks import StepRows
-from tracker.recording.hot_path import host_ids, ids_continue, ids_in_range
+from tracker.recording.hot_path import HOST_IDS, host_ids, ids_continue, ids_in_range
 from tracker.recording.recorder import Recorder
 from tracker.recording.run_metadata import Generation
 
@@ -88,14 +88,10 @@ def check_chosen(tokens: Any, vocab_size: int, where: str) -> None:
         if tokens.device.type != "cpu":
             return
         flat = tokens.detach().reshape(-1)
-        values = (flat if flat.dtype in _ID_TYPES else flat.to(torch.int64)).numpy()
+        values = (flat if flat.dtype in HOST_IDS else flat.to(torch.int64)).numpy()
     else:
         values = np.asarray(list(tokens), dtype=np.int64).reshape(-1)
-    if values.size <= _FEW:
-        listed = values.tolist()  # a few ids: compared in Python, cheaper than numpy's reductions
-        if not listed or (min(listed) >= 0 and max(listed) < vocab_size):
-            return
-    elif values.min() >= 0 and values.max() < vocab_size:
+    if ids_in_range(values, vocab_size):
         return
     bad = np.flatnonzero((values < 0) | (values >= vocab_size))
     if bad.size:
@@ -104,10 +100,6 @@ def check_chosen(tokens: Any, vocab_size: int, where: str) -> None:
             f"{where}: chosen token of row {row} is {int(values[row])}, outside the vocabulary [0, {vocab_size})"
             + (f" ({bad.size} rows out of range)" if bad.size > 1 else "")
         )
-
-
-_ID_TYPES = (torch.int64, torch.int32)  # read as they are (a numpy view); other types are converted
-_FEW = 64
 
 
 @dataclass
