@@ -11,6 +11,7 @@ also compared with the values the host gave, so both paths are checked against t
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -23,7 +24,7 @@ import torch
 from processors import BatchContext, LogitsProcessor, ProcessorList
 from tracker import LogitTrackingProcessor
 from tracker.recording import hosts
-from tracker.recording.recorder import Recorder
+from tracker.recording.recorder import Recorder, SpillWarning
 
 V = 96
 
@@ -350,3 +351,29 @@ def test_threads_sharing_a_tracker_record_each_generation_as_given(paths):
     seed = fresh_seed()
     paths.both(scenario, seed)
     assert paths.fast_steps > 40
+
+
+def test_a_run_that_spills_to_disk_records_the_same_run(paths, tmp_path):
+    """Past the memory bound finished chunks go to disk while the generation goes on: the last step's chosen
+    tokens then land in a chunk that may be on its way there (the full path's case)."""
+    spilled: list[int] = []
+
+    def scenario(seed: int) -> dict[str, Any]:
+        rng = np.random.default_rng(seed)
+        folder = tmp_path / f"spill{len(spilled)}"
+        tracker = LogitTrackingProcessor(RandomMask(seed), memory_limit=0, chunk_bytes=3 * 2 * 1000, spill_dir=folder)
+        host = Host(tracker, rng)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SpillWarning)  # said once per run: spilling is what is tested here
+            out = host.generate(prompt(rng, 2, 4), 12)
+            tracker.finish(out)
+            host.generate(prompt(rng, 2, 5), 7)
+        tracker.recorder.flush()
+        spilled.append(tracker.recorder.chunks_spilled)
+        assert_rows_are_the_inputs(tracker, host.given)
+        return outcome(tracker, host.events)
+
+    seed = fresh_seed()
+    fast, full = paths.both(scenario, seed)
+    assert_same_runs(fast, full, seed)
+    assert min(spilled) > 0 and paths.fast_steps > 6
