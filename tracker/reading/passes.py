@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from tracker.format.schema import flag_column
-from tracker.reading.block import Block, full_rows, read_as_recorded, topk_columns
+from tracker.reading.block import Block, contiguous, full_rows, read_as_recorded, topk_columns
 from tracker.reading.rows import (
     group_max,
     groupable,
@@ -155,7 +155,12 @@ class Passes(Selecting):
                     continue
                 facts = known[stage]
                 read[stage], new = _read(
-                    batches[b], stage, rows, vocab, None if facts is None else facts["nonfinite"][start:end]
+                    batches[b],
+                    stage,
+                    rows,
+                    vocab,
+                    None if facts is None else facts["nonfinite"][start:end],
+                    self._group_maxima(b, stage),
                 )
                 if new is not None:
                     found[stage] = new
@@ -166,12 +171,15 @@ class Passes(Selecting):
             if "natural" in todo and len(todo) > 1:  # one exp pass for natural and the stages that only mask it
                 others = [stage for stage in todo if stage != "natural"]
                 lses["natural"], shared = logsumexp_shared(
-                    read["natural"][0], read["natural"][2], [read[s][0] for s in others], [read[s][2] for s in others]
+                    read["natural"][0],
+                    _top(read["natural"]),
+                    [read[s][0] for s in others],
+                    [_top(read[s]) for s in others],
                 )
                 lses.update(zip(others, shared))
             for stage in todo:
                 if stage not in lses:
-                    lses[stage] = logsumexp_rows(read[stage][0], read[stage][2])
+                    lses[stage] = logsumexp_rows(read[stage][0], _top(read[stage]))
             for stage in stages:
                 values, gmax, _ = read[stage]
                 if stage in found:
@@ -190,20 +198,29 @@ class Passes(Selecting):
 
 
 def _read(
-    batch: Any, stage: str, rows: np.ndarray, vocab: int, nonfinite: np.ndarray | None
+    batch: Any,
+    stage: str,
+    rows: np.ndarray,
+    vocab: int,
+    nonfinite: np.ndarray | None,
+    maxima: np.ndarray | None = None,
 ) -> tuple[tuple[np.ndarray, np.ndarray | None, np.ndarray], dict[str, np.ndarray] | None]:
-    """``((values, group maxima, row maxima), facts)``: rows of a stage as the record reads them.
+    """``((values, group maxima, row maxima or None), facts)``: rows of a stage as the record reads them (the
+    row maxima where this read found them; :func:`_top` gives them when needed).
 
     ``nonfinite`` flags the rows holding NaN or ``+inf`` when known; else
     the rows' maxima tell (NaN or ``+inf``), their NaN entries are counted,
     and ``facts`` returns both (the log-sum-exp is added by the caller).
+    ``maxima``: the group maxima of every row of the batch, when the data
+    came with them (read at ``rows`` instead of folding the rows).
     """
     values, valid = full_rows(batch, stage, rows, vocab)
-    gmax = group_max(values) if groupable(values) else None
-    top = row_max(values, gmax)
-    facts = None
-    bad = nonfinite
+    gmax = None
+    if groupable(values):
+        gmax = group_max(values) if maxima is None else _at(maxima, rows)
+    top, facts, bad = None, None, nonfinite
     if bad is None:
+        top = row_max(values, gmax)
         bad = np.isnan(top) | (top == np.inf)
         nan = np.zeros(rows.size)
         if bad.any():
@@ -213,5 +230,16 @@ def _read(
     if fixed is not values:
         values = fixed
         gmax = group_max(values) if gmax is not None else None
-        top = row_max(values, gmax)
+        top = None
     return (values, gmax, top), facts
+
+
+def _top(read: tuple[np.ndarray, np.ndarray | None, np.ndarray | None]) -> np.ndarray:
+    """The row maxima of what :func:`_read` returned (from its group maxima where it has them)."""
+    values, gmax, top = read
+    return row_max(values, gmax) if top is None else top
+
+
+def _at(array: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``array[rows]``: a view when the rows are consecutive."""
+    return array[int(rows[0]) : int(rows[-1]) + 1] if contiguous(rows) else array[rows]

@@ -129,6 +129,11 @@ class Selecting:
     def _record_batches(self) -> list[pa.RecordBatch]:
         raise NotImplementedError
 
+    def _group_maxima(self, batch: int, stage: str) -> np.ndarray | None:
+        """Group maxima of every row of a stage in batch ``batch`` given with the data (``[rows, V // 16]``),
+        or None: then the reads fold the rows themselves."""
+        return None
+
     @property
     def vocab(self) -> Vocabulary:
         raise NotImplementedError

@@ -9,6 +9,16 @@ background thread (the same :func:`~tracker.recording.record_stats.row_stats` an
 values are those ``statistics="record"`` gives), and the first query finds
 them in the statistics columns instead of summing every row up.
 
+The same pass keeps each row's group maxima
+(:func:`tracker.reading.rows.group_max`, in the chunk's ``{stage}:gmax``
+buffers): the index the read side's candidate searches start from
+(:mod:`tracker.reading.candidates`), so the first ``get_top_tokens`` or
+``to_dataframe`` does not fold every row again. They are handed to the
+tracker's :class:`~tracker.Run` beside its record batches, never written to a
+file: a run read from disk has no such index and folds its rows when asked.
+(Rows recorded with their statistics get their maxima the same way, on their
+device: :func:`tracker.recording.deferred.store_stage`.)
+
 Rows the background thread has not reached when they are read (the chunk
 still filling, the last step's chosen tokens) are computed then, by
 :meth:`ChunkStats.complete` under the recorder's lock, so a batch handed out
@@ -27,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tracker.reading.rows import group_max
 from tracker.recording.buffers import background_thread, exiting
 from tracker.recording.chunks import Chunk
 from tracker.recording.record_stats import chosen_stats, eos_on, row_stats
@@ -126,11 +137,14 @@ class ChunkStats:
         with self._lock:
             if chunk.buffers is not buffers or chunk.on_disk:
                 return  # released (clear) or handed to the disk meanwhile
-            for stage, (done, stats, cdone, cstats) in results.items():
+            for stage, (done, stats, maxima, cdone, cstats) in results.items():
                 # through the numpy views: buffers made under torch.inference_mode refuse in-place torch writes
                 if done.size:
                     chunk.arrays[f"{stage}:stats"][done] = stats.numpy()
                     chunk.stats_known[stage][done] = True
+                    if maxima is not None:
+                        chunk.arrays[f"{stage}:gmax"][done] = maxima
+                        chunk.maxima_known[stage][done] = True
                 if cdone.size:
                     chunk.arrays[f"{stage}:cstats"][cdone] = cstats.numpy()
                     chunk.chosen_known[stage][cdone] = True
@@ -144,14 +158,16 @@ class ChunkStats:
         chosen: torch.Tensor,
         eos: torch.Tensor | None,
         natural_written: np.ndarray | None,
-    ) -> tuple[np.ndarray, torch.Tensor, np.ndarray, torch.Tensor]:
-        """Statistics of the ``todo`` rows and chosen-token statistics of the ``ctodo`` rows of one stage."""
+    ) -> tuple[np.ndarray, torch.Tensor, np.ndarray | None, np.ndarray, torch.Tensor]:
+        """Statistics (and group maxima, where the chunk keeps them) of the ``todo`` rows and chosen-token
+        statistics of the ``ctodo`` rows of one stage."""
         values = buffers[f"{stage}:logits"]
         natural = buffers.get("natural:logits") if stage != "natural" else None
         per = max(1, _BLOCK_BYTES // (4 * max(1, values.shape[1])))
         need = np.flatnonzero(todo | ctodo)
         stored = buffers[f"{stage}:stats"]
-        done, cdone, stats_parts, cstats_parts = [], [], [], []
+        indexed = f"{stage}:gmax" in buffers
+        done, cdone, stats_parts, cstats_parts, maxima_parts = [], [], [], [], []
         for first in range(0, need.size, per):
             idx = need[first : first + per]
             x = _rows(values, idx)
@@ -161,6 +177,9 @@ class ChunkStats:
                 stats = row_stats(x, eos, _rows(natural, idx) if with_natural else None)
                 stats_parts.append(stats[torch.from_numpy(fresh)])
                 done.append(idx[fresh])
+                if indexed:
+                    rows = x.numpy()
+                    maxima_parts.append(group_max(rows if fresh.all() else rows[fresh]))
                 known = torch.where(torch.from_numpy(fresh)[:, None], stats, stored[torch.from_numpy(idx)])
             else:
                 known = stored[torch.from_numpy(idx)]
@@ -173,6 +192,7 @@ class ChunkStats:
         return (
             np.concatenate(done) if done else np.zeros(0, np.int64),
             torch.cat(stats_parts) if stats_parts else empty[0],
+            np.concatenate(maxima_parts) if maxima_parts else None,
             np.concatenate(cdone) if cdone else np.zeros(0, np.int64),
             torch.cat(cstats_parts) if cstats_parts else empty[1],
         )

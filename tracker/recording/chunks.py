@@ -94,6 +94,7 @@ class Chunk:
         self.written = {stage: np.zeros(capacity, dtype=bool) for stage in stages}
         self.chosen_known = {stage: np.zeros(capacity, dtype=bool) for stage in stages}  # chosen statistics
         self.stats_known = {stage: np.zeros(capacity, dtype=bool) for stage in stages}  # computed after writing
+        self.maxima_known = {stage: np.zeros(capacity, dtype=bool) for stage in stages}  # ``{stage}:gmax`` rows
         self.buffers = buffers
         self.arrays = {name: numpy_view(t) for name, t in buffers.items()}  # numpy views, for plain copies
         self.host = host  # None while the buffers are a pinned staging slot

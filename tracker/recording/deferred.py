@@ -44,7 +44,7 @@ import torch
 
 from tracker.recording.buffers import BufferPool, HostBuffer, background_thread, exiting
 from tracker.recording.chunks import Chunk, StepRows
-from tracker.recording.record_stats import chosen_stats, offset_rows, stage_stats, summarise_topk
+from tracker.recording.record_stats import chosen_stats, group_maxima, offset_rows, stage_stats, summarise_topk
 from tracker.recording.storage import Storage
 
 __all__ = ["DEFAULT_LIMIT", "DeferredRows", "STAGED_DTYPES", "store_stage"]
@@ -121,6 +121,9 @@ def store_stage(
         return None
     stats, stored = stage_stats(src, eos, nat, kept, pre, shift)
     chunk.buffers[f"{stage}:stats"][start:end].copy_(stored, non_blocking=staging)
+    if f"{stage}:gmax" in chunk.buffers:  # the index a read's searches start from (float32 rows only)
+        chunk.buffers[f"{stage}:gmax"][start:end].copy_(group_maxima(src), non_blocking=staging)
+        chunk.maxima_known[stage][start:end] = True
     return (src.clone() if exact is None else exact), stats
 
 

@@ -26,11 +26,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from tracker.reading.rows import EXP_FLOOR, NEG_INF, exp_floor, logsumexp_rows, masked, probabilities
+from tracker.reading.rows import (
+    EXP_FLOOR,
+    GROUP,
+    NEG_INF,
+    exp_floor,
+    group_max,
+    logsumexp_rows,
+    masked,
+    probabilities,
+)
 
 __all__ = ["CHOSEN_STATS", "ROW_STATS", "chosen_stats", "offset_rows", "pair_stats", "probability", "row_stats"]
 __all__ += ["stored_lse"]
-__all__ += ["eos_on", "stage_stats", "summarise_topk"]
+__all__ += ["eos_on", "group_maxima", "stage_stats", "summarise_topk"]
 
 #: Order of the values :func:`row_stats` packs per row (the schema's statistics columns up to the margin).
 ROW_STATS = ("lse", "allowed", "max", "entropy", "nan", "p_eos", "removed_mass", "margin")
@@ -278,3 +287,13 @@ def summarise_topk(x: torch.Tensor, k: int, natural: torch.Tensor | None) -> dic
     if natural is not None:
         out["natural"] = natural.float().gather(1, ids)
     return out
+
+
+def group_maxima(x: torch.Tensor) -> torch.Tensor:
+    """``[B, V // 16]`` group maxima of rows ``x`` on their device, as :func:`tracker.reading.rows.group_max`
+    folds them (a group holding NaN has a NaN maximum). Kernels only: no host read, no synchronisation."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return torch.from_numpy(group_max(x.numpy()))  # numpy's fold of contiguous slabs beats torch's here
+    b, v = x.shape
+    groups = v // GROUP
+    return x[:, : groups * GROUP].reshape(b, GROUP, groups).amax(dim=1)

@@ -5,11 +5,11 @@ column. Per step the recorder only copies: on a CPU, straight into the current c
 also the snapshot an in-place processor cannot disturb); on CUDA, with ``non_blocking`` copies into pinned
 staging buffers (a :class:`~tracker.recording.buffers.PinnedRing` slot), recording a CUDA event, with no synchronisation.
 A staging chunk is drained into host memory only when the ring has no free slot or someone reads, by which time
-its copies have long finished. Nothing turns into Arrow until it is read.
+its copies have long finished. Nothing turns into Arrow until it is read. The common CPU float32 step takes a
+shorter path with the same result (:mod:`tracker.recording.hot_path`).
 
-Past ``memory_limit`` bytes of host chunks, the oldest complete chunks go to
-disk (:mod:`tracker.recording.spill_handoff`: Arrow IPC files, each written once by a
-background writer with a bounded queue), read back through a memory map.
+Past ``memory_limit`` bytes of host chunks, the oldest complete chunks go to disk (:mod:`tracker.recording.spill_handoff`:
+Arrow IPC files, each written once by a background writer with a bounded queue), read back through a memory map.
 
 Every stage's row also gets its statistics (:mod:`tracker.recording.record_stats`) on its device when written, and the
 chosen token's logit, probability and rank when that token arrives: until then the recorder keeps rows nobody
@@ -54,21 +54,17 @@ class Recorder(PlainSteps):
     Args:
         storage: how each stage's row is kept (:class:`Storage`).
         stages: the stages recorded, in order (more can be added later).
-        chunk_bytes: target size of one chunk of rows, at most
-            ``memory_limit / (spill_queue + 4)`` (:func:`~tracker.recording.chunk_memory.chunk_rows`);
-            a chunk always holds at least one step of the batch.
-        memory_limit: bytes of host chunks kept in memory (chunks on their
-            way to disk, and a spare one for the next, included); past it, complete chunks spill to Arrow IPC
-            files, written once each by a background writer. ``None`` never
-            spills.
-        spill_dir: folder for spilled chunks (a subfolder per run is made);
-            by default a temporary folder removed with the recorder (or, if
-            the process dies, by the next process that records).
+        chunk_bytes: target size of one chunk of rows, at most ``memory_limit / (spill_queue + 4)``
+            (:func:`~tracker.recording.chunk_memory.chunk_rows`); a chunk always holds at least one step of the batch.
+        memory_limit: bytes of host chunks kept in memory (chunks on their way to disk, and a spare one for the
+            next, included); past it, complete chunks spill to Arrow IPC files, written once each by a background
+            writer. ``None`` never spills.
+        spill_dir: folder for spilled chunks (a subfolder per run is made); by default a temporary folder removed
+            with the recorder (or, if the process dies, by the next process that records).
         ring_slots: pinned staging chunks per CUDA device.
-        pool: where host buffers come from and go back to (default: the
-            process-wide :data:`~tracker.recording.buffers.SHARED_POOL`).
-        spill_queue: chunks that may wait for the writer before recording
-            waits for the disk.
+        pool: where host buffers come from and go back to (default: the process-wide
+            :data:`~tracker.recording.buffers.SHARED_POOL`).
+        spill_queue: chunks that may wait for the writer before recording waits for the disk.
 
     Attributes:
         eos_token_ids: end-of-sequence ids, for the ``p_eos`` statistic.
@@ -183,11 +179,10 @@ class Recorder(PlainSteps):
     def begin_step(self, generation: int, step: int, batch: int, vocab_size: int, device: torch.device) -> StepRows:
         """Reserve ``batch`` rows for a step; their values come with :meth:`write`.
 
-        Runs every step; reads no device value. When a chunk fills it may
-        wait: for the oldest staging chunk's copies when every pinned slot is
-        in flight (an event recorded chunks ago, long finished), and for the
-        spill writer when its queue is full. Raises, once, the disk's refusal
-        of a chunk (:meth:`raise_failure`), the step's rows unreserved.
+        Runs every step; reads no device value. When a chunk fills it may wait: for the oldest staging chunk's
+        copies when every pinned slot is in flight (an event recorded chunks ago, long finished), and for the
+        spill writer when its queue is full. Raises, once, the disk's refusal of a chunk (:meth:`raise_failure`),
+        the step's rows unreserved. (The common CPU case takes :meth:`plain_step` instead.)
         """
         with self._lock:
             if self.vocab_size is None:
@@ -277,9 +272,8 @@ class Recorder(PlainSteps):
     def set_chosen(self, rows: StepRows, tokens: torch.Tensor | Sequence[int]) -> None:
         """Record the tokens chosen for the reserved rows (a tensor on any device, or ints).
 
-        While the step's rows are still held (the chosen tokens come before
-        the next step), each stage's chosen-token logit, probability and rank
-        are computed on the rows' device. Runs every step; kernels and
+        While the step's rows are still held (the chosen tokens come before the next step), each stage's
+        chosen-token logit, probability and rank are computed on the rows' device. Runs every step; kernels and
         ``non_blocking`` copies only: does not synchronise with the device.
         """
         with self._lock:
@@ -335,16 +329,24 @@ class Recorder(PlainSteps):
     # ---------------------------------------------------------------- reading
 
     def batches(self) -> list[pa.RecordBatch]:
-        """Every row so far as record batches (drains CUDA staging: synchronises once). Spilled chunks are
-        memory-mapped files; chunks on their way to disk are read from memory. Waits first (outside the lock)
-        for statistics the background thread has queued."""
+        """Every row so far as record batches (see :meth:`read`)."""
+        return self.read()[0]
+
+    def read(self) -> tuple[list[pa.RecordBatch], list[dict[str, np.ndarray]]]:
+        """``(batches, maxima)``: every row so far as record batches, and per batch the group maxima of each
+        stage whose rows all have them (read-only views; see :mod:`tracker.recording.chunk_stats`).
+
+        Drains CUDA staging (synchronises once). Spilled chunks are memory-mapped files (no maxima); chunks on
+        their way to disk are read from memory. Waits first (outside the lock) for queued background statistics.
+        """
         self._stats.wait()  # no row's statistics computed twice; the rest are computed below
         with self._lock:
             self._deferred.complete()  # rows still in float32 staging: stored here
             self._drain_staging(everything=True)
             self._collect()
             schema = self.schema()
-            return [self._batch_of(chunk, schema) for chunk in self._chunks if chunk.n]
+            chunks = [chunk for chunk in self._chunks if chunk.n]
+            return [self._batch_of(chunk, schema) for chunk in chunks], [self._maxima_of(chunk) for chunk in chunks]
 
     def flush(self) -> None:
         """Wait until sealed chunks' statistics are computed, staged rows stored, and chunks queued for the disk
@@ -378,15 +380,14 @@ class Recorder(PlainSteps):
         vocab = self.vocab_size or 0
         layout: Layout = {"chosen": ((capacity,), torch.int64)}
         for stage in self.stages:
-            for name, (shape, dtype) in self.storage.layout(
-                stage, vocab, self.record_stats or self.background_stats
-            ).items():
+            stats = self.record_stats or self.background_stats
+            for name, (shape, dtype) in self.storage.layout(stage, vocab, stats, stats).items():
                 layout[name] = ((capacity, *shape), dtype)
         return layout
 
     def _capacity(self, batch: int) -> int:
         stats = self.record_stats or self.background_stats
-        per_row = self.storage.row_bytes(self.stages, self.vocab_size or 0, stats)
+        per_row = self.storage.row_bytes(self.stages, self.vocab_size or 0, stats, stats)
         return chunk_rows(batch, per_row, self.chunk_bytes, self.memory_limit, self._spill_queue)
 
     def _new_chunk(self, batch: int, device: torch.device) -> Chunk:
@@ -472,6 +473,19 @@ class Recorder(PlainSteps):
             self._handoff.notice(
                 self.storage, self.stages, self.vocab_size or 0, self.rows / max(1, self._steps), self.memory_limit or 0
             )
+
+    def _maxima_of(self, chunk: Chunk) -> dict[str, np.ndarray]:
+        """The group maxima of each stage of ``chunk`` whose written rows all have them (call after
+        :meth:`_batch_of`, which computes what the background thread had not)."""
+        if chunk.spilled is not None or chunk.host is None:
+            return {}
+        n, out = chunk.n, {}
+        for stage, known in chunk.maxima_known.items():
+            if f"{stage}:gmax" in chunk.arrays and known[:n].all():
+                view = chunk.arrays[f"{stage}:gmax"][:n]
+                view.flags.writeable = False
+                out[stage] = view
+        return out
 
     def _batch_of(self, chunk: Chunk, schema: pa.Schema) -> pa.RecordBatch:
         if chunk.spilled is not None:

@@ -260,9 +260,9 @@ class SharedRecording:
             )
             if self.run_cache is not None and self.run_cache[0] == key:
                 return self.run_cache[1]
-            batches = self.recorder.batches()
+            batches, maxima = self.recorder.read()
             _check_recorded_chosen(batches, self.recorder.vocab_size or 0)
-            run = Run(batches, self.metadata(), _vocabulary_source(self))
+            run = Run(batches, self.metadata(), _vocabulary_source(self), maxima=maxima)
             self.run_cache = (key, run)
             return run
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from tracker.format.schema import STORAGE_KINDS
+from tracker.reading.rows import GROUP, GROUPED_MIN_VOCAB
 from tracker.reading.selection import count_arg
 from tracker.recording.record_stats import CHOSEN_STATS, ROW_STATS
 
@@ -87,8 +88,16 @@ class Storage:
         """The number of values kept per row for a vocabulary (top_k, at most the vocabulary)."""
         return min(self.top_k, vocab_size) if not self.full else 0
 
-    def layout(self, stage: str, vocab_size: int, stats: bool = True) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Buffer name -> (shape of one row, dtype) for one stage (values, then the packed statistics, if ``stats``)."""
+    def layout(
+        self, stage: str, vocab_size: int, stats: bool = True, maxima: bool = False
+    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Buffer name -> (shape of one row, dtype) for one stage (values, then the packed statistics, if ``stats``).
+
+        ``maxima``: with a ``{stage}:gmax`` buffer for each row's group maxima
+        (:func:`tracker.reading.rows.group_max`, the index the read side's
+        searches start from), where the rows take the grouped paths: float32
+        rows of a large vocabulary. It costs a sixteenth of the row.
+        """
         if self.full:
             out = {f"{stage}:logits": ((vocab_size,), _TORCH_DTYPES[self.kind])}
         else:
@@ -99,13 +108,15 @@ class Storage:
         if stats or not self.full:  # top-k rows cannot be summed up later: their statistics are always kept
             out[f"{stage}:stats"] = ((len(ROW_STATS),), torch.float32)
             out[f"{stage}:cstats"] = ((len(CHOSEN_STATS),), torch.float32)
+        if maxima and self.kind == "float32" and vocab_size >= GROUPED_MIN_VOCAB:
+            out[f"{stage}:gmax"] = ((vocab_size // GROUP,), torch.float32)
         return out
 
-    def row_bytes(self, stages: Sequence[str], vocab_size: int, stats: bool = True) -> int:
-        """Bytes one row takes in host memory (and about as much on disk) for these stages."""
+    def row_bytes(self, stages: Sequence[str], vocab_size: int, stats: bool = True, maxima: bool = False) -> int:
+        """Bytes one row takes in host memory (and about as much on disk, less its group maxima) for these stages."""
         total = 8  # chosen
         for stage in stages:
-            for shape, dtype in self.layout(stage, vocab_size, stats).values():
+            for shape, dtype in self.layout(stage, vocab_size, stats, maxima).values():
                 total += math.prod(shape) * dtype.itemsize
         return total
 
