@@ -183,7 +183,7 @@ def free_to_read(*tensors: torch.Tensor) -> bool:
     """Whether reading these tensors' values costs nothing (host memory); on an accelerator it would
     synchronise, so per-step code decides by shapes there."""
     for tensor in tensors:  # a loop, not all(generator): this runs every step
-        if tensor.device.type != "cpu":
+        if not tensor.is_cpu:  # cheaper than tensor.device.type, which builds a device object
             return False
     return True
 

@@ -23,6 +23,7 @@ only); a run that spills calls it as chunks reach the disk.
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import sys
 import threading
@@ -226,7 +227,7 @@ class HostBuffer:
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A writable tensor over the start of this buffer."""
         np_type = numpy_dtype_for(dtype)
-        count = int(np.prod(shape))
+        count = math.prod(shape)
         itemsize = np.dtype(np_type).itemsize
         if count * itemsize > self.nbytes:
             raise ValueError(f"buffer of {self.nbytes} bytes cannot hold {shape} of {dtype}")

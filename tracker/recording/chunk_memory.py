@@ -9,11 +9,11 @@ is needed or its rows are read (:meth:`ChunkMemory.to_host`).
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 
-import numpy as np
 import torch
 
 from tracker.recording.buffers import BufferPool, HostBuffer, PinnedRing
@@ -188,4 +188,4 @@ class ChunkMemory:
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     """Bytes of a buffer of ``shape`` and ``dtype`` (at least 1)."""
-    return max(1, int(np.prod(shape, dtype=np.int64)) * torch.tensor([], dtype=dtype).element_size())
+    return max(1, math.prod(shape) * dtype.itemsize)  # once per buffer and chunk: no torch or numpy call

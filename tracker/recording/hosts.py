@@ -36,6 +36,8 @@ from processors import BatchContext
 from processors.protocol import continues, free_to_read
 from processors.vocab import hf_tokenizer
 from tracker.reading.run import Run
+from tracker.recording.chunks import StepRows
+from tracker.recording.hot_path import HOST_IDS, host_ids, ids_continue, ids_in_range
 from tracker.recording.recorder import Recorder
 from tracker.recording.run_metadata import Generation
 
@@ -86,14 +88,10 @@ def check_chosen(tokens: Any, vocab_size: int, where: str) -> None:
         if tokens.device.type != "cpu":
             return
         flat = tokens.detach().reshape(-1)
-        values = (flat if flat.dtype in _ID_TYPES else flat.to(torch.int64)).numpy()
+        values = (flat if flat.dtype in HOST_IDS else flat.to(torch.int64)).numpy()
     else:
         values = np.asarray(list(tokens), dtype=np.int64).reshape(-1)
-    if values.size <= _FEW:
-        listed = values.tolist()  # a few ids: compared in Python, cheaper than numpy's reductions
-        if not listed or (min(listed) >= 0 and max(listed) < vocab_size):
-            return
-    elif values.min() >= 0 and values.max() < vocab_size:
+    if ids_in_range(values, vocab_size):
         return
     bad = np.flatnonzero((values < 0) | (values >= vocab_size))
     if bad.size:
@@ -102,10 +100,6 @@ def check_chosen(tokens: Any, vocab_size: int, where: str) -> None:
             f"{where}: chosen token of row {row} is {int(values[row])}, outside the vocabulary [0, {vocab_size})"
             + (f" ({bad.size} rows out of range)" if bad.size > 1 else "")
         )
-
-
-_ID_TYPES = (torch.int64, torch.int32)  # read as they are (a numpy view); other types are converted
-_FEW = 64
 
 
 @dataclass
@@ -120,6 +114,7 @@ class HostState:
     prompt_length: int = 0
     last_ids: torch.Tensor | None = None
     reordered: torch.Tensor | None = None
+    last_host: np.ndarray | None = None  # a numpy view of last_ids, where it is a CPU tensor of ids
 
 
 def reorders(input_ids: torch.Tensor, last: torch.Tensor) -> bool:
@@ -182,6 +177,14 @@ def last_tokens(output: Any, gen: Generation, last_ids: torch.Tensor | None = No
     return sequences[:, column]
 
 
+def _follows(input_ids: torch.Tensor, ids: np.ndarray | None, last_ids: torch.Tensor, last: np.ndarray | None) -> bool:
+    """:func:`~processors.protocol.continues`, on numpy views where both inputs are host ids of one dtype (the
+    common case: a memcmp instead of two torch operations). Every step; does not synchronise."""
+    if ids is not None and last is not None and ids.dtype == last.dtype:
+        return ids_continue(ids, last)
+    return continues(input_ids, last_ids)
+
+
 class TransformersHost:
     """The transformers convention of :class:`~tracker.LogitTrackingProcessor` (``model.generate``, Outlines).
 
@@ -209,7 +212,8 @@ class TransformersHost:
             shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise ValueError(f"input_ids must be a 2-D [batch, length] tensor, got {shape}")
         host = self._host()
-        if host.last_ids is not None and not continues(input_ids, host.last_ids):
+        ids = host_ids(input_ids)  # a numpy view where the ids are free to read (on the CPU), else None
+        if host.last_ids is not None and not _follows(input_ids, ids, host.last_ids, host.last_host):
             if reorders(input_ids, host.last_ids):
                 raise ValueError(f"input_ids: the rows changed order between two steps: {BEAMS}")
             self._warn_if_reordered(host)
@@ -221,7 +225,7 @@ class TransformersHost:
             host.reordered = moved if host.reordered is None else host.reordered | moved
         if host.last_ids is None:
             host.prompt_length = int(input_ids.shape[1])
-        host.last_ids = input_ids
+        host.last_ids, host.last_host = input_ids, ids
         return self.process(scores, BatchContext(input_ids=input_ids, prompt_length=host.prompt_length))
 
     def _chosen_from_input(self, gen: Generation, ctx: BatchContext, vocab_size: int, step: int) -> None:
@@ -233,6 +237,22 @@ class TransformersHost:
             last = ctx.input_ids[:, -1]
             check_chosen(last, vocab_size, f"input_ids (generation {gen.id}, step {gen.last_step})")
             self.recorder.set_chosen(gen.last_rows, last)
+
+    def _plain_step(self, gen: Generation, ctx: BatchContext, logits: torch.Tensor, step: int) -> StepRows | None:
+        """:meth:`_chosen_from_input`, ``begin_step`` and the natural rows' write at once, in the common case
+        (ids and float32 rows on the CPU: :mod:`tracker.recording.hot_path`); None (nothing done) otherwise,
+        or when the chosen ids are out of range (the full path raises). Every step; does not synchronise."""
+        previous = chosen = None
+        if gen.last_rows is not None and not gen.chosen_known and step == gen.last_step + 1:
+            host = getattr(self._local, "host", None)  # __call__ made this step's numpy view of the ids
+            ids = host.last_host if host is not None and host.last_ids is ctx.input_ids else host_ids(ctx.input_ids)
+            if ids is None:
+                return None
+            chosen = ids[:, -1]
+            if not ids_in_range(chosen, int(logits.shape[1])):
+                return None
+            previous = gen.last_rows
+        return self.recorder.plain_step(previous, chosen, gen.id, step, logits)
 
     def stopping_criteria(self) -> Any:
         """A transformers ``StoppingCriteria`` that never stops and tells the tracker each step's token.

@@ -5,11 +5,11 @@ column. Per step the recorder only copies: on a CPU, straight into the current c
 also the snapshot an in-place processor cannot disturb); on CUDA, with ``non_blocking`` copies into pinned
 staging buffers (a :class:`~tracker.recording.buffers.PinnedRing` slot), recording a CUDA event, with no synchronisation.
 A staging chunk is drained into host memory only when the ring has no free slot or someone reads, by which time
-its copies have long finished. Nothing turns into Arrow until it is read.
+its copies have long finished. Nothing turns into Arrow until it is read. The common CPU float32 step takes a
+shorter path with the same result (:mod:`tracker.recording.hot_path`).
 
-Past ``memory_limit`` bytes of host chunks, the oldest complete chunks go to
-disk (:mod:`tracker.recording.spill_handoff`: Arrow IPC files, each written once by a
-background writer with a bounded queue), read back through a memory map.
+Past ``memory_limit`` bytes of host chunks, the oldest complete chunks go to disk (:mod:`tracker.recording.spill_handoff`:
+Arrow IPC files, each written once by a background writer with a bounded queue), read back through a memory map.
 
 Every stage's row also gets its statistics (:mod:`tracker.recording.record_stats`) on its device when written, and the
 chosen token's logit, probability and rank when that token arrives: until then the recorder keeps rows nobody
@@ -40,6 +40,7 @@ from tracker.recording.chunk_memory import IN_FLIGHT, ChunkMemory, Layout, chunk
 from tracker.recording.chunk_stats import ChunkStats
 from tracker.recording.chunks import Chunk, CudaStaging, StepRows, conform, to_batch
 from tracker.recording.deferred import DeferredRows, store_stage
+from tracker.recording.hot_path import PlainSteps
 from tracker.recording.record_stats import chosen_stats, eos_on
 from tracker.recording.spill_handoff import Describe, SpillHandoff, SpillWarning
 from tracker.recording.storage import STATISTICS, Storage, stats_when_recorded
@@ -47,27 +48,23 @@ from tracker.recording.storage import STATISTICS, Storage, stats_when_recorded
 __all__ = ["Storage", "StepRows", "Recorder", "SpillWarning"]
 
 
-class Recorder:
+class Recorder(PlainSteps):
     """Rows of logits from any device into Arrow record batches.
 
     Args:
         storage: how each stage's row is kept (:class:`Storage`).
         stages: the stages recorded, in order (more can be added later).
-        chunk_bytes: target size of one chunk of rows, at most
-            ``memory_limit / (spill_queue + 4)`` (:func:`~tracker.recording.chunk_memory.chunk_rows`);
-            a chunk always holds at least one step of the batch.
-        memory_limit: bytes of host chunks kept in memory (chunks on their
-            way to disk, and a spare one for the next, included); past it, complete chunks spill to Arrow IPC
-            files, written once each by a background writer. ``None`` never
-            spills.
-        spill_dir: folder for spilled chunks (a subfolder per run is made);
-            by default a temporary folder removed with the recorder (or, if
-            the process dies, by the next process that records).
+        chunk_bytes: target size of one chunk of rows, at most ``memory_limit / (spill_queue + 4)``
+            (:func:`~tracker.recording.chunk_memory.chunk_rows`); a chunk always holds at least one step of the batch.
+        memory_limit: bytes of host chunks kept in memory (chunks on their way to disk, and a spare one for the
+            next, included); past it, complete chunks spill to Arrow IPC files, written once each by a background
+            writer. ``None`` never spills.
+        spill_dir: folder for spilled chunks (a subfolder per run is made); by default a temporary folder removed
+            with the recorder (or, if the process dies, by the next process that records).
         ring_slots: pinned staging chunks per CUDA device.
-        pool: where host buffers come from and go back to (default: the
-            process-wide :data:`~tracker.recording.buffers.SHARED_POOL`).
-        spill_queue: chunks that may wait for the writer before recording
-            waits for the disk.
+        pool: where host buffers come from and go back to (default: the process-wide
+            :data:`~tracker.recording.buffers.SHARED_POOL`).
+        spill_queue: chunks that may wait for the writer before recording waits for the disk.
 
     Attributes:
         eos_token_ids: end-of-sequence ids, for the ``p_eos`` statistic.
@@ -182,11 +179,10 @@ class Recorder:
     def begin_step(self, generation: int, step: int, batch: int, vocab_size: int, device: torch.device) -> StepRows:
         """Reserve ``batch`` rows for a step; their values come with :meth:`write`.
 
-        Runs every step; reads no device value. When a chunk fills it may
-        wait: for the oldest staging chunk's copies when every pinned slot is
-        in flight (an event recorded chunks ago, long finished), and for the
-        spill writer when its queue is full. Raises, once, the disk's refusal
-        of a chunk (:meth:`raise_failure`), the step's rows unreserved.
+        Runs every step; reads no device value. When a chunk fills it may wait: for the oldest staging chunk's
+        copies when every pinned slot is in flight (an event recorded chunks ago, long finished), and for the
+        spill writer when its queue is full. Raises, once, the disk's refusal of a chunk (:meth:`raise_failure`),
+        the step's rows unreserved. (The common CPU case takes :meth:`plain_step` instead.)
         """
         with self._lock:
             if self.vocab_size is None:
@@ -214,34 +210,20 @@ class Recorder:
             handoff = self._handoff
             if handoff.pending or handoff.failure is not None:
                 self.raise_failure()  # the disk refused a chunk (now or since the last step): said once
-            self._steps += 1
-            start = chunk.n
-            end = start + batch
-            chunk.n = end
-            # rows are reserved once, in order: their flags are still the zeros they were made with
-            chunk.generation[start:end] = generation
-            if self._arange.shape[0] < batch:
-                self._arange = np.arange(batch, dtype=np.int32)
-            chunk.sequence[start:end] = self._arange[:batch]
-            chunk.step[start:end] = step
-            chunk.arrays["chosen"][start:end] = -1
-            chunk.version += 1
-            self.version += 1
-            return StepRows(chunk, start, batch, generation, step)
+            return self._reserve(chunk, generation, step, batch)
 
     def write(
         self, rows: StepRows, stage: str, values: torch.Tensor, natural: torch.Tensor | None = None, owned: bool = False
     ) -> None:
         """Record ``values [count, V]`` as ``stage`` for the reserved rows, with their statistics.
 
-        ``natural`` (the rows before the processor, unmodified; by default
-        this step's) supplies the natural logits at the stage's top-k ids and
-        the removed mass and margin. ``owned``: nobody else holds ``values``.
-        Runs every step and stage. Kernels and ``non_blocking`` copies only:
-        does not synchronise with the device.
+        ``natural`` (the rows before the processor, unmodified; by default this step's) supplies the natural
+        logits at the stage's top-k ids and the removed mass and margin. ``owned``: nobody else holds ``values``.
+        Runs every step and stage. Kernels and ``non_blocking`` copies only: does not synchronise.
         """
         with self._lock:
-            self._write(rows, stage, values, natural, owned)
+            if not self.plain_write(rows, stage, values):  # float32 rows kept as they come: a memcpy
+                self._write(rows, stage, values, natural, owned)
 
     def _write(
         self, rows: StepRows, stage: str, values: torch.Tensor, natural: torch.Tensor | None, owned: bool
@@ -290,9 +272,8 @@ class Recorder:
     def set_chosen(self, rows: StepRows, tokens: torch.Tensor | Sequence[int]) -> None:
         """Record the tokens chosen for the reserved rows (a tensor on any device, or ints).
 
-        While the step's rows are still held (the chosen tokens come before
-        the next step), each stage's chosen-token logit, probability and rank
-        are computed on the rows' device. Runs every step; kernels and
+        While the step's rows are still held (the chosen tokens come before the next step), each stage's
+        chosen-token logit, probability and rank are computed on the rows' device. Runs every step; kernels and
         ``non_blocking`` copies only: does not synchronise with the device.
         """
         with self._lock:
@@ -355,10 +336,8 @@ class Recorder:
         """``(batches, maxima)``: every row so far as record batches, and per batch the group maxima of each
         stage whose rows all have them (read-only views; see :mod:`tracker.recording.chunk_stats`).
 
-        Drains CUDA staging (synchronises once). Spilled chunks are
-        memory-mapped files (no maxima); chunks on their way to disk are read
-        from memory. Waits first (outside the lock) for statistics the
-        background thread has queued.
+        Drains CUDA staging (synchronises once). Spilled chunks are memory-mapped files (no maxima); chunks on
+        their way to disk are read from memory. Waits first (outside the lock) for queued background statistics.
         """
         self._stats.wait()  # no row's statistics computed twice; the rest are computed below
         with self._lock:

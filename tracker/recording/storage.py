@@ -9,10 +9,10 @@ bound. :data:`STATISTICS` lists when each row's statistics are computed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from tracker.format.schema import STORAGE_KINDS
@@ -117,7 +117,7 @@ class Storage:
         total = 8  # chosen
         for stage in stages:
             for shape, dtype in self.layout(stage, vocab_size, stats, maxima).values():
-                total += int(np.prod(shape, dtype=np.int64)) * torch.tensor([], dtype=dtype).element_size()
+                total += math.prod(shape) * dtype.itemsize
         return total
 
 

@@ -1,0 +1,200 @@
+"""The decode step's common case, in as few Python operations as it takes: CPU float32 rows.
+
+Every step of a transformers-style host does the same bookkeeping: check that
+the input extends the last one, read the last step's chosen tokens from its
+last column, reserve the step's rows, copy the natural and constrained rows
+into the current chunk. Spelled with torch operations each costs a few
+microseconds of dispatch; at 32k tokens the two 128 KiB copies cost less
+than that bookkeeping did. Here the same work is done on numpy views of the
+host tensors, in one lock round trip for the reservation.
+
+Each function below handles only the plain case (rows on the CPU, float32,
+stored as float32 without per-step statistics or staging, room in the active
+chunk, no spill failure pending) and says so by its return value; otherwise it
+does nothing and the caller takes the full path, which records the same values
+and raises the same errors. ``tests/test_tracker_hot_path.py`` compares the two.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from processors import protocol
+from tracker.recording.chunks import Chunk, StepRows
+
+if TYPE_CHECKING:
+    from tracker.recording.deferred import DeferredRows
+    from tracker.recording.spill_handoff import SpillHandoff
+    from tracker.recording.storage import Storage
+
+__all__ = ["HOST_IDS", "PlainSteps", "host_ids", "ids_continue", "ids_in_range"]
+
+HOST_IDS = (torch.int64, torch.int32)  # id tensors read as they are (a numpy view)
+_FEW = 64  # up to this many ids are compared in Python, cheaper than numpy's reductions
+_FLOAT32 = torch.float32
+
+
+def host_ids(ids: torch.Tensor) -> np.ndarray | None:
+    """A numpy view of ``ids`` when it is an int64 or int32 tensor whose values are free to read (on the CPU:
+    :func:`~processors.protocol.free_to_read`), else None. Every step; does not synchronise (a tensor on an
+    accelerator is not read)."""
+    if ids.dtype not in HOST_IDS or not protocol.free_to_read(ids):
+        return None
+    return ids.numpy()
+
+
+def ids_continue(ids: np.ndarray, last: np.ndarray) -> bool:
+    """Whether ``ids [B, L + 1]`` extends ``last [B, L]`` column for column (host arrays of the same dtype):
+    :func:`~processors.protocol.continues` for CPU tensors, on numpy views. Every step; no synchronisation."""
+    if ids.shape[0] != last.shape[0] or ids.shape[1] != last.shape[1] + 1 or ids.dtype != last.dtype:
+        return False
+    head = ids[:, :-1]
+    if ids.shape[0] == 1:  # one row: compare the bytes (a memcmp), cheaper than an elementwise pass
+        return head.tobytes() == last.tobytes()
+    return bool((head == last).all())
+
+
+def ids_in_range(values: np.ndarray, vocab_size: int) -> bool:
+    """Whether every id of ``values`` (a host array) lies in ``[0, vocab_size)``; ``vocab_size <= 0``: no
+    bound known yet, every id passes. Every step; no synchronisation."""
+    if vocab_size <= 0 or values.size == 0:
+        return True
+    if values.size <= _FEW:
+        listed = values.ravel().tolist()
+        return min(listed) >= 0 and max(listed) < vocab_size
+    return bool(values.min() >= 0) and bool(values.max() < vocab_size)
+
+
+class PlainSteps:
+    """The recorder's plain case (a mixin of :class:`~tracker.recording.recorder.Recorder`): a step's
+    reservation, the last step's chosen tokens and a stage's copy, each in one lock round trip and a few numpy
+    operations, when the rows are float32 on the CPU kept as float32 with no statistics or staging on the
+    decoding thread. The general methods do the same work for every case."""
+
+    _lock: threading.RLock
+    _active: Chunk | None
+    _handoff: SpillHandoff
+    _arange: np.ndarray
+    _retained: StepRows | None
+    _deferred: DeferredRows
+    _steps: int
+    storage: Storage
+    record_stats: bool
+    deferred: bool
+    vocab_size: int | None
+    version: int
+
+    def _plain(self) -> bool:
+        """Rows are stored as they come, with no per-step statistics and no staging."""
+        return self.storage.kind == "float32" and not self.record_stats and not self.deferred
+
+    def plain_step(
+        self,
+        previous: StepRows | None,
+        chosen: np.ndarray | None,
+        generation: int,
+        step: int,
+        natural: torch.Tensor,
+    ) -> StepRows | None:
+        """``set_chosen(previous, chosen)``, ``begin_step`` and ``write(rows, "natural", natural)`` at once, in
+        the plain case; None (nothing done) otherwise, or when a chunk must be sealed or the disk refused a
+        chunk. ``chosen``: the last step's tokens, already checked against the vocabulary. Every step; a
+        memcpy and a few numpy writes: does not synchronise."""
+        with self._lock:
+            chunk = self._active
+            batch, vocab = natural.shape
+            if (
+                chunk is None
+                or chunk.capacity - chunk.n < batch
+                or vocab != self.vocab_size
+                or natural.dtype is not _FLOAT32
+                or not natural.is_cpu
+                or natural.requires_grad
+                or chunk.host is None
+                or chunk.device.type != "cpu"
+                or self._retained is not None
+                or self._handoff.pending
+                or self._handoff.failure is not None
+                or not self._plain()
+            ):
+                return None
+            written = chunk.written.get("natural")
+            if written is None:
+                return None
+            if previous is not None and (chosen is None or not self._plain_chosen(previous, chosen)):
+                return None
+            self._deferred.next_step()
+            rows = self._reserve(chunk, generation, step, batch)
+            start, end = rows.start, rows.start + batch
+            chunk.arrays["natural:logits"][start:end] = natural.numpy()
+            written[start:end] = True
+            chunk.version += 1
+            self.version += 1
+            return rows
+
+    def plain_chosen(self, rows: StepRows, chosen: np.ndarray) -> bool:
+        """:meth:`set_chosen` of host ids (already checked against the vocabulary) in the plain case, True when
+        done; False (nothing done) otherwise. Every step; numpy writes only: does not synchronise."""
+        with self._lock:
+            return self._plain_chosen(rows, chosen)
+
+    def _plain_chosen(self, rows: StepRows, chosen: np.ndarray) -> bool:
+        chunk = rows.chunk
+        if chunk.on_disk or chunk.host is None or chosen.size != rows.count or not self._plain():
+            return False  # the full path collects, refuses or computes the chosen token's statistics
+        start = rows.start
+        end = start + rows.count
+        chunk.arrays["chosen"][start:end] = chosen.reshape(-1)  # as np.copyto(casting="unsafe"), cheaper
+        chunk.chosen_set[start:end] = True
+        chunk.version += 1
+        self.version += 1
+        return True
+
+    def _reserve(self, chunk: Chunk, generation: int, step: int, batch: int) -> StepRows:
+        """The next ``batch`` rows of ``chunk`` for a step (it has room): their id columns, no value yet.
+        Call it holding the recorder's lock. Every step; numpy writes only."""
+        self._steps += 1
+        start = chunk.n
+        end = chunk.n = start + batch
+        # rows are reserved once, in order: their flags are still the zeros they were made with
+        chunk.generation[start:end] = generation
+        if self._arange.shape[0] < batch:
+            self._arange = np.arange(batch, dtype=np.int32)
+        chunk.sequence[start:end] = self._arange[:batch]
+        chunk.step[start:end] = step
+        chunk.arrays["chosen"][start:end] = -1
+        chunk.version += 1
+        self.version += 1
+        return StepRows(chunk, start, batch, generation, step)
+
+    def plain_write(self, rows: StepRows, stage: str, values: torch.Tensor) -> bool:
+        """:meth:`write` of ``values`` as ``stage`` in the plain case (a memcpy into the chunk), True when done;
+        False (nothing done) otherwise. Call it holding the recorder's lock. Does not synchronise."""
+        chunk = rows.chunk
+        if (
+            values.dtype is not _FLOAT32
+            or not values.is_cpu
+            or values.requires_grad
+            or chunk.host is None
+            or chunk.on_disk
+            or values.ndim != 2
+            or values.shape[0] != rows.count
+            or values.shape[1] != self.vocab_size
+            or self._retained is not None
+            or not self._plain()
+        ):
+            return False
+        written = chunk.written.get(stage)
+        if written is None:
+            return False
+        start = rows.start
+        end = start + rows.count
+        chunk.arrays[f"{stage}:logits"][start:end] = values.numpy()
+        written[start:end] = True
+        chunk.version += 1
+        self.version += 1
+        return True
