@@ -152,7 +152,9 @@ def test_grouped_searches_equal_whole_row_references_edge_rows_included():
         edge[1] = NEG_INF
         edge[1, :3] = 1.0  # fewer allowed than k
         edge[2, 7] = np.nan
-        for constrained in (halves, sparse, boosted, natural / 50, edge, natural):
+        cases = [(natural, c) for c in (halves, sparse, boosted, natural / 50, edge, natural)]
+        cases.append((np.asfortranarray(natural), np.asfortranarray(edge)))  # rows that are not contiguous
+        for natural, constrained in cases:
             ln = rows.logsumexp_rows(natural)
             lc = rows.logsumexp_rows(np.where(np.isnan(constrained), NEG_INF, constrained).astype(np.float32))
             for k in (1, 10):

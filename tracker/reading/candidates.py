@@ -26,6 +26,7 @@ from tracker.reading.rows import (
     masked,
     top_order,
     topk_rows,
+    values_at,
 )
 
 __all__ = ["Candidates", "top_candidates", "best_candidates", "entries_above"]
@@ -171,11 +172,12 @@ def _top_candidates_grouped(
         return None
     answered, owner, cols = found
     # The constrained k-th best of each row, and every candidate reaching it (ties included).
-    packed, _, _ = compact(owner, cols, a_c[owner, cols], t, NEG_INF)
+    found_values = values_at(a_c, owner, cols)
+    packed, _, _ = compact(owner, cols, found_values, t, NEG_INF)
     if packed.shape[1] < k:
         packed = np.pad(packed, ((0, 0), (0, k - packed.shape[1])), constant_values=NEG_INF)
     kth = -np.partition(-packed, k - 1, axis=1)[:, k - 1]
-    keep = a_c[owner, cols] >= kth[owner]
+    keep = found_values >= kth[owner]
     owner, cols = owner[keep], cols[keep]
     if constrained is not natural:
         a_n = natural
@@ -191,10 +193,10 @@ def _top_candidates_grouped(
         threshold = np.where(answered, threshold, np.inf).astype(np.float32)
         extra_owner, extra_cols = entries_at_least(a_n, gmax_n, threshold)
         # listed already exactly when the constrained value reaches the k-th best (every such entry was kept above)
-        at = a_c[extra_owner, extra_cols]
+        at = values_at(a_c, extra_owner, extra_cols)
         new = (at > NEG_INF) & (at < kth[extra_owner])
         extra_owner, extra_cols = extra_owner[new], extra_cols[new]
-        values = a_n[extra_owner, extra_cols]
+        values = values_at(a_n, extra_owner, extra_cols)
         order = np.lexsort((extra_cols, -values, extra_owner))  # best natural first, as a top-k lists them
         extra_owner, extra_cols = extra_owner[order], extra_cols[order]
         answered &= np.bincount(extra_owner, minlength=t) <= _MAX_EXTRA

@@ -242,6 +242,13 @@ def group_max(rows: np.ndarray) -> np.ndarray:
     return rows[:, : groups * GROUP].reshape(t, GROUP, groups).max(axis=1)
 
 
+def values_at(rows: np.ndarray, owner: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """``rows[owner, cols]``, gathered from the flat rows where they are contiguous (about twice as fast)."""
+    if rows.flags.c_contiguous:
+        return rows.reshape(-1)[owner * rows.shape[1] + cols]
+    return rows[owner, cols]
+
+
 def entries_at_least(rows: np.ndarray, gmax: np.ndarray, threshold: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(row, column)`` of every entry ``>= threshold[row]``, row-major, reading only groups that reach it.
 
@@ -253,15 +260,17 @@ def entries_at_least(rows: np.ndarray, gmax: np.ndarray, threshold: np.ndarray) 
     t, v = rows.shape
     groups = gmax.shape[1]
     r, j = np.divmod(np.flatnonzero(gmax >= threshold[:, None]), groups)
-    cols = (j[:, None] + groups * GROUP_OFFSETS).ravel()
-    owner = np.repeat(r, GROUP)
-    hit = rows[owner, cols] >= threshold[owner]
-    owner, cols = owner[hit], cols[hit]
+    # each reached group's entries as flat indices (row * v + column): one gather from the flat rows, twice as
+    # fast as indexing by (row, column) pairs, and the indices sort into row-major order as they are
+    at = (r * v + j)[:, None] + groups * GROUP_OFFSETS
+    flat = rows.reshape(-1) if rows.flags.c_contiguous else None
+    values = flat[at] if flat is not None else rows[r[:, None], at - (r * v)[:, None]]  # the same entries
+    at = at[values >= threshold[r][:, None]]
     if v > groups * GROUP:  # the columns past the last group, compared directly
         tr, tc = np.nonzero(rows[:, groups * GROUP :] >= threshold[:, None])
-        owner, cols = np.concatenate([owner, tr]), np.concatenate([cols, tc + groups * GROUP])
-    order = np.argsort(owner * v + cols, kind="stable")
-    return owner[order], cols[order]
+        at = np.concatenate([at, tr * v + tc + groups * GROUP])
+    at.sort()
+    return at // v, at % v
 
 
 def kth_floor(rows: np.ndarray, gmax: np.ndarray, k: int) -> np.ndarray:
