@@ -86,6 +86,11 @@ def contiguous(rows: np.ndarray) -> bool:
     return rows.size > 0 and int(rows[-1]) - int(rows[0]) + 1 == rows.size and bool(np.all(np.diff(rows) == 1))
 
 
+def take_rows(array: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``array[rows]``: a view when the rows are consecutive, else a copy."""
+    return array[int(rows[0]) : int(rows[-1]) + 1] if contiguous(rows) else array[rows]
+
+
 def stage_matrix(batch: pa.RecordBatch, stage: str, vocab_size: int) -> np.ndarray:
     """A full-storage stage of a record batch as a ``[rows, V]`` array in its stored type, without a copy
     (bfloat16 as its uint16 bits: :func:`tracker.reading.rows.as_float32` reads it).
@@ -112,7 +117,7 @@ def full_rows(
     buffer where possible; null rows NaN), and which rows are not null (None when all are)."""
     column = batch.column(value_column(stage, "full"))
     matrix = stage_matrix(batch, stage, vocab_size)
-    block = matrix[int(rows[0]) : int(rows[-1]) + 1] if contiguous(rows) else matrix[rows]
+    block = take_rows(matrix, rows)
     block = as_float32(block)
     offsets = row_offsets(batch, stage, rows)
     if offsets is not None:  # half-precision rows kept relative to their largest logit

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from tracker.format.schema import flag_column
-from tracker.reading.block import Block, contiguous, full_rows, read_as_recorded, topk_columns
+from tracker.reading.block import Block, full_rows, read_as_recorded, take_rows, topk_columns
 from tracker.reading.rows import (
     group_max,
     groupable,
@@ -217,7 +217,7 @@ def _read(
     values, valid = full_rows(batch, stage, rows, vocab)
     gmax = None
     if groupable(values):
-        gmax = group_max(values) if maxima is None else _at(maxima, rows)
+        gmax = group_max(values) if maxima is None else take_rows(maxima, rows)
     top, facts, bad = None, None, nonfinite
     if bad is None:
         top = row_max(values, gmax)
@@ -238,8 +238,3 @@ def _top(read: tuple[np.ndarray, np.ndarray | None, np.ndarray | None]) -> np.nd
     """The row maxima of what :func:`_read` returned (from its group maxima where it has them)."""
     values, gmax, top = read
     return row_max(values, gmax) if top is None else top
-
-
-def _at(array: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """``array[rows]``: a view when the rows are consecutive."""
-    return array[int(rows[0]) : int(rows[-1]) + 1] if contiguous(rows) else array[rows]

@@ -106,34 +106,21 @@ class PlainSteps:
         memcpy and a few numpy writes: does not synchronise."""
         with self._lock:
             chunk = self._active
-            batch, vocab = natural.shape
+            batch = natural.shape[0]
             if (
                 chunk is None
                 or chunk.capacity - chunk.n < batch
-                or vocab != self.vocab_size
-                or natural.dtype is not _FLOAT32
-                or not natural.is_cpu
-                or natural.requires_grad
-                or chunk.host is None
                 or chunk.device.type != "cpu"
-                or self._retained is not None
                 or self._handoff.pending
                 or self._handoff.failure is not None
-                or not self._plain()
+                or not self._writable(chunk, "natural", natural, batch)
             ):
-                return None
-            written = chunk.written.get("natural")
-            if written is None:
                 return None
             if previous is not None and (chosen is None or not self._plain_chosen(previous, chosen)):
                 return None
             self._deferred.next_step()
             rows = self._reserve(chunk, generation, step, batch)
-            start, end = rows.start, rows.start + batch
-            chunk.arrays["natural:logits"][start:end] = natural.numpy()
-            written[start:end] = True
-            chunk.version += 1
-            self.version += 1
+            self._copy(chunk, "natural", rows.start, natural)
             return rows
 
     def plain_chosen(self, rows: StepRows, chosen: np.ndarray) -> bool:
@@ -174,27 +161,31 @@ class PlainSteps:
     def plain_write(self, rows: StepRows, stage: str, values: torch.Tensor) -> bool:
         """:meth:`write` of ``values`` as ``stage`` in the plain case (a memcpy into the chunk), True when done;
         False (nothing done) otherwise. Call it holding the recorder's lock. Does not synchronise."""
-        chunk = rows.chunk
-        if (
-            values.dtype is not _FLOAT32
-            or not values.is_cpu
-            or values.requires_grad
-            or chunk.host is None
-            or chunk.on_disk
-            or values.ndim != 2
-            or values.shape[0] != rows.count
-            or values.shape[1] != self.vocab_size
-            or self._retained is not None
-            or not self._plain()
-        ):
+        if rows.chunk.on_disk or not self._writable(rows.chunk, stage, values, rows.count):
             return False
-        written = chunk.written.get(stage)
-        if written is None:
-            return False
-        start = rows.start
-        end = start + rows.count
+        self._copy(rows.chunk, stage, rows.start, values)
+        return True
+
+    def _writable(self, chunk: Chunk, stage: str, values: torch.Tensor, count: int) -> bool:
+        """Whether ``values`` can be copied into ``chunk`` as ``count`` rows of ``stage`` as they are: float32 CPU
+        rows of the run's vocabulary, a host chunk that records the stage, the plain case."""
+        return (
+            values.dtype is _FLOAT32
+            and values.is_cpu
+            and not values.requires_grad
+            and values.ndim == 2
+            and values.shape[0] == count
+            and values.shape[1] == self.vocab_size
+            and chunk.host is not None
+            and stage in chunk.written
+            and self._retained is None
+            and self._plain()
+        )
+
+    def _copy(self, chunk: Chunk, stage: str, start: int, values: torch.Tensor) -> None:
+        """Copy ``values`` into ``chunk`` as rows ``start:`` of ``stage`` (a memcpy), marked written."""
+        end = start + values.shape[0]
         chunk.arrays[f"{stage}:logits"][start:end] = values.numpy()
-        written[start:end] = True
+        chunk.written[stage][start:end] = True
         chunk.version += 1
         self.version += 1
-        return True
