@@ -260,9 +260,12 @@ def entries_at_least(rows: np.ndarray, gmax: np.ndarray, threshold: np.ndarray) 
     t, v = rows.shape
     groups = gmax.shape[1]
     r, j = np.divmod(np.flatnonzero(gmax >= threshold[:, None]), groups)
-    cols = j[:, None] + groups * GROUP_OFFSETS  # each reached group's entries
-    hit = values_at(rows, r[:, None], cols) >= threshold[r][:, None]
-    at = (r[:, None] * v + cols)[hit]  # flat indices: they sort into row-major order as they are
+    # each reached group's entries as flat indices (row * v + column): one gather from the flat rows, as
+    # values_at does (spelt out here: the indices are built once and sort into row-major order as they are)
+    at = (r * v + j)[:, None] + groups * GROUP_OFFSETS
+    flat = rows.reshape(-1) if rows.flags.c_contiguous else None
+    values = flat[at] if flat is not None else rows[r[:, None], at - (r * v)[:, None]]  # the same entries
+    at = at[values >= threshold[r][:, None]]
     if v > groups * GROUP:  # the columns past the last group, compared directly
         tr, tc = np.nonzero(rows[:, groups * GROUP :] >= threshold[:, None])
         at = np.concatenate([at, tr * v + tc + groups * GROUP])
