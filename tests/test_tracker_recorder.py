@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -172,6 +174,27 @@ def test_a_new_recorder_reuses_the_memory_of_one_that_was_collected():
     second = Recorder(Storage.parse("float32"), ["natural"], chunk_bytes=1 << 20, pool=pool)
     fill_natural(second)
     assert pool.allocated_bytes == allocated
+
+
+def test_a_new_recorder_reuses_that_memory_while_the_background_thread_is_still_preparing_it():
+    """The first recorder's next chunk was still being prepared when it was collected (the shared background
+    thread busy with other work): the second waits for those buffers instead of making more."""
+    from tracker.recording.buffers import _preparer
+
+    pool = BufferPool()
+    gate = threading.Event()
+    _preparer().submit(gate.wait, 10)  # the shared background thread is busy until the gate opens
+    try:
+        first = Recorder(Storage.parse("float32"), ["natural"], chunk_bytes=1 << 20, pool=pool)
+        fill_natural(first)
+        allocated = pool.allocated_bytes
+        del first
+        threading.Timer(0.3, gate.set).start()
+        second = Recorder(Storage.parse("float32"), ["natural"], chunk_bytes=1 << 20, pool=pool)
+        fill_natural(second)
+        assert pool.allocated_bytes == allocated
+    finally:
+        gate.set()
 
 
 @pytest.mark.parametrize("nbytes", [1 << 16, 4 << 20])  # heap and mapped buffers

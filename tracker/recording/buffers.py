@@ -29,7 +29,7 @@ import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -260,25 +260,38 @@ class BufferPool:
     allocated_bytes: int = 0
     max_free_bytes: int = 1 << 30
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    #: buffers :meth:`prepare` is touching off the calling thread, by size, with the future that gives them
+    coming: list[tuple[Future[list[HostBuffer]], list[int]]] = field(default_factory=list, repr=False)
 
     @property
     def free_bytes(self) -> int:
         return sum(b.nbytes for b in self.free)
 
     def take(self, nbytes: int) -> HostBuffer:
-        """A buffer of exactly ``nbytes``: a reusable one from the pool, else a new one."""
-        with self.lock:
-            for i, buf in enumerate(self.free):
-                if buf.nbytes == nbytes and buf.unreferenced():
-                    return self.free.pop(i)
-            self.allocated_bytes += nbytes
+        """A buffer of exactly ``nbytes``: a reusable one from the pool, else a new one.
+
+        When :meth:`prepare` is still touching a buffer of that size (asked for
+        by any recorder, one since collected included), waits for it rather
+        than making another: the shared background thread may be behind.
+        """
+        while True:
+            with self.lock:
+                for i, buf in enumerate(self.free):
+                    if buf.nbytes == nbytes and buf.unreferenced():
+                        return self.free.pop(i)
+                self.coming = [(f, sizes) for f, sizes in self.coming if not f.done()]
+                coming = next((f for f, sizes in self.coming if nbytes in sizes), None)
+                if coming is None:
+                    self.allocated_bytes += nbytes
+                    break
+            wait([coming])  # then look again: it gave its buffers to the pool (or failed)
         return HostBuffer(_fresh(nbytes), nbytes)
 
     def prepare(self, sizes: Sequence[int]) -> Future[list[HostBuffer]] | None:
         """Have buffers of ``sizes`` ready in the pool soon, touched off the calling thread.
 
-        Sizes the pool already holds free (and unviewed) buffers of are not
-        made again. Where the kernel can populate a mapping while it is in
+        Sizes the pool already holds free (and unviewed) buffers of, or is
+        still touching for an earlier call, are not made again. Where the kernel can populate a mapping while it is in
         use (:func:`populates`), the others are mapped at once, given to the
         pool, and their pages faulted in on a background thread
         (:func:`populate`): a chunk that needs them before that is done takes
@@ -289,8 +302,9 @@ class BufferPool:
         :meth:`take`-ing those sizes, so they are not made twice. The decode
         thread calls this once per chunk; it does not wait.
         """
-        with self.lock:
+        with self.lock:  # buffers another prepare is still touching count too: take() waits for them
             have = Counter(b.nbytes for b in self.free if b.unreferenced())
+            have.update(size for future, sizes in self.coming if not future.done() for size in sizes)
         need = []
         for size in sizes:
             if have[size] > 0:
@@ -310,7 +324,10 @@ class BufferPool:
             done: Future[list[HostBuffer]] = Future()
             done.set_result(ready)
             return done
-        return _preparer().submit(lambda: ready + self._make_touched(rest))
+        future = _preparer().submit(lambda: ready + self._make_touched(rest))
+        with self.lock:
+            self.coming.append((future, rest))
+        return future
 
     def _make_touched(self, sizes: list[int]) -> list[HostBuffer]:
         bufs = []
