@@ -11,10 +11,9 @@ page (``live_chart.html``) keeps one plot and hands each new figure to
 
 The component's folder holds that page and ``plotly.min.js`` copied from the
 installed plotly package, so the browser asks the local server for everything
-(no CDN). The folder is built once per plotly version in the user's cache
-(``$LOGITSCOPE_CACHE``, else ``$XDG_CACHE_HOME/logitscope``, else
-``~/.cache/logitscope``); where it cannot be built, the chart is drawn by
-``st.plotly_chart`` as before.
+(no CDN). The folder is built once per plotly version in logitscope's cache
+(``$LOGITSCOPE_CACHE``, else ``~/.cache/logitscope``, as for the run index);
+where it cannot be built, the chart is drawn by ``st.plotly_chart`` as before.
 """
 
 from __future__ import annotations
@@ -34,7 +33,9 @@ import streamlit as st
 from streamlit.components import v1 as components
 from streamlit.errors import StreamlitAPIException
 
-__all__ = ["COMPONENT", "ENV_CACHE", "PAGE", "PLOTLY_JS", "component_folder", "plotly_chart"]
+from tracker.format.dataset import CACHE_ENV
+
+__all__ = ["COMPONENT", "PAGE", "PLOTLY_JS", "component_folder", "plotly_chart"]
 
 #: The component's name (Streamlit prefixes it with this module's name).
 COMPONENT = "live_chart"
@@ -42,16 +43,13 @@ COMPONENT = "live_chart"
 PAGE = Path(__file__).with_name("live_chart.html")
 #: plotly.js as the installed plotly package ships it.
 PLOTLY_JS = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
-#: Environment variable naming the folder the component's files are built in.
-ENV_CACHE = "LOGITSCOPE_CACHE"
 
 _log = logging.getLogger(__name__)
 
 
 def _cache_root() -> Path:
-    if os.environ.get(ENV_CACHE):
-        return Path(os.environ[ENV_CACHE])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "logitscope"
+    """logitscope's cache folder, as the run index has it: ``$LOGITSCOPE_CACHE``, else ``~/.cache/logitscope``."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "logitscope")
 
 
 def component_folder(root: Path | None = None) -> Path:
