@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -37,7 +38,7 @@ if CHROMIUM is None or CHROMEDRIVER is None:
     )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from bench_dashboard_browser import chromium, free_port  # noqa: E402
+from bench_dashboard_browser import DOCUMENTS, chromium, free_port  # noqa: E402
 from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
@@ -68,30 +69,15 @@ def beacon():
     httpd.server_close()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, beacon):
-    folder = tmp_path_factory.mktemp("runs")
-    chosen = np.array([[1, 2, 3, 5], [1, 2, 4, 5]])
-    natural = np.full((2, 4, 6), -3.0, dtype=np.float32)
-    np.put_along_axis(natural, chosen[..., None], 1.0, axis=-1)
-    natural[..., 0] = 0.3
-    constrained = natural.copy()
-    constrained[..., 0] = -np.inf
-    run = hand_made_run(natural, chosen, TOKENS, constrained=constrained, eos_token_id=5, title="Alpha")
-    run.to_parquet(folder / "alpha.parquet")
-    (folder / "broken.parquet").write_bytes(b"PAR1 and then nothing")
-    url = beacon[0]
-    hostile = hand_made_run(
-        natural[:1], chosen[:1], TOKENS, eos_token_id=5, title=f"Hostile ![pixel]({url}/title.png) **loud**"
-    )
-    meta = replace(hostile.metadata, model=f"![model]({url}/model.png)", processors=f"```\n![p]({url}/processors.png)")
-    type(hostile)(hostile.to_arrow().to_batches(), meta, hostile.vocab).to_parquet(folder / "hostile.parquet")
-    links = hand_made_run(natural[:1], chosen[:1], TOKENS, eos_token_id=5, title=f"Links {BARE_LINKS}")
-    meta = replace(links.metadata, model="https://example.invalid/model")
-    type(links)(links.to_arrow().to_batches(), meta, links.vocab).to_parquet(folder / "links.parquet")
+@contextmanager
+def _serving(folder: Path, **env: str):
+    """The app (``streamlit run``, as ``logitscope dashboard`` starts it) on the runs in ``folder``, with ``env``
+    added to its environment: its address, once it answers."""
     port = free_port()
     log = open(folder / "server.log", "wb")
-    process = subprocess.Popen(streamlit_command(port), env=streamlit_env(folder), stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        streamlit_command(port), env={**streamlit_env(folder), **env}, stdout=log, stderr=subprocess.STDOUT
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -110,6 +96,38 @@ def server(tmp_path_factory, beacon):
         log.close()
 
 
+def _alpha(folder: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Alpha: two sequences of four steps over six tokens; the constraint masks token "a" at every step. Its
+    natural logits and chosen tokens."""
+    chosen = np.array([[1, 2, 3, 5], [1, 2, 4, 5]])
+    natural = np.full((2, 4, 6), -3.0, dtype=np.float32)
+    np.put_along_axis(natural, chosen[..., None], 1.0, axis=-1)
+    natural[..., 0] = 0.3
+    constrained = natural.copy()
+    constrained[..., 0] = -np.inf
+    run = hand_made_run(natural, chosen, TOKENS, constrained=constrained, eos_token_id=5, title="Alpha")
+    run.to_parquet(folder / "alpha.parquet")
+    return natural, chosen
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, beacon):
+    folder = tmp_path_factory.mktemp("runs")
+    natural, chosen = _alpha(folder)
+    (folder / "broken.parquet").write_bytes(b"PAR1 and then nothing")
+    url = beacon[0]
+    hostile = hand_made_run(
+        natural[:1], chosen[:1], TOKENS, eos_token_id=5, title=f"Hostile ![pixel]({url}/title.png) **loud**"
+    )
+    meta = replace(hostile.metadata, model=f"![model]({url}/model.png)", processors=f"```\n![p]({url}/processors.png)")
+    type(hostile)(hostile.to_arrow().to_batches(), meta, hostile.vocab).to_parquet(folder / "hostile.parquet")
+    links = hand_made_run(natural[:1], chosen[:1], TOKENS, eos_token_id=5, title=f"Links {BARE_LINKS}")
+    meta = replace(links.metadata, model="https://example.invalid/model")
+    type(links)(links.to_arrow().to_batches(), meta, links.vocab).to_parquet(folder / "links.parquet")
+    with _serving(folder) as base:
+        yield base
+
+
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
     # the benchmark's Chromium: the system's binaries by path, a 1,400 x 1,300 window, the network log on
@@ -123,11 +141,18 @@ def _load(browser, url: str, charts: int) -> None:
     browser.get(url)
 
     def ready(driver) -> bool:
-        drawn = driver.find_elements(By.CSS_SELECTOR, ".js-plotly-plot .main-svg")
+        drawn = _count(driver, ".js-plotly-plot .main-svg")
         running = driver.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]')
-        return len(drawn) >= 2 * charts and not running  # each figure has two svg layers
+        return drawn >= 2 * charts and not running  # each figure has two svg layers
 
     WebDriverWait(browser, 60, poll_frequency=0.25).until(ready)
+
+
+def _count(browser, selector: str) -> int:
+    """How many elements match ``selector`` in the page and in its frames (Step replay's chart is in one)."""
+    return browser.execute_script(
+        DOCUMENTS + "return documents.reduce((n, d) => n + d.querySelectorAll(arguments[0]).length, 0);", selector
+    )
 
 
 def _errors(browser) -> list[str]:
@@ -146,7 +171,7 @@ def _errors(browser) -> list[str]:
 def test_each_page_renders_its_charts_in_chromium(server, browser, tmp_path, page, charts, marks):
     _load(browser, f"{server}/{page}?run=alpha.parquet", charts)
     assert not _errors(browser)
-    assert len(browser.find_elements(By.CSS_SELECTOR, marks)) >= 2, f"the {page} figures drew no marks"
+    assert _count(browser, marks) >= 2, f"the {page} figures drew no marks"
     shot = tmp_path / f"{page}.png"
     assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
     assert "Alpha" in browser.find_element(By.TAG_NAME, "main").text
@@ -181,8 +206,8 @@ def test_play_moves_the_step_slider_by_itself(server, browser):
 def _replay_shows(browser) -> tuple[int | None, int, str]:
     """The step in the chart's title, the step slider's value and the chosen token's number on the page."""
     return browser.execute_script(
-        "const title = [...document.querySelectorAll('.js-plotly-plot .gtitle')].map(t => t.textContent)"
-        "  .find(t => t.startsWith('Step '));"
+        DOCUMENTS + "const title = documents.flatMap(d => [...d.querySelectorAll('.js-plotly-plot .gtitle')])"
+        "  .map(t => t.textContent).find(t => t.startsWith('Step '));"
         "const sliders = document.querySelectorAll('[data-testid=\"stSlider\"] input[type=range]');"
         "const chosen = document.querySelector('[data-testid=\"stMetricValue\"]');"
         "return [title ? parseInt(title.slice(5)) : null, parseInt(sliders[sliders.length - 1].value),"
