@@ -23,8 +23,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dashboard import data
 from dashboard.serve import streamlit_command, streamlit_env
 from dashboard.synthetic import hand_made_run
+from dashboard.text import plot_text
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
@@ -343,3 +345,166 @@ def test_no_metric_label_is_cut_in_a_laptop_window(server, browser, page):
     finally:
         browser.set_window_size(1400, 1300)
     assert cut == [], f"labels cut short: {cut}"
+
+
+#: Step replay's chart: the live chart's frame (Streamlit titles a component's frame with its name).
+LIVE_FRAME = 'iframe[title$=".live_chart"]'
+
+
+def _plotted(browser) -> dict:
+    """What the plot in the live chart's frame holds: each trace's name and heights (None for no bar), the
+    token labels, the y axis's type and title, the chart's title; and whether it is the plot :func:`_watch`
+    marked (not one drawn anew since)."""
+    browser.switch_to.frame(browser.find_element(By.CSS_SELECTOR, LIVE_FRAME))
+    try:
+        return browser.execute_script(
+            "const gd = document.querySelector('.js-plotly-plot'); const L = gd._fullLayout;"
+            "return {traces: gd._fullData.map(t => [t.name, Array.from(t.y, v => Number.isFinite(v) ? v : null)]),"
+            "  ticks: Array.from(L.xaxis.ticktext), axis: L.yaxis.type, unit: L.yaxis.title.text,"
+            "  title: L.title.text, marked: gd.__marked === true};"
+        )
+    finally:
+        browser.switch_to.default_content()
+
+
+def _watch(browser) -> None:
+    """Mark the live chart's plot and record the title of every figure it draws from now on (``__drawn``)."""
+    browser.switch_to.frame(browser.find_element(By.CSS_SELECTOR, LIVE_FRAME))
+    try:
+        browser.execute_script(
+            "const gd = document.querySelector('.js-plotly-plot'); gd.__marked = true; window.__drawn = [];"
+            "gd.on('plotly_afterplot', () => window.__drawn.push(gd._fullLayout.title.text));"
+        )
+    finally:
+        browser.switch_to.default_content()
+
+
+def _drawn_steps(browser) -> list[int]:
+    """The steps the live chart drew since :func:`_watch`, each once, in order."""
+    browser.switch_to.frame(browser.find_element(By.CSS_SELECTOR, LIVE_FRAME))
+    try:
+        titles = browser.execute_script("return window.__drawn || [];")
+    finally:
+        browser.switch_to.default_content()
+    steps = [int(t.removeprefix("<b>").removeprefix("Step ").split(":")[0]) for t in titles]
+    return [s for i, s in enumerate(steps) if i == 0 or steps[i - 1] != s]
+
+
+def _expected(path: Path, step: int, value: str = "prob", log: bool = False) -> dict:
+    """Step ``step`` of Alpha's first sequence as ``dashboard.data.step`` tables it: each stage's bar heights as
+    the chart should draw them (no bar where the stage masked the token, nor below zero on a log scale), the
+    token labels in the table's order (the chosen one marked)."""
+    table, _ = data.step(str(path), 0, 0, step, 10)
+    bars = {}
+    for stage, name in (("natural", "model (natural)"), ("constrained", "after the constraint")):
+        heights = table[f"{stage}_{value}"].to_numpy(dtype=float)
+        hidden = (table[f"{stage}_state"] == "masked").to_numpy() | ~np.isfinite(heights) | (log & (heights <= 0))
+        bars[name] = [None if h else float(v) for v, h in zip(heights, hidden)]
+    labels = [plot_text(label) for label in table["label"]]  # as plotly shows text: "<eos>" escaped
+    return {"bars": bars, "labels": labels, "chosen": [label for label, c in zip(labels, table["chosen"]) if c]}
+
+
+def _assert_shows(shown: dict, expected: dict) -> None:
+    traces = dict(shown["traces"])
+    for name, heights in expected["bars"].items():
+        drawn = [np.nan if v is None else v for v in traces[name]]  # None: no bar
+        assert drawn == pytest.approx([np.nan if v is None else v for v in heights], rel=1e-6, nan_ok=True), name
+    labels = [t.removeprefix("<b>▶ ").removesuffix("</b>") for t in shown["ticks"]]
+    assert labels == expected["labels"]
+    assert [t for t in shown["ticks"] if t.startswith("<b>▶ ")] == [f"<b>▶ {c}</b>" for c in expected["chosen"]]
+
+
+def _wait_for(browser, check, timeout: float = 30):
+    WebDriverWait(
+        browser, timeout, poll_frequency=0.1, ignored_exceptions=(StaleElementReferenceException, KeyError)
+    ).until(lambda d: check(d) and not d.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]'))
+
+
+def _button(browser, label: str) -> None:
+    next(b for b in browser.find_elements(By.TAG_NAME, "button") if label in b.text).click()
+
+
+def test_the_live_chart_shows_each_steps_values_after_next_and_through_play(server, browser, tmp_path):
+    """Step replay's plot stays in the page: Next and each step of Play update it in place with that step's
+    values (read back from the plot), and Play draws every step, none skipped."""
+    _alpha(tmp_path)
+    path = tmp_path / "alpha.parquet"
+    _load(browser, f"{server}/replay?run=alpha.parquet", 1)
+    shown = _plotted(browser)
+    assert shown["title"].endswith("Step 0: top 6 tokens by stage</b>") and shown["axis"] == "linear"
+    _assert_shows(shown, _expected(path, 0))
+    assert (
+        shown["unit"] == "probability"
+        and dict(shown["traces"])["after the constraint"][_expected(path, 0)["labels"].index("a")] is None
+    )  # the constraint masked "a": no bar
+    _watch(browser)
+    _button(browser, "Next")
+    _wait_for(browser, lambda d: "Step 1:" in _plotted(d)["title"])
+    shown = _plotted(browser)
+    assert shown["marked"], "Next drew a new plot instead of updating the one in the page"
+    _assert_shows(shown, _expected(path, 1))
+    _button(browser, "Play")  # from step 1: steps 2 and 3, then it pauses at the last step
+    _wait_for(
+        browser,
+        lambda d: (
+            "Step 3:" in _plotted(d)["title"] and any("Play" in b.text for b in d.find_elements(By.TAG_NAME, "button"))
+        ),
+    )
+    shown = _plotted(browser)
+    assert shown["marked"], "Play drew a new plot instead of updating the one in the page"
+    _assert_shows(shown, _expected(path, 3))
+    assert _drawn_steps(browser) == [1, 2, 3], "a step of Play was not drawn"
+    assert not _errors(browser)
+
+
+def test_the_log_scale_and_logits_change_the_live_chart(server, browser, tmp_path):
+    _alpha(tmp_path)
+    path = tmp_path / "alpha.parquet"
+    _load(browser, f"{server}/replay?run=alpha.parquet", 1)
+
+    def choose(label: str) -> None:
+        browser.execute_script(
+            "[...document.querySelectorAll('[data-testid=\"stRadio\"] label')]"
+            "  .find(l => l.innerText.trim() === arguments[0]).click();",
+            label,
+        )
+
+    try:
+        choose("log")
+        _wait_for(browser, lambda d: _plotted(d)["axis"] == "log")
+        shown = _plotted(browser)
+        _assert_shows(shown, _expected(path, 0, log=True))
+        assert shown["unit"] == "probability"
+        choose("logit")
+        _wait_for(browser, lambda d: _plotted(d)["unit"] == "logit")
+        shown = _plotted(browser)
+        assert shown["axis"] == "linear"  # logits are drawn on a linear axis: they are a log scale already
+        _assert_shows(shown, _expected(path, 0, value="logit"))
+        assert max(v for v in dict(shown["traces"])["model (natural)"] if v is not None) == pytest.approx(1.0)
+    finally:
+        choose("probability")
+        choose("linear")
+    assert not _errors(browser)
+
+
+def test_the_chart_falls_back_to_st_plotly_chart_where_the_live_chart_cannot_be_served(browser, tmp_path):
+    """logitscope's cache is a file, not a folder: the live chart's files cannot be written, and Step replay
+    draws its chart with st.plotly_chart, in the page, with the same values."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    _alpha(runs)
+    (tmp_path / "cache").write_text("not a folder")
+    with _serving(runs, LOGITSCOPE_CACHE=str(tmp_path / "cache")) as base:
+        _load(browser, f"{base}/replay?run=alpha.parquet", 1)
+        assert not browser.find_elements(By.CSS_SELECTOR, LIVE_FRAME)
+        shown = browser.execute_script(
+            "const gd = document.querySelector('[data-testid=\"stPlotlyChart\"] .js-plotly-plot');"
+            "return {traces: gd._fullData.map(t => [t.name, Array.from(t.y, v => Number.isFinite(v) ? v : null)]),"
+            "  ticks: Array.from(gd._fullLayout.xaxis.ticktext), title: gd._fullLayout.title.text};"
+        )
+        assert "Step 0: top 6 tokens by stage" in shown["title"]
+        _assert_shows(shown, _expected(runs / "alpha.parquet", 0))
+        _button(browser, "Next")
+        _wait_for(browser, lambda d: _replay_shows(d)[0] == 1)
+        assert not _errors(browser)
+    assert "the live chart cannot be served" in (runs / "server.log").read_text()
