@@ -508,3 +508,34 @@ def test_the_chart_falls_back_to_st_plotly_chart_where_the_live_chart_cannot_be_
         _wait_for(browser, lambda d: _replay_shows(d)[0] == 1)
         assert not _errors(browser)
     assert "the live chart cannot be served" in (runs / "server.log").read_text()
+
+
+def test_the_live_chart_fills_the_column_and_follows_the_window(server, browser):
+    """The plot is as wide as the column holding it, and narrows with the window."""
+    _load(browser, f"{server}/replay?run=alpha.parquet", 1)
+
+    def widths(driver) -> tuple[int, int, int]:
+        """The main column's width inside its padding, the live chart's frame's and its plot's (px)."""
+        column = driver.execute_script(
+            "const c = document.querySelector('[data-testid=\"stMainBlockContainer\"]'), s = getComputedStyle(c);"
+            "return c.clientWidth - parseFloat(s.paddingLeft) - parseFloat(s.paddingRight);"
+        )
+        frame = driver.find_element(By.CSS_SELECTOR, LIVE_FRAME)
+        driver.switch_to.frame(frame)
+        try:
+            plot = driver.execute_script("return document.querySelector('.js-plotly-plot')._fullLayout.width;")
+        finally:
+            driver.switch_to.default_content()
+        return column, int(frame.size["width"]), int(plot)
+
+    def fills(driver) -> bool:
+        column, frame, plot = widths(driver)
+        return plot == frame and abs(frame - column) <= 1
+
+    try:
+        _wait_for(browser, fills)
+        wide = widths(browser)
+        browser.set_window_size(1100, 1300)
+        _wait_for(browser, lambda d: fills(d) and widths(d)[2] < wide[2] - 200)
+    finally:
+        browser.set_window_size(1400, 1300)
