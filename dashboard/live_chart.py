@@ -54,9 +54,10 @@ def _cache_root() -> Path:
 
 def component_folder(root: Path | None = None) -> Path:
     """The component's folder (``index.html`` and ``plotly.min.js``) under ``root`` (default: the cache), built
-    when missing. Its name holds a digest of both files, so a new plotly or a new page gets a new folder; it is
-    built beside its final place and renamed into it, so a server never serves a half-copied file. Raises
-    ``OSError`` where the files cannot be read or the folder cannot be written."""
+    when missing or incomplete. Its name holds a digest of the page and of plotly.js (version, size, time), so a
+    new plotly or a new page gets a new folder; it is built beside its final place and renamed into it, so a
+    server never serves a half-copied file. Raises ``OSError`` where the files cannot be read or the folder
+    cannot be written."""
     root = Path(root) if root is not None else _cache_root()
     page = PAGE.read_bytes()
     stat = PLOTLY_JS.stat()
@@ -69,6 +70,8 @@ def component_folder(root: Path | None = None) -> Path:
     try:
         (building / "index.html").write_bytes(page)
         shutil.copyfile(PLOTLY_JS, building / "plotly.min.js")
+        if folder.exists():  # a file of it missing: replaced whole
+            shutil.rmtree(folder, ignore_errors=True)
         try:
             building.rename(folder)
         except OSError:  # another server built it first
