@@ -199,10 +199,17 @@ def first_pages(url: str, profile: Path, repeats: int) -> list[Timing]:
         driver.quit()
 
 
+#: The page's documents: its own and those of its frames from the same server (a chart drawn by a component).
+DOCUMENTS = (
+    "const documents = [document, ...[...document.querySelectorAll('iframe')]"
+    "  .map(f => { try { return f.contentDocument; } catch (e) { return null; } }).filter(d => d)];"
+)
+
+
 def shown_step(driver) -> int | None:
-    """The step the replay shows (its chart's title), None while none is drawn."""
+    """The step the replay shows (its chart's title, in the page or in a frame), None while none is drawn."""
     return driver.execute_script(
-        "for (const t of document.querySelectorAll('.js-plotly-plot .gtitle'))"
+        DOCUMENTS + "for (const d of documents) for (const t of d.querySelectorAll('.js-plotly-plot .gtitle'))"
         "  if (t.textContent.startsWith('Step ')) return parseInt(t.textContent.slice(5));"
         "return null;"
     )

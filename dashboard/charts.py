@@ -115,8 +115,9 @@ def step_bars(
     Step replay draws this figure at every click and every tick of Play, so
     it is built as a plain dict and handed to plotly without its property
     validation (30 ms a figure of the 40 it took; the tests validate the same
-    figures in full). Streamlit draws each new figure as a new plot, so the
-    layout spares plotly the work it can: tick labels are not measured, each
+    figures in full). Step replay updates one plot in place with each new
+    figure (:mod:`dashboard.live_chart`; ``st.plotly_chart`` would draw a new
+    plot each time), and the layout spares plotly the work it can: tick labels are not measured, each
     against every other, for overflow past the chart's edge (the margins keep
     them inside; one that still passes it is cut there, not hidden), and with
     ``steady`` (Play) the margins start wide enough for the usual labels,

@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import streamlit as st
+from dashboard_support import chart_specs
 from streamlit.testing.v1 import AppTest
 
 from dashboard import data
@@ -96,7 +97,7 @@ def _decoded(value):
 
 def _charts(at: AppTest) -> list[dict]:
     """The figures on the page, as plain data."""
-    return [_decoded(json.loads(chart.proto.spec)) for chart in at.get("plotly_chart")]
+    return [_decoded(json.loads(spec)) for spec in chart_specs(at)]
 
 
 def _ok(at: AppTest) -> None:

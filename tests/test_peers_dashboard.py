@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 import streamlit as st
+from dashboard_support import chart_specs
 from streamlit.testing.v1 import AppTest
 
 from dashboard.paths import APP, default_runs_path
@@ -34,15 +35,15 @@ def _page(root, page: str) -> AppTest:
     return at
 
 
-def _names(chart) -> list[str]:
+def _names(spec: str) -> list[str]:
     import json
 
-    return [trace.get("name") for trace in json.loads(chart.proto.spec)["data"]]
+    return [trace.get("name") for trace in json.loads(spec)["data"]]
 
 
 def test_overview_draws_the_mass_each_processor_removed(root):
     at = _page(root, "overview")
-    names = [_names(chart) for chart in at.get("plotly_chart")]
+    names = [_names(spec) for spec in chart_specs(at)]
     assert ["after:regex", "after:penalties"] in names
 
 
@@ -52,14 +53,14 @@ def test_replay_lets_the_user_pick_stages(root):
     assert picker.value == ["natural", "after:regex", "constrained", "sampled"]
     picker.set_value(["natural", "after:regex"]).run()
     assert not at.exception
-    bars = [n for n in _names(at.get("plotly_chart")[0]) if n]
+    bars = [n for n in _names(chart_specs(at)[0]) if n]
     assert any("after:regex" in n for n in bars) and not any("sampled" in n for n in bars)
 
 
 def test_compare_shows_distances_from_tracker_compare(root):
     at = _page(root, "compare")
     at.sidebar.selectbox(key="run_b").set_value(str(root / SAMPLE)).run()  # one sequence: B is asked for
-    distance = [c for c in at.get("plotly_chart") if "Distance between A and B" in c.proto.spec]
+    distance = [spec for spec in chart_specs(at) if "Distance between A and B" in spec]
     assert distance, "no distance chart"
     assert "after:regex" in _names(distance[0])
 

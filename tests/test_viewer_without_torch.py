@@ -63,7 +63,8 @@ for page in (None, "overview", "replay", "compare"):
     at.run()
     if at.exception:
         raise SystemExit(f"page {page}: {at.exception[0].message}")
-    shown[page or "runs"] = {"errors": [e.value for e in at.error], "charts": len(at.get("plotly_chart")),
+    live = [c for c in at.get("component_instance") if c.proto.component_name.endswith(".live_chart")]  # replay's
+    shown[page or "runs"] = {"errors": [e.value for e in at.error], "charts": len(at.get("plotly_chart")) + len(live),
                               "titles": [t.value for t in at.title] + [s.value for s in at.subheader]}
 results["pages"] = shown
 import contextlib, io

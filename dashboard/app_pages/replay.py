@@ -4,7 +4,7 @@ import re
 
 import streamlit as st
 
-from dashboard import charts, data, text, views, widgets
+from dashboard import charts, data, live_chart, text, views, widgets
 from dashboard.reader import BadRunError
 
 PLAY_SECONDS = 0.2  # Play: five steps a second (each tick reruns only the step's fragment below)
@@ -148,17 +148,21 @@ def _stepper() -> None:
         min(16, max(4, len(shown_as.replace("\\", "")), 0.4 * len(label) + (3 if note else 1)))
         for label, shown_as, note in numbers
     ]
-    if playing_now:
-        # the text and the numbers as one element, the numbers drawn as the metrics are: five times a second the
-        # browser redraws one block of HTML instead of a row of columns holding a metric each
-        st.html(text_so_far + text.numbers_html(numbers, widths))
-    else:
-        st.html(text_so_far)
-        for cell, (label, shown_as, note) in zip(st.columns(widths), numbers):
-            cell.metric(label, shown_as, help=note)
-    if summary.processor_error:
-        st.warning("The wrapped processor raised at this step: only the model's distribution was recorded.")
-    st.plotly_chart(
+    # one container holds what differs between playing and paused, so that the chart after it keeps its place in
+    # the page (and so its plot) when Play starts or stops
+    with st.container():
+        if playing_now:
+            # the text and the numbers as one element, the numbers drawn as the metrics are: five times a second
+            # the browser redraws one block of HTML instead of a row of columns holding a metric each
+            st.html(text_so_far + text.numbers_html(numbers, widths))
+        else:
+            st.html(text_so_far)
+            for cell, (label, shown_as, note) in zip(st.columns(widths), numbers):
+                cell.metric(label, shown_as, help=note)
+        if summary.processor_error:
+            st.warning("The wrapped processor raised at this step: only the model's distribution was recorded.")
+    # a plot that stays in the page and is updated in place (st.plotly_chart draws each new figure from nothing)
+    live_chart.plotly_chart(
         charts.step_bars(
             table,
             stages,
@@ -170,7 +174,6 @@ def _stepper() -> None:
             steady=playing_now,
         ),
         key="step_bars",
-        width="stretch",
     )
     if value == "logit" and "sampled" in stages:
         st.caption(
