@@ -46,6 +46,7 @@ from tracker.recording.buffers import BufferPool, HostBuffer, background_thread,
 from tracker.recording.chunks import Chunk, StepRows
 from tracker.recording.record_stats import chosen_stats, group_maxima, offset_rows, stage_stats, summarise_topk
 from tracker.recording.storage import Storage
+from tracker.recording.streaming import copy_rows
 
 __all__ = ["DEFAULT_LIMIT", "DeferredRows", "STAGED_DTYPES", "store_stage"]
 
@@ -105,7 +106,7 @@ def store_stage(
             src = src.float() - shift[:, None]
         if not staging and src.dtype == dst.dtype and src.dtype in _MEMCPY and src.device.type == "cpu":
             # a plain memcpy: torch would split a long row across threads for no gain
-            np.copyto(chunk.arrays[name][start:end], src.numpy())
+            copy_rows(chunk.arrays[name][start:end], src.numpy())
         else:
             if staging and src.dtype != dst.dtype:
                 src = src.to(dst.dtype)  # convert on the device, copy the smaller row
