@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
+import os
 import sys
 import threading
 from collections import Counter
@@ -151,15 +152,30 @@ def _fresh(nbytes: int) -> np.ndarray:
     return owner
 
 
-def background_thread(name: str) -> Callable[[], ThreadPoolExecutor]:
-    """A getter of one process-wide background thread called ``name``, started on its first use."""
+def yield_to_decoding() -> None:
+    """Lower the calling thread's scheduling priority to the lowest (Linux, where a thread has a priority of
+    its own; elsewhere nothing): where the cores are busy, the decode thread and the model's threads run
+    first. A background thread at the normal priority takes a core from a model's intra-op threads, and
+    every parallel kernel of the step then waits at its barrier for the thread that lost its core."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
+
+
+def background_thread(name: str, low_priority: bool = False) -> Callable[[], ThreadPoolExecutor]:
+    """A getter of one process-wide background thread called ``name``, started on its first use; with
+    ``low_priority``, at the lowest scheduling priority (:func:`yield_to_decoding`): for work nobody waits
+    for while the model runs (a read that needs it does it on its own thread)."""
     started: list[ThreadPoolExecutor] = []
     lock = threading.Lock()
 
     def get() -> ThreadPoolExecutor:
         with lock:
             if not started:
-                started.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix=name))
+                start = yield_to_decoding if low_priority else None
+                started.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=start))
             return started[0]
 
     return get

@@ -30,8 +30,6 @@ pool until it is done.
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import weakref
 from collections import deque
@@ -57,22 +55,8 @@ STAGED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEFAULT_LIMIT = 512 << 20
 _BLOCK_BYTES = 8 << 20
 
-#: The one background thread that stores staged rows.
-_worker = background_thread("logitscope-deferred")
-_niced = threading.local()
-
-
-def _yield_to_decoding() -> None:
-    """Lower this (background) thread's scheduling priority, once: where the cores are busy, the decode thread
-    runs first and staged rows wait (Linux, where a thread has a priority of its own; elsewhere nothing)."""
-    if getattr(_niced, "done", False):
-        return
-    _niced.done = True
-    if sys.platform.startswith("linux"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except OSError:
-            pass
+#: The one background thread that stores staged rows (at the lowest priority: nothing ever waits for it).
+_worker = background_thread("logitscope-deferred", low_priority=True)
 
 
 def store_stage(
@@ -375,7 +359,6 @@ class DeferredRows:
 
     def _drain(self) -> None:
         """The background thread: store queued steps, oldest first, until none is left."""
-        _yield_to_decoding()
         while True:
             with self._guard:
                 step = next((s for s in self._queue if not s.workers and not s.stored and not s.failed), None)
