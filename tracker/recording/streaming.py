@@ -31,14 +31,10 @@ _MIN_BYTES = 16 << 10
 def copy_rows(dst: np.ndarray, src: np.ndarray) -> None:
     """Copy ``src`` into ``dst`` (same shape and dtype; ``dst`` rows of chunk memory that nothing reads
     soon) with streaming stores where possible, else ``np.copyto``. Does not synchronise (host arrays)."""
-    if (
-        _stream_copy is not None
-        and dst.nbytes >= _MIN_BYTES
-        and dst.shape == src.shape
-        and dst.dtype == src.dtype
-        and dst.flags.c_contiguous
-        and src.flags.c_contiguous
-    ):
-        _stream_copy(dst, src)
-    else:
-        np.copyto(dst, src)
+    if _stream_copy is not None and dst.nbytes >= _MIN_BYTES and dst.shape == src.shape and dst.dtype == src.dtype:
+        try:
+            _stream_copy(dst, src)  # checks that both are contiguous (the common case) and the same size
+            return
+        except (ValueError, BufferError):
+            pass  # not contiguous: numpy copies it
+    np.copyto(dst, src)
