@@ -39,7 +39,7 @@ import torch
 
 __all__ = ["HostBuffer", "BufferPool", "SHARED_POOL", "PinnedRing", "numpy_dtype_for", "trim_heap", "exiting"]
 
-_MAP_MIN = 1 << 20  # smaller buffers come from the heap
+_MAP_MIN = 64 << 10  # smaller buffers (16 pages or fewer) come from the heap
 _TOUCH_PIECE = 1 << 20  # pages touched per numpy call off the decode thread (see prefault)
 _PAGE = 4096
 
@@ -308,10 +308,11 @@ class BufferPool:
 
         Sizes the pool already holds free (and unviewed) buffers of, or is
         still touching for an earlier call, are not made again. Where the kernel can populate a mapping while it is in
-        use (:func:`populates`), the others are mapped at once, given to the
-        pool, and their pages faulted in on a background thread
+        use (:func:`populates`), the others are made at once and given to the
+        pool, the large ones' pages faulted in on a background thread
         (:func:`populate`): a chunk that needs them before that is done takes
-        them anyway and faults the rest in itself, never waiting. Elsewhere
+        them anyway and faults the rest in itself, never waiting (the small
+        ones, from the heap, are touched here: 16 pages at most). Elsewhere
         they are mapped and touched on the background thread
         (:func:`prefault`), then given to the pool. Returns the future of the
         new buffers (None when none were needed): wait for it before
@@ -332,10 +333,15 @@ class BufferPool:
         with self.lock:
             self.allocated_bytes += sum(need)  # counted when asked for, so a reader sees it at once
         mapped = populates()  # mapped buffers are usable at once, populated off this thread
-        ready = [HostBuffer(_fresh(size), size) for size in need if mapped and size >= _MAP_MIN]
+        # where mapped buffers can be, small ones (heap memory, at most 16 pages) are made and touched here too:
+        # queued behind the large buffers' population on the one background thread, a chunk that needed them
+        # would wait for all of it
+        ready = [HostBuffer(_fresh(size), size) for size in need if mapped]
         for buf in ready:
+            if buf.nbytes < _MAP_MIN:
+                prefault(buf.owner)
             self.give(buf)
-        rest = [size for size in need if not mapped or size < _MAP_MIN]  # touched before they are given
+        rest = [size for size in need if not mapped]  # touched before they are given
         if not rest:
             done: Future[list[HostBuffer]] = Future()
             done.set_result(ready)
