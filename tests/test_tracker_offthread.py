@@ -190,3 +190,26 @@ def test_fresh_buffers_written_while_their_pages_are_populated_keep_every_value(
         view.copy_(torch.from_numpy(values))  # at once: the background thread may still be populating
         buffers._preparer().submit(lambda: None).result()  # the population queued so far is done
         np.testing.assert_array_equal(view.numpy(), values)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own priority is a Linux notion")
+def test_background_work_yields_the_cores_to_the_decode_thread_and_the_model():
+    """The statistics and staging threads run at the lowest priority: on a busy machine they take no core
+    from the model's intra-op threads (whose parallel kernels would wait for the one that lost its core),
+    while the decoding thread keeps its priority."""
+    import os
+
+    tracker = record("auto", seed=3)
+    deferred = LogitTrackingProcessor(MaskThird(), storage="float16", memory_limit=None)
+    ids = torch.ones(1, 3, dtype=torch.long)
+    for _ in range(4):  # a step goes to the staging thread when the next one begins
+        deferred(ids, torch.randn(1, 3000))
+        ids = torch.cat([ids, ids[:, -1:]], 1)
+    deferred.finish()
+    tracker.run.stats()
+    names = {"logitscope-stats", "logitscope-deferred"}
+    workers = [t for t in threading.enumerate() if any(t.name.startswith(n) for n in names)]
+    assert {n for n in names if any(t.name.startswith(n) for t in workers)} == names
+    for thread in workers:
+        assert os.getpriority(os.PRIO_PROCESS, thread.native_id) == 19, thread.name
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == os.getpriority(os.PRIO_PROCESS, 0)

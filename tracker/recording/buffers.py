@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
+import os
 import sys
 import threading
 from collections import Counter
@@ -38,7 +39,7 @@ import torch
 
 __all__ = ["HostBuffer", "BufferPool", "SHARED_POOL", "PinnedRing", "numpy_dtype_for", "trim_heap", "exiting"]
 
-_MAP_MIN = 1 << 20  # smaller buffers come from the heap
+_MAP_MIN = 64 << 10  # smaller buffers (16 pages or fewer) come from the heap
 _TOUCH_PIECE = 1 << 20  # pages touched per numpy call off the decode thread (see prefault)
 _PAGE = 4096
 
@@ -151,15 +152,30 @@ def _fresh(nbytes: int) -> np.ndarray:
     return owner
 
 
-def background_thread(name: str) -> Callable[[], ThreadPoolExecutor]:
-    """A getter of one process-wide background thread called ``name``, started on its first use."""
+def yield_to_decoding() -> None:
+    """Lower the calling thread's scheduling priority to the lowest (Linux, where a thread has a priority of
+    its own; elsewhere nothing): where the cores are busy, the decode thread and the model's threads run
+    first. A background thread at the normal priority takes a core from a model's intra-op threads, and
+    every parallel kernel of the step then waits at its barrier for the thread that lost its core."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
+
+
+def background_thread(name: str, low_priority: bool = False) -> Callable[[], ThreadPoolExecutor]:
+    """A getter of one process-wide background thread called ``name``, started on its first use; with
+    ``low_priority``, at the lowest scheduling priority (:func:`yield_to_decoding`): for work nobody waits
+    for while the model runs (a read that needs it does it on its own thread)."""
     started: list[ThreadPoolExecutor] = []
     lock = threading.Lock()
 
     def get() -> ThreadPoolExecutor:
         with lock:
             if not started:
-                started.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix=name))
+                start = yield_to_decoding if low_priority else None
+                started.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=start))
             return started[0]
 
     return get
@@ -292,10 +308,11 @@ class BufferPool:
 
         Sizes the pool already holds free (and unviewed) buffers of, or is
         still touching for an earlier call, are not made again. Where the kernel can populate a mapping while it is in
-        use (:func:`populates`), the others are mapped at once, given to the
-        pool, and their pages faulted in on a background thread
+        use (:func:`populates`), the others are made at once and given to the
+        pool, the large ones' pages faulted in on a background thread
         (:func:`populate`): a chunk that needs them before that is done takes
-        them anyway and faults the rest in itself, never waiting. Elsewhere
+        them anyway and faults the rest in itself, never waiting (the small
+        ones, from the heap, are touched here: 16 pages at most). Elsewhere
         they are mapped and touched on the background thread
         (:func:`prefault`), then given to the pool. Returns the future of the
         new buffers (None when none were needed): wait for it before
@@ -316,10 +333,15 @@ class BufferPool:
         with self.lock:
             self.allocated_bytes += sum(need)  # counted when asked for, so a reader sees it at once
         mapped = populates()  # mapped buffers are usable at once, populated off this thread
-        ready = [HostBuffer(_fresh(size), size) for size in need if mapped and size >= _MAP_MIN]
+        # where mapped buffers can be, small ones (heap memory, at most 16 pages) are made and touched here too:
+        # queued behind the large buffers' population on the one background thread, a chunk that needed them
+        # would wait for all of it
+        ready = [HostBuffer(_fresh(size), size) for size in need if mapped]
         for buf in ready:
+            if buf.nbytes < _MAP_MIN:
+                prefault(buf.owner)
             self.give(buf)
-        rest = [size for size in need if not mapped or size < _MAP_MIN]  # touched before they are given
+        rest = [size for size in need if not mapped]  # touched before they are given
         if not rest:
             done: Future[list[HostBuffer]] = Future()
             done.set_result(ready)

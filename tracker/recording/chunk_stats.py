@@ -46,8 +46,9 @@ __all__ = ["ChunkStats"]
 
 _BLOCK_BYTES = 8 << 20  # rows per computation: about 8 MiB of float32 (bounded scratch memory)
 
-#: The one background thread that computes chunks' statistics.
-_worker = background_thread("logitscope-stats")
+#: The one background thread that computes chunks' statistics, at the lowest priority: it must not take a
+#: core from the model's threads (a read finds what it has not reached and computes that itself).
+_worker = background_thread("logitscope-stats", low_priority=True)
 
 
 class ChunkStats:

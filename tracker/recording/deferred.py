@@ -30,8 +30,6 @@ pool until it is done.
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import weakref
 from collections import deque
@@ -46,6 +44,7 @@ from tracker.recording.buffers import BufferPool, HostBuffer, background_thread,
 from tracker.recording.chunks import Chunk, StepRows
 from tracker.recording.record_stats import chosen_stats, group_maxima, offset_rows, stage_stats, summarise_topk
 from tracker.recording.storage import Storage
+from tracker.recording.streaming import copy_rows
 
 __all__ = ["DEFAULT_LIMIT", "DeferredRows", "STAGED_DTYPES", "store_stage"]
 
@@ -56,22 +55,8 @@ STAGED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEFAULT_LIMIT = 512 << 20
 _BLOCK_BYTES = 8 << 20
 
-#: The one background thread that stores staged rows.
-_worker = background_thread("logitscope-deferred")
-_niced = threading.local()
-
-
-def _yield_to_decoding() -> None:
-    """Lower this (background) thread's scheduling priority, once: where the cores are busy, the decode thread
-    runs first and staged rows wait (Linux, where a thread has a priority of its own; elsewhere nothing)."""
-    if getattr(_niced, "done", False):
-        return
-    _niced.done = True
-    if sys.platform.startswith("linux"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except OSError:
-            pass
+#: The one background thread that stores staged rows (at the lowest priority: nothing ever waits for it).
+_worker = background_thread("logitscope-deferred", low_priority=True)
 
 
 def store_stage(
@@ -105,7 +90,7 @@ def store_stage(
             src = src.float() - shift[:, None]
         if not staging and src.dtype == dst.dtype and src.dtype in _MEMCPY and src.device.type == "cpu":
             # a plain memcpy: torch would split a long row across threads for no gain
-            np.copyto(chunk.arrays[name][start:end], src.numpy())
+            copy_rows(chunk.arrays[name][start:end], src.numpy())
         else:
             if staging and src.dtype != dst.dtype:
                 src = src.to(dst.dtype)  # convert on the device, copy the smaller row
@@ -374,7 +359,6 @@ class DeferredRows:
 
     def _drain(self) -> None:
         """The background thread: store queued steps, oldest first, until none is left."""
-        _yield_to_decoding()
         while True:
             with self._guard:
                 step = next((s for s in self._queue if not s.workers and not s.stored and not s.failed), None)

@@ -25,6 +25,7 @@ import torch
 
 from processors import protocol
 from tracker.recording.chunks import Chunk, StepRows
+from tracker.recording.streaming import copy_rows
 
 if TYPE_CHECKING:
     from tracker.recording.deferred import DeferredRows
@@ -183,9 +184,10 @@ class PlainSteps:
         )
 
     def _copy(self, chunk: Chunk, stage: str, start: int, values: torch.Tensor) -> None:
-        """Copy ``values`` into ``chunk`` as rows ``start:`` of ``stage`` (a memcpy), marked written."""
+        """Copy ``values`` into ``chunk`` as rows ``start:`` of ``stage`` (streaming stores: :func:`copy_rows`),
+        marked written."""
         end = start + values.shape[0]
-        chunk.arrays[f"{stage}:logits"][start:end] = values.numpy()
+        copy_rows(chunk.arrays[f"{stage}:logits"][start:end], values.numpy())
         chunk.written[stage][start:end] = True
         chunk.version += 1
         self.version += 1
