@@ -8,7 +8,7 @@
  *
  * One function, copy(dst, src): dst a writable, src a readable C-contiguous buffer of the same byte size.
  * The interpreter lock is released during the copy. On other than x86-64 it is a memcpy. Built by setup.py
- * as an optional extension: where it cannot be built, tracker.recording.hot_path copies with numpy.
+ * as an optional extension: where it cannot be built, tracker.recording.streaming copies with numpy.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

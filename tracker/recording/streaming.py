@@ -16,14 +16,16 @@ from __future__ import annotations
 import numpy as np
 
 try:
-    from tracker.recording._stream import copy as _stream_copy
+    from tracker.recording import _stream
 except ImportError:  # built without a C compiler: numpy copies (the same values, more memory traffic)
-    _stream_copy = None
+    _stream = None
 
 __all__ = ["STREAMING", "copy_rows"]
 
-#: Whether copies into chunk memory use streaming stores (the extension is built).
-STREAMING = _stream_copy is not None
+_stream_copy = None if _stream is None else _stream.copy
+#: Whether copies into chunk memory use streaming stores (the extension is built, on x86-64; elsewhere it
+#: is a memcpy).
+STREAMING = _stream is not None and bool(_stream.STREAMING)
 #: Smaller copies go through numpy: the call's fixed cost is then worth more than the traffic saved.
 _MIN_BYTES = 16 << 10
 
