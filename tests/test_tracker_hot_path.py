@@ -194,16 +194,25 @@ def assert_rows_are_the_inputs(tracker: LogitTrackingProcessor, given: list[tupl
         assert np.array_equal(got, expected, equal_nan=True)
 
 
+#: Storage modes of a CPU run: float32 rows are copied into the chunk, the others into float32 staging
+#: that a background thread stores (``tracker/recording/deferred.py``); both are on the fast path.
+STORAGES = ["float32", "float16", "bfloat16", "topk"]
+
+
+@pytest.mark.parametrize("storage", STORAGES)
 @pytest.mark.parametrize("batch", [1, 3])
-def test_a_steady_generation_across_chunks_records_the_same_run(paths, batch):
+def test_a_steady_generation_across_chunks_records_the_same_run(paths, batch, storage):
     def scenario(seed: int) -> dict[str, Any]:
         rng = np.random.default_rng(seed)
         # chunks of three steps (a row takes about 1 kB): every third step takes a new chunk (the full path)
-        tracker = LogitTrackingProcessor(RandomMask(seed), chunk_bytes=3 * batch * 1000, memory_limit=None)
+        tracker = LogitTrackingProcessor(
+            RandomMask(seed), chunk_bytes=3 * batch * 1000, memory_limit=None, storage=storage, top_k=5
+        )
         host = Host(tracker, rng)
         out = host.generate(prompt(rng, batch, 5), 13)
         tracker.finish(out)
-        assert_rows_are_the_inputs(tracker, host.given)
+        if storage == "float32":
+            assert_rows_are_the_inputs(tracker, host.given)
         return outcome(tracker, host.events)
 
     seed = fresh_seed()
@@ -214,10 +223,11 @@ def test_a_steady_generation_across_chunks_records_the_same_run(paths, batch):
     assert ((chosen >= 0) & (chosen < V)).all()
 
 
-def test_new_sequences_batch_changes_clear_and_ids_that_do_not_continue(paths):
+@pytest.mark.parametrize("storage", STORAGES)
+def test_new_sequences_batch_changes_clear_and_ids_that_do_not_continue(paths, storage):
     def scenario(seed: int) -> dict[str, Any]:
         rng = np.random.default_rng(seed)
-        tracker = LogitTrackingProcessor(RandomMask(seed), memory_limit=None)
+        tracker = LogitTrackingProcessor(RandomMask(seed), memory_limit=None, storage=storage, top_k=5)
         host = Host(tracker, rng)
         ids = host.generate(prompt(rng, 2, 4), 5)
         host.generate(prompt(rng, 2, 4), 3)  # a new sequence (no finish between)
@@ -241,10 +251,11 @@ def test_new_sequences_batch_changes_clear_and_ids_that_do_not_continue(paths):
     assert len(fast["generations"]) == 2  # after clear(): the two generations recorded since
 
 
-def test_a_processor_that_raises_and_out_of_range_ids_give_the_same_errors(paths):
+@pytest.mark.parametrize("storage", STORAGES)
+def test_a_processor_that_raises_and_out_of_range_ids_give_the_same_errors(paths, storage):
     def scenario(seed: int) -> dict[str, Any]:
         rng = np.random.default_rng(seed)
-        tracker = LogitTrackingProcessor(RandomMask(seed, fail_at=3), memory_limit=None)
+        tracker = LogitTrackingProcessor(RandomMask(seed, fail_at=3), memory_limit=None, storage=storage, top_k=5)
         host = Host(tracker, rng)
         host.generate(prompt(rng, 2, 4), 6)  # raises at step 3; the steps after it go on
         tracker.reset()

@@ -207,6 +207,21 @@ class DeferredRows:
         for half-precision rows), and, while staging is full, storing the oldest waiting steps."""
         if values.device.type != "cpu" or values.dtype not in STAGED_DTYPES or rows.chunk.host is None:
             return False
+        return self.stage_host(rows, stage, values, natural, eos, storage, vocab)
+
+    def stage_host(
+        self,
+        rows: StepRows,
+        stage: str,
+        values: torch.Tensor,
+        natural: torch.Tensor | None,
+        eos: torch.Tensor | None,
+        storage: Storage,
+        vocab: int,
+    ) -> bool:
+        """:meth:`stage` of rows already known to fit: ``values`` on the CPU, of a :data:`STAGED_DTYPES` type,
+        for rows of a chunk in host memory (the decode step's plain case, :mod:`tracker.recording.hot_path`,
+        calls it directly). Every step and stage; a streaming memcpy: does not synchronise."""
         step = self._current if self._current is not None and self._current.rows is rows else None
         nat = None
         if stage != "natural":
@@ -217,14 +232,15 @@ class DeferredRows:
         if step is None:
             self.next_step()
             step = self._current = _Step(rows, storage, vocab)
+        else:
+            self.supersede(rows, stage)
         block, offset = self._room(rows.count, vocab)
         dst = block.rows[offset : offset + rows.count]
-        src = values.detach()
+        src = values.detach() if values.requires_grad else values
         if src.dtype == torch.float32:
-            np.copyto(dst, src.numpy())
+            copy_rows(dst, src.numpy())  # streaming stores: the row is read long after, out of the cache
         else:
             torch.from_numpy(dst).copy_(src)
-        self.supersede(rows, stage)
         step.writes.append(_Write(rows.chunk, stage, rows.start, rows.end, block, offset, nat, eos))
         if stage == "natural":
             step.source = values
@@ -237,12 +253,13 @@ class DeferredRows:
             for write in step.writes:
                 write.dropped = write.dropped or write.stage == stage
 
-    def chosen(self, rows: StepRows, tokens: torch.Tensor) -> None:
+    def chosen(self, rows: StepRows, tokens: torch.Tensor, owned: bool = False) -> None:
         """The chosen tokens of ``rows``: while their step is current its staged writes get the chosen
-        token's statistics when stored (as recording them does; later, nothing)."""
+        token's statistics when stored (as recording them does; later, nothing). ``owned``: ``tokens`` are
+        int64 on the CPU and nobody else writes into them (else they are copied)."""
         step = self._current
         if step is not None and step.rows is rows:
-            step.tokens = tokens.detach().to("cpu").clone()
+            step.tokens = tokens if owned else tokens.detach().to("cpu").clone()
             for write in step.writes:
                 write.chosen_done = False
 

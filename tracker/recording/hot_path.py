@@ -8,11 +8,13 @@ microseconds of dispatch; at 32k tokens the two 128 KiB copies cost less
 than that bookkeeping did. Here the same work is done on numpy views of the
 host tensors, in one lock round trip for the reservation.
 
-Each function below handles only the plain case (rows on the CPU, float32,
-stored as float32 without per-step statistics or staging, room in the active
-chunk, no spill failure pending) and says so by its return value; otherwise it
-does nothing and the caller takes the full path, which records the same values
-and raises the same errors. ``tests/test_tracker_hot_path.py`` compares the two.
+Each function below handles only the plain case (float32 rows on the CPU,
+stored as float32 without per-step statistics, or copied into the float32
+staging of a run kept in half precision or top-k (:mod:`~tracker.recording.deferred`),
+room in the active chunk, no spill failure pending) and says so by its return
+value; otherwise it does nothing and the caller takes the full path, which
+records the same values and raises the same errors.
+``tests/test_tracker_hot_path.py`` compares the two.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from processors import protocol
 from tracker.recording.chunks import Chunk, StepRows
+from tracker.recording.record_stats import eos_on
 from tracker.recording.streaming import copy_rows
 
 if TYPE_CHECKING:
@@ -73,8 +76,9 @@ def ids_in_range(values: np.ndarray, vocab_size: int) -> bool:
 class PlainSteps:
     """The recorder's plain case (a mixin of :class:`~tracker.recording.recorder.Recorder`): a step's
     reservation, the last step's chosen tokens and a stage's copy, each in one lock round trip and a few numpy
-    operations, when the rows are float32 on the CPU kept as float32 with no statistics or staging on the
-    decoding thread. The general methods do the same work for every case."""
+    operations, when the rows are float32 on the CPU kept as float32 with no statistics on the decoding
+    thread, or staged as float32 for a background thread to store (:meth:`_staged`). The general methods do
+    the same work for every case."""
 
     _lock: threading.RLock
     _active: Chunk | None
@@ -83,6 +87,8 @@ class PlainSteps:
     _retained: StepRows | None
     _deferred: DeferredRows
     _steps: int
+    _eos: dict
+    eos_token_ids: list[int]
     storage: Storage
     record_stats: bool
     deferred: bool
@@ -92,6 +98,11 @@ class PlainSteps:
     def _plain(self) -> bool:
         """Rows are stored as they come, with no per-step statistics and no staging."""
         return self.storage.kind == "float32" and not self.record_stats and not self.deferred
+
+    def _staged(self) -> bool:
+        """Rows kept in half precision or top-k on a CPU, whose conversion and statistics a background thread
+        does from a float32 copy (:class:`~tracker.recording.deferred.DeferredRows`)."""
+        return self.deferred
 
     def plain_step(
         self,
@@ -121,7 +132,7 @@ class PlainSteps:
                 return None
             self._deferred.next_step()
             rows = self._reserve(chunk, generation, step, batch)
-            self._copy(chunk, "natural", rows.start, natural)
+            self._put(rows, "natural", natural, None)  # a natural stage is always staged: it cannot refuse
             return rows
 
     def plain_chosen(self, rows: StepRows, chosen: np.ndarray) -> bool:
@@ -132,11 +143,16 @@ class PlainSteps:
 
     def _plain_chosen(self, rows: StepRows, chosen: np.ndarray) -> bool:
         chunk = rows.chunk
-        if chunk.on_disk or chunk.host is None or chosen.size != rows.count or not self._plain():
+        staged = self._staged()
+        if chunk.on_disk or chunk.host is None or chosen.size != rows.count or not (self._plain() or staged):
             return False  # the full path collects, refuses or computes the chosen token's statistics
+        if staged and self._retained is not None:
+            return False  # rows stored on this thread wait for the chosen token's statistics
         start = rows.start
         end = start + rows.count
         chunk.arrays["chosen"][start:end] = chosen.reshape(-1)  # as np.copyto(casting="unsafe"), cheaper
+        if staged:  # the staged rows get the chosen token's statistics when stored
+            self._deferred.chosen(rows, torch.from_numpy(chosen.astype(np.int64).reshape(-1)), owned=True)
         chunk.chosen_set[start:end] = True
         chunk.version += 1
         self.version += 1
@@ -159,13 +175,15 @@ class PlainSteps:
         self.version += 1
         return StepRows(chunk, start, batch, generation, step)
 
-    def plain_write(self, rows: StepRows, stage: str, values: torch.Tensor) -> bool:
-        """:meth:`write` of ``values`` as ``stage`` in the plain case (a memcpy into the chunk), True when done;
-        False (nothing done) otherwise. Call it holding the recorder's lock. Does not synchronise."""
+    def plain_write(
+        self, rows: StepRows, stage: str, values: torch.Tensor, natural: torch.Tensor | None = None
+    ) -> bool:
+        """:meth:`write` of ``values`` as ``stage`` in the plain case (a memcpy into the chunk or into staging),
+        True when done; False (nothing done) otherwise. Call it holding the recorder's lock. Does not
+        synchronise."""
         if rows.chunk.on_disk or not self._writable(rows.chunk, stage, values, rows.count):
             return False
-        self._copy(rows.chunk, stage, rows.start, values)
-        return True
+        return self._put(rows, stage, values, natural)
 
     def _writable(self, chunk: Chunk, stage: str, values: torch.Tensor, count: int) -> bool:
         """Whether ``values`` can be copied into ``chunk`` as ``count`` rows of ``stage`` as they are: float32 CPU
@@ -180,14 +198,24 @@ class PlainSteps:
             and chunk.host is not None
             and stage in chunk.written
             and self._retained is None
-            and self._plain()
+            and (self._plain() or self._staged())
         )
 
-    def _copy(self, chunk: Chunk, stage: str, start: int, values: torch.Tensor) -> None:
-        """Copy ``values`` into ``chunk`` as rows ``start:`` of ``stage`` (streaming stores: :func:`copy_rows`),
-        marked written."""
-        end = start + values.shape[0]
-        copy_rows(chunk.arrays[f"{stage}:logits"][start:end], values.numpy())
+    def _put(self, rows: StepRows, stage: str, values: torch.Tensor, natural: torch.Tensor | None) -> bool:
+        """Copy writable ``values`` (:meth:`_writable`) as ``stage`` of ``rows``: into the chunk (streaming
+        stores: :func:`copy_rows`), or into staging, marked written; False (nothing done) where staging
+        refuses them (a ``natural`` other than the rows staged as this step's natural stage)."""
+        chunk, start, end = rows.chunk, rows.start, rows.end
+        if self._staged():
+            eos = None
+            if self.record_stats and f"{stage}:stats" in chunk.buffers:
+                eos = eos_on(self._eos, self.eos_token_ids, self.vocab_size or 0, values.device)
+            vocab = self.vocab_size or 0
+            if not self._deferred.stage_host(rows, stage, values, natural, eos, self.storage, vocab):
+                return False
+        else:
+            copy_rows(chunk.arrays[f"{stage}:logits"][start:end], values.numpy())
         chunk.written[stage][start:end] = True
         chunk.version += 1
         self.version += 1
+        return True

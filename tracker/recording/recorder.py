@@ -222,7 +222,7 @@ class Recorder(PlainSteps):
         Runs every step and stage. Kernels and ``non_blocking`` copies only: does not synchronise.
         """
         with self._lock:
-            if not self.plain_write(rows, stage, values):  # float32 rows kept as they come: a memcpy
+            if not self.plain_write(rows, stage, values, natural):  # float32 rows kept or staged: a memcpy
                 self._write(rows, stage, values, natural, owned)
 
     def _write(
