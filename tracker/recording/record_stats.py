@@ -37,6 +37,11 @@ from tracker.reading.rows import (
     probabilities,
 )
 
+try:
+    from tracker.recording import _rowstats
+except ImportError:  # built without a C compiler: numpy passes (the same statistics within float32 rounding)
+    _rowstats = None
+
 __all__ = ["CHOSEN_STATS", "ROW_STATS", "chosen_stats", "offset_rows", "pair_stats", "probability", "row_stats"]
 __all__ += ["stored_lse"]
 __all__ += ["eos_on", "group_maxima", "stage_stats", "summarise_topk"]
@@ -118,12 +123,15 @@ def _row_stats_general(x: torch.Tensor, eos: torch.Tensor | None, natural: torch
 
 
 def _row_stats_cpu(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Tensor | None) -> torch.Tensor:
-    """:func:`row_stats` on the CPU: numpy passes (one thread, a fast ``exp``) for rows without NaN or
-    ``+inf`` (a row's sum tells), the general kernels for the others."""
+    """:func:`row_stats` on the CPU, on one thread, for rows without NaN or ``+inf``: two passes a row in
+    the ``_rowstats`` extension, else numpy passes; the general kernels for the other rows."""
     rows = x.detach().float().numpy()
-    with np.errstate(invalid="ignore", over="ignore"):  # +inf and -inf in one row sum to NaN: special
-        sums = rows.sum(axis=1)
-    plain = np.isfinite(sums) | (sums == NEG_INF)
+    fused = _fused_row_stats(rows)
+    if fused is not None:
+        top, lse, entropy, allowed, plain = fused
+    else:
+        top = rows.max(axis=1)  # NaN where a row holds NaN, +inf where it holds +inf: both special
+        plain = np.isfinite(top) | (top == NEG_INF)
     if not plain.all():
         out = torch.empty(rows.shape[0], len(ROW_STATS))
         special = torch.from_numpy(np.nonzero(~plain)[0])
@@ -132,18 +140,18 @@ def _row_stats_cpu(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Ten
             keep = torch.from_numpy(np.nonzero(plain)[0])
             out[keep] = _row_stats_cpu(x[keep], eos, None if natural is None else natural[keep])
         return out
-    top = rows.max(axis=1)
-    nothing = top == NEG_INF
-    shift = np.where(nothing, 0.0, top).astype(np.float32)
-    z = rows - shift[:, None]
-    np.maximum(z, exp_floor(z.shape[1]), out=z)
-    e = np.exp(z)
-    total = e.sum(axis=1, dtype=np.float32)
-    log_total = np.log(total)
-    entropy = log_total - np.einsum("ij,ij->i", e, z) / total
-    allowed = rows.shape[1] - np.count_nonzero(rows == NEG_INF, axis=1)
-    lse = np.where(nothing, NEG_INF, shift + log_total)
-    entropy = np.where(nothing, np.nan, entropy)
+    if fused is None:
+        nothing = top == NEG_INF
+        shift = np.where(nothing, 0.0, top).astype(np.float32)
+        z = rows - shift[:, None]
+        np.maximum(z, exp_floor(z.shape[1]), out=z)
+        e = np.exp(z)
+        total = e.sum(axis=1, dtype=np.float32)
+        log_total = np.log(total)
+        entropy = log_total - np.einsum("ij,ij->i", e, z) / total
+        allowed = rows.shape[1] - np.count_nonzero(rows == NEG_INF, axis=1)
+        lse = np.where(nothing, NEG_INF, shift + log_total)
+        entropy = np.where(nothing, np.nan, entropy)
     if eos is not None and eos.numel():
         p_eos = probabilities(rows[:, eos.numpy()], lse[:, None]).sum(axis=1)  # a masked EOS weighs 0
     else:
@@ -157,9 +165,28 @@ def _row_stats_cpu(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Ten
     return torch.from_numpy(packed)
 
 
+def _fused_row_stats(
+    rows: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """``(max, lse, entropy, allowed, plain)`` of float32 ``rows [B, V]`` from the ``_rowstats`` extension
+    (two passes a row, on this thread); None where it was not built. ``plain`` is False for a row holding
+    NaN or ``+inf``, whose other values are then unset. Does not synchronise (host arrays)."""
+    if _rowstats is None or rows.ndim != 2 or rows.shape[1] == 0:
+        return None
+    out = np.empty((rows.shape[0], 5), dtype=np.float32)
+    _rowstats.row_stats(np.ascontiguousarray(rows), out)
+    return out[:, 0], out[:, 1], out[:, 2], out[:, 3], out[:, 4] == 0
+
+
 def _pair_stats_cpu(natural: torch.Tensor, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`pair_stats` in numpy passes when the natural rows hold no NaN or ``+inf``."""
+    """:func:`pair_stats` on one thread when the natural rows hold no NaN or ``+inf`` (and ``x`` no NaN):
+    two passes a row pair in the ``_rowstats`` extension, else numpy passes."""
     nat = natural.detach().float().numpy()
+    if _rowstats is not None and nat.ndim == 2 and nat.shape[1]:
+        out = np.empty((nat.shape[0], 3), dtype=np.float32)
+        _rowstats.pair_stats(np.ascontiguousarray(nat), np.ascontiguousarray(x.detach().float().numpy()), out)
+        if not out[:, 2].any():
+            return out[:, 0], out[:, 1]
     with np.errstate(invalid="ignore", over="ignore"):
         sums = nat.sum(axis=1)
     if not (np.isfinite(sums) | (sums == NEG_INF)).all():
@@ -205,9 +232,19 @@ def stored_lse(kept: torch.Tensor, exact: torch.Tensor, nan_free: bool = False) 
     same values). Kernels on the rows' device; no synchronisation.
     """
     rounded = kept.to(device=exact.device, dtype=torch.float32)
-    if not nan_free:
-        rounded = rounded.masked_fill(torch.isnan(rounded), NEG_INF)
-    lse = torch.logsumexp(rounded, dim=1)
+    if rounded.device.type == "cpu":  # on one thread: the extension's two passes, else numpy's
+        values = rounded.numpy()
+        if not nan_free:
+            values = np.where(np.isnan(values), NEG_INF, values)
+        fused = _fused_row_stats(values)
+        if fused is not None and fused[4].all():
+            lse = torch.from_numpy(fused[1].copy())
+        else:
+            lse = torch.from_numpy(logsumexp_rows(values))
+    else:
+        if not nan_free:
+            rounded = rounded.masked_fill(torch.isnan(rounded), NEG_INF)
+        lse = torch.logsumexp(rounded, dim=1)
     return torch.where(torch.isfinite(lse) & torch.isfinite(exact), lse, exact)
 
 

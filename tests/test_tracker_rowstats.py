@@ -1,0 +1,215 @@
+"""Record-time row statistics on the CPU (``tracker.recording.record_stats``) against a float64 reference.
+
+A CPU row's statistics come from the optional C extension ``tracker.recording._rowstats`` where it was
+built, else from numpy passes. Both must give what a straightforward float64 computation gives, on
+ordinary, masked and edge rows (NaN, ``+inf``, nothing allowed, one token allowed), at every row length.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import tracker.recording.record_stats as record_stats
+from tracker import LogitTrackingProcessor
+from tracker.recording.record_stats import CHOSEN_STATS, ROW_STATS, chosen_stats, row_stats, stage_stats
+
+NEG = -np.inf
+
+
+@pytest.fixture(params=["extension", "numpy"])
+def path(request, monkeypatch):
+    """Each test runs through the extension (where built) and through numpy."""
+    if request.param == "extension" and record_stats._rowstats is None:
+        pytest.skip("the _rowstats extension is not built here")
+    if request.param == "numpy":
+        monkeypatch.setattr(record_stats, "_rowstats", None)
+    return request.param
+
+
+def test_the_extension_is_built_where_a_compiler_is():
+    """setup.py builds it wherever a C compiler is found (CI included)."""
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64", "aarch64"):
+        pytest.skip("built and checked on Linux")
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: the statistics are numpy's")
+    assert record_stats._rowstats is not None, "tracker.recording._rowstats was not built: `pip install -e .`"
+
+
+def reference(x: np.ndarray, eos: list[int], natural: np.ndarray | None) -> np.ndarray:
+    """:data:`ROW_STATS` of each row in float64, from their definitions: NaN weighs nothing (and is
+    counted), a row holding ``+inf`` is a one-hot on its ``+inf`` tokens, ``-inf`` is masked."""
+    out = np.full((x.shape[0], len(ROW_STATS)), np.nan)
+    for r, row in enumerate(x.astype(np.float64)):
+        nan = np.isnan(row)
+        vals = np.where(nan, NEG, row)
+        top = vals.max()
+        if top == np.inf:
+            p = (vals == np.inf) / (vals == np.inf).sum()
+            lse, allowed, entropy = np.inf, (vals == np.inf).sum(), np.log((vals == np.inf).sum())
+        elif top == NEG:
+            p, lse, allowed, entropy = np.zeros_like(vals), NEG, 0, np.nan
+        else:
+            lse = top + np.log(np.exp(vals - top).sum())
+            p = np.exp(vals - lse)
+            allowed = (vals > NEG).sum()
+            entropy = -(p[p > 0] * np.log(p[p > 0])).sum()
+        removed = margin = np.nan
+        if natural is not None:
+            nat = natural[r].astype(np.float64)
+            nat = np.where(np.isnan(nat), NEG, nat)
+            if (nat == np.inf).any():
+                nat = np.where(nat == np.inf, 0.0, NEG)
+            gone = ~(vals > NEG)
+            if nat.max() == NEG:
+                removed = 0.0
+            else:
+                q = np.exp(nat - nat.max())
+                removed = q[gone].sum() / q.sum()
+            kept = nat[~gone].max() if (~gone).any() else NEG
+            with np.errstate(invalid="ignore"):  # nothing allowed in either row: -inf - -inf, NaN
+                margin = nat.max() - kept
+        out[r] = [lse, allowed, top, entropy, nan.sum(), p[eos].sum() if eos else np.nan, removed, margin]
+    return out
+
+
+def edge_rows(rng: np.random.Generator, vocab: int) -> np.ndarray:
+    """Ordinary, peaked, masked and edge rows of ``vocab`` float32 logits."""
+    rows = [
+        rng.normal(scale=3.0, size=vocab),
+        rng.normal(scale=25.0, size=vocab),  # peaked: most tokens far below the best
+        np.where(rng.random(vocab) < 0.6, NEG, rng.normal(scale=2.0, size=vocab)),  # masked
+        np.full(vocab, NEG),  # nothing allowed
+        np.where(np.arange(vocab) == rng.integers(vocab), 4.0, NEG),  # one token allowed
+        np.where(rng.random(vocab) < 0.02, np.nan, rng.normal(size=vocab)),  # NaN entries
+        np.where(np.arange(vocab) % 7 == 3, np.inf, rng.normal(size=vocab)),  # +inf entries
+        np.full(vocab, 1e-3),  # flat
+    ]
+    return np.stack(rows).astype(np.float32)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 8, 255, 256, 257, 4099, 50257])
+def test_row_statistics_equal_float64_on_ordinary_and_edge_rows(path, vocab):
+    rng = np.random.default_rng()
+    x = edge_rows(rng, vocab)
+    natural = x.copy()
+    natural[[0, 1, 7]] = rng.normal(scale=3.0, size=(3, vocab)).astype(np.float32)
+    masked = rng.random(x.shape) < 0.3
+    x[0][masked[0]] = NEG  # a constrained row: the natural row with tokens masked
+    eos = sorted({0, vocab - 1})
+    got = row_stats(torch.from_numpy(x), torch.tensor(eos), torch.from_numpy(natural)).numpy()
+    want = reference(x, eos, natural)
+    np.testing.assert_allclose(got[:, [1, 2, 4]], want[:, [1, 2, 4]])  # allowed, max, NaN count: exact
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, equal_nan=True)
+    if path == "extension":  # sums in double: within the float32 result's own rounding and 1e-6 of exp's
+        lse, finite = ROW_STATS.index("lse"), np.isfinite(want[:, 0])
+        ulp = np.spacing(np.abs(want[finite, lse]).astype(np.float32)).astype(np.float64)
+        assert (np.abs(got[finite, lse] - want[finite, lse]) <= ulp + 1e-6).all()
+
+
+@pytest.mark.parametrize("vocab", [32768, 131072])
+def test_large_rows_and_a_batch_equal_float64(path, vocab):
+    rng = np.random.default_rng()
+    natural = (rng.normal(size=(3, vocab)) * rng.uniform(1, 10, size=(3, 1))).astype(np.float32)
+    x = np.where(rng.random((3, vocab)) < rng.uniform(0.05, 0.95, size=(3, 1)), NEG, natural).astype(np.float32)
+    got = row_stats(torch.from_numpy(x), None, torch.from_numpy(natural)).numpy()
+    want = reference(x, [], natural)
+    entropy = ROW_STATS.index("entropy")  # a difference of two sums over 131k float32 terms: ~1e-4 nats
+    np.testing.assert_allclose(got[:, entropy], want[:, entropy], rtol=5e-5, atol=1e-6)
+    others = [i for i in range(len(ROW_STATS)) if i != entropy]
+    np.testing.assert_allclose(got[:, others], want[:, others], rtol=2e-5, atol=1e-6, equal_nan=True)
+
+
+def test_a_removed_mass_far_below_the_best_token_is_summed_not_lost(path):
+    """Masking only tokens 60 nats below the best removes about 1e-26 of the mass, not 0 (nor a clamp's
+    residue); masking nothing removes exactly 0."""
+    vocab = 4096
+    natural = np.zeros((2, vocab), dtype=np.float32)
+    natural[:, 1:] = -60.0
+    x = natural.copy()
+    x[0, 1:11] = NEG  # ten tokens at -60
+    got = row_stats(torch.from_numpy(x), None, torch.from_numpy(natural)).numpy()
+    removed = got[:, ROW_STATS.index("removed_mass")]
+    expected = 10 * np.exp(-60.0) / (1 + (vocab - 1) * np.exp(-60.0))
+    assert removed[0] == pytest.approx(expected, rel=1e-4)
+    assert removed[1] == 0.0
+
+
+def test_stored_log_sum_exp_and_chosen_token_statistics_of_half_precision_rows(path):
+    """The log-sum-exp of the rows as stored (rounded to float16, minus their best logit) and the chosen
+    token's logit, probability and rank."""
+    rng = np.random.default_rng()
+    x = (rng.normal(scale=4.0, size=(4, 5000))).astype(np.float32)
+    x[1, rng.random(5000) < 0.5] = NEG
+    t = torch.from_numpy(x)
+    stats = row_stats(t, None, None)
+    offset = stats[:, ROW_STATS.index("max")]
+    kept = (t - offset[:, None]).to(torch.float16)
+    _, stored = stage_stats(t - offset[:, None], None, None, kept, stats, offset)
+    rounded = kept.double().numpy()
+    want = np.log(np.exp(rounded).sum(axis=1)) + offset.double().numpy()
+    np.testing.assert_allclose(stored[:, 0].double().numpy(), want, rtol=1e-6)
+    chosen = torch.from_numpy(rng.integers(0, 5000, size=4))
+    chosen[1] = int(np.flatnonzero(x[1] > NEG)[0])
+    found = chosen_stats(t, chosen, stats).numpy()
+    for r in range(4):
+        c = int(chosen[r])
+        lse = reference(x[r : r + 1], [], None)[0, 0]
+        assert found[r, CHOSEN_STATS.index("chosen_logit")] == x[r, c]
+        assert found[r, CHOSEN_STATS.index("p_chosen")] == pytest.approx(np.exp(float(x[r, c]) - lse), rel=1e-5)
+        assert found[r, CHOSEN_STATS.index("rank_chosen")] == (x[r] > x[r, c]).sum()
+
+
+def test_a_float16_run_reads_the_same_statistics_through_either_path(monkeypatch):
+    """A tracked float16 run (statistics stored off the decode thread) gives the same per-step entropy,
+    chosen-token probability and removed mass with the extension and with numpy, within float32 rounding."""
+    if record_stats._rowstats is None:
+        pytest.skip("the _rowstats extension is not built here")
+    rng = np.random.default_rng()
+    steps, vocab = 12, 3000
+    logits = [torch.from_numpy(rng.normal(scale=3.0, size=(2, vocab)).astype(np.float32)) for _ in range(steps)]
+    bias = torch.from_numpy(np.where(rng.random(vocab) < 0.4, NEG, 0.0).astype(np.float32))
+    tokens = torch.from_numpy(rng.integers(0, vocab, size=(2, steps + 3)))
+
+    def record() -> dict[str, np.ndarray]:
+        tracker = LogitTrackingProcessor(lambda ids, scores: scores + bias, storage="float16", memory_limit=None)
+        for t in range(steps):
+            tracker(tokens[:, : 3 + t], logits[t].clone())
+        tracker.finish(tokens[:, : 3 + steps])
+        frames = [tracker.stats(sequence=s) for s in (0, 1)]
+        return {
+            c: np.concatenate([f[c].to_numpy(dtype=np.float64) for f in frames])
+            for c in frames[0].columns
+            if frames[0][c].dtype.kind == "f"
+        }
+
+    fused = record()
+    monkeypatch.setattr(record_stats, "_rowstats", None)
+    numpy_path = record()
+    assert fused.keys() == numpy_path.keys() and fused
+    for name in fused:
+        np.testing.assert_allclose(fused[name], numpy_path[name], rtol=1e-4, atol=1e-6, equal_nan=True, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (np.zeros((2, 8)), np.zeros((2, 5), np.float32)),  # float64 rows
+        (np.zeros(8, np.float32), np.zeros((1, 5), np.float32)),  # one dimension
+        (np.zeros((2, 8), np.float32), np.zeros((3, 5), np.float32)),  # out of the wrong shape
+        (np.zeros((2, 16), np.float32)[:, ::2], np.zeros((2, 5), np.float32)),  # not contiguous
+    ],
+)
+def test_the_extension_refuses_buffers_it_cannot_read(args):
+    if record_stats._rowstats is None:
+        pytest.skip("the _rowstats extension is not built here")
+    with pytest.raises((ValueError, BufferError)):
+        record_stats._rowstats.row_stats(*args)
+    out = np.zeros((2, 3), np.float32)
+    with pytest.raises(ValueError, match="one shape"):
+        record_stats._rowstats.pair_stats(np.zeros((2, 8), np.float32), np.zeros((2, 9), np.float32), out)
