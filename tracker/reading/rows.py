@@ -377,7 +377,7 @@ def topk_rows(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 _POOL: ThreadPoolExecutor | None = None
 #: Threads a query reads blocks on: the passes are memory-bound, so more cores add little speed and
-#: one block (about 8 MiB per stage) of memory each.
+#: one block (about 16 MiB per stage) of memory each.
 MAX_WORKERS = 4
 
 
