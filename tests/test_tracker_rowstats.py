@@ -213,3 +213,22 @@ def test_the_extension_refuses_buffers_it_cannot_read(args):
     out = np.zeros((2, 3), np.float32)
     with pytest.raises(ValueError, match="one shape"):
         record_stats._rowstats.pair_stats(np.zeros((2, 8), np.float32), np.zeros((2, 9), np.float32), out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_chosen_token_statistics_of_the_cpu_path_equal_the_device_path(dtype):
+    """The CPU's numpy spelling of the chosen token's statistics and the torch kernels an accelerator runs
+    (here on CPU tensors) agree on ordinary, masked, NaN, +inf and empty rows, and on ids outside the
+    vocabulary (NaN)."""
+    rng = np.random.default_rng()
+    x = torch.from_numpy(edge_rows(rng, 999)).to(dtype)
+    stats = row_stats(x, None, None)
+    ids = torch.from_numpy(rng.integers(0, 999, size=x.shape[0]))
+    ids[5] = int(torch.nonzero(torch.isnan(x[5].float()))[0])  # a NaN entry chosen
+    ids[6] = 3  # a +inf token of the one-hot row
+    ids[0], ids[7] = -1, 999  # outside the vocabulary
+    cpu = record_stats._chosen_stats_cpu(x, ids, stats).numpy()
+    general = record_stats._chosen_stats_general(x, ids, stats).numpy()
+    np.testing.assert_allclose(cpu, general, rtol=1e-6, equal_nan=True)
+    assert np.isnan(cpu[[0, 7]]).all()
+    assert cpu[6].tolist() == [np.inf, pytest.approx(1 / (x[6].float() == np.inf).sum().item()), 0.0]
