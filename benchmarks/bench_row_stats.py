@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
+import timeit
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,12 +36,7 @@ from tracker.recording.deferred import DeferredRows  # noqa: E402
 
 def median_time(fn: Callable[[], object], repeats: int) -> float:
     fn()  # warm
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(timeit.repeat(fn, number=1, repeat=repeats))
 
 
 def rows(vocab: int, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -271,10 +271,11 @@ def test_a_processor_that_raises_and_out_of_range_ids_give_the_same_errors(paths
     assert fast["columns"]["processor_error"][1].any()
 
 
+@pytest.mark.parametrize("storage", ["float32", "float16", "topk"])
 @pytest.mark.parametrize(
     "variant", ["int32 ids", "strided ids", "float64 logits", "float16 logits", "in-place processor", "stages"]
 )
-def test_inputs_the_fast_path_leaves_to_the_full_path_record_the_same_run(paths, variant):
+def test_inputs_the_fast_path_leaves_to_the_full_path_record_the_same_run(paths, variant, storage):
     def scenario(seed: int) -> dict[str, Any]:
         rng = np.random.default_rng(seed)
         processor: Any = RandomMask(seed)
@@ -283,7 +284,7 @@ def test_inputs_the_fast_path_leaves_to_the_full_path_record_the_same_run(paths,
             processor = InPlaceScale()
         elif variant == "stages":
             processor, options = ProcessorList([RandomMask(seed), InPlaceScale()]), {"processor_stages": True}
-        tracker = LogitTrackingProcessor(processor, memory_limit=None, **options)
+        tracker = LogitTrackingProcessor(processor, memory_limit=None, storage=storage, top_k=5, **options)
         host = Host(tracker, rng)
         ids_type = torch.int32 if variant == "int32 ids" else torch.int64
         dtype = {"float64 logits": torch.float64, "float16 logits": torch.float16}.get(variant, torch.float32)

@@ -207,21 +207,6 @@ class DeferredRows:
         for half-precision rows), and, while staging is full, storing the oldest waiting steps."""
         if values.device.type != "cpu" or values.dtype not in STAGED_DTYPES or rows.chunk.host is None:
             return False
-        return self.stage_host(rows, stage, values, natural, eos, storage, vocab)
-
-    def stage_host(
-        self,
-        rows: StepRows,
-        stage: str,
-        values: torch.Tensor,
-        natural: torch.Tensor | None,
-        eos: torch.Tensor | None,
-        storage: Storage,
-        vocab: int,
-    ) -> bool:
-        """:meth:`stage` of rows already known to fit: ``values`` on the CPU, of a :data:`STAGED_DTYPES` type,
-        for rows of a chunk in host memory (the decode step's plain case, :mod:`tracker.recording.hot_path`,
-        calls it directly). Every step and stage; a streaming memcpy: does not synchronise."""
         step = self._current if self._current is not None and self._current.rows is rows else None
         nat = None
         if stage != "natural":

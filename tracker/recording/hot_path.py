@@ -211,7 +211,7 @@ class PlainSteps:
             if self.record_stats and f"{stage}:stats" in chunk.buffers:
                 eos = eos_on(self._eos, self.eos_token_ids, self.vocab_size or 0, values.device)
             vocab = self.vocab_size or 0
-            if not self._deferred.stage_host(rows, stage, values, natural, eos, self.storage, vocab):
+            if not self._deferred.stage(rows, stage, values, natural, eos, self.storage, vocab):
                 return False
         else:
             copy_rows(chunk.arrays[f"{stage}:logits"][start:end], values.numpy())
