@@ -34,9 +34,6 @@
  * each loop function picked at load time), two SSE2 registers elsewhere on x86-64. Comparisons give lane
  * masks (-1 or 0), selected with bit operations. Per lane: maxima, counts and float sums of a BLOCK of
  * tokens, then added in double (no float sum is reassociated: the results do not depend on the clone). */
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wpsabi" /* 32-byte vectors pass between inlined static helpers only */
-#endif
 typedef float vf __attribute__((vector_size(32)));
 typedef int32_t vi __attribute__((vector_size(32)));
 #define LANES 8
