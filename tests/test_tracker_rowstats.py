@@ -101,11 +101,18 @@ def test_row_statistics_equal_float64_on_ordinary_and_edge_rows(path, vocab):
     natural[[0, 1, 7]] = rng.normal(scale=3.0, size=(3, vocab)).astype(np.float32)
     masked = rng.random(x.shape) < 0.3
     x[0][masked[0]] = NEG  # a constrained row: the natural row with tokens masked
+    # natural rows holding +inf (row 2) or NaN (row 0) only where the constraint masked the token
+    natural[2] = rng.normal(size=vocab).astype(np.float32)
+    natural[2, x[2] == NEG] = np.inf
+    natural[0, x[0] == NEG] = np.nan
     eos = sorted({0, vocab - 1})
     got = row_stats(torch.from_numpy(x), torch.tensor(eos), torch.from_numpy(natural)).numpy()
     want = reference(x, eos, natural)
     np.testing.assert_allclose(got[:, [1, 2, 4]], want[:, [1, 2, 4]])  # allowed, max, NaN count: exact
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, equal_nan=True)
+    for r in range(x.shape[0]):  # each row alone too: in a batch, one special row sends every row another way
+        one = row_stats(torch.from_numpy(x[r : r + 1]), torch.tensor(eos), torch.from_numpy(natural[r : r + 1]))
+        np.testing.assert_allclose(one.numpy()[0], want[r], rtol=2e-5, atol=2e-5, equal_nan=True, err_msg=f"row {r}")
     if path == "extension":  # sums in double: within the float32 result's own rounding and 1e-6 of exp's
         lse, finite = ROW_STATS.index("lse"), np.isfinite(want[:, 0])
         ulp = np.spacing(np.abs(want[finite, lse]).astype(np.float32)).astype(np.float64)

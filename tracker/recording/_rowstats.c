@@ -159,21 +159,28 @@ static void exp_sums(const float *x, Py_ssize_t v, float top, double *total, dou
 }
 
 /* Pass 1 of a pair: the natural row's maximum where the stage masks the token (x == -inf) and where it
- * allows it. */
+ * allows it (the larger of the two is the row's maximum), and its counts of NaN and +inf. */
 VECTOR_CLONES
-static void split_max(const float *nat, const float *x, Py_ssize_t v, float *gone, float *kept) {
-    const vf ninf = splat(-INFINITY);
+static void split_max(const float *nat, const float *x, Py_ssize_t v, float *gone, float *kept, Py_ssize_t *odd) {
+    const vf ninf = splat(-INFINITY), pinf = splat(INFINITY);
     vf g = ninf, k = ninf;
-    Py_ssize_t i = 0;
-    for (; i + LANES <= v; i += LANES) {
-        vf a = load(nat + i);
-        vi allowed = load(x + i) > ninf;
-        g = vmax(vsel(allowed, ninf, a), g);
-        k = vmax(vsel(allowed, a, ninf), k);
+    Py_ssize_t n_odd = 0, i = 0;
+    while (i + LANES <= v) { /* int32 lane counts, flushed every 2^20 tokens */
+        vi c = {0};
+        Py_ssize_t end = i + (1 << 20) <= v ? i + (1 << 20) : v - (v - i) % LANES;
+        for (; i < end; i += LANES) {
+            vf a = load(nat + i);
+            vi allowed = load(x + i) > ninf;
+            g = vmax(vsel(allowed, ninf, a), g);
+            k = vmax(vsel(allowed, a, ninf), k);
+            c += (a != a) | (a == pinf);
+        }
+        n_odd += lane_count(c);
     }
     float gg = lane_max(g), kk = lane_max(k);
     for (; i < v; i++) {
         float a = nat[i];
+        n_odd += a != a || a == INFINITY;
         if (x[i] > -INFINITY)
             kk = a > kk ? a : kk;
         else
@@ -181,6 +188,7 @@ static void split_max(const float *nat, const float *x, Py_ssize_t v, float *gon
     }
     *gone = gg;
     *kept = kk;
+    *odd = n_odd;
 }
 
 /* Pass 2 of a pair: the natural row's sum of exp(nat - top) over its tokens (the total), and of
@@ -319,13 +327,13 @@ static PyObject *pair_stats(PyObject *self, PyObject *const *args, Py_ssize_t na
     for (Py_ssize_t r = 0; r < b; r++) {
         const float *nrow = nat + r * v, *xrow = x + r * v;
         float *o = out + r * 3;
-        float top, gone, kept;
-        Py_ssize_t nan, posinf, neginf;
-        scan(nrow, v, &top, &nan, &posinf, &neginf);
-        o[2] = (nan || posinf) ? 1.0f : 0.0f;
-        if (o[2] != 0.0f)
+        float gone, kept;
+        Py_ssize_t odd;
+        split_max(nrow, xrow, v, &gone, &kept, &odd);
+        o[2] = odd ? 1.0f : 0.0f; /* NaN or +inf in the natural row */
+        if (odd)
             continue;
-        split_max(nrow, xrow, v, &gone, &kept);
+        float top = gone > kept ? gone : kept;
         o[1] = top - kept; /* inf when nothing is allowed; NaN when the natural row allows nothing either */
         if (top == -INFINITY) {
             o[0] = 0.0f; /* no natural mass to remove */
