@@ -130,9 +130,10 @@ class PlainSteps:
                 return None
             if previous is not None and (chosen is None or not self._plain_chosen(previous, chosen)):
                 return None
-            self._deferred.next_step()
             rows = self._reserve(chunk, generation, step, batch)
-            self._put(rows, "natural", natural, None)  # a natural stage is always staged: it cannot refuse
+            # staging the natural rows ends the last staged step (queued for the background thread) and
+            # begins this one; a natural stage is never refused
+            self._put(rows, "natural", natural, None)
             return rows
 
     def plain_chosen(self, rows: StepRows, chosen: np.ndarray) -> bool:
