@@ -5,20 +5,11 @@ wheel only installs packages, so the build copies that one folder into the
 ``logitscope`` package (no second copy lives in the repository, and a run
 added to ``sample_runs/`` ships without further changes). Everything else is
 in ``pyproject.toml``.
-
-It also builds two optional extensions of the recorder: ``tracker.recording._stream``
-(``tracker/recording/_stream.c``), the copy into chunk memory with streaming
-stores, twice as fast as memcpy for a row no cache holds; and
-``tracker.recording._rowstats`` (``tracker/recording/_rowstats.c``), each row's
-statistics in two passes instead of one numpy pass per statistic. Without a C
-compiler the install goes on and the recorder uses numpy (the same values, within
-float32 rounding for the statistics).
 """
 
-import sys
 from pathlib import Path
 
-from setuptools import Extension, setup
+from setuptools import setup
 from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
@@ -38,14 +29,4 @@ class BuildWithSampleRuns(build_py):
                 self.copy_file(str(source), str(target / source.name))
 
 
-STREAM = Extension("tracker.recording._stream", ["tracker/recording/_stream.c"], optional=True)
-# -O3: the statistics' loops are written for the compiler to vectorise; -Wno-psabi: GCC notes that 32-byte
-# vectors pass differently with AVX, which only the file's inlined helpers do (GCC and Clang flags)
-ROWSTATS = Extension(
-    "tracker.recording._rowstats",
-    ["tracker/recording/_rowstats.c"],
-    optional=True,
-    extra_compile_args=[] if sys.platform == "win32" else ["-O3", "-Wno-psabi"],
-)
-
-setup(cmdclass={"build_py": BuildWithSampleRuns}, ext_modules=[STREAM, ROWSTATS])
+setup(cmdclass={"build_py": BuildWithSampleRuns})

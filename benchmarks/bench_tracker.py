@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from processors import LogitsProcessor  # noqa: E402
 from tracker import LogitTrackingProcessor, Run, Vocabulary  # noqa: E402
 from tracker.format.spill import write_ipc  # noqa: E402
-from tracker.recording.buffers import SHARED_POOL  # noqa: E402
+from tracker.recording.memory import SHARED_POOL  # noqa: E402
 
 POOL = 8  # distinct logits rows cycled through (as a model would produce new ones)
 

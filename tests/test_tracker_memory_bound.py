@@ -16,7 +16,7 @@ import torch
 from test_tracker_support import MaskThird, json_from_a_fresh_process
 
 from tracker import LogitTrackingProcessor
-from tracker.recording.buffers import BufferPool
+from tracker.recording.memory import HostPool
 from tracker.recording.recorder import Recorder, SpillWarning, Storage
 
 CPU = torch.device("cpu")
@@ -30,7 +30,7 @@ def test_a_bound_smaller_than_a_chunk_holds_with_chunks_on_their_way_and_every_r
     the disk, being written, and idle buffers kept for the next chunk) stays within the bound."""
     slow_disk(0.005)
     bound, vocab, steps = 6 << 20, 2048, 800 // batch
-    pool = BufferPool()  # this recorder's alone: its idle buffers are the spare ones
+    pool = HostPool()  # this recorder's alone: its idle buffers are the spare ones
     recorder = Recorder(
         Storage.parse("float32"), ["natural"], memory_limit=bound, spill_dir=tmp_path, run_id="r", pool=pool
     )

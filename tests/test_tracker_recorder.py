@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 import pyarrow as pa
@@ -10,7 +9,7 @@ import pytest
 import torch
 
 from tracker import PartialRunWarning, Run
-from tracker.recording.buffers import BufferPool
+from tracker.recording.memory import HostPool
 from tracker.recording.recorder import Recorder, Storage
 
 CPU = torch.device("cpu")
@@ -144,7 +143,7 @@ def test_a_spilled_run_carries_its_tokenizers_vocabulary(tmp_path, char_tokenize
 
 
 def test_buffers_are_reused_after_clear_but_never_under_a_table_someone_holds():
-    recorder = Recorder(Storage.parse("float32"), ["natural", "constrained"], chunk_bytes=1 << 20, pool=BufferPool())
+    recorder = Recorder(Storage.parse("float32"), ["natural", "constrained"], chunk_bytes=1 << 20, pool=HostPool())
     fill(recorder, steps=4, batch=1, vocab=1 << 14, seed=1)
     held = pa.Table.from_batches(recorder.batches())
     snapshot = column_matrix(held, "natural_logits", 1 << 14).copy()
@@ -166,7 +165,7 @@ def fill_natural(recorder: Recorder) -> None:
 
 
 def test_a_new_recorder_reuses_the_memory_of_one_that_was_collected():
-    pool = BufferPool()
+    pool = HostPool()
     first = Recorder(Storage.parse("float32"), ["natural"], chunk_bytes=1 << 20, pool=pool)
     fill_natural(first)
     allocated = pool.allocated_bytes
@@ -176,32 +175,11 @@ def test_a_new_recorder_reuses_the_memory_of_one_that_was_collected():
     assert pool.allocated_bytes == allocated
 
 
-def test_a_new_recorder_reuses_that_memory_while_the_background_thread_is_still_preparing_it():
-    """The first recorder's next chunk was still being prepared when it was collected (the shared background
-    thread busy with other work): the second waits for those buffers instead of making more."""
-    from tracker.recording.buffers import _preparer
-
-    pool = BufferPool()
-    gate = threading.Event()
-    _preparer().submit(gate.wait, 10)  # the shared background thread is busy until the gate opens
-    try:
-        first = Recorder(Storage.parse("float32"), ["natural"], chunk_bytes=1 << 20, pool=pool)
-        fill_natural(first)
-        allocated = pool.allocated_bytes
-        del first
-        threading.Timer(0.3, gate.set).start()
-        second = Recorder(Storage.parse("float32"), ["natural"], chunk_bytes=1 << 20, pool=pool)
-        fill_natural(second)
-        assert pool.allocated_bytes == allocated
-    finally:
-        gate.set()
-
-
 @pytest.mark.parametrize("nbytes", [1 << 16, 4 << 20])  # heap and mapped buffers
 def test_buffer_pool_hands_back_only_unreferenced_buffers(nbytes):
-    pool = BufferPool()
+    pool = HostPool()
     buf = pool.take(nbytes)
-    view = buf.tensor((16, nbytes // 64), torch.float32)
+    view = torch.from_numpy(buf.owner).view(torch.float32).view(16, nbytes // 64)
     arrow = pa.array(view[:2].numpy().reshape(-1))
     pool.give(buf)
     del view
@@ -232,9 +210,9 @@ class SimulatedStaging:
         self.waits = 0
         self.slots = 0
 
-    def empty(self, shape, dtype):
-        self.slots += dtype == torch.int64  # one chosen-token buffer per slot
-        return torch.full(shape, -7, dtype=dtype)  # garbage, as a reused slot would hold
+    def empty(self, nbytes):
+        self.slots += 1
+        return torch.full((nbytes,), 0xF7, dtype=torch.uint8)  # garbage, as a reused slot would hold
 
     def mark(self, chunk):
         self.marks += 1

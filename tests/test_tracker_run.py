@@ -190,7 +190,7 @@ def test_vocabulary_serialises_bytes_that_are_not_utf8():
 def test_a_run_outlives_its_tracker_and_a_dropped_tracker_frees_its_buffers_at_once():
     import gc
 
-    from tracker.recording.buffers import SHARED_POOL
+    from tracker.recording.memory import SHARED_POOL
 
     tok = byte_tokenizer()
     tracker = LogitTrackingProcessor(MaskOdd(), tokenizer=tok)

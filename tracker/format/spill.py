@@ -15,18 +15,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import re
 import shutil
 import socket
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+
+from tracker.format.worker import Worker
 
 __all__ = [
     "atomic_path",
@@ -224,14 +224,13 @@ def remove_stale_spill_folders(root: str | os.PathLike[str] | None = None) -> li
 
 
 class SpillWriter:
-    """Writes spilled chunks on a background thread, each once, through a bounded queue.
+    """Writes spilled chunks on its own background thread (a :class:`~tracker.format.worker.Worker`), each
+    once, through a bounded queue.
 
-    :meth:`submit` hands over ``(path, batch, schema, done, failed)``; the
-    thread writes the batch as one IPC file and calls ``done(nbytes,
-    seconds)``, or ``failed(error)`` when the write raised (nothing is left
-    at ``path`` then: files are written atomically).
-    When ``depth`` chunks are already waiting, :meth:`submit` blocks until
-    one is written: generation then waits for the disk, never for a rewrite.
+    :meth:`submit` hands over ``(path, batch, schema, done, failed)``; the thread writes the batch as one IPC
+    file and calls ``done(nbytes, seconds)``, or ``failed(error)`` when the write raised (nothing is left at
+    ``path`` then: files are written atomically). When ``depth`` chunks already wait, :meth:`submit` blocks
+    until one is written: generation then waits for the disk. :meth:`close` stops the thread.
 
     Attributes:
         writes: chunk files written so far.
@@ -239,10 +238,7 @@ class SpillWriter:
     """
 
     def __init__(self, depth: int = 2) -> None:
-        if depth < 1:
-            raise ValueError(f"depth must be >= 1, got {depth}")
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=depth)
-        self._thread: threading.Thread | None = None
+        self._worker = Worker("logitscope-spill", depth)
         self.writes = 0
         self.bytes_written = 0
         self.seconds = 0.0
@@ -256,31 +252,28 @@ class SpillWriter:
         failed: Callable[[BaseException], None],
     ) -> None:
         """Queue one chunk for writing (blocks while the queue is full)."""
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="logitscope-spill", daemon=True)
-            self._thread.start()
-        self._queue.put((path, batch, schema, done, failed))
+        self._worker.submit(self._write, path, batch, schema, done, failed)
 
     def flush(self) -> None:
         """Wait until every queued chunk is on disk."""
-        if self._thread is not None:
-            self._queue.join()
+        self._worker.flush()
 
-    def _run(self) -> None:
-        while True:
-            path, batch, schema, done, failed = self._queue.get()
-            try:
-                start = time.perf_counter()
-                # into the run's folder as it is: one removed meanwhile (its tracker went away) is not made
-                # again, to be left behind, but refuses the chunk
-                nbytes = write_ipc(path, [batch], schema, make_folders=False)
-                elapsed = time.perf_counter() - start
-                del batch
-                self.writes += 1
-                self.bytes_written += nbytes
-                self.seconds += elapsed
-                done(nbytes, elapsed)
-            except BaseException as exc:  # the recording thread says it (SpillHandoff.collect)
-                failed(exc)
-            finally:
-                self._queue.task_done()
+    def close(self) -> None:
+        """Write what is queued, then stop the thread."""
+        self._worker.close()
+
+    def _write(self, path: Path, batch: pa.RecordBatch, schema: pa.Schema, done: Any, failed: Any) -> None:
+        try:
+            start = time.perf_counter()
+            # into the run's folder as it is: one removed meanwhile (its tracker went away) is not made
+            # again, to be left behind, but refuses the chunk
+            nbytes = write_ipc(path, [batch], schema, make_folders=False)
+            elapsed = time.perf_counter() - start
+            del batch
+            self.writes += 1
+            self.bytes_written += nbytes
+            self.seconds += elapsed
+            done(nbytes, elapsed)
+        except BaseException as exc:  # the recording thread says it (SpillHandoff.collect)
+            failed(exc)
+

@@ -70,11 +70,6 @@ class Run(Insight, Analysis):
         batches: the rows (record batches of the run schema).
         metadata: what the run says about itself.
         vocab: the vocabulary, or a function building it on first use.
-        maxima: per batch, ``{stage: [rows, V // 16] float32}`` group maxima of
-            full float32 rows (:func:`tracker.reading.rows.group_max`), where the
-            recorder computed them off the decode thread: an index the searches
-            start from instead of folding the rows again. Trusted as given, so
-            only the tracker passes it; a file never carries it.
     """
 
     def __init__(
@@ -82,13 +77,8 @@ class Run(Insight, Analysis):
         batches: list[pa.RecordBatch],
         metadata: RunMetadata,
         vocab: Vocabulary | Callable[[], Vocabulary] | None = None,
-        *,
-        maxima: list[dict[str, np.ndarray]] | None = None,
     ) -> None:
         self._batches = list(batches)
-        if maxima is not None and len(maxima) != len(self._batches):
-            raise ValueError(f"maxima must hold one entry per batch ({len(self._batches)}), got {len(maxima)}")
-        self._maxima = list(maxima) if maxima is not None else [{} for _ in self._batches]
         self.metadata = metadata
         self._vocab_source = vocab
         self._exported: list[pa.RecordBatch] | None = None
@@ -97,9 +87,6 @@ class Run(Insight, Analysis):
 
     def _record_batches(self) -> list[pa.RecordBatch]:
         return self._batches
-
-    def _group_maxima(self, batch: int, stage: str) -> np.ndarray | None:
-        return self._maxima[batch].get(stage)
 
     @property
     def vocab(self) -> Vocabulary:

@@ -1,16 +1,16 @@
 """Chunks: blocks of recorded rows in (pinned or host) buffers, and how they become Arrow record batches.
 
-A :class:`Chunk` holds the rows of several steps: the id columns in numpy,
-each recorded column in a tensor of its own. :class:`StepRows` names the
-rows one step reserved. On CUDA a chunk's buffers are first a pinned staging
-slot filled by ``non_blocking`` copies; :class:`CudaStaging` records an event
-after them and waits for it only when the slot is needed or read.
-:func:`to_batch` turns a chunk's rows into a record batch (values zero-copy).
+A :class:`Chunk` holds the rows of several steps, of any generations: the id columns in numpy, each recorded
+column in a tensor of its own. :class:`StepRows` names the rows one step reserved. On CUDA a chunk's buffers
+are first carved out of a pinned staging slot filled by ``non_blocking`` copies; :class:`CudaStaging` records
+an event after them and waits for it only when the slot is needed or read. :func:`to_batch` turns a chunk's
+rows (all, or some) into a record batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,11 +19,28 @@ import pyarrow as pa
 import torch
 
 from tracker.format.schema import STAT_COLUMNS, column_stages
-from tracker.recording.buffers import HostBuffer
+from tracker.recording.memory import HostBuffer, HostPool, Layout, carve, layout_bytes, ring_for
+from tracker.recording.modes import Storage
 from tracker.recording.record_stats import CHOSEN_STATS, ROW_STATS
-from tracker.recording.storage import Storage
 
-__all__ = ["Chunk", "CudaStaging", "StepRows", "conform", "numpy_view", "to_batch"]
+__all__ = ["IN_FLIGHT", "Chunk", "ChunkMemory", "CudaStaging", "StepRows", "chunk_rows", "conform", "numpy_view"]
+__all__ += ["to_batch"]
+
+#: Chunks in memory beside the rows kept and the spill queue's: the one filling, the one being written, one
+#: written but not yet mapped back, and a spare whose buffers wait for the next chunk.
+IN_FLIGHT = 4
+_MAX_CHUNK_ROWS = 4096
+_MIN_SHARE = 1 << 20  # below this a bound is kept only as well as chunks of one step allow
+
+
+def chunk_rows(batch: int, row_bytes: int, chunk_bytes: int, memory_limit: int | None, spill_queue: int) -> int:
+    """Rows per chunk: about ``chunk_bytes`` (at most ``memory_limit / (spill_queue + IN_FLIGHT)``, but not below
+    1 MiB: past the bound that many chunks are in memory at once), in whole steps of ``batch`` rows."""
+    target = chunk_bytes
+    if memory_limit is not None:
+        target = min(target, max(memory_limit // (spill_queue + IN_FLIGHT), _MIN_SHARE))
+    rows = min(_MAX_CHUNK_ROWS, target // max(row_bytes, 1))
+    return max(1, rows // batch) * batch
 
 
 @dataclass(slots=True)
@@ -33,8 +50,6 @@ class StepRows:
     chunk: Chunk
     start: int
     count: int
-    generation: int
-    step: int
 
     @property
     def end(self) -> int:
@@ -44,14 +59,13 @@ class StepRows:
 class CudaStaging:
     """How rows leave a CUDA device: pinned slots, ``non_blocking`` copies, one event per stream.
 
-    The recorder only calls :meth:`empty`, :meth:`mark` (after enqueuing
-    copies) and :meth:`wait` (before reading a slot); tests put a
-    host-memory stand-in in its place to exercise the same bookkeeping on CPU.
+    The recorder calls :meth:`empty` (a new slot), :meth:`mark` (after enqueuing copies) and :meth:`wait`
+    (before reading a slot); tests put a host-memory stand-in in its place to run the same bookkeeping on a CPU.
     """
 
-    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A pinned host tensor (once per slot; no synchronisation)."""
-        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """A pinned uint8 host tensor of ``nbytes`` (once per slot; no synchronisation)."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def mark(self, chunk: Chunk) -> None:
         """Record an event after the copies just enqueued on the current stream (no synchronisation)."""
@@ -62,8 +76,8 @@ class CudaStaging:
         event.record(stream)
 
     def wait(self, chunk: Chunk) -> None:
-        """Block until the chunk's copies have landed: synchronises with those events, only when the
-        chunk's slot is needed or its rows are read (never per step)."""
+        """Block until the chunk's copies have landed: synchronises with those events, only when the chunk's
+        slot is needed or its rows are read (never per step)."""
         for event in chunk.events.values():
             event.synchronize()
 
@@ -80,26 +94,23 @@ class Chunk:
         host: list[HostBuffer] | None,
         device: torch.device,
         transfer: CudaStaging | None = None,
+        slot: torch.Tensor | None = None,
     ) -> None:
-        self.index = index
-        self.transfer = transfer
-        self.capacity = capacity
-        self.n = 0
-        self.device = device
+        self.index, self.capacity, self.n, self.device = index, capacity, 0, device
+        self.transfer, self.slot = transfer, slot  # a pinned slot while staging
         self.generation = np.zeros(capacity, dtype=np.int32)
         self.sequence = np.zeros(capacity, dtype=np.int32)
         self.step = np.zeros(capacity, dtype=np.int32)
         self.processor_error = np.zeros(capacity, dtype=bool)
         self.chosen_set = np.zeros(capacity, dtype=bool)
+        self.superseded = np.zeros(capacity, dtype=bool)  # recorded again later (its row of the step is the last)
+        self.taken = np.zeros(capacity, dtype=bool)  # handed to their generation's part: no longer the recorder's
         self.written = {stage: np.zeros(capacity, dtype=bool) for stage in stages}
         self.chosen_known = {stage: np.zeros(capacity, dtype=bool) for stage in stages}  # chosen statistics
-        self.stats_known = {stage: np.zeros(capacity, dtype=bool) for stage in stages}  # computed after writing
-        self.maxima_known = {stage: np.zeros(capacity, dtype=bool) for stage in stages}  # ``{stage}:gmax`` rows
         self.buffers = buffers
-        self.arrays = {name: numpy_view(t) for name, t in buffers.items()}  # numpy views, for plain copies
+        self.arrays = {name: numpy_view(t) for name, t in buffers.items()}  # numpy views (pinned memory too)
         self.host = host  # None while the buffers are a pinned staging slot
         self.events: dict[int, Any] = {}
-        self.ring_key: Any = None  # the layout of its pinned slot, while staging
         self.spilled: pa.RecordBatch | None = None
         self.spilling = False  # queued for the spill writer, still in memory
         self.version = 0
@@ -107,11 +118,11 @@ class Chunk:
 
     @property
     def staging(self) -> bool:
-        return self.host is None and self.spilled is None
+        return self.host is None and self.spilled is None and self.slot is not None
 
     @property
     def on_disk(self) -> bool:
-        """Spilled, or on its way to disk: never spilled again."""
+        """Spilled, or on its way to disk: never spilled again, never written to again."""
         return self.spilled is not None or self.spilling
 
     @property
@@ -119,9 +130,9 @@ class Chunk:
         return sum(b.nbytes for b in self.host) if self.host else 0
 
     def complete(self, ended: set[int]) -> bool:
-        """Every row's chosen token is known, or its generation is over."""
+        """Every row's chosen token is known (or will never be: superseded, or its generation is over)."""
         rows = slice(0, self.n)
-        pending = ~self.chosen_set[rows]
+        pending = ~(self.chosen_set[rows] | self.superseded[rows])
         return not pending.any() or bool(np.isin(self.generation[rows][pending], list(ended)).all())
 
     def check_writable(self, what: str) -> None:
@@ -134,14 +145,79 @@ class Chunk:
 
     def note_stream(self) -> None:
         """After a step's copies into a staging slot: record an event (every step; no synchronisation)."""
-        if self.transfer is not None:
+        if self.transfer is not None and self.host is None:
             self.transfer.mark(self)
 
     def wait(self) -> None:
-        """Block until a staging chunk's copies have landed (synchronises; never per step: only when its
-        slot is needed again or its rows are read)."""
+        """Block until a staging chunk's copies have landed (synchronises; only when its slot is needed again or
+        its rows are read, never per step)."""
         if self.transfer is not None:
             self.transfer.wait(self)
+
+
+class ChunkMemory:
+    """Where one recorder's chunks get their buffers and give them back: host memory from a
+    :class:`~tracker.recording.memory.HostPool` (one buffer a chunk, its columns carved out of it), pinned slots
+    from the process's ring for the chunk's CUDA device. What the recorder still holds goes back to the pool
+    when it is collected."""
+
+    def __init__(self, pool: HostPool, ring_slots: int) -> None:
+        self.pool, self.ring_slots = pool, ring_slots
+        self.owned: list[HostBuffer] = []
+        weakref.finalize(self, pool.give_all, self.owned)
+
+    def host(self, layout: Layout) -> tuple[dict[str, torch.Tensor], HostBuffer]:
+        buf = self.pool.take(layout_bytes(layout))
+        self.owned.append(buf)
+        return carve(torch.from_numpy(buf.owner), layout), buf
+
+    def chunk(
+        self,
+        index: int,
+        capacity: int,
+        stages: Sequence[str],
+        layout: Layout,
+        device: torch.device,
+        transfer: CudaStaging | None,
+        drain_one: Callable[[], bool],
+    ) -> Chunk:
+        """A new chunk: in host memory, or (with ``transfer``) in a pinned slot of the device's ring. When every
+        slot is in flight, ``drain_one()`` moves the recorder's oldest staging chunk to host memory (its copies
+        are long done); if none can move, a slot beyond the ring is made, let go when drained."""
+        if transfer is None:
+            tensors, buf = self.host(layout)
+            return Chunk(index, capacity, stages, tensors, [buf], device)
+        ring = ring_for(device, self.ring_slots, layout_bytes(layout))
+        slot = ring.take(transfer.empty)
+        if slot is None and drain_one():
+            slot = ring.take(transfer.empty)
+        if slot is None:
+            slot = transfer.empty(layout_bytes(layout))
+        return Chunk(index, capacity, stages, carve(slot, layout), None, device, transfer, slot)
+
+    def to_host(self, chunk: Chunk) -> None:
+        """Move a staging chunk's rows into host memory and give its slot back. Synchronises with the chunk's
+        copies (their events): only when a slot is needed again or the rows are read, never per step."""
+        chunk.wait()
+        tensors, buf = self.host({name: (tuple(t.shape), t.dtype) for name, t in chunk.buffers.items()})
+        for name, tensor in tensors.items():
+            tensor[: chunk.n].copy_(chunk.buffers[name][: chunk.n])
+        ring_for(chunk.device, self.ring_slots, 0).give(chunk.slot)
+        chunk.slot, chunk.buffers, chunk.host = None, tensors, [buf]
+        chunk.arrays = {name: numpy_view(t) for name, t in tensors.items()}
+        chunk.events.clear()
+        chunk.version += 1
+
+    def release(self, chunk: Chunk) -> None:
+        """Give a chunk's buffers back: host memory to the pool, a staging slot to its ring (after its copies)."""
+        if chunk.staging:
+            chunk.wait()
+            ring_for(chunk.device, self.ring_slots, 0).give(chunk.slot)
+        for buf in chunk.host or ():
+            self.owned.remove(buf)
+            self.pool.give(buf)
+        chunk.slot, chunk.buffers, chunk.arrays, chunk.host, chunk.cached = None, {}, {}, [], None
+        chunk.events.clear()
 
 
 def conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
@@ -164,17 +240,32 @@ def numpy_view(tensor: torch.Tensor) -> np.ndarray:
     return tensor.numpy()
 
 
-def to_batch(chunk: Chunk, schema: pa.Schema, stages: Sequence[str], storage: Storage, vocab: int) -> pa.RecordBatch:
-    """The chunk's rows as a record batch: values zero-copy, id and statistics columns copied (no ``_nonfinite`` flags)."""
+def to_batch(
+    chunk: Chunk,
+    schema: pa.Schema,
+    stages: Sequence[str],
+    storage: Storage,
+    vocab: int,
+    rows: np.ndarray | None = None,
+) -> pa.RecordBatch:
+    """The chunk's rows as a record batch (no ``_nonfinite`` flags): all of them, values zero-copy, or the rows
+    ``rows`` (indices, in that order), copied. Id and statistics columns are always copied."""
     n = chunk.n
-    chosen = chunk.buffers["chosen"][:n].numpy().copy()
-    unknown = ~chunk.chosen_set[:n] | (chosen < 0)
+    pick = slice(0, n) if rows is None else rows
+    count = n if rows is None else len(rows)
+
+    def values(name: str) -> np.ndarray:
+        view = numpy_view(chunk.buffers[name])
+        return view[:n] if rows is None else view[rows]
+
+    chosen = chunk.buffers["chosen"].numpy()[pick].copy()
+    unknown = ~chunk.chosen_set[pick] | (chosen < 0)
     arrays: list[pa.Array] = [
-        pa.array(chunk.generation[:n].copy()),
-        pa.array(chunk.sequence[:n].copy()),
-        pa.array(chunk.step[:n].copy()),
+        pa.array(chunk.generation[pick].copy()),
+        pa.array(chunk.sequence[pick].copy()),
+        pa.array(chunk.step[pick].copy()),
         pa.array(chosen, mask=unknown),
-        pa.array(chunk.processor_error[:n].copy()),
+        pa.array(chunk.processor_error[pick].copy()),
     ]
     k = storage.k_for(vocab)
     owner = column_stages(schema.names, stages)
@@ -182,31 +273,29 @@ def to_batch(chunk: Chunk, schema: pa.Schema, stages: Sequence[str], storage: St
         fields = [f for f in schema if owner.get(f.name) == stage]
         written = chunk.written.get(stage)
         if written is None:  # stage added after this chunk began
-            arrays += [pa.nulls(n, f.type) for f in fields]
+            arrays += [pa.nulls(count, f.type) for f in fields]
             continue
-        written = written[:n]
+        written = written[pick]
         mask = None if written.all() else pa.array(~written)
-        stats = chunk.buffers[f"{stage}:stats"][:n].numpy() if f"{stage}:stats" in chunk.buffers else None
-        cstats = chunk.buffers[f"{stage}:cstats"][:n].numpy() if f"{stage}:cstats" in chunk.buffers else None
-        no_choice = ~(chunk.chosen_known[stage][:n] & written)
+        stats = values(f"{stage}:stats") if f"{stage}:stats" in chunk.buffers else None
+        cstats = values(f"{stage}:cstats") if f"{stage}:cstats" in chunk.buffers else None
+        no_choice = ~(chunk.chosen_known[stage][pick] & written)
         for field in fields:
             suffix = field.name[len(stage) + 1 :]
             if suffix == "logits" and storage.full:
-                flat = pa.array(numpy_view(chunk.buffers[f"{stage}:logits"][:n]).reshape(-1))
+                flat = pa.array(values(f"{stage}:logits").reshape(-1))
                 arrays.append(pa.FixedSizeListArray.from_arrays(flat, vocab, mask=mask))
             elif suffix.startswith("topk_"):
-                flat = pa.array(numpy_view(chunk.buffers[f"{stage}:{suffix[5:]}"][:n]).reshape(-1))
+                flat = pa.array(values(f"{stage}:{suffix[5:]}").reshape(-1))
                 arrays.append(pa.FixedSizeListArray.from_arrays(flat, k, mask=mask))
             elif suffix in ROW_STATS and stats is not None:
-                values = stats[:, ROW_STATS.index(suffix)]
-                invalid = ~written | np.isnan(values)  # not recorded, or not defined (no EOS ids known)
-                values = np.where(invalid, 0, values).astype(_STAT_NUMPY[suffix])
-                arrays.append(pa.array(values, mask=invalid))
+                column = stats[:, ROW_STATS.index(suffix)]
+                invalid = ~written | np.isnan(column)  # not recorded, or not defined (no EOS ids known)
+                arrays.append(pa.array(np.where(invalid, 0, column).astype(_STAT_NUMPY[suffix]), mask=invalid))
             elif suffix in CHOSEN_STATS and cstats is not None:
-                values = cstats[:, CHOSEN_STATS.index(suffix)]
-                invalid = no_choice | np.isnan(values)
-                values = np.where(invalid, 0, values).astype(_STAT_NUMPY[suffix])
-                arrays.append(pa.array(values, mask=invalid))
+                column = cstats[:, CHOSEN_STATS.index(suffix)]
+                invalid = no_choice | np.isnan(column)
+                arrays.append(pa.array(np.where(invalid, 0, column).astype(_STAT_NUMPY[suffix]), mask=invalid))
             else:
                 raise AssertionError(f"no buffer for column {field.name}")
     return pa.RecordBatch.from_arrays(arrays, schema=schema)

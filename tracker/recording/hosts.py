@@ -36,12 +36,11 @@ from processors import BatchContext
 from processors.protocol import continues, free_to_read
 from processors.vocab import hf_tokenizer
 from tracker.reading.run import Run
-from tracker.recording.chunks import StepRows
-from tracker.recording.hot_path import HOST_IDS, host_ids, ids_continue, ids_in_range
 from tracker.recording.recorder import Recorder
 from tracker.recording.run_metadata import Generation
 
 __all__ = ["BEAMS", "HostState", "TransformersHost", "check_chosen", "check_tracker_arguments", "find_tokenizer"]
+__all__ += ["host_ids", "ids_continue", "ids_in_range"]
 
 BEAMS = (
     "beam search (num_beams > 1) is not tracked: the tracker records rows by position and beam search reorders "
@@ -55,6 +54,40 @@ _REORDERED = (
     "order, or a new generate() call one column longer than the last came without finish() between; the "
     "generation's rows are not sequences."
 )
+
+
+HOST_IDS = (torch.int64, torch.int32)  # id tensors read as they are (a numpy view)
+_FEW = 64  # up to this many ids are compared in Python, cheaper than numpy's reductions
+
+
+def host_ids(ids: torch.Tensor) -> np.ndarray | None:
+    """A numpy view of ``ids`` when it is an int64 or int32 tensor whose values are free to read (on the CPU:
+    :func:`~processors.protocol.free_to_read`), else None. Every step; does not synchronise."""
+    if ids.dtype not in HOST_IDS or not free_to_read(ids):
+        return None
+    return ids.numpy()
+
+
+def ids_continue(ids: np.ndarray, last: np.ndarray) -> bool:
+    """Whether ``ids [B, L + 1]`` extends ``last [B, L]`` column for column (host arrays of one dtype):
+    :func:`~processors.protocol.continues` on numpy views, a memcmp for one row. Every step; no synchronisation."""
+    if ids.shape[0] != last.shape[0] or ids.shape[1] != last.shape[1] + 1 or ids.dtype != last.dtype:
+        return False
+    head = ids[:, :-1]
+    if ids.shape[0] == 1:
+        return head.tobytes() == last.tobytes()
+    return bool((head == last).all())
+
+
+def ids_in_range(values: np.ndarray, vocab_size: int) -> bool:
+    """Whether every id of ``values`` (a host array) lies in ``[0, vocab_size)`` (``vocab_size <= 0``: no bound
+    known yet). Every step; no synchronisation."""
+    if vocab_size <= 0 or values.size == 0:
+        return True
+    if values.size <= _FEW:
+        listed = values.ravel().tolist()
+        return min(listed) >= 0 and max(listed) < vocab_size
+    return bool(values.min() >= 0) and bool(values.max() < vocab_size)
 
 
 def find_tokenizer(*candidates: Any) -> Any:
@@ -237,22 +270,6 @@ class TransformersHost:
             last = ctx.input_ids[:, -1]
             check_chosen(last, vocab_size, f"input_ids (generation {gen.id}, step {gen.last_step})")
             self.recorder.set_chosen(gen.last_rows, last)
-
-    def _plain_step(self, gen: Generation, ctx: BatchContext, logits: torch.Tensor, step: int) -> StepRows | None:
-        """:meth:`_chosen_from_input`, ``begin_step`` and the natural rows' write at once, in the common case
-        (ids and float32 rows on the CPU: :mod:`tracker.recording.hot_path`); None (nothing done) otherwise,
-        or when the chosen ids are out of range (the full path raises). Every step; does not synchronise."""
-        previous = chosen = None
-        if gen.last_rows is not None and not gen.chosen_known and step == gen.last_step + 1:
-            host = getattr(self._local, "host", None)  # __call__ made this step's numpy view of the ids
-            ids = host.last_host if host is not None and host.last_ids is ctx.input_ids else host_ids(ctx.input_ids)
-            if ids is None:
-                return None
-            chosen = ids[:, -1]
-            if not ids_in_range(chosen, int(logits.shape[1])):
-                return None
-            previous = gen.last_rows
-        return self.recorder.plain_step(previous, chosen, gen.id, step, logits)
 
     def stopping_criteria(self) -> Any:
         """A transformers ``StoppingCriteria`` that never stops and tells the tracker each step's token.

@@ -71,7 +71,6 @@ from tracker.format.layout import folder_arg
 from tracker.reading.prompt import leading_pad_mask, prompt_logprobs, prompt_rows, score_prompt
 from tracker.reading.run import Run
 from tracker.recording.hosts import TransformersHost, check_chosen, check_tracker_arguments, find_tokenizer
-from tracker.recording.hot_path import host_ids, ids_in_range
 from tracker.recording.processor_stages import apply_recording, per_processor
 from tracker.recording.queries import RunQueries
 from tracker.recording.recorder import Recorder, Storage
@@ -298,14 +297,10 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
         step = ctx.num_generated
         with self._shared.lock:
             gen = self._generation_for(ctx, batch, step)
-            rows = self._plain_step(gen, ctx, logits, step)  # the common case in one go (hot_path), or None
-            if rows is None:
-                self._chosen_from_input(gen, ctx, int(logits.shape[1]), step)
-                rows = recorder.begin_step(gen.id, step, batch, int(logits.shape[1]), logits.device)
-                gen.last_rows, gen.last_step, gen.chosen_known = rows, step, False
-                recorder.write(rows, "natural", logits)
-            else:
-                gen.last_rows, gen.last_step, gen.chosen_known = rows, step, False
+            self._chosen_from_input(gen, ctx, int(logits.shape[1]), step)
+            rows = recorder.begin_step(gen.id, step, batch, int(logits.shape[1]), logits.device)
+            gen.last_rows, gen.last_step, gen.chosen_known = rows, step, False
+            recorder.write(rows, "natural", logits)
         processor = self.processor
         if processor is None:
             return logits
@@ -401,10 +396,8 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
         gen = self._current()
         if gen is not None and gen.last_rows is not None:
             vocab = self.recorder.vocab_size or 0
-            ids = host_ids(tokens) if isinstance(tokens, torch.Tensor) else None  # on the CPU: a numpy view
-            if ids is None or not ids_in_range(ids, vocab) or not self.recorder.plain_chosen(gen.last_rows, ids):
-                check_chosen(tokens, vocab, f"on_sampled (generation {gen.id}, step {gen.last_step})")
-                self.recorder.set_chosen(gen.last_rows, tokens)
+            check_chosen(tokens, vocab, f"on_sampled (generation {gen.id}, step {gen.last_step})")
+            self.recorder.set_chosen(gen.last_rows, tokens)
             gen.chosen_known = True
         if self.processor is not None:
             self.processor.on_sampled(tokens, ctx)

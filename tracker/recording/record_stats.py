@@ -5,14 +5,15 @@ row itself, so that every storage mode answers the per-step statistics
 exactly: :func:`row_stats` (log-sum-exp, allowed count, maximum, entropy, NaN
 count, EOS probability, and against the natural row the removed mass and
 margin), :func:`chosen_stats` once the chosen token is known (its logit,
-probability and rank), and :func:`summarise_topk` for top-k storage. A
+probability and rank), and :func:`top_k` for top-k storage. A
 half-precision row is stored minus its largest logit (:func:`offset_rows`)
 with the log-sum-exp of its rounded values (:func:`stored_lse`), which its
 probabilities are read with; its statistics are the full row's.
 
-These run once per recorded stage and step. None of them synchronises with
-the device: whole-row kernels whose small results are copied to the host
-with the rows (on a CPU, numpy passes on the row itself). The read side
+These run once per recorded stage and step, over the batch's rows at once. None
+of them synchronises with an accelerator: batched kernels whose small results
+are copied to the host with the rows (on a CPU, numpy passes on the rows
+themselves, where numpy is the faster of the two). The read side
 (:mod:`tracker.reading.block`, :mod:`tracker.reading.analysis`) reads the packed values
 by the names in :data:`ROW_STATS` and :data:`CHOSEN_STATS`.
 """
@@ -26,25 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from tracker.reading.rows import (
-    EXP_FLOOR,
-    GROUP,
-    NEG_INF,
-    exp_floor,
-    group_max,
-    logsumexp_rows,
-    masked,
-    probabilities,
-)
+from tracker.reading.rows import EXP_FLOOR, GROUP, NEG_INF, exp_floor, logsumexp_rows, masked, probabilities
 
-try:
-    from tracker.recording import _rowstats
-except ImportError:  # built without a C compiler: numpy passes (the same statistics within float32 rounding)
-    _rowstats = None
-
-__all__ = ["CHOSEN_STATS", "ROW_STATS", "chosen_stats", "offset_rows", "pair_stats", "probability", "row_stats"]
-__all__ += ["stored_lse"]
-__all__ += ["eos_on", "group_maxima", "stage_stats", "summarise_topk"]
+__all__ = ["CHOSEN_STATS", "ROW_STATS", "chosen_stats", "eos_on", "offset_rows", "pair_stats", "probability"]
+__all__ += ["row_stats", "stored_lse", "top_k"]
 
 #: Order of the values :func:`row_stats` packs per row (the schema's statistics columns up to the margin).
 ROW_STATS = ("lse", "allowed", "max", "entropy", "nan", "p_eos", "removed_mass", "margin")
@@ -123,15 +109,12 @@ def _row_stats_general(x: torch.Tensor, eos: torch.Tensor | None, natural: torch
 
 
 def _row_stats_cpu(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Tensor | None) -> torch.Tensor:
-    """:func:`row_stats` on the CPU, on one thread, for rows without NaN or ``+inf``: two passes a row in
-    the ``_rowstats`` extension, else numpy passes; the general kernels for the other rows."""
+    """:func:`row_stats` of CPU rows in numpy passes on one thread (torch's CPU kernels cost a dispatch per
+    small operation, and its boolean reductions are several times slower than numpy's here); rows holding
+    NaN or ``+inf`` take the general kernels."""
     rows = x.detach().float().numpy()
-    fused = _fused_row_stats(rows)
-    if fused is not None:
-        top, lse, entropy, allowed, plain = fused
-    else:
-        top = rows.max(axis=1)  # NaN where a row holds NaN, +inf where it holds +inf: both special
-        plain = np.isfinite(top) | (top == NEG_INF)
+    top = rows.max(axis=1)  # NaN where a row holds NaN, +inf where it holds +inf: both special
+    plain = np.isfinite(top) | (top == NEG_INF)
     if not plain.all():
         out = torch.empty(rows.shape[0], len(ROW_STATS))
         special = torch.from_numpy(np.nonzero(~plain)[0])
@@ -140,18 +123,17 @@ def _row_stats_cpu(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Ten
             keep = torch.from_numpy(np.nonzero(plain)[0])
             out[keep] = _row_stats_cpu(x[keep], eos, None if natural is None else natural[keep])
         return out
-    if fused is None:
-        nothing = top == NEG_INF
-        shift = np.where(nothing, 0.0, top).astype(np.float32)
-        z = rows - shift[:, None]
-        np.maximum(z, exp_floor(z.shape[1]), out=z)
-        e = np.exp(z)
-        total = e.sum(axis=1, dtype=np.float32)
-        log_total = np.log(total)
-        entropy = log_total - np.einsum("ij,ij->i", e, z) / total
-        allowed = rows.shape[1] - np.count_nonzero(rows == NEG_INF, axis=1)
-        lse = np.where(nothing, NEG_INF, shift + log_total)
-        entropy = np.where(nothing, np.nan, entropy)
+    nothing = top == NEG_INF
+    shift = np.where(nothing, 0.0, top).astype(np.float32)
+    z = rows - shift[:, None]
+    np.maximum(z, exp_floor(z.shape[1]), out=z)
+    e = np.exp(z)
+    total = e.sum(axis=1, dtype=np.float32)
+    log_total = np.log(total)
+    entropy = log_total - np.einsum("ij,ij->i", e, z) / total
+    allowed = rows.shape[1] - np.count_nonzero(rows == NEG_INF, axis=1)
+    lse = np.where(nothing, NEG_INF, shift + log_total)
+    entropy = np.where(nothing, np.nan, entropy)
     if eos is not None and eos.numel():
         p_eos = probabilities(rows[:, eos.numpy()], lse[:, None]).sum(axis=1)  # a masked EOS weighs 0
     else:
@@ -165,28 +147,9 @@ def _row_stats_cpu(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Ten
     return torch.from_numpy(packed)
 
 
-def _fused_row_stats(
-    rows: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
-    """``(max, lse, entropy, allowed, plain)`` of float32 ``rows [B, V]`` from the ``_rowstats`` extension
-    (two passes a row, on this thread); None where it was not built. ``plain`` is False for a row holding
-    NaN or ``+inf``, whose other values are then unset. Does not synchronise (host arrays)."""
-    if _rowstats is None or rows.ndim != 2 or rows.shape[1] == 0:
-        return None
-    out = np.empty((rows.shape[0], 5), dtype=np.float32)
-    _rowstats.row_stats(np.ascontiguousarray(rows), out)
-    return out[:, 0], out[:, 1], out[:, 2], out[:, 3], out[:, 4] == 0
-
-
 def _pair_stats_cpu(natural: torch.Tensor, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`pair_stats` on one thread when the natural rows hold no NaN or ``+inf`` (and ``x`` no NaN):
-    two passes a row pair in the ``_rowstats`` extension, else numpy passes."""
+    """:func:`pair_stats` in numpy when the natural rows hold no NaN or ``+inf`` (else the general kernels)."""
     nat = natural.detach().float().numpy()
-    if _rowstats is not None and nat.ndim == 2 and nat.shape[1]:
-        out = np.empty((nat.shape[0], 3), dtype=np.float32)
-        _rowstats.pair_stats(np.ascontiguousarray(nat), np.ascontiguousarray(x.detach().float().numpy()), out)
-        if not out[:, 2].any():
-            return out[:, 0], out[:, 1]
     with np.errstate(invalid="ignore", over="ignore"):
         sums = nat.sum(axis=1)
     if not (np.isfinite(sums) | (sums == NEG_INF)).all():
@@ -232,15 +195,11 @@ def stored_lse(kept: torch.Tensor, exact: torch.Tensor, nan_free: bool = False) 
     same values). Kernels on the rows' device; no synchronisation.
     """
     rounded = kept.to(device=exact.device, dtype=torch.float32)
-    if rounded.device.type == "cpu":  # on one thread: the extension's two passes, else numpy's
+    if rounded.device.type == "cpu":  # numpy passes on one thread
         values = rounded.numpy()
         if not nan_free:
             values = np.where(np.isnan(values), NEG_INF, values)
-        fused = _fused_row_stats(values)
-        if fused is not None and fused[4].all():
-            lse = torch.from_numpy(fused[1].copy())
-        else:
-            lse = torch.from_numpy(logsumexp_rows(values))
+        lse = torch.from_numpy(logsumexp_rows(values))
     else:
         if not nan_free:
             rounded = rounded.masked_fill(torch.isnan(rounded), NEG_INF)
@@ -258,30 +217,6 @@ def offset_rows(
     stats = row_stats(x, eos, natural)
     top = stats[:, 2]
     return stats, torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-
-
-def stage_stats(
-    x: torch.Tensor,
-    eos: torch.Tensor | None,
-    natural: torch.Tensor | None,
-    kept: torch.Tensor | None,
-    stats: torch.Tensor | None = None,
-    offset: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(stats, stored)``: :func:`row_stats` of rows ``x`` (or ``stats``, already computed), and the values
-    stored beside them: the same, but for rows kept in half precision (``kept``, the converted rows, stored
-    minus ``offset`` when given) their own log-sum-exp (:func:`stored_lse`). No synchronisation."""
-    stats = row_stats(x, eos, natural) if stats is None else stats
-    if kept is None:
-        return stats, stats
-    stored = stats.clone()
-    nan_free = stats.device.type == "cpu" and not bool(stats[:, 4].any())  # a host value only on the CPU
-    if offset is None:
-        stored[:, 0] = stored_lse(kept, stats[:, 0], nan_free)
-    else:
-        offset = offset.to(stats.device)
-        stored[:, 0] = stored_lse(kept, stats[:, 0] - offset, nan_free) + offset
-    return stats, stored
 
 
 def chosen_stats(x: torch.Tensor, chosen: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
@@ -334,27 +269,40 @@ def _chosen_stats_cpu(x: torch.Tensor, chosen: torch.Tensor, stats: torch.Tensor
     return torch.from_numpy(out)
 
 
-def summarise_topk(x: torch.Tensor, k: int, natural: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """Top-k storage of rows ``x [B, V]`` on their device: the ``k`` largest logits and their ids.
+def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, ids)``: the ``k`` largest entries of each row of ``x [n, V]`` (float32, int64), NaN never chosen.
 
-    NaN entries are never selected (they count as ``-inf``). ``natural`` (the
-    rows before the processor) gives the natural logits at the same ids, so a
-    constrained top-k row still knows what the model wanted. No synchronisation.
+    On a CPU a row's top ``k`` are found among the entries of its ``k`` groups with the largest maxima (the
+    ``k``-th largest entry is at least the ``k``-th largest group maximum, so no group outside them holds one of
+    the ``k``): one pass over the row for the group maxima, then a top-k over ``16 k`` candidates, several
+    times faster than ``torch.topk`` over the row there. Rows holding NaN or ``+inf`` (the group maxima tell),
+    and other devices, take ``torch.topk`` of the row with NaN as ``-inf``. The values are exact; among tied values the ids kept may differ from
+    ``torch.topk``'s. Kernels on the rows' device; on a CPU it reads host values (no device to wait for).
     """
     x = x.float()
-    x = x.masked_fill(torch.isnan(x), float("-inf"))
-    values, ids = torch.topk(x, k, dim=1)
-    out = {"ids": ids.to(torch.int32), "logits": values}
-    if natural is not None:
-        out["natural"] = natural.float().gather(1, ids)
-    return out
+    n, vocab = x.shape
+    groups = vocab // GROUP
+    if x.device.type != "cpu" or groups < 4 * k:
+        return _top_k_general(x, k)
+    body = x[:, : groups * GROUP].reshape(n, GROUP, groups)  # group j: columns j + groups * r, r < 16
+    maxima = body.amax(dim=1)  # NaN where a group holds NaN
+    tail = x[:, groups * GROUP :]
+    special = torch.isnan(maxima).any(dim=1) | torch.isposinf(maxima).any(dim=1)
+    if tail.shape[1]:
+        special |= ~(torch.isfinite(tail) | torch.isneginf(tail)).all(dim=1)
+    best = torch.topk(maxima, k, dim=1).indices  # [n, k]
+    ids = (best[:, :, None] + groups * torch.arange(GROUP)).reshape(n, k * GROUP)
+    if tail.shape[1]:
+        ids = torch.cat([ids, torch.arange(groups * GROUP, vocab).expand(n, -1)], dim=1)
+    values, where = torch.topk(x.gather(1, ids), k, dim=1)
+    ids = ids.gather(1, where)
+    if bool(special.any()):
+        rows = special.nonzero().reshape(-1)
+        values[rows], ids[rows] = _top_k_general(x[rows], k)
+    return values, ids
 
 
-def group_maxima(x: torch.Tensor) -> torch.Tensor:
-    """``[B, V // 16]`` group maxima of rows ``x`` on their device, as :func:`tracker.reading.rows.group_max`
-    folds them (a group holding NaN has a NaN maximum). Kernels only: no host read, no synchronisation."""
-    if x.device.type == "cpu" and x.dtype == torch.float32:
-        return torch.from_numpy(group_max(x.numpy()))  # numpy's fold of contiguous slabs beats torch's here
-    b, v = x.shape
-    groups = v // GROUP
-    return x[:, : groups * GROUP].reshape(b, GROUP, groups).amax(dim=1)
+def _top_k_general(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`top_k` by ``torch.topk`` over whole rows, NaN as ``-inf``. Kernels only: no synchronisation."""
+    values, ids = torch.topk(x.masked_fill(torch.isnan(x), NEG_INF), k, dim=1)
+    return values, ids

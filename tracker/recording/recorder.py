@@ -1,26 +1,23 @@
-"""Device to host: each step's rows into preallocated chunks, chunks into Arrow record batches.
+"""Device to host, a batch at a time: each step's rows into preallocated chunks, chunks into Arrow record batches.
 
-A *chunk* (:mod:`tracker.recording.chunks`) is a block of rows (one per sequence and step) with one buffer per recorded
-column. Per step the recorder only copies: on a CPU, straight into the current chunk's host buffers (the copy is
-also the snapshot an in-place processor cannot disturb); on CUDA, with ``non_blocking`` copies into pinned
-staging buffers (a :class:`~tracker.recording.buffers.PinnedRing` slot), recording a CUDA event, with no synchronisation.
-A staging chunk is drained into host memory only when the ring has no free slot or someone reads, by which time
-its copies have long finished. Nothing turns into Arrow until it is read. The common CPU float32 step takes a
-shorter path with the same result (:mod:`tracker.recording.hot_path`).
+Per step a host hands the recorder the batch's rows at once: :meth:`Recorder.begin_step` reserves one row per
+batch row (its generation, sequence and step: a step may hold rows of many generations, as an engine's batch
+does), :meth:`Recorder.write` records a stage of them, :meth:`Recorder.set_chosen` gives the last step's rows
+their chosen tokens. Each call is a few batched tensor operations on the rows' device (the storage mode's
+work: :mod:`tracker.recording.modes`) and one copy per column into the current chunk (:mod:`.chunks`): on a
+CPU straight into host memory (float32 rows with ``index=`` are selected and copied in one operation), on
+CUDA with ``non_blocking`` copies into a pinned staging slot, drained into host memory only when the ring has
+no free slot or someone reads. No Python loop over rows, no synchronisation per step.
 
-Past ``memory_limit`` bytes of host chunks, the oldest complete chunks go to disk (:mod:`tracker.recording.spill_handoff`:
-Arrow IPC files, each written once by a background writer with a bounded queue), read back through a memory map.
+Rows whose statistics are recorded (every storage but CPU float32, :data:`~tracker.recording.modes.STATISTICS`)
+get the chosen token's logit, probability and rank when that token arrives: until then the recorder keeps the
+last step's exact rows (the stored copy where it is exact, else a copy nobody else can write into).
 
-Every stage's row also gets its statistics (:mod:`tracker.recording.record_stats`) on its device when written, and the
-chosen token's logit, probability and rank when that token arrives: until then the recorder keeps rows nobody
-can write into (the stored copy where exact and on their device, ``owned`` rows, else a device copy per stage).
-Those few values are copied like the rest, no sync. CPU float32 rows (``statistics="auto"``) get them off the
-decode thread as each chunk is sealed (:mod:`tracker.recording.chunk_stats`); CPU float16, bfloat16 and top-k
-rows are staged as float32 and stored, statistics and all, off it (:mod:`tracker.recording.deferred`).
-
-Storage (:mod:`tracker.recording.storage`): the whole row as float32, or as float16 or bfloat16 minus its largest
-logit (converted on the device before the copy), the top ``k`` values with their ids (selected on the
-device), or ``"auto"``: the fullest that keeps 500 steps of the batch within the memory bound.
+Memory: the recorders sharing a :class:`~tracker.recording.memory.MemoryBound` hold at most its bytes of host
+chunks; past it, the oldest complete chunks spill (:mod:`tracker.recording.spill_handoff`: Arrow IPC files,
+each written once by the run's writer thread, read back through a memory map). An engine takes rows out
+instead, a generation at a time (:meth:`Recorder.take_generation`, :meth:`Recorder.take_oldest`), and writes
+them as parts of its runs.
 """
 
 from __future__ import annotations
@@ -35,41 +32,35 @@ import pyarrow as pa
 import torch
 
 from tracker.format.schema import run_schema
-from tracker.recording.buffers import SHARED_POOL, BufferPool
-from tracker.recording.chunk_memory import IN_FLIGHT, ChunkMemory, Layout, chunk_rows
-from tracker.recording.chunk_stats import ChunkStats
-from tracker.recording.chunks import Chunk, CudaStaging, StepRows, conform, to_batch
-from tracker.recording.deferred import DeferredRows, store_stage
-from tracker.recording.hot_path import PlainSteps
+from tracker.recording.chunks import IN_FLIGHT, Chunk, ChunkMemory, CudaStaging, StepRows, chunk_rows, conform, to_batch
+from tracker.recording.memory import SHARED_POOL, HostPool, MemoryBound
+from tracker.recording.modes import Storage, stats_when_recorded
 from tracker.recording.record_stats import chosen_stats, eos_on
 from tracker.recording.spill_handoff import Describe, SpillHandoff, SpillWarning
-from tracker.recording.storage import STATISTICS, Storage, stats_when_recorded
 
-__all__ = ["Storage", "StepRows", "Recorder", "SpillWarning"]
+__all__ = ["Recorder", "SpillWarning", "StepRows", "Storage"]
 
 
-class Recorder(PlainSteps):
+class Recorder:
     """Rows of logits from any device into Arrow record batches.
 
     Args:
-        storage: how each stage's row is kept (:class:`Storage`).
+        storage: how each stage's row is kept (:class:`~tracker.recording.modes.Storage`).
         stages: the stages recorded, in order (more can be added later).
-        chunk_bytes: target size of one chunk of rows, at most ``memory_limit / (spill_queue + 4)``
-            (:func:`~tracker.recording.chunk_memory.chunk_rows`); a chunk always holds at least one step of the batch.
-        memory_limit: bytes of host chunks kept in memory (chunks on their way to disk, and a spare one for the
-            next, included); past it, complete chunks spill to Arrow IPC files, written once each by a background
-            writer. ``None`` never spills.
-        spill_dir: folder for spilled chunks (a subfolder per run is made); by default a temporary folder removed
-            with the recorder (or, if the process dies, by the next process that records).
-        ring_slots: pinned staging chunks per CUDA device.
-        pool: where host buffers come from and go back to (default: the process-wide
-            :data:`~tracker.recording.buffers.SHARED_POOL`).
-        spill_queue: chunks that may wait for the writer before recording waits for the disk.
+        chunk_bytes: target size of one chunk of rows (see :func:`chunk_rows`); a chunk holds at least one step.
+        memory_limit: bytes of host chunks kept in memory (its own bound), unless ``bound`` is given.
+        spill_dir: folder for spilled chunks (a subfolder per run); by default a temporary folder removed with
+            the recorder (or, if the process dies, by the next process that spills).
+        ring_slots: pinned staging slots per CUDA device (the process's ring; see :mod:`.memory`).
+        pool: where host buffers come from and go back to (default: the process-wide one).
+        spill_queue: chunks that may wait for the spill writer before recording waits for the disk.
+        statistics: when the rows' statistics are computed (:data:`~tracker.recording.modes.STATISTICS`).
+        bound: a :class:`MemoryBound` shared with other recorders (an engine's); its owner takes rows out
+            (:meth:`take_oldest`) rather than this recorder spilling them.
 
     Attributes:
         eos_token_ids: end-of-sequence ids, for the ``p_eos`` statistic.
-        spilled_bytes: bytes of spilled chunks on disk.
-        chunk_writes: chunk files written (each spilled chunk once).
+        spilled_bytes, chunk_writes: bytes of spilled chunks on disk, chunk files written.
     """
 
     def __init__(
@@ -82,48 +73,41 @@ class Recorder(PlainSteps):
         spill_dir: str | Path | None = None,
         ring_slots: int = 3,
         run_id: str = "run",
-        pool: BufferPool | None = None,
+        pool: HostPool | None = None,
         spill_queue: int = 2,
         statistics: str = "auto",
+        bound: MemoryBound | None = None,
     ) -> None:
-        if chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-        if memory_limit is not None and memory_limit < 0:
-            raise ValueError(f"memory_limit must be >= 0 bytes or None, got {memory_limit}")
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be an int >= 1, got {chunk_bytes!r}")
         if ring_slots < 2:
             raise ValueError(f"ring_slots must be >= 2 (one filling, one draining), got {ring_slots}")
-        if statistics not in STATISTICS:
-            raise ValueError(f"statistics must be one of {STATISTICS}, got {statistics!r}")
+        stats_when_recorded(statistics, Storage("float32"), torch.device("cpu"))  # refuses a bad value by name
         self.statistics = statistics
-        self.record_stats = statistics == "record"  # decided at the first step (see stats_when_recorded)
-        self.background_stats = False  # CPU float32 rows by default: statistics computed off the decode thread
-        self.deferred = False  # CPU low-precision and top-k rows: stored off the decode thread
-        self.requested = storage  # "auto" is resolved at the first step (and again after clear())
-        self.storage = storage
+        self.record_stats = statistics == "record"  # decided at the first step (stats_when_recorded)
+        self.requested = self.storage = Storage.parse(storage)  # "auto" is resolved at the first step
         self.stages: list[str] = list(stages)
-        self.chunk_bytes = int(chunk_bytes)
-        self.memory_limit = memory_limit
-        self.run_id = run_id
+        self.chunk_bytes, self.ring_slots, self.run_id = int(chunk_bytes), int(ring_slots), run_id
         self.vocab_size: int | None = None
         self.version = 0
         self.describe: Describe | None = None
         self.eos_token_ids: list[int] = []
+        self._bound = MemoryBound(memory_limit) if bound is None else bound
+        self._spills = bound is None  # an engine's recorders are emptied by their owner, not spilled
+        self._bound.join(self)
         self._pool = SHARED_POOL if pool is None else pool
-        self._memory = ChunkMemory(self._pool, ring_slots)
+        self._memory = ChunkMemory(self._pool, self.ring_slots)
         self._chunks: list[Chunk] = []
         self._active: Chunk | None = None
         self._ended: set[int] = set()
         self._lock = threading.RLock()
         self._handoff = SpillHandoff(Path(spill_dir) if spill_dir is not None else None, spill_queue)
         self._spill_queue = int(spill_queue)
-        self._steps = 0
-        self._next_index = 0
+        self._steps = self._next_index = 0
         self._arange = np.arange(64, dtype=np.int32)
         self._eos: dict[Any, torch.Tensor] = {}
-        self._retained: StepRows | None = None  # the last step, its rows and statistics until its tokens come
+        self._retained: StepRows | None = None  # the last step's rows, kept until their chosen tokens come
         self._retained_rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._stats = ChunkStats(self._lock)
-        self._deferred = DeferredRows(self._pool)
 
     # ---------------------------------------------------------------- state
 
@@ -132,135 +116,157 @@ class Recorder(PlainSteps):
         """The staging used for rows on ``device``: pinned and asynchronous on CUDA, none (direct copies) on CPU."""
         return CudaStaging() if device.type == "cuda" else None
 
-    @property
-    def host_bytes(self) -> int:
-        """Bytes of host chunks held in memory (chunks on their way to disk included, spilled ones not)."""
-        return sum(c.nbytes for c in self._chunks)
-
-    @property
-    def chunks_spilled(self) -> int:
-        """Chunks whose rows are on disk."""
-        return sum(c.spilled is not None for c in self._chunks)
-
+    memory_limit = property(lambda self: self._bound.limit, doc="The bound's bytes (None: no bound).")
+    host_bytes = property(lambda self: sum(c.nbytes for c in self._chunks), doc="Bytes of host chunks held.")
+    chunks_spilled = property(lambda self: sum(c.spilled is not None for c in self._chunks), doc="Chunks on disk.")
     rows = property(lambda self: sum(c.n for c in self._chunks), doc="Rows recorded.")
-
-    @property
-    def spill_path(self) -> Path | None:
-        """The folder holding this run's spilled chunks, once something spilled."""
-        return self._handoff.folder
-
+    spill_path = property(lambda self: self._handoff.folder, doc="The folder of this run's spilled chunks, if any.")
     spilled_bytes = property(lambda self: self._handoff.spilled_bytes, doc="Bytes of spilled chunks on disk.")
     chunk_writes = property(lambda self: self._handoff.chunk_writes, doc="Chunk files written (each spilled once).")
 
     def add_stage(self, stage: str) -> None:
         """Record one more stage from the next step on (earlier rows hold nulls for it)."""
         with self._lock:
-            if stage in self.stages:
-                return
-            self.stages.append(stage)
-            self._seal_active()
-            self.version += 1
+            if stage not in self.stages:
+                self.stages.append(stage)
+                self._seal_active()
+                self.version += 1
 
     def schema(self) -> pa.Schema:
-        """The Arrow schema of the recorded rows (statistics included; no run metadata, no ``_nonfinite`` flags)."""
+        """The Arrow schema of the recorded rows (statistics included when recorded; no run metadata, no flags)."""
         vocab = self.vocab_size or 0
         k = self.storage.k_for(vocab) if vocab else 0
-        stats = self.record_stats or self.background_stats or not self.storage.full
-        return run_schema(self.storage_kind, self.stages, vocab, k, flags=False, stats=stats)
+        return run_schema(self.storage_kind, self.stages, vocab, k, flags=False, stats=self.record_stats)
 
     @property
     def storage_kind(self) -> str:
-        """The storage mode rows are kept in (before the first step ``"auto"`` is undecided: no row holds
-        values yet, and an empty run describes itself as ``"float32"``)."""
+        """The storage rows are kept in (before the first step ``"auto"`` is undecided: an empty run says float32)."""
         return "float32" if self.storage.kind == "auto" else self.storage.kind
 
     # ---------------------------------------------------------------- writing
 
-    def begin_step(self, generation: int, step: int, batch: int, vocab_size: int, device: torch.device) -> StepRows:
+    def begin_step(
+        self,
+        generation: int | np.ndarray,
+        step: int | np.ndarray,
+        batch: int,
+        vocab_size: int,
+        device: torch.device,
+        sequence: np.ndarray | None = None,
+    ) -> StepRows:
         """Reserve ``batch`` rows for a step; their values come with :meth:`write`.
 
-        Runs every step; reads no device value. When a chunk fills it may wait: for the oldest staging chunk's
-        copies when every pinned slot is in flight (an event recorded chunks ago, long finished), and for the
-        spill writer when its queue is full. Raises, once, the disk's refusal of a chunk (:meth:`raise_failure`),
-        the step's rows unreserved. (The common CPU case takes :meth:`plain_step` instead.)
+        ``generation`` and ``step``: one for every row, or an array of one per row (an engine's batch holds
+        requests of many generations at different steps); ``sequence``: each row's sequence in its generation
+        (default ``0..batch-1``). Every step; host bookkeeping only (no device value read). When a chunk fills
+        it may wait: for the oldest staging chunk's copies when every pinned slot is in flight (copies
+        enqueued chunks ago), and for the spill writer when its queue is full. Raises, once, the disk's
+        refusal of a spilled chunk (:meth:`raise_failure`), before reserving.
         """
         with self._lock:
+            device = torch.device(device)
             if self.vocab_size is None:
                 self.vocab_size = int(vocab_size)
                 self.storage = self.requested.resolve(self.stages, self.vocab_size, batch, self.memory_limit)
-                self.record_stats = stats_when_recorded(self.statistics, self.storage, torch.device(device))
-                self.background_stats = not self.record_stats and self.statistics == "auto"
-                cpu = torch.device(device).type == "cpu"
-                self.deferred = cpu and self.storage.kind != "float32" and self.statistics != "record"
-                self._deferred.configure(self.memory_limit)
+                self.record_stats = stats_when_recorded(self.statistics, self.storage, device)
             elif vocab_size != self.vocab_size:
+                first = int(np.asarray(generation).reshape(-1)[0])
                 raise ValueError(
-                    f"logits: vocabulary size changed from {self.vocab_size} to {vocab_size} "
-                    f"(generation {generation}, step {step}); a run holds one vocabulary size. "
-                    "Call clear() before tracking a model with another vocabulary."
+                    f"logits: vocabulary size changed from {self.vocab_size} to {vocab_size} (generation {first}); "
+                    "a run holds one vocabulary size. Call clear() before tracking a model with another vocabulary."
                 )
             self._retained, self._retained_rows = None, {}
-            self._deferred.next_step()
             chunk = self._active
             if chunk is None or chunk.capacity - chunk.n < batch or chunk.device != device:
-                device = torch.device(device)
-                if chunk is None or chunk.capacity - chunk.n < batch or chunk.device != device:
-                    self._seal_active()
-                    chunk = self._active = self._new_chunk(batch, device)
-            handoff = self._handoff
-            if handoff.pending or handoff.failure is not None:
-                self.raise_failure()  # the disk refused a chunk (now or since the last step): said once
-            return self._reserve(chunk, generation, step, batch)
+                self._seal_active()
+                chunk = self._active = self._new_chunk(batch, device)
+            if self._handoff.pending or self._handoff.failure is not None:
+                self.raise_failure()
+            self._steps += 1
+            start, end = chunk.n, chunk.n + batch
+            chunk.n = end
+            chunk.generation[start:end] = generation
+            if sequence is None:
+                if self._arange.shape[0] < batch:
+                    self._arange = np.arange(batch, dtype=np.int32)
+                sequence = self._arange[:batch]
+            chunk.sequence[start:end] = sequence
+            chunk.step[start:end] = step
+            chunk.arrays["chosen"][start:end] = -1
+            chunk.version += 1
+            self.version += 1
+            return StepRows(chunk, start, batch)
 
     def write(
-        self, rows: StepRows, stage: str, values: torch.Tensor, natural: torch.Tensor | None = None, owned: bool = False
+        self,
+        rows: StepRows,
+        stage: str,
+        values: torch.Tensor,
+        natural: torch.Tensor | None = None,
+        owned: bool = False,
+        index: torch.Tensor | None = None,
     ) -> None:
-        """Record ``values [count, V]`` as ``stage`` for the reserved rows, with their statistics.
+        """Record ``values [count, V]`` as ``stage`` for the reserved rows (or, with ``index``, the rows
+        ``values[index]`` of a larger batch: selected and copied in one operation), with their statistics.
 
-        ``natural`` (the rows before the processor, unmodified; by default this step's) supplies the natural
-        logits at the stage's top-k ids and the removed mass and margin. ``owned``: nobody else holds ``values``.
-        Runs every step and stage. Kernels and ``non_blocking`` copies only: does not synchronise.
+        ``natural``: the rows before the processor, unmodified (by default this step's natural rows) for the
+        removed mass, the margin and top-k's natural logits. ``owned``: nobody else holds ``values`` (it may be
+        kept for the chosen token's statistics without a copy). Every step and stage; batched kernels and
+        ``non_blocking`` copies only: does not synchronise with the device.
         """
         with self._lock:
-            if not self.plain_write(rows, stage, values, natural):  # float32 rows kept or staged: a memcpy
-                self._write(rows, stage, values, natural, owned)
+            chunk = rows.chunk
+            written = chunk.written.get(stage)
+            if written is None:
+                return  # the stage was added after this chunk began; later chunks carry it
+            chunk.check_writable("write")
+            count, vocab = (len(index) if index is not None else values.shape[0]), self.vocab_size or 0
+            if values.ndim != 2 or values.shape[1] != vocab or count != rows.count:
+                raise ValueError(f"{stage} values must have shape {(rows.count, vocab)}, got {tuple(values.shape)}")
+            start, end, staging = rows.start, rows.end, chunk.host is None
+            if not self.record_stats and chunk.host is not None and values.device.type == "cpu":
+                dst = chunk.buffers[f"{stage}:logits"][start:end]  # float32 rows, statistics when read
+                if index is not None and values.dtype == dst.dtype:
+                    torch.index_select(values, 0, index, out=dst)
+                else:
+                    dst.copy_(values if index is None else values.index_select(0, index))
+            else:
+                self._store(rows, stage, values.detach(), natural, owned, index, staging)
+            if staging:
+                chunk.note_stream()
+            written[start:end] = True
+            chunk.version += 1
+            self.version += 1
 
-    def _write(
-        self, rows: StepRows, stage: str, values: torch.Tensor, natural: torch.Tensor | None, owned: bool
+    def _store(
+        self,
+        rows: StepRows,
+        stage: str,
+        x: torch.Tensor,
+        natural: torch.Tensor | None,
+        owned: bool,
+        index: torch.Tensor | None,
+        staging: bool,
     ) -> None:
-        chunk = rows.chunk
-        written = chunk.written.get(stage)
-        if written is None:
-            return  # the stage was added after this chunk began; later chunks carry it
-        chunk.check_writable("write")
-        if (shape := tuple(values.shape)) != (rows.count, self.vocab_size):
-            raise ValueError(f"{stage} values must have shape {(rows.count, self.vocab_size)}, got {tuple(shape)}")
-        staging, start, end = chunk.host is None, rows.start, rows.end
-        with_stats = self.record_stats and f"{stage}:stats" in chunk.buffers
-        eos = eos_on(self._eos, self.eos_token_ids, self.vocab_size or 0, values.device) if with_stats else None
-        retained_natural = self._retained is rows and "natural" in self._retained_rows
-        vocab = self.vocab_size or 0
-        if self.deferred and (natural is not None or not retained_natural):
-            if self._deferred.stage(rows, stage, values, natural, eos, self.storage, vocab):
-                written[start:end] = True
-                chunk.version += 1
-                self.version += 1
-                return
-        if self.deferred:
-            self._deferred.supersede(rows, stage)  # this write stands, not an earlier staged one
-        if stage != "natural" and natural is None and retained_natural:
+        """The storage mode's work on the rows' device, one copy per column into the chunk, and the rows kept
+        for the chosen token's statistics. No synchronisation."""
+        if index is not None:
+            x, owned = x.index_select(0, index.to(x.device)), True
+        if stage != "natural" and natural is None and self._retained is rows and "natural" in self._retained_rows:
             natural = self._retained_rows["natural"][0]
-        nat = None if natural is None or stage == "natural" else natural.detach()
-        kept = store_stage(chunk, stage, start, end, values, nat, eos, self.storage, vocab, with_stats, owned)
-        if kept is not None:
+        nat = None if stage == "natural" or natural is None else natural.detach()
+        eos = eos_on(self._eos, self.eos_token_ids, self.vocab_size or 0, x.device) if self.record_stats else None
+        stored = self.storage.store(x, nat, eos, self.record_stats)
+        chunk, start, end = rows.chunk, rows.start, rows.end
+        for name, tensor in stored.columns.items():
+            chunk.buffers[f"{stage}:{name}"][start:end].copy_(tensor, non_blocking=staging)
+        if stored.stats is not None:
+            if not owned:  # the stored copy where it is the exact row (float32 on the CPU), else a copy of its own
+                exact = self.storage.kind == "float32" and x.dtype == torch.float32 and x.is_cpu and not staging
+                x = chunk.buffers[f"{stage}:logits"][start:end] if exact else x.clone()
             if self._retained is not rows:
                 self._retained, self._retained_rows = rows, {}
-            self._retained_rows[stage] = kept
-        if staging:
-            chunk.note_stream()
-        written[start:end] = True
-        chunk.version += 1
-        self.version += 1
+            self._retained_rows[stage] = (x, stored.stats)
 
     def mark_error(self, rows: StepRows) -> None:
         """Flag the rows: the wrapped processor failed at this step (host flags only; no synchronisation)."""
@@ -269,47 +275,50 @@ class Recorder(PlainSteps):
             rows.chunk.version += 1
             self.version += 1
 
-    def set_chosen(self, rows: StepRows, tokens: torch.Tensor | Sequence[int]) -> None:
-        """Record the tokens chosen for the reserved rows (a tensor on any device, or ints).
+    def supersede(self, rows: StepRows, positions: np.ndarray) -> None:
+        """Rows ``positions`` of ``rows`` were computed again at a later step (an engine discarded their sample):
+        they are left out of the run and need no chosen token. Host flags only."""
+        with self._lock:
+            rows.chunk.superseded[rows.start + np.asarray(positions, dtype=np.int64)] = True
+            rows.chunk.version += 1
+            self.version += 1
 
-        While the step's rows are still held (the chosen tokens come before the next step), each stage's
-        chosen-token logit, probability and rank are computed on the rows' device. Runs every step; kernels and
-        ``non_blocking`` copies only: does not synchronise with the device.
+    def set_chosen(self, rows: StepRows, tokens: torch.Tensor | np.ndarray | Sequence[int]) -> None:
+        """Record the tokens chosen for the reserved rows (a tensor on any device, a numpy array or ints; a
+        negative id means unknown, left null).
+
+        While the step's rows are still kept (the chosen tokens come before the next step), each recorded
+        stage's chosen-token logit, probability and rank are computed on the rows' device. Every step;
+        batched kernels and ``non_blocking`` copies only: does not synchronise with the device.
         """
         with self._lock:
-            self._set_chosen(rows, tokens)
-
-    def _set_chosen(self, rows: StepRows, tokens: torch.Tensor | Sequence[int]) -> None:
-        chunk = rows.chunk
-        if chunk.on_disk and self._handoff.pending:
-            self._collect()  # a chunk the writer could not write is back in memory, writable again
-        chunk.check_writable("set_chosen")
-        if isinstance(tokens, torch.Tensor):
-            src = tokens.detach().reshape(-1)
-        else:
-            src = torch.as_tensor(list(tokens), dtype=torch.int64)
-        if src.numel() != rows.count:
-            raise ValueError(f"chosen tokens must be one per row ({rows.count}), got {src.numel()}")
-        start, end = rows.start, rows.end
-        staging = chunk.host is None and src.device == chunk.device
-        if src.device.type == "cpu" and not staging:
-            np.copyto(chunk.arrays["chosen"][start:end], src.numpy(), casting="unsafe")
-        else:
-            chunk.buffers["chosen"][start:end].copy_(src.to(torch.int64), non_blocking=staging)
-        if self.deferred:
-            self._deferred.chosen(rows, src)
-        if self._retained is rows:
-            staging = chunk.host is None
-            for stage, (values, stats) in self._retained_rows.items():
-                tokens_here = src if src.device == values.device else src.to(values.device, non_blocking=True)
-                found = chosen_stats(values, tokens_here, stats)
-                chunk.buffers[f"{stage}:cstats"][start:end].copy_(found, non_blocking=staging)
-                chunk.chosen_known[stage][start:end] = True
-        if staging:
-            chunk.note_stream()
-        chunk.chosen_set[start:end] = True
-        chunk.version += 1
-        self.version += 1
+            chunk = rows.chunk
+            if chunk.on_disk and self._handoff.pending:
+                self._collect()  # a chunk the writer could not write is back in memory, writable again
+            chunk.check_writable("set_chosen")
+            if isinstance(tokens, torch.Tensor):
+                src = tokens.detach().reshape(-1)
+            else:
+                src = torch.from_numpy(np.asarray(tokens, dtype=np.int64).reshape(-1))
+            if src.numel() != rows.count:
+                raise ValueError(f"chosen tokens must be one per row ({rows.count}), got {src.numel()}")
+            start, end = rows.start, rows.end
+            staging = chunk.host is None and src.device == chunk.device
+            if src.device.type == "cpu":
+                np.copyto(chunk.arrays["chosen"][start:end], src.numpy(), casting="unsafe")
+            else:
+                chunk.buffers["chosen"][start:end].copy_(src.to(torch.int64), non_blocking=staging)
+            if self._retained is rows:
+                for stage, (values, stats) in self._retained_rows.items():
+                    tokens_here = src if src.device == values.device else src.to(values.device, non_blocking=True)
+                    found = chosen_stats(values, tokens_here, stats)
+                    chunk.buffers[f"{stage}:cstats"][start:end].copy_(found, non_blocking=chunk.host is None)
+                    chunk.chosen_known[stage][start:end] = True
+            if chunk.host is None:
+                chunk.note_stream()
+            chunk.chosen_set[start:end] = True
+            chunk.version += 1
+            self.version += 1
 
     def raise_failure(self) -> None:
         """Raise, once, the disk's refusal of a chunk (a RuntimeError naming the folder); its rows stayed in
@@ -329,31 +338,61 @@ class Recorder(PlainSteps):
     # ---------------------------------------------------------------- reading
 
     def batches(self) -> list[pa.RecordBatch]:
-        """Every row so far as record batches (see :meth:`read`)."""
-        return self.read()[0]
-
-    def read(self) -> tuple[list[pa.RecordBatch], list[dict[str, np.ndarray]]]:
-        """``(batches, maxima)``: every row so far as record batches, and per batch the group maxima of each
-        stage whose rows all have them (read-only views; see :mod:`tracker.recording.chunk_stats`).
-
-        Drains CUDA staging (synchronises once). Spilled chunks are memory-mapped files (no maxima); chunks on
-        their way to disk are read from memory. Waits first (outside the lock) for queued background statistics.
-        """
-        self._stats.wait()  # no row's statistics computed twice; the rest are computed below
+        """Every row so far as record batches (CUDA staging drained: synchronises once). Spilled chunks are
+        memory-mapped files; rows an engine took out, or recorded again later, are left out."""
         with self._lock:
-            self._deferred.complete()  # rows still in float32 staging: stored here
             self._drain_staging(everything=True)
             self._collect()
             schema = self.schema()
-            chunks = [chunk for chunk in self._chunks if chunk.n]
-            return [self._batch_of(chunk, schema) for chunk in chunks], [self._maxima_of(chunk) for chunk in chunks]
+            return [self._batch_of(chunk, schema) for chunk in self._chunks if chunk.n]
+
+    def take_generation(self, generation: int) -> list[pa.RecordBatch]:
+        """Take ``generation``'s rows out of memory (copied, in order; superseded rows left out): the recorder
+        forgets them, and chunks left with no row of their own are given back. For an engine, whose requests are
+        written as they end. Drains staging chunks holding them (synchronises with their copies)."""
+        with self._lock:
+            self._ended.add(generation)
+            out = []
+            schema = self.schema()
+            for chunk in list(self._chunks):
+                if chunk.on_disk or not chunk.n:
+                    continue
+                mine = (chunk.generation[: chunk.n] == generation) & ~chunk.taken[: chunk.n]
+                if not mine.any():
+                    continue
+                if chunk.staging:
+                    self._memory.to_host(chunk)
+                picked = np.flatnonzero(mine & ~chunk.superseded[: chunk.n])
+                if len(picked):
+                    out.append(to_batch(chunk, schema, self.stages, self.storage, self.vocab_size or 0, picked))
+                chunk.taken[: chunk.n] |= mine
+                self._release_if_taken(chunk)
+            return out
+
+    def take_oldest(self) -> dict[int, list[pa.RecordBatch]]:
+        """Take every row of the oldest complete chunk out of memory (copied), by generation, and give its buffers
+        back; ``{}`` when no chunk but the one filling holds rows. For an engine over its memory bound: the rows
+        go to their generations' parts now, the rest when each generation ends."""
+        with self._lock:
+            for chunk in self._chunks:
+                if chunk is self._active or chunk.on_disk or not chunk.n or not chunk.complete(self._ended):
+                    continue
+                if chunk.staging:
+                    self._memory.to_host(chunk)
+                live = ~chunk.taken[: chunk.n] & ~chunk.superseded[: chunk.n]
+                out: dict[int, list[pa.RecordBatch]] = {}
+                schema = self.schema()
+                for generation in np.unique(chunk.generation[: chunk.n][live]).tolist():
+                    picked = np.flatnonzero(live & (chunk.generation[: chunk.n] == generation))
+                    out[generation] = [to_batch(chunk, schema, self.stages, self.storage, self.vocab_size or 0, picked)]
+                chunk.taken[: chunk.n] = True
+                self._release_if_taken(chunk)
+                return out
+            return {}
 
     def flush(self) -> None:
-        """Wait until sealed chunks' statistics are computed, staged rows stored, and chunks queued for the disk
-        written and mapped."""
-        self._stats.wait()
+        """Wait until chunks queued for the disk are written and mapped back."""
         with self._lock:
-            self._deferred.complete()
             self._handoff.flush()
             self._collect()
 
@@ -361,62 +400,49 @@ class Recorder(PlainSteps):
         """Forget every row, delete spill files, keep buffers for reuse."""
         with self._lock:
             self._handoff.reset()
-            self._deferred.forget()  # before the chunks' buffers go back
             for chunk in self._chunks:
                 self._memory.release(chunk)
             self._chunks.clear()
             self._active = None
             self._ended.clear()
-            self._stats.forget()
             self._retained, self._retained_rows = None, {}
             self.vocab_size = None
             self.storage = self.requested
             self._steps = 0
             self.version += 1
 
+    def close(self) -> None:
+        """Stop the spill writer's thread (after writing what it was given) and forget every row."""
+        self.clear()
+        self._handoff.close()
+
     # ---------------------------------------------------------------- internals
 
-    def _layout(self, capacity: int) -> Layout:
-        vocab = self.vocab_size or 0
-        layout: Layout = {"chosen": ((capacity,), torch.int64)}
+    def _layout(self, capacity: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        layout: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"chosen": ((capacity,), torch.int64)}
         for stage in self.stages:
-            stats = self.record_stats or self.background_stats
-            for name, (shape, dtype) in self.storage.layout(stage, vocab, stats, stats).items():
+            for name, (shape, dtype) in self.storage.layout(stage, self.vocab_size or 0, self.record_stats).items():
                 layout[name] = ((capacity, *shape), dtype)
         return layout
 
-    def _capacity(self, batch: int) -> int:
-        stats = self.record_stats or self.background_stats
-        per_row = self.storage.row_bytes(self.stages, self.vocab_size or 0, stats, stats)
-        return chunk_rows(batch, per_row, self.chunk_bytes, self.memory_limit, self._spill_queue)
-
     def _new_chunk(self, batch: int, device: torch.device) -> Chunk:
-        index = self._next_index
-        self._next_index += 1
+        per_row = self.storage.row_bytes(self.stages, self.vocab_size or 0, self.record_stats)
+        capacity = chunk_rows(batch, per_row, self.chunk_bytes, self.memory_limit, self._spill_queue)
+        index, self._next_index = self._next_index, self._next_index + 1
         transfer = self.staging_for(device)
-        if transfer is not None:
-            capacity = self._memory.staged_capacity(device, self._capacity(batch))
-            slot, key = self._memory.slot(
-                device, capacity, self._layout(capacity), transfer, lambda: self._drain_staging(everything=False)
-            )
-            chunk = Chunk(index, capacity, self.stages, slot, None, device, transfer)
-            chunk.ring_key = key
-        else:
-            capacity = self._capacity(batch)
-            layout = self._layout(capacity)
-            tensors, host = self._memory.host(layout)
-            chunk = Chunk(index, capacity, self.stages, tensors, host, device)
-            room = self.memory_limit is None or self.host_bytes + 2 * chunk.nbytes <= self.memory_limit
-            if room and not any(c.on_disk for c in self._chunks):  # once spilling, written chunks are the spares
-                self._memory.prepare(layout)  # the next chunk's pages, touched off this thread
+        drain_one = lambda: self._drain_staging(everything=False)
+        chunk = self._memory.chunk(index, capacity, self.stages, self._layout(capacity), device, transfer, drain_one)
         self._chunks.append(chunk)
         return chunk
 
+    def _release_if_taken(self, chunk: Chunk) -> None:
+        if chunk is not self._active and chunk.taken[: chunk.n].all():
+            self._memory.release(chunk)
+            self._chunks.remove(chunk)
+            self.version += 1
+
     def _seal_active(self) -> None:
-        """The active chunk takes no more rows (its statistics go to the background thread, where computed
-        there); spill old chunks if over the memory bound."""
-        if self._active is not None and self.background_stats:
-            self._stats.submit(self._active, self.stages, self.eos_token_ids)
+        """The active chunk takes no more rows; spill old chunks if over the memory bound."""
         self._active = None
         self._enforce_bound()
 
@@ -424,11 +450,9 @@ class Recorder(PlainSteps):
         """Move staging chunks into host memory: the oldest one, or all of them. True if any moved."""
         drained = False
         for chunk in self._chunks:
-            if not chunk.staging:
+            if not chunk.staging or (chunk is self._active and not everything):
                 continue
             if chunk is self._active:
-                if not everything:
-                    continue
                 self._active = None
             self._memory.to_host(chunk)
             drained = True
@@ -438,54 +462,30 @@ class Recorder(PlainSteps):
         return drained
 
     def _enforce_bound(self) -> None:
-        """Queue the oldest complete chunks for the disk while host memory is over the bound.
-
-        Each chunk is queued once, so the work is linear in the run's length. Chunks on their way
-        stay in memory until written, and the buffers of one written chunk wait for the next
-        chunk: the rows kept are the bound less room for those, so everything resident stays within it.
-        """
+        """Queue the oldest complete chunks for the disk while the bound's recorders hold more than it allows
+        (room kept for the next chunk and those on their way). Each chunk is queued once."""
         self._collect()
-        if self.memory_limit is None:
+        if self.memory_limit is None or not self._spills:
             return
         sizes = [c.nbytes for c in self._chunks if c.nbytes]
         on_the_way = sum(c.nbytes for c in self._chunks if c.spilling)
-        room = (sizes[-1] if sizes else 0) * (self._spill_queue + IN_FLIGHT)  # queued, and IN_FLIGHT's
-        excess = self.host_bytes - on_the_way + room + self._deferred.nbytes - self.memory_limit
+        room = (sizes[-1] if sizes else 0) * (self._spill_queue + IN_FLIGHT)
+        excess = self._bound.used() - on_the_way + room - self.memory_limit
         for chunk in list(self._chunks):
-            if excess <= 0:
+            if excess <= 0 or self._handoff.stopped:
                 break
             if chunk is self._active or chunk.on_disk or chunk.host is None or not chunk.complete(self._ended):
                 continue
-            if self._handoff.stopped:
-                break  # the disk refused a chunk: rows stay in memory (raise_failure says why)
-            schema = self.schema()  # to disk; blocks only while the writer's queue is full
-            if self.background_stats:
-                self._stats.complete(chunk, self.stages, self.eos_token_ids)
-            self._deferred.complete(chunk)
-            batch = to_batch(chunk, schema, self.stages, self.storage, self.vocab_size or 0)
-            if self._handoff.send(chunk, batch, schema, self.run_id, self.describe):
+            batch = to_batch(chunk, self.schema(), self.stages, self.storage, self.vocab_size or 0)
+            if self._handoff.send(chunk, batch, self.schema(), self.run_id, self.describe):
                 excess -= chunk.nbytes
 
     def _collect(self) -> None:
         """Map the chunks the writer finished and give their buffers back."""
         for chunk in self._handoff.collect(lambda c: c in self._chunks, self.schema):
-            self._memory.release(chunk, spare=chunk.nbytes)  # one chunk's buffers wait for the next chunk
-            self._handoff.notice(
-                self.storage, self.stages, self.vocab_size or 0, self.rows / max(1, self._steps), self.memory_limit or 0
-            )
-
-    def _maxima_of(self, chunk: Chunk) -> dict[str, np.ndarray]:
-        """The group maxima of each stage of ``chunk`` whose written rows all have them (call after
-        :meth:`_batch_of`, which computes what the background thread had not)."""
-        if chunk.spilled is not None or chunk.host is None:
-            return {}
-        n, out = chunk.n, {}
-        for stage, known in chunk.maxima_known.items():
-            if f"{stage}:gmax" in chunk.arrays and known[:n].all():
-                view = chunk.arrays[f"{stage}:gmax"][:n]
-                view.flags.writeable = False
-                out[stage] = view
-        return out
+            self._memory.release(chunk)
+            rows_per_step = self.rows / max(1, self._steps)
+            self._handoff.notice(self.storage, self.stages, self.vocab_size or 0, rows_per_step, self.memory_limit or 0)
 
     def _batch_of(self, chunk: Chunk, schema: pa.Schema) -> pa.RecordBatch:
         if chunk.spilled is not None:
@@ -493,8 +493,8 @@ class Recorder(PlainSteps):
         key = (chunk.version, tuple(self.stages))
         if chunk.cached is not None and chunk.cached[:2] == key:
             return chunk.cached[2]
-        if self.background_stats:
-            self._stats.complete(chunk, self.stages, self.eos_token_ids)
-        batch = to_batch(chunk, schema, self.stages, self.storage, self.vocab_size or 0)
+        gone = chunk.superseded[: chunk.n] | chunk.taken[: chunk.n]
+        rows = np.flatnonzero(~gone) if gone.any() else None
+        batch = to_batch(chunk, schema, self.stages, self.storage, self.vocab_size or 0, rows)
         chunk.cached = (*key, batch)
         return batch

@@ -27,8 +27,8 @@ from tracker.format.schema import RunMetadata
 from tracker.reading.prompt import leading_pad_mask, prompt_rows
 from tracker.reading.run import Run
 from tracker.recording.chunks import StepRows
+from tracker.recording.modes import Storage
 from tracker.recording.recorder import Recorder
-from tracker.recording.storage import Storage
 
 __all__ = ["Generation", "SharedRecording", "model_name", "new_run_id", "now"]
 
@@ -260,9 +260,9 @@ class SharedRecording:
             )
             if self.run_cache is not None and self.run_cache[0] == key:
                 return self.run_cache[1]
-            batches, maxima = self.recorder.read()
+            batches = self.recorder.batches()
             _check_recorded_chosen(batches, self.recorder.vocab_size or 0)
-            run = Run(batches, self.metadata(), _vocabulary_source(self), maxima=maxima)
+            run = Run(batches, self.metadata(), _vocabulary_source(self))
             self.run_cache = (key, run)
             return run
 

@@ -8,7 +8,7 @@ beside the chunks once per generation reaching the disk, queues each chunk
 once for :class:`~tracker.format.spill.SpillWriter`, maps the written files back
 when the recorder next looks, and says once that the run spills. Every few
 MB written, the writer thread also hands the C heap's free pages back
-(:func:`~tracker.recording.buffers.trim_heap`).
+(:func:`~tracker.recording.memory.trim_heap`).
 
 When the disk refuses (no space, a ``spill_dir`` that cannot be made or
 written), nothing is lost: the chunk stays in memory, spilling stops for the
@@ -39,9 +39,9 @@ from tracker.format.spill import (
     temporary_spill_folder,
     write_ipc,
 )
-from tracker.recording.buffers import trim_heap
 from tracker.recording.chunks import Chunk
-from tracker.recording.storage import Storage
+from tracker.recording.memory import trim_heap
+from tracker.recording.modes import Storage
 
 __all__ = ["Describe", "SpillHandoff", "SpillWarning"]
 
@@ -199,6 +199,10 @@ class SpillHandoff:
     def flush(self) -> None:
         """Wait until every queued chunk is written (then :meth:`collect` maps them)."""
         self.writer.flush()
+
+    def close(self) -> None:
+        """Write what is queued, then stop the writer's thread."""
+        self.writer.close()
 
     def reset(self) -> None:
         """Forget every chunk and delete the spill folder (the next spill makes a new one)."""
