@@ -276,4 +276,3 @@ class SpillWriter:
             done(nbytes, elapsed)
         except BaseException as exc:  # the recording thread says it (SpillHandoff.collect)
             failed(exc)
-
