@@ -315,7 +315,11 @@ class Vocabulary:
         return pa.table({"bytes": data, "display": self.display_array, "special": pa.array(self.special)})
 
     def serialize(self) -> bytes:
-        """A compact, ASCII-safe encoding (Arrow IPC, zstd, base64) for schema metadata."""
+        """A compact, ASCII-safe encoding (Arrow IPC, zstd, base64) for schema metadata; made once per
+        vocabulary (a server writes a part per request, each with its vocabulary)."""
+        cached = self.__dict__.get("_serialized")
+        if cached is not None:
+            return cached
         import pyarrow as pa
 
         sink = pa.BufferOutputStream()
@@ -323,7 +327,9 @@ class Vocabulary:
         options = pa.ipc.IpcWriteOptions(compression="zstd")
         with pa.ipc.new_stream(sink, table.schema, options=options) as writer:
             writer.write_table(table)
-        return base64.b64encode(sink.getvalue().to_pybytes())
+        raw = base64.b64encode(sink.getvalue().to_pybytes())
+        object.__setattr__(self, "_serialized", raw)  # frozen: the cache is not a field
+        return raw
 
     @classmethod
     def deserialize(cls, raw: bytes) -> Vocabulary:

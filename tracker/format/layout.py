@@ -302,7 +302,12 @@ def _with_generations(metadata: RunMetadata, parts: list[Part]) -> RunMetadata:
             raise RunFileError(part.path, arrow_reason(exc)) from exc
         except ValueError as exc:
             raise RunFileError(part.path, str(exc)) from exc
-    return metadata if len(entries) == len(metadata.generations) else replace(metadata, generations=entries)
+    if len(entries) == len(metadata.generations):
+        return metadata
+    merged: dict[int, dict] = {}  # a generation written in pieces (a server past its memory bound) has an
+    for entry in entries:  # entry in each: one generation, the later pieces' facts (its end) over the earlier
+        merged[entry["generation"]] = {**merged.get(entry["generation"], {}), **entry}
+    return replace(metadata, generations=sorted(merged.values(), key=lambda e: e["generation"]))
 
 
 def _check(layout: RunLayout) -> None:

@@ -1,56 +1,51 @@
-"""One engine request recorded as one generation, written as its own Parquet part of a run when it ends.
+"""A serving engine's tracked requests, recorded a batch at a time and written as parts of runs as they end.
 
-Serving engines (vLLM, SGLang) sample in a worker process, far from the
-user, and keep requests for as long as the server lives. So each tracked
-request gets its own :class:`~tracker.LogitTrackingProcessor` recording (its
-rows are freed when it ends), and each ended request is written, atomically,
-as ``<runs>/run_id=<run>/part-<generation>.parquet``, then the run's completion
-marker is replaced by one listing every part so far (marked growing, see
-:func:`tracker.format.dataset.write_marker`): :meth:`tracker.Run.load`, the dashboard
-and ``logitscope query`` read those parts as one run while the server keeps running. Writing happens on a background thread, never in the engine's
-step.
+An engine samples in a worker process, far from the user, and keeps requests for as long as the server
+lives, so what it tracks goes to storage. :class:`EngineRecording` is the engine-independent half of an
+engine's processor (:mod:`tracker.recording.engines.vllm` is the other): per step, the tracked rows of the
+engine's batch are recorded in one call per storage (:meth:`EngineRecording.record`: one selection, the
+storage mode's batched work, one copy), into one :class:`~tracker.recording.recorder.Recorder` per storage
+the requests ask for, all under one :class:`~tracker.recording.memory.MemoryBound`, whatever the number of
+requests. A request is a generation of its run, and a few ids on the host while it runs; when it ends, its
+rows are taken out of the recorder and written as a part of its run by the one writer thread
+(:mod:`tracker.recording.engines.parts`), never on the engine's step. Past the bound, the oldest rows go to
+their requests' parts early (one more part each); nothing is written twice.
 
-Options a request may give (engine-independent; see the engines' modules for
-where they come from):
+Options a request may give (engine-independent; see the engines' modules for where they come from):
 
 - ``storage``: ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``"topk"``;
 - ``top_k``: values kept per row with ``storage="topk"``;
 - ``title``: a label kept in the generation's metadata;
-- ``request_id``: the caller's id for the request, kept in the generation's
-  metadata (engines do not tell their processors a request's id).
+- ``request_id``: the caller's id for the request, kept in the generation's metadata (engines do not tell
+  their processors a request's id).
 
-Requests with different ``storage``/``top_k`` go to different runs (a run
-holds one storage): the run id is the server's, followed by the storage when
-it is not the server's default.
+Requests with different ``storage``/``top_k`` go to different runs (a run holds one storage): the run id is
+the server's, followed by the storage when it is not the server's default.
 """
 
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import numbers
-import os
-import threading
-from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.fs as pafs
 import torch
 
-from processors import BatchContext
-from tracker.format.dataset import run_summary, write_marker
-from tracker.format.layout import folder_arg
-from tracker.format.run_file import write_parquet
-from tracker.recording.processor import LogitTrackingProcessor
-from tracker.recording.recorder import StepRows
+from tracker.recording.chunks import StepRows
+from tracker.recording.engines.parts import PartWriter
+from tracker.recording.memory import MemoryBound
+from tracker.recording.modes import Storage
+from tracker.recording.recorder import Recorder
 from tracker.recording.run_metadata import new_run_id, now
 
-__all__ = ["RequestOptions", "RequestRecording", "PartWriter", "OPTION_KEYS", "STORAGES"]
+__all__ = ["EngineRecording", "OPTION_KEYS", "Request", "RequestOptions", "STORAGES"]
 
 OPTION_KEYS = ("storage", "top_k", "title", "request_id")
 STORAGES = ("float32", "float16", "bfloat16", "topk")
@@ -102,163 +97,143 @@ class RequestOptions:
             labels[key] = value
         return cls(storage, int(top_k), labels["title"], labels["request_id"])
 
-    def run_suffix(self, default_storage: str, default_top_k: int) -> str:
-        """What tells this request's run apart from the server's default one ('' when it is the default)."""
-        if self.storage == default_storage and (self.storage != "topk" or self.top_k == default_top_k):
-            return ""
-        return f"-{self.storage}{self.top_k if self.storage == 'topk' else ''}"
+    @property
+    def key(self) -> tuple[str, int]:
+        """The recorder (and run) this request's rows go to."""
+        return (self.storage, self.top_k if self.storage == "topk" else 0)
 
 
-class RequestRecording:
-    """One request's rows: a generation of batch 1 recorded step by step through a tracker's Recorder.
+@dataclass(eq=False)
+class Request:
+    """A tracked request while it runs: its generation, where its rows go, and the output ids the engine keeps
+    extending (read for each step's chosen token)."""
 
-    ``record(row, step)`` keeps the row ``[1, V]`` as the step's natural
-    logits; ``choose(token)`` gives the last recorded step its chosen token.
-    A step recorded twice (the engine computed a row whose sample it then
-    discarded, as a chunked prefill does) keeps only its last row when the
-    part is written.
+    generation: int
+    options: RequestOptions
+    run_id: str
+    outputs: list[int]
+    prompt_ids: list[int]
+    sampling: dict[str, Any]
+    started_at: str = field(default_factory=now)
+
+    def entry(self) -> dict[str, Any]:
+        """The generation's metadata entry (prompt, sampling, labels)."""
+        entry: dict[str, Any] = {
+            "generation": self.generation,
+            "batch_size": 1,
+            "prompt_ids": [list(self.prompt_ids)],
+            "sampling": [self.sampling],
+            "started_at": self.started_at,
+        }
+        for key in ("title", "request_id"):
+            if getattr(self.options, key) is not None:
+                entry[key] = getattr(self.options, key)
+        return entry
+
+
+class EngineRecording:
+    """The tracked requests of one engine process: recorders by storage, one memory bound, one part writer.
+
+    Args:
+        root: the folder runs are written under (``run_id=<run>/``).
+        facts: what the run's metadata says of the engine: ``model`` (its name) and ``extra`` (engine, version,
+            dtype, revision...).
+        tokenizer: called once, when the first part is written: the tokenizer for token texts (None: ids).
+        default_storage, default_top_k: what a request that names none gets.
+        memory_limit: bytes of host memory for every tracked request's rows together; past it the oldest rows
+            go to their requests' parts early.
+        eos_token_ids: end-of-sequence ids, for the ``p_eos`` statistic.
     """
 
     def __init__(
         self,
-        generation: int,
-        prompt_ids: Sequence[int],
-        options: RequestOptions,
-        tokenizer: Any,
-        sampling: dict[str, Any],
-        memory_limit: int | None,
+        root: str | Path,
+        facts: dict[str, Any],
+        tokenizer: Callable[[], Any],
+        default_storage: str = "float32",
+        default_top_k: int = 20,
+        memory_limit: int | None = 1 << 30,
+        eos_token_ids: Sequence[int] = (),
     ) -> None:
-        self.options = options
-        self.tracker = LogitTrackingProcessor(
-            None,
-            tokenizer,
-            storage=options.storage,  # type: ignore[arg-type]
-            top_k=options.top_k,
-            memory_limit=memory_limit,
-        )
-        shared = self.tracker._shared
-        shared.next_generation = generation
-        shared.expect_sampling([sampling])
-        ids = torch.tensor([list(prompt_ids)], dtype=torch.long).view(1, -1)
-        self.generation = shared.open_generation(BatchContext(input_ids=ids, prompt_length=ids.shape[1]), 1, None)
-        self.recorder = self.tracker.recorder
-        self.last_rows: StepRows | None = None
-        self.last_step = -1
-        self.chosen_known = True
-        self.steps = 0
+        self.default = RequestOptions.parse({}, default_storage, default_top_k, "the default storage")
+        self.run_id = new_run_id()
+        self.bound = MemoryBound(memory_limit)
+        self.eos_token_ids = list(eos_token_ids)
+        self.writer = PartWriter(root, facts, tokenizer)
+        self._recorders: dict[tuple[str, int], Recorder] = {}
+        self._generations = itertools.count()
+        self._last: list[tuple[Recorder, StepRows, list[Request], np.ndarray]] = []
+        self._spilling = None  # the writer's pending job taking rows out past the bound
+        ref = weakref.ref(self)
+        atexit.register(lambda: (r := ref()) is not None and r.close())  # after the writer's own: LIFO
 
-    def record(self, row: torch.Tensor, step: int) -> None:
-        """Keep ``row [1, V]`` as ``step``'s logits. Runs every step; non-blocking copies only (no sync)."""
-        rows = self.recorder.begin_step(self.generation.id, step, 1, int(row.shape[1]), row.device)
-        self.recorder.write(rows, "natural", row)
-        self.last_rows, self.last_step, self.chosen_known = rows, step, False
-        self.steps += 1
+    def start(self, options: RequestOptions, prompt_ids: Sequence[int], outputs: list[int], sampling: dict) -> Request:
+        """A new tracked request (host bookkeeping only); ``outputs`` is the list the engine extends."""
+        suffix = "" if options.key == self.default.key else f"-{options.storage}{options.key[1] or ''}"
+        request = Request(next(self._generations), options, self.run_id + suffix, outputs, list(prompt_ids), sampling)
+        if options.key not in self._recorders:
+            storage = Storage.parse(options.storage, options.top_k)
+            recorder = Recorder(storage, ["natural"], run_id=request.run_id, bound=self.bound)
+            recorder.eos_token_ids = self.eos_token_ids
+            self._recorders[options.key] = recorder
+        self.writer.started(request)
+        return request
 
-    def choose(self, token: int) -> None:
-        """The token chosen at the last recorded step (a host int; ``-1`` or less: unknown, left unset)."""
-        if self.last_rows is not None and not self.chosen_known and token >= 0:
-            self.recorder.set_chosen(self.last_rows, [token])
-            self.chosen_known = True
+    def finish_step(self) -> None:
+        """Give the last step's rows their chosen tokens, read from each request's output ids (those whose ids
+        did not grow had their sample discarded, as a chunked prefill's partial steps do: their rows are left
+        out, the step is recorded again). Host reads and one batched call per recorder; no device value read."""
+        for recorder, rows, requests, steps in self._last:
+            lengths = np.fromiter((len(r.outputs) for r in requests), np.int64, len(requests))
+            tokens = [r.outputs[s] if n > s else -1 for r, s, n in zip(requests, steps.tolist(), lengths.tolist())]
+            stalled = lengths <= steps
+            if stalled.any():
+                recorder.supersede(rows, np.flatnonzero(stalled))
+            recorder.set_chosen(rows, np.asarray(tokens, dtype=np.int64))
+        self._last = []
 
-    def table(self, run_id: str, generated: int) -> tuple[pa.Table, Any]:
-        """The request's rows (superseded rows of a step dropped) and the run metadata of its part.
+    def end(self, request: Request) -> None:
+        """The request left the batch: its part is written on the writer thread. Call after :meth:`finish_step`."""
+        self.writer.end(self._recorders[request.options.key], request)
 
-        Drains the recording (on CUDA: waits for its copies; called off the engine's thread).
-        """
-        shared = self.tracker._shared
-        shared.note_lengths([generated])
-        self.recorder.end_generation(self.generation.id)
-        run = self.tracker.run
-        table = run.to_arrow()
-        if table.num_rows:
-            steps = table.column("step").to_numpy()
-            last = len(steps) - 1 - np.unique(steps[::-1], return_index=True)[1]  # each step's last row
-            if len(last) != len(steps):
-                table = table.take(pa.array(np.sort(last)))
-        entry = dict(shared.generations[-1])
-        entry["ended_at"] = now()
-        for key in ("title", "request_id"):
-            value = getattr(self.options, key)
-            if value is not None:
-                entry[key] = value
-        metadata = replace(run.metadata, run_id=run_id, generations=[entry])
-        return table, metadata
+    def record(self, logits: torch.Tensor, groups: Sequence[tuple[torch.Tensor, list[Request]]]) -> None:
+        """Record this step's tracked rows: per group (requests of one storage), ``logits[index]`` as the
+        requests' natural rows, at each request's step (its output length). Batched work and one copy per
+        group; reads no device value (does not synchronise). Waits for the writer only when the rows held
+        exceed the memory bound."""
+        vocab = int(logits.shape[1])
+        for index, requests in groups:
+            recorder = self._recorders[requests[0].options.key]
+            steps = np.fromiter((len(r.outputs) for r in requests), np.int64, len(requests))
+            generations = np.fromiter((r.generation for r in requests), np.int64, len(requests))
+            rows = recorder.begin_step(generations, steps, len(requests), vocab, logits.device, sequence=0)
+            recorder.write(rows, "natural", logits, index=index)
+            self._last.append((recorder, rows, requests, steps))
+        self._hold_bound()
+
+    def _hold_bound(self) -> None:
+        """Past the bound (less a chunk of room), have the writer take the oldest rows out; over it, wait."""
+        limit = self.bound.limit
+        if limit is None:
+            return
+        used = self.bound.used()
+        if self._spilling is not None and (self._spilling.done() or used > limit):
+            self._spilling.result()  # over the bound: wait for the disk (raises what the writer could not do)
+            self._spilling = None
+        room = max((r.chunk_bytes for r in self._recorders.values()), default=0)
+        if self._spilling is None and used + room > limit:
+            self._spilling = self.writer.spill(list(self._recorders.values()))
+
+    def flush(self) -> list[Path]:
+        """Wait until every ended request's part is written (their paths); raises a write that failed."""
+        return self.writer.flush()
 
     def close(self) -> None:
-        """Free the rows (and spill files) of the recording."""
-        self.tracker.recorder.clear()
-
-
-class PartWriter:
-    """Writes ended requests as parts of runs under ``root``, one background thread, in order.
-
-    ``write(recording, run_id, generated)`` returns at once; :meth:`flush`
-    waits for every part asked for so far (and raises the first failure).
-    A part is written atomically: a reader sees it whole or not at all.
-    """
-
-    def __init__(self, root: str | os.PathLike[str]) -> None:
-        self.root = folder_arg("runs", root)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logitscope-parts")
-        self._pending: list[Future[Path]] = []
-        self._runs: dict[str, dict[str, Any]] = {}  # per run: its parts, bytes and summary so far (the thread's)
-        self._lock = threading.Lock()
-        atexit.register(self.flush, raise_errors=False)
-
-    def write(self, recording: RequestRecording, run_id: str, generated: int) -> None:
-        future = self._pool.submit(self._write, recording, run_id, generated)
-        with self._lock:
-            self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]
-            self._pending.append(future)
-
-    def _write(self, recording: RequestRecording, run_id: str, generated: int) -> Path:
-        try:
-            table, metadata = recording.table(run_id, generated)
-            summary = run_summary(recording.tracker.run)
-            folder = self.root / f"run_id={run_id}"
-            path = write_parquet(
-                table, folder / f"part-{recording.generation.id:09d}.parquet", metadata, scratch=self.root
-            )
-            self._mark(folder, run_id, Path(path), summary)
-            return path
-        finally:
-            recording.close()
-
-    def _mark(self, folder: Path, run_id: str, part: Path, summary: dict[str, Any]) -> None:
-        """Replace the run's completion marker with one listing every part so far (this writer's thread only):
-        the run is listed, and grows, while the server runs."""
-        seen = self._runs.get(run_id)
-        if seen is None:
-            seen = self._runs[run_id] = {"parts": [], "bytes": 0, "summary": dict(summary, generations=0, rows=0)}
-        total = seen["summary"]
-        seen["parts"].append(part.name)
-        seen["bytes"] += part.stat().st_size
-        for key in ("steps", "sequences"):
-            total[key] = max(int(total.get(key) or 0), int(summary.get(key) or 0))
-        total["rows"] += int(summary.get("rows") or 0)
-        total["generations"] += 1
-        total["prompt"] = summary.get("prompt", "")
-        write_marker(
-            pafs.LocalFileSystem(), str(folder), run_id, list(seen["parts"]), seen["bytes"], total, growing=True
-        )
-
-    def flush(self, raise_errors: bool = True) -> list[Path]:
-        """Wait for every part asked for so far; the paths written. Raises the first failure (once)."""
-        with self._lock:
-            pending, self._pending = self._pending, []
-        paths, failure = [], None
-        for future in pending:
-            try:
-                paths.append(future.result())
-            except Exception as exc:  # noqa: BLE001 - raised below, once
-                failure = failure or exc
-        if failure is not None and raise_errors:
-            raise RuntimeError(
-                f"logitscope could not write a request's part under '{self.root}': {failure}"
-            ) from failure
-        return paths
-
-
-def server_run_id() -> str:
-    """A new run id for a server process (each engine process writes its own run)."""
-    return new_run_id()
+        """Write every request's part (those still running as far as they got), mark the runs complete (no
+        longer growing), stop the writer's thread. Runs at the engine process's exit too. Idempotent."""
+        if self.writer.closed:
+            return
+        self.finish_step()
+        self.writer.close(self._recorders)
+        for recorder in self._recorders.values():
+            recorder.close()

@@ -3,51 +3,50 @@
 Load it as any vLLM V1 logits processor, by class or by name::
 
     LLM(model, logits_processors=[LogitscopeLogitsProcessor])
-    vllm serve MODEL --logits-processors tracker.recording.engines.vllm:LogitscopeLogitsProcessor
+    python -m vllm.entrypoints.openai.api_server --model MODEL \\
+        --logits-processors tracker.recording.engines.vllm:LogitscopeLogitsProcessor
 
-A request is tracked when its ``SamplingParams.extra_args`` holds
-``{"logitscope": true}`` or ``{"logitscope": {...}}`` with the keys of
-:mod:`tracker.recording.engines.requests` (``storage``, ``top_k``, ``title``,
-``request_id``); every other request costs one dictionary look-up per step.
-Where the run lands is the server's configuration, read from the environment
-of the engine process when the processor is built:
+A request is tracked when its ``SamplingParams.extra_args`` holds ``{"logitscope": true}`` or
+``{"logitscope": {...}}`` with the keys of :mod:`tracker.recording.engines.requests` (``storage``, ``top_k``,
+``title``, ``request_id``; over HTTP, ``"vllm_xargs": {"logitscope": "<that object as JSON>"}``). A malformed
+value is refused when the request arrives (the server answers 400, naming the key). Every other request costs
+nothing per step; an engine tracking nothing costs one check per step.
 
-- ``LOGITSCOPE_RUNS``: the dataset folder (default ``logitscope-runs`` in the
-  server's working directory); each ended request becomes
-  ``run_id=<run>/part-<generation>.parquet`` there.
-- ``LOGITSCOPE_STORAGE`` (default ``float32``) and ``LOGITSCOPE_TOP_K``
-  (default 20): what a request that names none gets.
-- ``LOGITSCOPE_MEMORY_LIMIT``: bytes of host memory per tracked request
-  before its rows spill to disk (default 256 MiB).
+Where runs land is the server's configuration, read from the environment of the engine process when the
+processor is built:
 
-What is recorded, per tracked request and step: the logits the request's row
-holds when the processor runs (after vLLM's allowed-token mask, bad words,
-min-tokens and logit bias, before penalties, temperature, min-p, top-k and
-top-p), bit for bit, as the ``natural`` stage; and the token vLLM sampled,
-read from the request's output ids, the list vLLM hands its processors and
-extends after every step. The last token of a request is in that list when it
-is removed under synchronous scheduling; under asynchronous scheduling (vLLM's
-default) vLLM has only written a placeholder ``-1`` there by then, so the last
-step's chosen token is recorded as unknown. vLLM does not tell processors a
-request's id: pass yours as ``request_id`` to find it in the run. A request
-that leaves the batch and comes back (preemption) continues as a new
-generation from the step it resumes at.
+- ``LOGITSCOPE_RUNS``: the dataset folder (default ``logitscope-runs`` in the server's working directory);
+  each ended request becomes ``run_id=<run>/part-<generation>.parquet`` there, its run listed as it grows.
+- ``LOGITSCOPE_STORAGE`` (default ``float32``) and ``LOGITSCOPE_TOP_K`` (default 20): what a request that
+  names none gets.
+- ``LOGITSCOPE_MEMORY_LIMIT``: bytes of host memory for the rows of every tracked request of the engine
+  together (default 1 GiB); past it the oldest rows are written early, as further parts of their requests.
 
-The processor answers ``is_argmax_invariant() -> False`` so that vLLM calls
-it at every step, greedy requests included; it returns the logits untouched.
-With tensor parallelism every rank builds processors; only rank 0 writes.
+What is recorded, per tracked request and step: the logits the request's row holds when the processor runs
+(after vLLM's allowed-token mask, bad words, min-tokens and logit bias; before penalties, temperature,
+min-p, top-k and top-p), bit for bit, as the ``natural`` stage; and the token vLLM sampled, read from the
+request's output ids, the list vLLM hands its processors and extends after every step. Under asynchronous
+scheduling (vLLM's default on GPUs) a request's last token is only a placeholder when it leaves: it is
+recorded as unknown. A step whose sample vLLM discarded (a chunked prefill's partial steps) is recorded
+again; only its last row is kept. A request preempted and resumed continues as a new generation from the step
+it resumes at. The run's metadata names the model (its served name), and ``extra["engine"]`` the engine, its
+version, the model's path, revision and dtype; each generation holds the request's prompt, its sampling
+parameters, its ``title`` and ``request_id``.
+
+The processor answers ``is_argmax_invariant() -> False`` so that vLLM calls it at every step, greedy
+requests included; it returns the logits untouched. With tensor parallelism every rank builds processors;
+only rank 0 records. The engine's writer thread is closed when the engine's process exits.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from tracker.recording.engines.requests import PartWriter, RequestOptions, RequestRecording, server_run_id
+from tracker.recording.engines.requests import EngineRecording, Request, RequestOptions
 
 __all__ = ["LogitscopeLogitsProcessor", "EXTRA_ARGS_KEY", "VLLM_IMPORT_ERROR"]
 
@@ -60,6 +59,12 @@ try:  # vLLM's own base class when vLLM imports; the class works without it (tes
 except Exception as exc:  # noqa: BLE001 - any failure to import vLLM means "no vLLM here"
     _VLLMBase = object  # type: ignore[assignment,misc]
     VLLM_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+#: The request parameters kept in each generation's metadata (how its tokens were drawn).
+SAMPLING_KEYS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
+    "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "bad_words", "n",
+)  # fmt: skip
 
 
 def _env_int(name: str, default: int) -> int:
@@ -79,10 +84,15 @@ def _is_swap(direction: Any) -> bool:
 def _sampling_summary(params: Any) -> dict[str, Any]:
     """The request's sampling parameters that say how its tokens were drawn (JSON-ready)."""
     out = {}
-    for key in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "repetition_penalty"):
+    for key in SAMPLING_KEYS:
         value = getattr(params, key, None)
-        if value is not None:
-            out[key] = value
+        if value is None:
+            continue
+        if isinstance(value, dict):
+            value = {str(k): v for k, v in value.items()}
+        elif isinstance(value, (set, tuple)):
+            value = list(value)
+        out[key] = value
     return out
 
 
@@ -97,37 +107,33 @@ def _tensor_parallel_rank() -> int:
     return 0
 
 
-class _Tracked:
-    """A tracked request in the batch: its recording and the output-id list vLLM keeps extending."""
-
-    __slots__ = ("recording", "outputs", "run_id")
-
-    def __init__(self, recording: RequestRecording, outputs: list[int], run_id: str) -> None:
-        self.recording, self.outputs, self.run_id = recording, outputs, run_id
-
-    def observe(self, row: torch.Tensor) -> None:
-        """This step's row: first the token chosen at the last step, then the row. Host reads only."""
-        recording, outputs = self.recording, self.outputs
-        step = len(outputs)
-        if recording.last_rows is not None and step > recording.last_step:
-            recording.choose(outputs[recording.last_step])
-        recording.record(row, step)
-
-    def end(self) -> int:
-        """The request left the batch: its last token if vLLM wrote it; the tokens generated."""
-        recording, outputs = self.recording, self.outputs
-        if recording.last_rows is not None and len(outputs) > recording.last_step:
-            recording.choose(outputs[recording.last_step])
-        return len(outputs)
+def engine_facts(vllm_config: Any) -> dict[str, Any]:
+    """What a run's metadata says of the engine: the model's served name, and the engine, its version, the
+    model's path, revision and dtype."""
+    model_config = getattr(vllm_config, "model_config", None)
+    served = getattr(model_config, "served_model_name", None)
+    if isinstance(served, (list, tuple)):
+        served = served[0] if served else None
+    path = getattr(model_config, "model", None)
+    try:
+        from vllm import __version__ as version
+    except Exception:  # noqa: BLE001 - no vLLM here (tests of the class alone)
+        version = None
+    engine = {"name": "vllm", "version": version, "model": path}
+    for key in ("revision", "dtype", "max_model_len"):
+        value = getattr(model_config, key, None)
+        if value is not None:
+            engine[key] = str(value).removeprefix("torch.") if key == "dtype" else value
+    name = served or (os.path.basename(str(path).rstrip("/")) if path else None)
+    return {"model": name, "extra": {"engine": engine}}
 
 
 class LogitscopeLogitsProcessor(_VLLMBase):  # type: ignore[misc,valid-type]
     """A vLLM V1 logits processor that records the requests whose ``extra_args`` ask (see the module).
 
-    Subclass it to fix the configuration in code instead of the environment
-    (``runs``, ``storage``, ``top_k``, ``memory_limit``, ``tokenizer``
-    class attributes; None reads the environment), and load the subclass by
-    its name.
+    Subclass it to fix the configuration in code instead of the environment (``runs``, ``storage``, ``top_k``,
+    ``memory_limit``, ``tokenizer`` class attributes; None reads the environment), and load the subclass by its
+    name.
     """
 
     runs: str | None = None
@@ -141,15 +147,24 @@ class LogitscopeLogitsProcessor(_VLLMBase):  # type: ignore[misc,valid-type]
         self.default_storage = self.storage or os.environ.get("LOGITSCOPE_STORAGE") or "float32"
         self.default_top_k = self.top_k or _env_int("LOGITSCOPE_TOP_K", 20)
         RequestOptions.parse({}, self.default_storage, self.default_top_k, "LOGITSCOPE_STORAGE/LOGITSCOPE_TOP_K")
-        self.row_memory = self.memory_limit or _env_int("LOGITSCOPE_MEMORY_LIMIT", 256 << 20)
-        self.root = self.runs or os.environ.get("LOGITSCOPE_RUNS") or "logitscope-runs"
-        self.run_id = server_run_id()
         self.writes = _tensor_parallel_rank() == 0
         self._config = vllm_config
         self._tokenizer = self.tokenizer
-        self._writer: PartWriter | None = None
-        self._rows: dict[int, _Tracked] = {}
-        self._generations = itertools.count()
+        self.recording = EngineRecording(
+            self.runs or os.environ.get("LOGITSCOPE_RUNS") or "logitscope-runs",
+            engine_facts(vllm_config),
+            self._load_tokenizer,
+            self.default_storage,
+            self.default_top_k,
+            self.memory_limit or _env_int("LOGITSCOPE_MEMORY_LIMIT", 1 << 30),
+            _eos_ids(vllm_config),
+        )
+        self._rows: dict[int, Request] = {}  # batch index -> the tracked request there
+        self._groups: list[tuple[torch.Tensor, list[Request]]] | None = []  # None: rebuild before the next step
+
+    @property
+    def run_id(self) -> str:
+        return self.recording.run_id
 
     # ---------------------------------------------------------------- vLLM's interface
 
@@ -164,10 +179,10 @@ class LogitscopeLogitsProcessor(_VLLMBase):  # type: ignore[misc,valid-type]
         return False
 
     def update_state(self, batch_update: Any) -> None:
-        """Follow the batch: removed rows end their requests, added rows start them, moves carry them.
-
-        Order as vLLM documents it: removed, added, moved. Host work only (no device value is read).
-        """
+        """Once per step, before :meth:`apply`: the last step's rows get their chosen tokens, then the batch's
+        changes (in vLLM's order: removed, added, moved) end, start and move requests. Host work only."""
+        recording = self.recording
+        recording.finish_step()
         if not batch_update:
             return
         rows = self._rows
@@ -175,12 +190,11 @@ class LogitscopeLogitsProcessor(_VLLMBase):  # type: ignore[misc,valid-type]
             self._end(rows.pop(index, None))
         for index, params, prompt_ids, outputs in batch_update.added:
             self._end(rows.pop(index, None))  # a request that left this row without a removal said
-            tracked = self._start(params, prompt_ids, outputs)
-            if tracked is not None:
-                rows[index] = tracked
+            request = self._start(params, prompt_ids, outputs)
+            if request is not None:
+                rows[index] = request
         for a, b, direction in batch_update.moved:
-            moving = rows.pop(a, None)
-            other = rows.pop(b, None)
+            moving, other = rows.pop(a, None), rows.pop(b, None)
             if moving is not None:
                 rows[b] = moving
             if other is not None:
@@ -188,28 +202,48 @@ class LogitscopeLogitsProcessor(_VLLMBase):  # type: ignore[misc,valid-type]
                     rows[a] = other
                 else:
                     self._end(other)  # overwritten by a one-way move: it left the batch
+        self._groups = None
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """Record each tracked row of ``logits [B, V]``; return ``logits`` unchanged.
+        """Record the tracked rows of ``logits [B, V]``; return ``logits`` unchanged.
 
-        Runs every step. Untracked batches cost one check; each tracked row
-        is a view copied by the recorder with a ``non_blocking`` copy, its
-        chosen token read from the host list vLLM keeps: reads no device
-        value (does not synchronise).
+        Runs every step. Nothing tracked: one check. Else one batched call per storage the tracked requests
+        use (a row selection, the storage's work, one copy); the chosen tokens come from the host lists vLLM
+        keeps. Reads no device value (does not synchronise).
         """
         if not self._rows:
             return logits
-        for index, tracked in self._rows.items():
-            tracked.observe(logits[index : index + 1])
+        if self._groups is None:
+            self._groups = self._regroup()
+        self.recording.record(logits, self._groups)
         return logits
 
     # ---------------------------------------------------------------- requests
 
     def flush(self) -> list[Any]:
         """Wait until every ended request's part is written (the paths); raises a failed write."""
-        return [] if self._writer is None else self._writer.flush()
+        return self.recording.flush()
 
-    def _start(self, params: Any, prompt_ids: Sequence[int] | None, outputs: list[int]) -> _Tracked | None:
+    def close(self) -> None:
+        """Write what was recorded (requests still running as far as they got), mark the runs complete, and stop
+        the writer's thread."""
+        self.recording.close()
+
+    def _regroup(self) -> list[tuple[torch.Tensor, list[Request]]]:
+        """The tracked batch rows by storage, in batch order, with their index on the device (rebuilt when the
+        batch changes: a host-to-device copy, no synchronisation)."""
+        by_key: dict[Any, list[tuple[int, Request]]] = {}
+        for index, request in sorted(self._rows.items()):
+            by_key.setdefault(request.options.key, []).append((index, request))
+        groups = []
+        for members in by_key.values():
+            index = torch.tensor([i for i, _ in members], dtype=torch.int64)
+            if self.device.type != "cpu":
+                index = index.pin_memory().to(self.device, non_blocking=True)
+            groups.append((index, [r for _, r in members]))
+        return groups
+
+    def _start(self, params: Any, prompt_ids: Sequence[int] | None, outputs: list[int]) -> Request | None:
         options = RequestOptions.parse(
             (getattr(params, "extra_args", None) or {}).get(EXTRA_ARGS_KEY),
             self.default_storage,
@@ -221,19 +255,11 @@ class LogitscopeLogitsProcessor(_VLLMBase):  # type: ignore[misc,valid-type]
         sampling = _sampling_summary(params)
         if outputs:
             sampling["resumed_at_step"] = len(outputs)
-        recording = RequestRecording(
-            next(self._generations), prompt_ids or [], options, self._load_tokenizer(), sampling, self.row_memory
-        )
-        run_id = self.run_id + options.run_suffix(self.default_storage, self.default_top_k)
-        return _Tracked(recording, outputs, run_id)
+        return self.recording.start(options, prompt_ids or [], outputs, sampling)
 
-    def _end(self, tracked: _Tracked | None) -> None:
-        if tracked is None:
-            return
-        generated = tracked.end()
-        if self._writer is None:
-            self._writer = PartWriter(self.root)
-        self._writer.write(tracked.recording, tracked.run_id, generated)
+    def _end(self, request: Request | None) -> None:
+        if request is not None:
+            self.recording.end(request)
 
     def _load_tokenizer(self) -> Any:
         """The model's tokenizer for token texts, loaded once from vLLM's configuration (None: ids only)."""
@@ -250,3 +276,12 @@ class LogitscopeLogitsProcessor(_VLLMBase):  # type: ignore[misc,valid-type]
                 except Exception:  # noqa: BLE001 - token texts are a nicety; ids are recorded regardless
                     self._tokenizer = False
         return self._tokenizer or None
+
+
+def _eos_ids(vllm_config: Any) -> list[int]:
+    """The model's end-of-sequence ids from its configuration (for the ``p_eos`` statistic), or none."""
+    hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+    eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, int):
+        return [eos]
+    return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else []
