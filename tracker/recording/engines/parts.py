@@ -57,6 +57,7 @@ class PartWriter:
         self._worker = Worker("logitscope-parts", depth=256)
         self._live: dict[int, Request] = {}  # generation -> request, while it runs
         self._pieces: dict[int, tuple[list[str], int]] = {}  # generation -> parts written early, their rows
+        self._parts_of: dict[int, int] = {}  # generation -> parts written so far (names are numbered)
         self._runs: dict[str, dict[str, Any]] = {}  # run id -> parts, bytes and summary so far (this thread's)
         self._pending: list[Future[Any]] = []
         self._lock = threading.Lock()
@@ -67,9 +68,18 @@ class PartWriter:
     def started(self, request: Request) -> None:
         self._live[request.generation] = request
 
+    def live(self) -> list[Request]:
+        """The requests that started and have not ended."""
+        return list(self._live.values())
+
     def end(self, recorder: Recorder, request: Request) -> None:
         """Write ``request``'s part (returns at once)."""
         self._submit(self._write_end, recorder, request)
+
+    def checkpoint(self, recorder: Recorder, request: Request) -> None:
+        """Write the rows ``request`` holds now, as a part of it, keeping it running (the engine went idle: the
+        request may have finished without the engine saying so yet). Returns at once."""
+        self._submit(self._write_checkpoint, recorder, request)
 
     def spill(self, recorders: list[Recorder]) -> Future[Any]:
         """Take the oldest complete chunk of rows out of each recorder and write them early (returns at once)."""
@@ -117,11 +127,26 @@ class PartWriter:
     def _write_end(self, recorder: Recorder, request: Request) -> Path | None:
         if self._live.pop(request.generation, None) is None:
             return None  # written already (a request ended twice: removed, then at close)
+        return self._write_now(recorder, request)
+
+    def _write_checkpoint(self, recorder: Recorder, request: Request) -> Path | None:
+        if request.generation not in self._live:
+            return None  # ended meanwhile: its part took its rows
+        return self._write_now(recorder, request)
+
+    def _write_now(self, recorder: Recorder, request: Request) -> Path | None:
+        """Write the rows the generation holds now as a part of it, listed in its run's marker at once (with
+        those written early); None when it holds none that are not written already."""
         batches = recorder.take_generation(request.generation)
         pieces, early = self._pieces.pop(request.generation, ([], 0))
-        entry = dict(request.entry(), ended_at=now(), lengths=[len(request.outputs)])
-        path = self._write(recorder, request, batches, entry, f"part-{request.generation:09d}.parquet")
-        self._mark(request.run_id, [*pieces, path.name], recorder, request, early + sum(b.num_rows for b in batches))
+        rows = sum(b.num_rows for b in batches)
+        path = None
+        if rows:
+            entry = dict(request.entry(), ended_at=now(), lengths=[len(request.outputs)])
+            path = self._write(recorder, request, batches, entry, self._name(request.generation))
+            pieces = [*pieces, path.name]
+        if pieces:
+            self._mark(request.run_id, pieces, recorder, request, early + rows)
         return path
 
     def _write_spill(self, recorders: list[Recorder]) -> list[Path]:
@@ -132,11 +157,17 @@ class PartWriter:
                 if request is None:
                     continue  # ended meanwhile: its part took every row left
                 pieces, rows = self._pieces.get(generation, ([], 0))
-                name = f"part-{generation:09d}-{len(pieces):04d}.parquet"
-                path = self._write(recorder, request, batches, request.entry(), name)
+                path = self._write(recorder, request, batches, request.entry(), self._name(generation))
                 self._pieces[generation] = ([*pieces, path.name], rows + sum(b.num_rows for b in batches))
                 paths.append(path)
         return paths
+
+    def _name(self, generation: int) -> str:
+        """The next part's name: ``part-<generation>.parquet``, then ``part-<generation>-<n>.parquet`` for the
+        parts written early (past the memory bound) or after the request came back (preempted)."""
+        count = self._parts_of.get(generation, 0)
+        self._parts_of[generation] = count + 1
+        return f"part-{generation:09d}.parquet" if count == 0 else f"part-{generation:09d}-{count:04d}.parquet"
 
     def _write(self, recorder: Recorder, request: Request, batches: list, entry: dict, name: str) -> Path:
         metadata = self._metadata(recorder, request, entry)
@@ -184,13 +215,14 @@ class PartWriter:
                 "top_k": recorder.storage.k_for(vocab), "stages": list(recorder.stages), "vocab_size": vocab,
                 "rows": 0, "steps": 0, "sequences": 1, "generations": 0, "prompt": prompt,
             }  # fmt: skip
-            seen = self._runs[run_id] = {"parts": [], "bytes": 0, "summary": summary, "folder": folder}
+            seen = self._runs[run_id] = {"parts": [], "bytes": 0, "summary": summary, "folder": folder, "ids": set()}
         seen["parts"] += names
         seen["bytes"] += sum((folder / n).stat().st_size for n in names)
         total = seen["summary"]
         total["rows"] += rows
         total["steps"] = max(total["steps"], len(request.outputs))
-        total["generations"] += 1
+        seen["ids"].add(request.generation)  # a request that came back is still one generation
+        total["generations"] = len(seen["ids"])
         write_marker(
             pafs.LocalFileSystem(), str(folder), run_id, list(seen["parts"]), seen["bytes"], total, growing=True
         )

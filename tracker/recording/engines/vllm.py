@@ -181,10 +181,12 @@ class LogitscopeLogitsProcessor(_VLLMBase):  # type: ignore[misc,valid-type]
     def update_state(self, batch_update: Any) -> None:
         """Once per step, before :meth:`apply`: the last step's rows get their chosen tokens, then the batch's
         changes (in vLLM's order: removed, added, moved) end, start and move requests. Host work only."""
-        recording = self.recording
-        recording.finish_step()
-        if not batch_update:
-            return
+        with self.recording.lock:  # the idle watch writes from its own thread
+            self.recording.finish_step()
+            if batch_update:
+                self._update(batch_update)
+
+    def _update(self, batch_update: Any) -> None:
         rows = self._rows
         for index in batch_update.removed:
             self._end(rows.pop(index, None))
@@ -213,9 +215,10 @@ class LogitscopeLogitsProcessor(_VLLMBase):  # type: ignore[misc,valid-type]
         """
         if not self._rows:
             return logits
-        if self._groups is None:
-            self._groups = self._regroup()
-        self.recording.record(logits, self._groups)
+        with self.recording.lock:
+            if self._groups is None:
+                self._groups = self._regroup()
+            self.recording.record(logits, self._groups)
         return logits
 
     # ---------------------------------------------------------------- requests
