@@ -7,6 +7,8 @@ naming it. vLLM's imports are slow (about a minute on two cores), hence the ``en
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -385,3 +387,75 @@ def test_a_request_asking_for_topk_gets_its_own_run_and_an_unwritten_last_token_
     assert np.array_equal(values, np.take_along_axis(rows, ids, axis=1))  # with their values, bit for bit
     whole = Run.load(tmp_path, run_id=tracker.run_id).to_arrow()
     assert whole.column("chosen").to_pylist() == full
+
+
+def _wave(tracker, builder, params_cls, rows: int, steps: int, rng, extra=True):
+    """``rows`` tracked requests join, run ``steps`` steps and leave; their sampled ids, by request."""
+    outputs = [[] for _ in range(rows)]
+    for i in range(rows):
+        builder.added.append((i, params_cls(extra_args={"logitscope": True} if extra else None), [1, 2], outputs[i]))
+    for _ in range(steps):
+        tracker.update_state(builder.get_and_reset(rows))
+        sampled = tracker.apply(torch.randn(rows, VOCAB, generator=rng)).argmax(dim=1).tolist()
+        for i in range(rows):
+            outputs[i].append(sampled[i])
+    for i in range(rows):
+        builder.removed_append(i)
+    return outputs
+
+
+def test_a_thousand_short_requests_leave_the_thread_count_and_memory_where_they_were(vllm, tmp_path):
+    lp, params = vllm["lp"], vllm["params"]
+    before = set(threading.enumerate())
+    tracker = _processor_class(tmp_path)(_Config(), torch.device("cpu"), False)
+    builder, rng = lp.BatchUpdateBuilder(), torch.Generator().manual_seed(3)
+    for _ in range(20):
+        _wave(tracker, builder, params, rows=50, steps=3, rng=rng)
+    tracker.update_state(builder.get_and_reset(0))
+    tracker.flush()
+    started = set(threading.enumerate()) - before
+    assert len(started) <= 2, started  # the writer and the idle watch, whatever the number of requests
+    assert tracker.recording.bound.used() == 0  # every request written, its rows given back
+    tracker.close()
+    assert not [t for t in started if t.is_alive()], "a thread outlived close()"
+    run = Run.load(tmp_path, run_id=tracker.run_id)
+    assert len(run.metadata.generations) == 1000 and run.num_rows == 3000
+
+
+def test_256_concurrent_tracked_requests_stay_within_one_memory_bound_and_every_row_is_written_once(vllm, tmp_path):
+    """A 4 MiB bound for every request together (a step of 256 float32 rows is 330 KB): the oldest rows are
+    written early as further parts of their requests; each request reads back whole, bit for bit."""
+    lp, params = vllm["lp"], vllm["params"]
+
+    class Bounded(_processor_class(tmp_path)):
+        memory_limit = 4 << 20
+
+    tracker = Bounded(_Config(), torch.device("cpu"), False)
+    builder, rng = lp.BatchUpdateBuilder(), torch.Generator().manual_seed(5)
+    rows, steps = 256, 24
+    outputs = [[] for _ in range(rows)]
+    for i in range(rows):
+        builder.added.append((i, params(extra_args={"logitscope": {"request_id": str(i)}}), [1], outputs[i]))
+    received, held = [], []
+    for _ in range(steps):
+        tracker.update_state(builder.get_and_reset(rows))
+        logits = torch.randn(rows, VOCAB, generator=rng)
+        received.append(logits.numpy().copy())
+        sampled = tracker.apply(logits).argmax(dim=1).tolist()
+        held.append(tracker.recording.bound.used())
+        for i in range(rows):
+            outputs[i].append(sampled[i])
+    for i in range(rows):
+        builder.removed_append(i)
+    tracker.update_state(builder.get_and_reset(0))
+    tracker.flush()
+    assert max(held) <= 4 << 20, f"rows held {max(held):,} bytes, over the bound"
+    folder = tmp_path / f"run_id={tracker.run_id}"
+    assert len(list(folder.glob("part-*.parquet"))) > rows  # written early: several parts per request
+    recorded = _by_request(Run.load(tmp_path, run_id=tracker.run_id))
+    assert len(recorded) == rows
+    for i in (0, 17, 255):
+        request_steps, chosen, natural = recorded[str(i)]
+        assert request_steps.tolist() == list(range(steps)) and chosen.tolist() == outputs[i]
+        assert np.array_equal(natural, np.stack(received)[:, i])
+    tracker.close()

@@ -294,3 +294,26 @@ def test_any_logits_dtype_into_any_storage(logits_dtype, kind):
         top = x[1].float().max()
         expected = (x[1].float() - top).to(getattr(torch, kind)).float().numpy() + np.float32(top)
         assert np.array_equal(got, expected) and got.max() == np.float32(top)
+
+
+def test_a_collected_recorder_gives_its_buffers_back_without_taking_the_pools_lock():
+    """The cyclic garbage collector runs finalizers inside whatever code allocates, the pool's own included: a
+    finalizer that took the pool's lock there froze the process. It must return at once."""
+    import gc
+    import threading
+
+    pool = HostPool()
+    recorder = Recorder(Storage.parse("float32"), ["natural"], pool=pool)
+    recorder.write(recorder.begin_step(0, 0, 1, 64, CPU), "natural", torch.randn(1, 64))
+    recorder.cycle = recorder  # only the cyclic collector frees it
+    del recorder
+
+    def collect_holding_the_pools_lock():
+        with pool._lock:  # as take() holds it while it allocates, when the collector may run
+            gc.collect()
+
+    thread = threading.Thread(target=collect_holding_the_pools_lock, daemon=True)
+    thread.start()
+    thread.join(20)
+    assert not thread.is_alive(), "the recorder's finalizer waited for the pool's lock: a deadlock"
+    assert pool.free_bytes > 0  # its buffers went back

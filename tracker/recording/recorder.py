@@ -120,6 +120,9 @@ class Recorder:
     host_bytes = property(lambda self: sum(c.nbytes for c in self._chunks), doc="Bytes of host chunks held.")
     chunks_spilled = property(lambda self: sum(c.spilled is not None for c in self._chunks), doc="Chunks on disk.")
     rows = property(lambda self: sum(c.n for c in self._chunks), doc="Rows recorded.")
+    chunk_nbytes = property(
+        lambda self: self._chunks[-1].nbytes if self._chunks else 0, doc="The newest chunk's bytes."
+    )
     spill_path = property(lambda self: self._handoff.folder, doc="The folder of this run's spilled chunks, if any.")
     spilled_bytes = property(lambda self: self._handoff.spilled_bytes, doc="Bytes of spilled chunks on disk.")
     chunk_writes = property(lambda self: self._handoff.chunk_writes, doc="Chunk files written (each spilled once).")
@@ -353,42 +356,35 @@ class Recorder:
         with self._lock:
             self._ended.add(generation)
             out = []
-            schema = self.schema()
-            for chunk in list(self._chunks):
-                if chunk.on_disk or not chunk.n:
-                    continue
-                mine = (chunk.generation[: chunk.n] == generation) & ~chunk.taken[: chunk.n]
-                if not mine.any():
-                    continue
-                if chunk.staging:
-                    self._memory.to_host(chunk)
-                picked = np.flatnonzero(mine & ~chunk.superseded[: chunk.n])
-                if len(picked):
-                    out.append(to_batch(chunk, schema, self.stages, self.storage, self.vocab_size or 0, picked))
-                chunk.taken[: chunk.n] |= mine
-                self._release_if_taken(chunk)
+            for chunk in [c for c in self._chunks if c.n and not c.on_disk]:
+                out += self._take(chunk, chunk.generation[: chunk.n] == generation).get(generation, [])
             return out
 
-    def take_oldest(self) -> dict[int, list[pa.RecordBatch]]:
+    def take_oldest(self) -> dict[int, list[pa.RecordBatch]] | None:
         """Take every row of the oldest complete chunk out of memory (copied), by generation, and give its buffers
-        back; ``{}`` when no chunk but the one filling holds rows. For an engine over its memory bound: the rows
-        go to their generations' parts now, the rest when each generation ends."""
+        back; None when no chunk but the one filling is complete. For an engine over its memory bound: the rows go
+        to their generations' parts now, the rest when each generation ends."""
         with self._lock:
             for chunk in self._chunks:
-                if chunk is self._active or chunk.on_disk or not chunk.n or not chunk.complete(self._ended):
-                    continue
-                if chunk.staging:
-                    self._memory.to_host(chunk)
-                live = ~chunk.taken[: chunk.n] & ~chunk.superseded[: chunk.n]
-                out: dict[int, list[pa.RecordBatch]] = {}
-                schema = self.schema()
-                for generation in np.unique(chunk.generation[: chunk.n][live]).tolist():
-                    picked = np.flatnonzero(live & (chunk.generation[: chunk.n] == generation))
-                    out[generation] = [to_batch(chunk, schema, self.stages, self.storage, self.vocab_size or 0, picked)]
-                chunk.taken[: chunk.n] = True
-                self._release_if_taken(chunk)
-                return out
-            return {}
+                if chunk is not self._active and chunk.n and not chunk.on_disk and chunk.complete(self._ended):
+                    return self._take(chunk, np.ones(chunk.n, dtype=bool))
+            return None
+
+    def _take(self, chunk: Chunk, mask: np.ndarray) -> dict[int, list[pa.RecordBatch]]:
+        """The rows ``mask`` of ``chunk`` not taken yet, out of memory, by generation (copied; superseded rows
+        left out); the chunk is given back once all its rows are taken."""
+        mask = mask & ~chunk.taken[: chunk.n]
+        out: dict[int, list[pa.RecordBatch]] = {}
+        if mask.any():
+            if chunk.staging:
+                self._memory.to_host(chunk)
+            live, schema = mask & ~chunk.superseded[: chunk.n], self.schema()
+            for generation in np.unique(chunk.generation[: chunk.n][live]).tolist():
+                picked = np.flatnonzero(live & (chunk.generation[: chunk.n] == generation))
+                out[generation] = [to_batch(chunk, schema, self.stages, self.storage, self.vocab_size or 0, picked)]
+            chunk.taken[: chunk.n] |= mask
+            self._release_if_taken(chunk)
+        return out
 
     def flush(self) -> None:
         """Wait until chunks queued for the disk are written and mapped back."""
@@ -436,10 +432,14 @@ class Recorder:
         return chunk
 
     def _release_if_taken(self, chunk: Chunk) -> None:
-        if chunk is not self._active and chunk.taken[: chunk.n].all():
-            self._memory.release(chunk)
-            self._chunks.remove(chunk)
-            self.version += 1
+        """Give back a chunk whose rows were all taken out (the active one too, unless its rows await tokens)."""
+        if not chunk.taken[: chunk.n].all() or (self._retained is not None and self._retained.chunk is chunk):
+            return
+        if chunk is self._active:
+            self._active = None
+        self._memory.release(chunk)
+        self._chunks.remove(chunk)
+        self.version += 1
 
     def _seal_active(self) -> None:
         """The active chunk takes no more rows; spill old chunks if over the memory bound."""

@@ -149,18 +149,19 @@ class PartWriter:
             self._mark(request.run_id, pieces, recorder, request, early + rows)
         return path
 
-    def _write_spill(self, recorders: list[Recorder]) -> list[Path]:
-        paths = []
+    def _write_spill(self, recorders: list[Recorder]) -> bool:
+        """The oldest complete rows of each recorder as early parts of their generations; False when no
+        recorder had complete rows to take out."""
+        freed = False
         for recorder in recorders:
-            for generation, batches in recorder.take_oldest().items():
-                request = self._live.get(generation)
-                if request is None:
-                    continue  # ended meanwhile: its part took every row left
+            taken = recorder.take_oldest()
+            freed |= taken is not None
+            for generation, batches in (taken or {}).items():
+                request = self._live[generation]  # running: an ended request's part took its rows
                 pieces, rows = self._pieces.get(generation, ([], 0))
                 path = self._write(recorder, request, batches, request.entry(), self._name(generation))
                 self._pieces[generation] = ([*pieces, path.name], rows + sum(b.num_rows for b in batches))
-                paths.append(path)
-        return paths
+        return freed
 
     def _name(self, generation: int) -> str:
         """The next part's name: ``part-<generation>.parquet``, then ``part-<generation>-<n>.parquet`` for the

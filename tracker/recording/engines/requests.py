@@ -225,6 +225,7 @@ class EngineRecording:
         group; reads no device value (does not synchronise). Waits for the writer only when the rows held
         exceed the memory bound."""
         self._idle.stepped()
+        self._hold_bound()
         vocab = int(logits.shape[1])
         for index, requests in groups:
             recorder = self._recorders[requests[0].options.key]
@@ -233,20 +234,21 @@ class EngineRecording:
             rows = recorder.begin_step(generations, steps, len(requests), vocab, logits.device, sequence=0)
             recorder.write(rows, "natural", logits, index=index)
             self._last.append((recorder, rows, requests, steps))
-        self._hold_bound()
 
     def _hold_bound(self) -> None:
-        """Past the bound (less a chunk of room), have the writer take the oldest rows out; over it, wait."""
+        """Before a step: keep room for one more chunk of each recorder under the bound, by having the writer take
+        the oldest complete rows out (parts written early); wait for it only when there is no room."""
         limit = self.bound.limit
         if limit is None:
             return
-        used = self.bound.used()
-        if self._spilling is not None and (self._spilling.done() or used > limit):
-            self._spilling.result()  # over the bound: wait for the disk (raises what the writer could not do)
+        room = sum(r.chunk_nbytes for r in self._recorders.values())
+        while self.bound.used() + room > limit:
+            if self._spilling is None:
+                self._spilling = self.writer.spill(list(self._recorders.values()))
+            freed = self._spilling.result()  # waits for the disk; raises what the writer could not do
             self._spilling = None
-        room = max((r.chunk_bytes for r in self._recorders.values()), default=0)
-        if self._spilling is None and used + room > limit:
-            self._spilling = self.writer.spill(list(self._recorders.values()))
+            if not freed:
+                break  # nothing complete to take out: the bound is smaller than the rows of a step or two
 
     def checkpoint(self) -> bool:
         """The engine went idle: its requests may have finished without the engine saying so yet (it says when it
