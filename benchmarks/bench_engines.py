@@ -41,7 +41,8 @@ TRACKED = ("float32", "float16", "bfloat16", "topk")
 
 
 def _parts(root: Path) -> int:
-    return sum(1 for _ in root.rglob("part-*.parquet"))
+    """Requests written so far: distinct (run, generation) among the part files (a request may have several)."""
+    return len({(p.parent.name, p.name.split(".")[0].split("-")[1]) for p in root.rglob("part-*.parquet")})
 
 
 def _wait_for_parts(root: Path, expected: int, timeout: float = 600.0) -> None:

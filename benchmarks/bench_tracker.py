@@ -1,43 +1,25 @@
-"""Measure the tracker against a straightforward one and against the floor, in one process.
+"""The tracker in a real model loop, against the model untracked and a straightforward tracker, in one process.
 
-    python benchmarks/bench_tracker.py [--steps 512] [--vocab 32768 131072] [--repeats 5]
-    python benchmarks/bench_tracker.py --per-step-only --batch 1 8 --storage float32 float16 topk
+    python benchmarks/bench_tracker.py [--vocab 128256] [--batch 1 16] [--tokens 128] [--rounds 5]
+    python benchmarks/bench_tracker.py --analysis-only [--vocab 32768 131072] [--steps 512]
     python benchmarks/bench_tracker.py --long [--steps 10000] [--vocab 131072]
 
-``--long`` records one long run with the default memory bound (float32,
-batch 1, 1 MB per step at 128k: past the 2 GiB bound it spills) and prints
-the time per step in blocks of 1,000 steps, the chunk writes against the
-chunks spilled, and the peak RSS against the bound plus two chunks. It is
-the memory- and disk-heavy one (10,000 steps: about 2.2 GiB of RSS and 8 GiB
-of spill files, removed at the end): run it once.
+The model loop: transformers' ``model.generate`` (greedy, ``--tokens`` new tokens per row) of a GPT-2 with
+random weights over a ``--vocab``-token vocabulary (2 layers of 64: the output projection and the logits are
+most of a step, as in a real large-vocabulary model; built here, nothing downloaded), with a processor masking
+half the vocabulary in every variant:
 
-Per vocabulary size, over ``--steps`` steps of ``--batch`` rows (default 1) with a processor that
-masks half the vocabulary (called transformers-style, ``tracker(ids, logits)``):
+- ``untracked``: the processor alone;
+- ``straightforward``: a tracker that copies the rows before and after the processor to numpy
+  (``.cpu().numpy().copy()``) into Python lists;
+- ``float32`` / ``float16`` / ``bfloat16`` / ``topk``: ``LogitTrackingProcessor`` around the processor, in
+  that storage (top-k keeps 20), with its stopping criteria (so the last token is recorded too).
 
-- per-step overhead over the bare processor of: the logitscope tracker (float32
-  storage; a new tracker, and one reused after ``clear()``), a straightforward
-  tracker (blocking ``.cpu().numpy().copy()`` of both rows into Python lists),
-  and the floor (copying the same two rows into a preallocated ``[steps * 2,
-  V]`` buffer: untouched, and pre-touched). Fresh memory costs more than the
-  copies: the first run of a new tracker, or of the straightforward one, pays
-  for it; later runs reuse what earlier ones freed (the tracker through its
-  buffer pool, the straightforward one through malloc), so both are shown;
-- the tracker's read at the end (``finish()``: building the Arrow run), per step;
-- bytes per step for each storage mode (Arrow bytes of the recorded run), and
-  how fast a run is written: spill files (Arrow IPC) and Parquet;
-- ``get_top_tokens(k=10)`` over all positions and ``to_dataframe(min_value=0.01)``
-  against a straightforward per-position implementation (softmax per row,
-  sort, decode), first call on a fresh run and repeated calls.
-
-The variants take turns in segments of 32 steps, so that a shared machine's
-load hits them alike; each one's cost is its whole run's time per step minus
-the bare processor's, the median of ``--repeats`` runs, as wall time, as the
-decode thread's CPU time (work moved to a background thread, such as touching
-the next chunk's pages or a sealed chunk's statistics, is not the step's) and
-as page faults the decode thread took per step. The ratios against the
-straightforward tracker (goal: at most 1.0x) close each table. Read the
-ratios: absolute times move with the machine's load. At batch 8 and 128k
-tokens each variant holds 4 GiB per 512 steps: pass ``--steps 128`` there.
+The variants take turns within each round (the order rotating), so a busy machine's load hits them alike.
+Printed per batch size: each variant's median time per generated token, and its ratio to ``untracked`` and to
+``straightforward`` of the same round (medians, with the range). ``--analysis-only`` times the first and
+repeated queries against a straightforward per-position implementation; ``--long`` records one long run with
+the default memory bound (it spills) and reports the time per step in blocks, the spill and the peak RSS.
 """
 
 from __future__ import annotations
@@ -45,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -58,8 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from processors import LogitsProcessor  # noqa: E402
 from tracker import LogitTrackingProcessor, Run, Vocabulary  # noqa: E402
-from tracker.format.spill import write_ipc  # noqa: E402
-from tracker.recording.memory import SHARED_POOL  # noqa: E402
 
 POOL = 8  # distinct logits rows cycled through (as a model would produce new ones)
 
@@ -95,156 +74,77 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-SEGMENT = 32  # steps per timed segment
+class Straightforward:
+    """A straightforward tracker: the rows before and after the processor, copied to numpy, kept in lists."""
+
+    def __init__(self, processor) -> None:
+        self.processor, self.natural, self.constrained = processor, [], []
+
+    def __call__(self, input_ids, scores):
+        self.natural.append(scores.cpu().numpy().copy())
+        out = self.processor(input_ids, scores)
+        self.constrained.append(out.cpu().numpy().copy())
+        return out
 
 
-def _minor_faults() -> int:
-    """Page faults this thread took so far (0 where the platform does not say)."""
-    try:
-        import resource
+def wide_gpt2(vocab: int, layers: int = 2, width: int = 64):
+    """A random GPT-2 over ``vocab`` tokens (see ``benchmarks/wide_model.py`` for the same on disk)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
 
-        return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
-    except (ImportError, AttributeError, OSError):
-        return 0
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=vocab, n_positions=512, n_embd=width, n_layer=layers, n_head=max(1, width // 32))
+    return GPT2LMHeadModel(config).eval()
 
 
-def per_step_overheads(
-    vocab: int, steps: int, repeats: int, batch: int = 1, storage: str = "float32"
-) -> dict[str, dict[str, float]]:
-    """Per-step cost over the bare processor of each variant, each running ``steps`` steps of ``batch`` rows.
+def model_loop(vocab: int, batch: int, tokens: int, rounds: int, storages: list[str]) -> dict[str, list[float]]:
+    """Seconds per generated token of each variant, per round (see the module docstring)."""
+    from transformers import LogitsProcessorList, StoppingCriteriaList
 
-    The steps run in segments of :data:`SEGMENT`, the variants taking turns
-    segment by segment, so that all of them see the same moments of a busy
-    machine; a variant's cost is its whole run's time per step (chunk
-    allocations and all) minus the bare processor's, the median of its runs.
-    Three figures per variant: wall time, the decode thread's CPU time (what
-    work moved to a background thread no longer costs the step; less moved by
-    other processes' load), and page faults the decode thread took per step.
-    """
-    SHARED_POOL.clear()  # the first run of this vocabulary size starts from fresh memory
-    proc = HalfMask(vocab)
-    logits = model_like_logits(vocab, seed=vocab).expand(POOL, batch, vocab).contiguous()
-    ids_all = torch.arange(steps + 8).view(1, -1).expand(batch, -1) % vocab
-    views = [ids_all[:, : 4 + t] for t in range(steps)]
-    options = {"storage": storage, "top_k": 20, "memory_limit": None}
-    warm_tracker = LogitTrackingProcessor(HalfMask(vocab), **options)
+    model = wide_gpt2(vocab)
+    prompt = torch.randint(1, vocab, (batch, 8), generator=torch.Generator().manual_seed(2))
+    mask = HalfMask(vocab)
+    kwargs = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
 
-    def bare(t: int) -> None:
-        proc(views[t], logits[t % POOL])
+    def generate(processor, stopping=None) -> float:
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(
+                prompt, logits_processor=LogitsProcessorList([processor]), stopping_criteria=stopping, **kwargs
+            )
+        return (time.perf_counter() - start) / tokens
 
-    def straightforward(natural: list, constrained: list) -> Callable[[int], None]:
-        def step(t: int) -> None:
-            x = logits[t % POOL]
-            natural.append(x.cpu().numpy().copy())
-            out = proc(views[t], x)
-            constrained.append(out.cpu().numpy().copy())
+    def tracked(storage: str) -> float:
+        tracker = LogitTrackingProcessor(mask, storage=storage, top_k=20, memory_limit=None)
+        elapsed = generate(tracker, StoppingCriteriaList([tracker.stopping_criteria()]))
+        assert tracker.run.num_rows == batch * tokens
+        return elapsed
 
-        return step
-
-    def floor(buffer: np.ndarray) -> Callable[[int], None]:
-        def step(t: int) -> None:
-            x = logits[t % POOL]
-            np.copyto(buffer[2 * t], x.numpy())
-            out = proc(views[t], x)
-            np.copyto(buffer[2 * t + 1], out.numpy())
-
-        return step
-
-    def tracked(tracker: LogitTrackingProcessor) -> Callable[[int], None]:
-        def step(t: int) -> None:
-            tracker(views[t], logits[t % POOL])
-
-        return step
-
-    runs: dict[str, dict[str, list[float]]] = {}
-    finish: list[float] = []
-    for repeat in range(repeats):
-        wall: dict[str, float] = {}
-        cpu: dict[str, float] = {}
-        faults: dict[str, int] = {}
-        fresh_tracker = LogitTrackingProcessor(HalfMask(vocab), **options)
-        warm_tracker.clear()
-        later = "first run" if repeat == 0 else "later runs"
-        variants = {
-            "bare processor": bare,
-            # Its rows live in Python lists; once a run's lists are freed the allocator hands their
-            # memory to the next run, so its first run (fresh memory) is told apart from later ones.
-            f"straightforward ({later})": straightforward([], []),
-            "floor (fresh buffer)": floor(np.empty((2 * steps, batch, vocab), dtype=np.float32)),
-            "floor (warm buffer)": floor(np.full((2 * steps, batch, vocab), 1.0, dtype=np.float32)),  # touched
-            f"tracker, new ({later})": tracked(fresh_tracker),
-            "tracker (after clear)": tracked(warm_tracker),
-        }
-        for first in range(0, steps, SEGMENT):
-            segment = range(first, min(first + SEGMENT, steps))
-            for name, step in variants.items():
-                faults_before, cpu_start, start = _minor_faults(), time.thread_time(), time.perf_counter()
-                for t in segment:
-                    step(t)
-                wall[name] = wall.get(name, 0.0) + time.perf_counter() - start
-                cpu[name] = cpu.get(name, 0.0) + time.thread_time() - cpu_start
-                faults[name] = faults.get(name, 0) + _minor_faults() - faults_before
-        for name in wall:
-            figures = runs.setdefault(name, {"wall": [], "cpu": [], "faults": []})
-            figures["wall"].append(wall[name] / steps)
-            figures["cpu"].append(cpu[name] / steps)
-            figures["faults"].append(faults[name] / steps)
-        finish.append(timed(lambda t=fresh_tracker: t.finish(ids_all[:, : 4 + steps])) / steps)
-        del variants, fresh_tracker
-    median = {name: {key: float(np.median(v)) for key, v in figures.items()} for name, figures in runs.items()}
-    base = median.pop("bare processor")
-    out = {
-        name: {"wall": m["wall"] - base["wall"], "cpu": m["cpu"] - base["cpu"], "faults": m["faults"]}
-        for name, m in median.items()
+    variants = {
+        "untracked": lambda: generate(mask),
+        "straightforward": lambda: generate(Straightforward(mask)),
+        **{storage: (lambda s=storage: tracked(s)) for storage in storages},
     }
-    out["tracker read: finish() -> Arrow run"] = {"wall": float(np.median(finish)), "cpu": float("nan"), "faults": 0}
-    return out
+    for fn in variants.values():  # warm-up
+        fn()
+    names = list(variants)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            times[name].append(variants[name]())
+    return times
 
 
-def print_overheads(overheads: dict[str, dict[str, float]]) -> None:
-    """The per-step table, then the tracker's cost as a ratio of the straightforward tracker's (goal: <= 1.0x)."""
-    fresh, warm = overheads["floor (fresh buffer)"]["wall"], overheads["floor (warm buffer)"]["wall"]
-    print(
-        f"{'per-step overhead (median)':<38}{'wall us':>10}{'/ floor (fresh)':>17}{'/ floor (warm)':>16}"
-        f"{'thread CPU us':>15}{'faults/step':>13}"
-    )
-    for name, value in overheads.items():
+def print_loop(times: dict[str, list[float]]) -> None:
+    base, plain = times["untracked"], times["straightforward"]
+    print(f"{'variant':<16}{'ms/token':>10}{'/ untracked':>13}{'range':>13}{'/ straightforward':>19}{'range':>13}")
+    for name, values in times.items():
+        ratios = [v / b for v, b in zip(values, base)]
+        against = [v / p for v, p in zip(values, plain)]
         print(
-            f"{name:<38}{value['wall'] * 1e6:>10.1f}{value['wall'] / fresh:>17.2f}{value['wall'] / warm:>16.2f}"
-            f"{value['cpu'] * 1e6:>15.1f}{value['faults']:>13.1f}"
+            f"{name:<16}{np.median(values) * 1e3:>10.2f}{np.median(ratios):>13.3f}"
+            f"{f'{min(ratios):.2f}-{max(ratios):.2f}':>13}{np.median(against):>19.3f}"
+            f"{f'{min(against):.2f}-{max(against):.2f}':>13}"
         )
-    pairs = [
-        ("tracker, new (first run)", "straightforward (first run)"),
-        ("tracker, new (later runs)", "straightforward (later runs)"),
-        ("tracker (after clear)", "straightforward (later runs)"),
-    ]
-    for ours, theirs in pairs:
-        if ours in overheads and theirs in overheads:
-            wall = overheads[ours]["wall"] / overheads[theirs]["wall"]
-            cpu = overheads[ours]["cpu"] / overheads[theirs]["cpu"]
-            print(f"ratio {ours} / {theirs}: wall {wall:.2f}x, decode-thread CPU {cpu:.2f}x (goal: <= 1.0x)")
-
-
-def storage_costs(vocab: int, steps: int, folder: Path) -> tuple[dict[str, float], dict[str, float]]:
-    """Bytes per step of each storage mode, and write speeds (MB/s) of spill files and Parquet."""
-    logits = model_like_logits(vocab, seed=vocab + 1)
-    ids_all = torch.arange(steps + 8).view(1, -1) % vocab
-    sizes, speeds = {}, {}
-    for storage in ("float32", "float16", "bfloat16", "topk"):
-        tracker = LogitTrackingProcessor(HalfMask(vocab), storage=storage, top_k=20, memory_limit=None)
-        for t in range(steps):
-            tracker(ids_all[:, : 4 + t], logits[t % POOL])
-        table = tracker.to_arrow()
-        sizes[storage if storage != "topk" else "topk (k=20)"] = table.nbytes / steps
-        if storage in ("float32", "float16"):
-            batches = tracker.recorder.batches()
-            nbytes = sum(b.nbytes for b in batches)
-            elapsed = timed(lambda: write_ipc(folder / "spill.arrow", batches, batches[0].schema))
-            speeds[f"spill (Arrow IPC), {storage}"] = nbytes / elapsed / 1e6
-            for compression in (None, "zstd"):
-                elapsed = timed(lambda: tracker.to_parquet(folder / "run.parquet", compression=compression))
-                speeds[f"to_parquet {compression or 'uncompressed'}, {storage}"] = table.nbytes / elapsed / 1e6
-    return sizes, speeds
 
 
 # ---------------------------------------------------------------- analysis baselines
@@ -293,8 +193,8 @@ def straightforward_dataframe(natural, constrained, chosen, vocab_text, min_valu
 
 
 def analysis_times(vocab: int, steps: int, repeats: int = 3, statistics: str = "auto") -> dict[str, float]:
-    """Query times on a float32 run; ``statistics`` as the tracker's (on a CPU, ``"auto"`` computes them on a
-    background thread as chunks are sealed; the read after ``finish()`` computes what it had not reached)."""
+    """Query times on a float32 run; ``statistics`` as the tracker's (on a CPU, ``"auto"`` computes them when
+    read, ``"record"`` as the rows are recorded)."""
     proc = HalfMask(vocab)
     logits = model_like_logits(vocab, seed=vocab + 2)
     pieces = [f"t{i}".encode() for i in range(vocab)]
@@ -313,14 +213,13 @@ def analysis_times(vocab: int, steps: int, repeats: int = 3, statistics: str = "
         chosen.append(token)
         ids = torch.cat([ids, torch.tensor([[token]])], 1)
     start = time.perf_counter()
-    tracker.finish(ids)  # builds the run: statistics the background thread has not reached are computed now
+    tracker.finish(ids)  # builds the run
     live = tracker.run
-    batches, metadata, maxima = live._record_batches(), live.metadata, live._maxima
+    batches, metadata = live._record_batches(), live.metadata
     read = time.perf_counter() - start
 
     def fresh_run() -> Run:
-        # the tracker's run as a first query finds it: its rows, and the group maxima its background thread kept
-        return Run(batches, metadata, vocab_obj, maxima=maxima)
+        return Run(batches, metadata, vocab_obj)  # the tracker's run as a first query finds it
 
     def first_call(method: str, **kwargs: object) -> float:
         return min(timed(lambda: getattr(fresh_run(), method)(**kwargs)) for _ in range(repeats))
@@ -419,60 +318,45 @@ def long_run(vocab: int, steps: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=None, help="steps per run (default 512; 10,000 with --long)")
-    parser.add_argument(
-        "--vocab", type=int, nargs="+", default=None, help="vocabulary sizes (default 32768 131072; 131072 with --long)"
-    )
-    parser.add_argument("--repeats", type=int, default=5, help="runs of each variant (the median is shown)")
-    parser.add_argument("--batch", type=int, nargs="+", default=[1], help="rows per step (default 1)")
-    parser.add_argument(
-        "--storage",
-        nargs="+",
-        default=["float32"],
-        choices=["float32", "float16", "bfloat16", "topk"],
-        help="the tracker's storage (top-k keeps 20); the straightforward tracker always copies whole rows",
-    )
-    parser.add_argument("--per-step-only", action="store_true", help="only the per-step table and ratios")
+    parser.add_argument("--vocab", type=int, nargs="+", default=None, help="vocabulary sizes (default 128256)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16], help="rows per step")
+    parser.add_argument("--tokens", type=int, default=128, help="tokens generated per row and variant")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of every variant (medians shown)")
+    parser.add_argument("--storage", nargs="+", default=["float32", "float16", "bfloat16", "topk"])
+    parser.add_argument("--steps", type=int, default=None, help="--analysis-only / --long: steps per run")
+    parser.add_argument("--repeats", type=int, default=3, help="--analysis-only: runs of each query")
     parser.add_argument("--analysis-only", action="store_true", help="only the first/repeated query times")
     parser.add_argument("--long", action="store_true", help="one long run with the default memory bound")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (one: no barrier waits on a busy machine)"
+    )
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs, load average {load:.1f}")
     if args.long:
         for vocab in args.vocab or [131072]:
             long_run(vocab, args.steps or 10_000)
         return
-    args.steps = args.steps or 512
-    args.vocab = args.vocab or [32768, 131072]
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(
-        f"{args.steps} steps, torch threads {torch.get_num_threads()}, median of {args.repeats}, "
-        f"{os.cpu_count()} CPUs, load average {load:.1f}"
-    )
-    for vocab in args.vocab:
-        for batch in args.batch if not args.analysis_only else []:
-            for storage in args.storage:
-                print(f"\n=== vocabulary {vocab}, batch {batch}, storage {storage} ===")
-                print_overheads(per_step_overheads(vocab, args.steps, args.repeats, batch, storage))
-        if args.per_step_only:
-            continue
-        if not args.analysis_only:
-            with tempfile.TemporaryDirectory() as folder:
-                sizes, speeds = storage_costs(vocab, min(args.steps, 64), Path(folder))
-            print(f"{'storage':<38}{'bytes per step':>16}")
-            for name, value in sizes.items():
-                print(f"{name:<38}{value:>16,.0f}")
-            print(f"{'writing to disk':<38}{'MB/s':>16}")
-            for name, value in speeds.items():
-                print(f"{name:<38}{value:>16,.0f}")
-        for statistics in ("auto", "record"):
-            times = analysis_times(vocab, args.steps, args.repeats, statistics)
-            when = "off the decode thread, the CPU default" if statistics == "auto" else "recorded with the rows"
-            print(f"{'analysis over all positions':<38}{'ms':>10}{'speed-up':>10}   (statistics {when})")
-            read = times.pop("the run's batches, read once after finish()")
-            for name, value in times.items():
-                base = times[name.split(":")[0] + ": straightforward"]
-                print(f"{name:<38}{value * 1e3:>10.1f}{base / value:>10.1f}")
-            print(f"{'finish(): the run built, once':<38}{read * 1e3:>10.1f}")
+    if args.analysis_only:
+        for vocab in args.vocab or [32768, 131072]:
+            for statistics in ("auto", "record"):
+                times = analysis_times(vocab, args.steps or 512, args.repeats, statistics)
+                print(
+                    f"{'analysis, vocabulary ' + str(vocab):<38}{'ms':>10}{'speed-up':>10}   (statistics {statistics})"
+                )
+                read = times.pop("the run's batches, read once after finish()")
+                for name, value in times.items():
+                    base = times[name.split(":")[0] + ": straightforward"]
+                    print(f"{name:<38}{value * 1e3:>10.1f}{base / value:>10.1f}")
+                print(f"{'finish(): the run built, once':<38}{read * 1e3:>10.1f}")
+        return
+    for vocab in args.vocab or [128256]:
+        for batch in args.batch:
+            print(
+                f"\n=== model.generate, vocabulary {vocab}, batch {batch}, {args.tokens} tokens, {args.rounds} rounds ==="
+            )
+            print_loop(model_loop(vocab, batch, args.tokens, args.rounds, args.storage))
 
 
 if __name__ == "__main__":

@@ -20,12 +20,54 @@ from tracker.recording.record_stats import CHOSEN_STATS, ROW_STATS, chosen_stats
 NEG = -np.inf
 
 
-@pytest.fixture(params=["numpy", "torch"])
+@pytest.fixture(params=["extension", "numpy", "torch"])
 def path(request, monkeypatch):
-    """Each test runs through the CPU's numpy passes and through the torch kernels an accelerator runs."""
+    """Each test runs through the CPU's C extension (where built), its numpy passes, and the torch kernels an
+    accelerator runs."""
+    if request.param == "extension" and record_stats._rowstats is None:
+        pytest.skip("the _rowstats extension is not built here")
+    if request.param != "extension":
+        monkeypatch.setattr(record_stats, "_rowstats", None)
     if request.param == "torch":
         monkeypatch.setattr(record_stats, "_row_stats_cpu", record_stats._row_stats_general)
     return request.param
+
+
+def test_the_extension_is_built_where_a_compiler_is():
+    """setup.py builds it wherever a C compiler is found (CI included)."""
+    import platform
+    import shutil
+    import sys
+
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64", "aarch64"):
+        pytest.skip("built and checked on Linux")
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: the statistics are numpy's")
+    assert record_stats._rowstats is not None, "tracker.recording._rowstats was not built: `pip install -e .`"
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda ext: ext.row_stats(np.zeros((2, 8)), np.zeros((2, 5), np.float32)),  # float64 rows
+        lambda ext: ext.row_stats(np.zeros(8, np.float32), np.zeros((1, 5), np.float32)),  # one dimension
+        lambda ext: ext.row_stats(np.zeros((2, 8), np.float32), np.zeros((3, 5), np.float32)),  # wrong out
+        lambda ext: ext.row_stats(np.zeros((2, 16), np.float32)[:, ::2], np.zeros((2, 5), np.float32)),  # strided
+        lambda ext: ext.pair_stats(
+            np.zeros((2, 8), np.float32), np.zeros((2, 9), np.float32), np.zeros((2, 3), np.float32)
+        ),
+        lambda ext: ext.top_k(np.zeros((2, 8), np.float32), np.zeros((2, 9), np.float32), np.zeros((2, 9), np.int64)),
+        lambda ext: ext.top_k(np.zeros((2, 8), np.float32), np.zeros((2, 3), np.float32), np.zeros((2, 3), np.int32)),
+        lambda ext: ext.count_above(
+            np.zeros((2, 8), np.float32), np.zeros((3, 1), np.float32), np.zeros((2, 1), np.float32)
+        ),
+    ],
+)
+def test_the_extension_refuses_buffers_it_cannot_read(call):
+    if record_stats._rowstats is None:
+        pytest.skip("the _rowstats extension is not built here")
+    with pytest.raises((ValueError, BufferError)):
+        call(record_stats._rowstats)
 
 
 def reference(x: np.ndarray, eos: list[int], natural: np.ndarray | None) -> np.ndarray:
@@ -160,7 +202,7 @@ def test_stored_log_sum_exp_and_chosen_token_statistics_of_half_precision_rows(p
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_the_chosen_token_statistics_of_the_cpu_path_equal_the_device_path(dtype):
+def test_the_chosen_token_statistics_of_the_cpu_path_equal_the_device_path(path, dtype):
     """The CPU's numpy spelling of the chosen token's statistics and the torch kernels an accelerator runs
     (here on CPU tensors) agree on ordinary, masked, NaN, +inf and empty rows, and on ids outside the
     vocabulary (NaN)."""
@@ -180,7 +222,7 @@ def test_the_chosen_token_statistics_of_the_cpu_path_equal_the_device_path(dtype
 
 @pytest.mark.parametrize("vocab", [50, 1079, 4099, 32768, 131072])
 @pytest.mark.parametrize("k", [1, 20])
-def test_top_k_keeps_the_values_torch_topk_keeps_and_never_nan(vocab, k):
+def test_top_k_keeps_the_values_torch_topk_keeps_and_never_nan(path, vocab, k):
     """Ordinary, peaked, masked, tied and edge rows (NaN and +inf take the full-row path): the same values, in
     the same order, as ``torch.topk`` over the row with NaN as -inf; every id names its value."""
     rng = np.random.default_rng()
@@ -195,7 +237,7 @@ def test_top_k_keeps_the_values_torch_topk_keeps_and_never_nan(vocab, k):
     assert all(len(set(r)) == len(r) for r in ids.tolist())  # no id twice
 
 
-def test_the_top_k_storage_of_a_tracker_reads_back_as_torch_topk():
+def test_the_top_k_storage_of_a_tracker_reads_back_as_torch_topk(path):
     rng = np.random.default_rng()
     tracker = LogitTrackingProcessor(None, storage="topk", top_k=20)
     x = torch.from_numpy((rng.normal(size=(3, 40000)) * 3).astype(np.float32))

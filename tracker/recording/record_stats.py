@@ -29,6 +29,11 @@ import torch
 
 from tracker.reading.rows import EXP_FLOOR, GROUP, NEG_INF, exp_floor, logsumexp_rows, masked, probabilities
 
+try:
+    from tracker.recording import _rowstats
+except ImportError:  # built without a C compiler: numpy passes (the same statistics within float32 rounding)
+    _rowstats = None
+
 __all__ = ["CHOSEN_STATS", "ROW_STATS", "chosen_stats", "eos_on", "offset_rows", "pair_stats", "probability"]
 __all__ += ["row_stats", "stored_lse", "top_k"]
 
@@ -113,8 +118,12 @@ def _row_stats_cpu(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Ten
     small operation, and its boolean reductions are several times slower than numpy's here); rows holding
     NaN or ``+inf`` take the general kernels."""
     rows = x.detach().float().numpy()
-    top = rows.max(axis=1)  # NaN where a row holds NaN, +inf where it holds +inf: both special
-    plain = np.isfinite(top) | (top == NEG_INF)
+    fused = _fused_row_stats(rows)
+    if fused is not None:
+        top, lse, entropy, allowed, plain = fused
+    else:
+        top = rows.max(axis=1)  # NaN where a row holds NaN, +inf where it holds +inf: both special
+        plain = np.isfinite(top) | (top == NEG_INF)
     if not plain.all():
         out = torch.empty(rows.shape[0], len(ROW_STATS))
         special = torch.from_numpy(np.nonzero(~plain)[0])
@@ -123,17 +132,18 @@ def _row_stats_cpu(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Ten
             keep = torch.from_numpy(np.nonzero(plain)[0])
             out[keep] = _row_stats_cpu(x[keep], eos, None if natural is None else natural[keep])
         return out
-    nothing = top == NEG_INF
-    shift = np.where(nothing, 0.0, top).astype(np.float32)
-    z = rows - shift[:, None]
-    np.maximum(z, exp_floor(z.shape[1]), out=z)
-    e = np.exp(z)
-    total = e.sum(axis=1, dtype=np.float32)
-    log_total = np.log(total)
-    entropy = log_total - np.einsum("ij,ij->i", e, z) / total
-    allowed = rows.shape[1] - np.count_nonzero(rows == NEG_INF, axis=1)
-    lse = np.where(nothing, NEG_INF, shift + log_total)
-    entropy = np.where(nothing, np.nan, entropy)
+    if fused is None:
+        nothing = top == NEG_INF
+        shift = np.where(nothing, 0.0, top).astype(np.float32)
+        z = rows - shift[:, None]
+        np.maximum(z, exp_floor(z.shape[1]), out=z)
+        e = np.exp(z)
+        total = e.sum(axis=1, dtype=np.float32)
+        log_total = np.log(total)
+        entropy = log_total - np.einsum("ij,ij->i", e, z) / total
+        allowed = rows.shape[1] - np.count_nonzero(rows == NEG_INF, axis=1)
+        lse = np.where(nothing, NEG_INF, shift + log_total)
+        entropy = np.where(nothing, np.nan, entropy)
     if eos is not None and eos.numel():
         p_eos = probabilities(rows[:, eos.numpy()], lse[:, None]).sum(axis=1)  # a masked EOS weighs 0
     else:
@@ -147,9 +157,26 @@ def _row_stats_cpu(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Ten
     return torch.from_numpy(packed)
 
 
+def _fused_row_stats(rows: np.ndarray) -> tuple[np.ndarray, ...] | None:
+    """``(max, lse, entropy, allowed, plain)`` of float32 ``rows [B, V]`` from the ``_rowstats`` extension (two
+    passes a row), or None where it was not built. ``plain`` is False for a row holding NaN or ``+inf``, whose
+    other values are then unset. Host arrays: no device involved."""
+    if _rowstats is None or rows.ndim != 2 or rows.shape[1] == 0:
+        return None
+    out = np.empty((rows.shape[0], 5), dtype=np.float32)
+    _rowstats.row_stats(np.ascontiguousarray(rows), out)
+    return out[:, 0], out[:, 1], out[:, 2], out[:, 3], out[:, 4] == 0
+
+
 def _pair_stats_cpu(natural: torch.Tensor, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`pair_stats` in numpy when the natural rows hold no NaN or ``+inf`` (else the general kernels)."""
+    """:func:`pair_stats` of CPU rows when the natural rows hold no NaN or ``+inf``: two passes a row pair in the
+    ``_rowstats`` extension, else numpy passes; the general kernels for the other rows."""
     nat = natural.detach().float().numpy()
+    if _rowstats is not None and nat.ndim == 2 and nat.shape[1]:
+        out = np.empty((nat.shape[0], 3), dtype=np.float32)
+        _rowstats.pair_stats(np.ascontiguousarray(nat), np.ascontiguousarray(x.detach().float().numpy()), out)
+        if not out[:, 2].any():
+            return out[:, 0], out[:, 1]
     with np.errstate(invalid="ignore", over="ignore"):
         sums = nat.sum(axis=1)
     if not (np.isfinite(sums) | (sums == NEG_INF)).all():
@@ -199,7 +226,11 @@ def stored_lse(kept: torch.Tensor, exact: torch.Tensor, nan_free: bool = False) 
         values = rounded.numpy()
         if not nan_free:
             values = np.where(np.isnan(values), NEG_INF, values)
-        lse = torch.from_numpy(logsumexp_rows(values))
+        fused = _fused_row_stats(values)
+        if fused is not None and fused[4].all():
+            lse = torch.from_numpy(fused[1].copy())
+        else:
+            lse = torch.from_numpy(logsumexp_rows(values))
     else:
         if not nan_free:
             rounded = rounded.masked_fill(torch.isnan(rounded), NEG_INF)
@@ -257,7 +288,12 @@ def _chosen_stats_cpu(x: torch.Tensor, chosen: torch.Tensor, stats: torch.Tensor
     valid = (ids >= 0) & (ids < vocab)
     value = rows[np.arange(b), np.clip(ids, 0, vocab - 1)].astype(np.float32)
     value[np.isnan(value)] = NEG_INF  # a NaN entry weighs 0: it ranks after every allowed token
-    rank = np.count_nonzero(rows > value.astype(rows.dtype)[:, None], axis=1).astype(np.float32)
+    if _rowstats is not None and rows.dtype == np.float32:
+        rank = np.empty((b, 1), dtype=np.float32)
+        _rowstats.count_above(np.ascontiguousarray(rows), np.ascontiguousarray(value[:, None]), rank)
+        rank = rank[:, 0]
+    else:
+        rank = np.count_nonzero(rows > value.astype(rows.dtype)[:, None], axis=1).astype(np.float32)
     lse, allowed = packed[:, 0], packed[:, 1]
     one_hot = lse == math.inf  # a row holding +inf: a one-hot on its +inf tokens, every other token after them
     rank = np.where(one_hot, np.where(value == math.inf, 0.0, allowed), rank)
@@ -272,7 +308,8 @@ def _chosen_stats_cpu(x: torch.Tensor, chosen: torch.Tensor, stats: torch.Tensor
 def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, ids)``: the ``k`` largest entries of each row of ``x [n, V]`` (float32, int64), NaN never chosen.
 
-    On a CPU a row's top ``k`` are found among the entries of its ``k`` groups with the largest maxima (the
+    On a CPU the ``_rowstats`` extension keeps each row's best ``k`` in a sorted buffer in one pass (ties: the
+    lower id first). Without it a row's top ``k`` are found among the entries of its ``k`` groups with the largest maxima (the
     ``k``-th largest entry is at least the ``k``-th largest group maximum, so no group outside them holds one of
     the ``k``): one pass over the row for the group maxima, then a top-k over ``16 k`` candidates, several
     times faster than ``torch.topk`` over the row there. Rows holding NaN or ``+inf`` (the group maxima tell),
@@ -281,6 +318,10 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """
     x = x.float()
     n, vocab = x.shape
+    if x.device.type == "cpu" and _rowstats is not None and n:
+        values, ids = np.empty((n, k), dtype=np.float32), np.empty((n, k), dtype=np.int64)
+        _rowstats.top_k(np.ascontiguousarray(x.numpy()), values, ids)
+        return torch.from_numpy(values), torch.from_numpy(ids)
     groups = vocab // GROUP
     if x.device.type != "cpu" or groups < 4 * k:
         return _top_k_general(x, k)

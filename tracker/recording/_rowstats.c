@@ -1,0 +1,570 @@
+/* Row statistics of float32 logits in two passes over each row (tracker.recording.record_stats' CPU path).
+ *
+ * A row kept in float16, bfloat16 or top-k storage gets its statistics (log-sum-exp, entropy, maximum, allowed
+ * count, against the natural row the removed mass and margin, and the chosen token's rank) and its top k as
+ * it is recorded, on the step's thread: inside a serving engine, for every tracked row of the batch at every
+ * step. Spelled with numpy each statistic is its own pass over the rows (and torch's CPU kernels were slower
+ * still here); here one pass finds the maxima and counts, a second computes exp once per token and every sum
+ * at once (exp by a polynomial the compiler vectorises, sums carried in double), and the top k are kept in a
+ * small sorted buffer while a vector comparison skips the tokens below its smallest.
+ *
+ * Functions (each takes C-contiguous buffers, releases the interpreter lock while it runs):
+ *   row_stats(x, out)            x [B, V] float32; out [B, 5] float32: max, lse, entropy, allowed, special
+ *   pair_stats(nat, x, out)      nat, x [B, V] float32; out [B, 3] float32: removed mass, margin, special
+ *   top_k(x, values, ids)        x [B, V] float32; values [B, k] float32, ids [B, k] int64: each row's k largest
+ *                                entries, largest first, NaN never chosen while k others remain
+ *   count_above(x, values, out)  x [B, V] float32, values [B, 1] float32; out [B, 1] float32: entries of each
+ *                                row greater than its value (NaN never greater): the chosen token's rank
+ * A row is "special" (1.0, its other values left unset) when it holds NaN or +inf: the caller computes
+ * those rows another way. -inf tokens are masked: they weigh nothing and are not allowed.
+ *
+ * Built by setup.py as an optional extension: where it cannot be built, record_stats computes the same
+ * values with numpy and torch (the statistics equal within float32 rounding, the top k's values exactly).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 256 /* tokens summed in float before the sums are added in double (a multiple of LANES) */
+
+#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(_M_X64))
+#define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+
+/* Eight tokens at a time, in GCC/Clang vector types: one AVX2 register where the CPU has it (the clone of
+ * each loop function picked at load time), two SSE2 registers elsewhere on x86-64. Comparisons give lane
+ * masks (-1 or 0), selected with bit operations. Per lane: maxima, counts and float sums of a BLOCK of
+ * tokens, then added in double (no float sum is reassociated: the results do not depend on the clone). */
+typedef float vf __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+#define LANES 8
+
+static inline vf load(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline vf splat(float a) { return (vf){a, a, a, a, a, a, a, a}; }
+
+static inline vf vsel(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+
+static inline vf vmax(vf a, vf b) { return vsel(a > b, a, b); }
+
+/* e^x for x in [-87, 0] (the caller clamps), within 2 ulp: Cephes' expf polynomial on the reduced argument
+ * x - n ln 2, times 2^n built from its bits. */
+static inline vf exp_neg(vf x) {
+    vf fx = x * splat(1.44269504088896341f);
+    vi n = __builtin_convertvector(fx - splat(0.5f), vi); /* round(fx) for fx <= 0: truncation toward zero */
+    vf fn = __builtin_convertvector(n, vf);
+    vf r = x - fn * splat(0.693359375f);
+    r = r - fn * splat(-2.12194440e-4f);
+    vf p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * r * r + r + splat(1.0f);
+    vi bits = (n + 127) << 23;
+    return p * (vf)bits;
+}
+
+static inline float exp_neg1(float x) {
+    vf v = exp_neg(splat(x));
+    return v[0];
+}
+
+static inline float lane_max(vf m) {
+    float best = -INFINITY;
+    for (int j = 0; j < LANES; j++)
+        best = m[j] > best ? m[j] : best;
+    return best;
+}
+
+static inline Py_ssize_t lane_count(vi c) {
+    Py_ssize_t n = 0;
+    for (int j = 0; j < LANES; j++)
+        n -= c[j]; /* lanes count down: a true comparison is -1 */
+    return n;
+}
+
+/* Pass 1 of a row: its maximum over the values that are not NaN, and counts of NaN, +inf and -inf. */
+VECTOR_CLONES
+static void scan(const float *x, Py_ssize_t v, float *top, Py_ssize_t *nan, Py_ssize_t *posinf,
+                 Py_ssize_t *neginf) {
+    const vf pinf = splat(INFINITY), ninf = splat(-INFINITY);
+    vf m = ninf;
+    Py_ssize_t n_nan = 0, n_pos = 0, n_neg = 0, i = 0;
+    while (i + LANES <= v) { /* int32 lane counts, flushed every 2^20 tokens */
+        vi cn = {0}, cp = {0}, cg = {0};
+        Py_ssize_t end = i + (1 << 20) <= v ? i + (1 << 20) : v - (v - i) % LANES;
+        for (; i < end; i += LANES) {
+            vf a = load(x + i);
+            m = vmax(a, m);
+            cn += a != a;
+            cp += a == pinf;
+            cg += a == ninf;
+        }
+        n_nan += lane_count(cn);
+        n_pos += lane_count(cp);
+        n_neg += lane_count(cg);
+    }
+    float best = lane_max(m);
+    for (; i < v; i++) {
+        float a = x[i];
+        best = a > best ? a : best;
+        n_nan += a != a;
+        n_pos += a == INFINITY;
+        n_neg += a == -INFINITY;
+    }
+    *top = best;
+    *nan = n_nan;
+    *posinf = n_pos;
+    *neginf = n_neg;
+}
+
+/* Pass 2 of a row with maximum top (finite): the sums of e = exp(x - top) (0 for a masked token) and of
+ * e (x - top), with x - top clamped at -87, where e stops mattering to a sum whose largest term is 1. */
+VECTOR_CLONES
+static void exp_sums(const float *x, Py_ssize_t v, float top, double *total, double *weighted) {
+    const vf ninf = splat(-INFINITY), floor = splat(-87.0f), shift = splat(top), zero = splat(0.0f);
+    double s = 0.0, sz = 0.0;
+    Py_ssize_t i = 0;
+    while (i + LANES <= v) {
+        vf bs = zero, bsz = zero;
+        Py_ssize_t end = i + BLOCK <= v ? i + BLOCK : v - (v - i) % LANES;
+        for (; i < end; i += LANES) {
+            vf a = load(x + i);
+            vf z = vmax(a - shift, floor);
+            vf e = vsel(a > ninf, exp_neg(z), zero);
+            bs += e;
+            bsz += e * z;
+        }
+        for (int j = 0; j < LANES; j++) {
+            s += bs[j];
+            sz += bsz[j];
+        }
+    }
+    for (; i < v; i++) {
+        if (!(x[i] > -INFINITY))
+            continue;
+        float z = x[i] - top;
+        z = z > -87.0f ? z : -87.0f;
+        float e = exp_neg1(z);
+        s += e;
+        sz += e * z;
+    }
+    *total = s;
+    *weighted = sz;
+}
+
+/* Pass 1 of a pair: the natural row's maximum where the stage masks the token (x == -inf) and where it
+ * allows it (the larger of the two is the row's maximum), and its counts of NaN and +inf. */
+VECTOR_CLONES
+static void split_max(const float *nat, const float *x, Py_ssize_t v, float *gone, float *kept, Py_ssize_t *odd) {
+    const vf ninf = splat(-INFINITY), pinf = splat(INFINITY);
+    vf g = ninf, k = ninf;
+    Py_ssize_t n_odd = 0, i = 0;
+    while (i + LANES <= v) { /* int32 lane counts, flushed every 2^20 tokens */
+        vi c = {0};
+        Py_ssize_t end = i + (1 << 20) <= v ? i + (1 << 20) : v - (v - i) % LANES;
+        for (; i < end; i += LANES) {
+            vf a = load(nat + i);
+            vi allowed = load(x + i) > ninf;
+            g = vmax(vsel(allowed, ninf, a), g);
+            k = vmax(vsel(allowed, a, ninf), k);
+            c += (a != a) | (a == pinf);
+        }
+        n_odd += lane_count(c);
+    }
+    float gg = lane_max(g), kk = lane_max(k);
+    for (; i < v; i++) {
+        float a = nat[i];
+        n_odd += a != a || a == INFINITY;
+        if (x[i] > -INFINITY)
+            kk = a > kk ? a : kk;
+        else
+            gg = a > gg ? a : gg;
+    }
+    *gone = gg;
+    *kept = kk;
+    *odd = n_odd;
+}
+
+/* Pass 2 of a pair: the natural row's sum of exp(nat - top) over its tokens (the total), and of
+ * exp(nat - gone) over the tokens the stage masks (its own shift, so that a mass far below the best token
+ * is still summed, not lost); factor = exp(gone - top) turns the second kind of term into the first. */
+VECTOR_CLONES
+static void split_sums(const float *nat, const float *x, Py_ssize_t v, float top, float gone, float factor,
+                       double *total, double *removed) {
+    const vf ninf = splat(-INFINITY), floor = splat(-87.0f), zero = splat(0.0f), one = splat(1.0f);
+    const vf top_v = splat(top), gone_v = splat(gone), factor_v = splat(factor);
+    double s = 0.0, sg = 0.0;
+    Py_ssize_t i = 0;
+    while (i + LANES <= v) {
+        vf bs = zero, bsg = zero;
+        Py_ssize_t end = i + BLOCK <= v ? i + BLOCK : v - (v - i) % LANES;
+        for (; i < end; i += LANES) {
+            vf n = load(nat + i);
+            vi allowed = load(x + i) > ninf;
+            vf z = vmax(n - vsel(allowed, top_v, gone_v), floor);
+            vf e = vsel(n > ninf, exp_neg(z), zero);
+            bs += e * vsel(allowed, one, factor_v);
+            bsg += vsel(allowed, zero, e);
+        }
+        for (int j = 0; j < LANES; j++) {
+            s += bs[j];
+            sg += bsg[j];
+        }
+    }
+    for (; i < v; i++) {
+        float n = nat[i];
+        if (!(n > -INFINITY))
+            continue;
+        int allowed = x[i] > -INFINITY;
+        float z = n - (allowed ? top : gone);
+        z = z > -87.0f ? z : -87.0f;
+        float e = exp_neg1(z);
+        s += allowed ? e : e * factor;
+        sg += allowed ? 0.0f : e;
+    }
+    *total = s;
+    *removed = sg;
+}
+
+/* The k largest entries of a row, largest first, into values/ids (k <= v). NaN is never taken while there are k
+ * other entries (then NaN entries stand for -inf, as nothing else is left). Ties: the lower id first.
+ *
+ * A first pass folds the row into v / 16 group maxima (group j: the tokens j + g r, r < 16, an elementwise maximum
+ * of sixteen contiguous slabs); the k-th largest of them is a floor that at least k tokens reach, so the top k are
+ * among the tokens at or above it. A second pass keeps those in a sorted buffer, a vector comparison skipping
+ * eight tokens at a time while none reaches the floor (later, the buffer's smallest). */
+VECTOR_CLONES
+static float group_floor(const float *x, Py_ssize_t v, Py_ssize_t k, float *maxima) {
+    Py_ssize_t groups = v / 16, j = 0;
+    for (; j + LANES <= groups; j += LANES) {
+        vf m = load(x + j);
+        for (Py_ssize_t r = 1; r < 16; r++)
+            m = vmax(load(x + j + r * groups), m); /* a NaN lane never wins a comparison: it is skipped */
+        memcpy(maxima + j, &m, sizeof m);
+    }
+    for (; j < groups; j++) {
+        float m = x[j];
+        m = m == m ? m : -INFINITY;
+        for (Py_ssize_t r = 1; r < 16; r++)
+            m = x[j + r * groups] > m ? x[j + r * groups] : m;
+        maxima[j] = m;
+    }
+    for (j = 0; j < groups; j++) /* a NaN first slab lane: its group's maximum is the others' */
+        maxima[j] = maxima[j] == maxima[j] ? maxima[j] : -INFINITY;
+    Py_ssize_t lo = 0, hi = groups - 1, want = k - 1; /* quickselect: the k-th largest of the maxima */
+    while (lo < hi) {
+        float pivot = maxima[(lo + hi) / 2];
+        Py_ssize_t a = lo, b = hi;
+        while (a <= b) {
+            while (maxima[a] > pivot)
+                a++;
+            while (maxima[b] < pivot)
+                b--;
+            if (a <= b) {
+                float swap = maxima[a];
+                maxima[a++] = maxima[b];
+                maxima[b--] = swap;
+            }
+        }
+        if (want <= b)
+            hi = b;
+        else if (want >= a)
+            lo = a;
+        else
+            break;
+    }
+    return maxima[want];
+}
+
+VECTOR_CLONES
+static void row_top_k(const float *x, Py_ssize_t v, Py_ssize_t k, float *values, int64_t *ids, float *maxima) {
+    float floor = maxima != NULL ? group_floor(x, v, k, maxima) : -INFINITY;
+    Py_ssize_t filled = 0, i = 0;
+    float low = floor;
+    while (i < v) {
+        if (i + LANES <= v) { /* skip eight tokens below the bar at once */
+            vi above = filled < k ? load(x + i) >= splat(low) : load(x + i) > splat(low);
+            int any = 0;
+            for (int j = 0; j < LANES; j++)
+                any |= above[j];
+            if (!any) {
+                i += LANES;
+                continue;
+            }
+        }
+        Py_ssize_t end = i + LANES <= v ? i + LANES : v;
+        for (; i < end; i++) {
+            float a = x[i];
+            if (filled < k ? !(a >= low) : !(a > low))
+                continue;
+            Py_ssize_t j = filled < k ? filled++ : k - 1;
+            for (; j > 0 && values[j - 1] < a; j--) {
+                values[j] = values[j - 1];
+                ids[j] = ids[j - 1];
+            }
+            values[j] = a;
+            ids[j] = i;
+            if (filled == k)
+                low = values[k - 1];
+        }
+    }
+    for (Py_ssize_t j = 0; filled < k && j < v; j++) /* fewer than k entries that are not NaN: NaN ones last */
+        if (x[j] != x[j]) {
+            values[filled] = -INFINITY;
+            ids[filled++] = j;
+        }
+}
+
+/* Entries of a row greater than value (NaN never greater). */
+VECTOR_CLONES
+static Py_ssize_t row_count_above(const float *x, Py_ssize_t v, float value) {
+    const vf bar = splat(value);
+    Py_ssize_t n = 0, i = 0;
+    while (i + LANES <= v) { /* int32 lane counts, flushed every 2^20 tokens */
+        vi c = {0};
+        Py_ssize_t end = i + (1 << 20) <= v ? i + (1 << 20) : v - (v - i) % LANES;
+        for (; i < end; i += LANES)
+            c += load(x + i) > bar;
+        n += lane_count(c);
+    }
+    for (; i < v; i++)
+        n += x[i] > value;
+    return n;
+}
+
+static int get_typed(PyObject *obj, Py_buffer *view, int writable, const char *name, const char *format,
+                     Py_ssize_t itemsize) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_ND | (writable ? PyBUF_WRITABLE : 0)) <
+        0)
+        return -1;
+    if (view->ndim != 2 || view->itemsize != itemsize || view->format == NULL || strcmp(view->format, format) != 0) {
+        PyErr_Format(PyExc_ValueError, "%s: a 2-D C-contiguous %s array is needed", name,
+                     itemsize == 8 ? "int64" : "float32");
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static int get_rows(PyObject *obj, Py_buffer *view, int writable, const char *name) {
+    return get_typed(obj, view, writable, name, "f", 4);
+}
+
+static PyObject *row_stats(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "row_stats(x, out) takes 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    Py_buffer xb, ob;
+    if (get_rows(args[0], &xb, 0, "x") < 0)
+        return NULL;
+    if (get_rows(args[1], &ob, 1, "out") < 0) {
+        PyBuffer_Release(&xb);
+        return NULL;
+    }
+    Py_ssize_t b = xb.shape[0], v = xb.shape[1];
+    if (ob.shape[0] != b || ob.shape[1] != 5) {
+        PyErr_Format(PyExc_ValueError, "out must have shape (%zd, 5), got (%zd, %zd)", b, ob.shape[0], ob.shape[1]);
+        PyBuffer_Release(&xb);
+        PyBuffer_Release(&ob);
+        return NULL;
+    }
+    const float *x = (const float *)xb.buf;
+    float *out = (float *)ob.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = 0; r < b; r++) {
+        const float *row = x + r * v;
+        float *o = out + r * 5;
+        float top;
+        Py_ssize_t nan, posinf, neginf;
+        scan(row, v, &top, &nan, &posinf, &neginf);
+        o[0] = top;
+        o[3] = (float)(v - neginf);
+        o[4] = (nan || posinf) ? 1.0f : 0.0f;
+        if (o[4] != 0.0f)
+            continue;
+        if (top == -INFINITY) { /* nothing allowed */
+            o[1] = -INFINITY;
+            o[2] = NAN;
+            continue;
+        }
+        double total, weighted;
+        exp_sums(row, v, top, &total, &weighted);
+        double log_total = log(total);
+        o[1] = (float)((double)top + log_total);
+        o[2] = (float)(log_total - weighted / total);
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&xb);
+    PyBuffer_Release(&ob);
+    Py_RETURN_NONE;
+}
+
+static PyObject *pair_stats(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "pair_stats(nat, x, out) takes 3 arguments, got %zd", nargs);
+        return NULL;
+    }
+    Py_buffer nb, xb, ob;
+    if (get_rows(args[0], &nb, 0, "nat") < 0)
+        return NULL;
+    if (get_rows(args[1], &xb, 0, "x") < 0) {
+        PyBuffer_Release(&nb);
+        return NULL;
+    }
+    if (get_rows(args[2], &ob, 1, "out") < 0) {
+        PyBuffer_Release(&nb);
+        PyBuffer_Release(&xb);
+        return NULL;
+    }
+    Py_ssize_t b = nb.shape[0], v = nb.shape[1];
+    if (xb.shape[0] != b || xb.shape[1] != v || ob.shape[0] != b || ob.shape[1] != 3) {
+        PyErr_Format(PyExc_ValueError, "pair_stats: nat and x must have one shape (%zd, %zd), out (%zd, 3)", b, v, b);
+        PyBuffer_Release(&nb);
+        PyBuffer_Release(&xb);
+        PyBuffer_Release(&ob);
+        return NULL;
+    }
+    const float *nat = (const float *)nb.buf, *x = (const float *)xb.buf;
+    float *out = (float *)ob.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = 0; r < b; r++) {
+        const float *nrow = nat + r * v, *xrow = x + r * v;
+        float *o = out + r * 3;
+        float gone, kept;
+        Py_ssize_t odd;
+        split_max(nrow, xrow, v, &gone, &kept, &odd);
+        o[2] = odd ? 1.0f : 0.0f; /* NaN or +inf in the natural row */
+        if (odd)
+            continue;
+        float top = gone > kept ? gone : kept;
+        o[1] = top - kept; /* inf when nothing is allowed; NaN when the natural row allows nothing either */
+        if (top == -INFINITY) {
+            o[0] = 0.0f; /* no natural mass to remove */
+            continue;
+        }
+        if (gone == -INFINITY) {
+            o[0] = 0.0f; /* nothing masked (or only tokens the natural row masked already) */
+            continue;
+        }
+        double total, removed;
+        float factor = (float)exp((double)gone - (double)top);
+        split_sums(nrow, xrow, v, top, gone, factor, &total, &removed);
+        double mass = exp(log(removed) + (double)gone - (log(total) + (double)top));
+        o[0] = (float)(mass < 0.0 ? 0.0 : mass > 1.0 ? 1.0 : mass);
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&nb);
+    PyBuffer_Release(&xb);
+    PyBuffer_Release(&ob);
+    Py_RETURN_NONE;
+}
+
+static PyObject *top_k(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "top_k(x, values, ids) takes 3 arguments, got %zd", nargs);
+        return NULL;
+    }
+    Py_buffer xb, vb, ib;
+    if (get_rows(args[0], &xb, 0, "x") < 0)
+        return NULL;
+    if (get_rows(args[1], &vb, 1, "values") < 0) {
+        PyBuffer_Release(&xb);
+        return NULL;
+    }
+    if (get_typed(args[2], &ib, 1, "ids", "l", 8) < 0 && get_typed(args[2], &ib, 1, "ids", "q", 8) < 0) {
+        PyBuffer_Release(&xb);
+        PyBuffer_Release(&vb);
+        return NULL;
+    }
+    PyErr_Clear();
+    Py_ssize_t b = xb.shape[0], v = xb.shape[1], k = vb.shape[1];
+    if (vb.shape[0] != b || ib.shape[0] != b || ib.shape[1] != k || k < 1 || k > v) {
+        PyErr_Format(PyExc_ValueError, "top_k: values and ids must have one shape (%zd, k) with 1 <= k <= %zd", b, v);
+        PyBuffer_Release(&xb);
+        PyBuffer_Release(&vb);
+        PyBuffer_Release(&ib);
+        return NULL;
+    }
+    const float *x = (const float *)xb.buf;
+    float *values = (float *)vb.buf;
+    int64_t *ids = (int64_t *)ib.buf;
+    float *maxima = v / 16 >= 2 * k ? PyMem_RawMalloc((size_t)(v / 16) * sizeof(float)) : NULL; /* else one pass */
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = 0; r < b; r++)
+        row_top_k(x + r * v, v, k, values + r * k, ids + r * k, maxima);
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(maxima);
+    PyBuffer_Release(&xb);
+    PyBuffer_Release(&vb);
+    PyBuffer_Release(&ib);
+    Py_RETURN_NONE;
+}
+
+static PyObject *count_above(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "count_above(x, values, out) takes 3 arguments, got %zd", nargs);
+        return NULL;
+    }
+    Py_buffer xb, vb, ob;
+    if (get_rows(args[0], &xb, 0, "x") < 0)
+        return NULL;
+    if (get_rows(args[1], &vb, 0, "values") < 0) {
+        PyBuffer_Release(&xb);
+        return NULL;
+    }
+    if (get_rows(args[2], &ob, 1, "out") < 0) {
+        PyBuffer_Release(&xb);
+        PyBuffer_Release(&vb);
+        return NULL;
+    }
+    Py_ssize_t b = xb.shape[0], v = xb.shape[1];
+    if (vb.shape[0] != b || vb.shape[1] != 1 || ob.shape[0] != b || ob.shape[1] != 1) {
+        PyErr_Format(PyExc_ValueError, "count_above: values and out must have shape (%zd, 1)", b);
+        PyBuffer_Release(&xb);
+        PyBuffer_Release(&vb);
+        PyBuffer_Release(&ob);
+        return NULL;
+    }
+    const float *x = (const float *)xb.buf, *values = (const float *)vb.buf;
+    float *out = (float *)ob.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = 0; r < b; r++)
+        out[r] = (float)row_count_above(x + r * v, v, values[r]);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&xb);
+    PyBuffer_Release(&vb);
+    PyBuffer_Release(&ob);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"row_stats", (PyCFunction)(void (*)(void))row_stats, METH_FASTCALL,
+     "row_stats(x, out): max, lse, entropy, allowed count and a special flag of each float32 row"},
+    {"pair_stats", (PyCFunction)(void (*)(void))pair_stats, METH_FASTCALL,
+     "pair_stats(nat, x, out): removed natural mass, margin and a special flag of each row pair"},
+    {"top_k", (PyCFunction)(void (*)(void))top_k, METH_FASTCALL,
+     "top_k(x, values, ids): the k largest entries of each float32 row, largest first, NaN never chosen"},
+    {"count_above", (PyCFunction)(void (*)(void))count_above, METH_FASTCALL,
+     "count_above(x, values, out): entries of each float32 row greater than its value"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rowstats", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__rowstats(void) { return PyModule_Create(&module); }
