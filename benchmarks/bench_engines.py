@@ -53,6 +53,35 @@ def _wait_for_parts(root: Path, expected: int, timeout: float = 600.0) -> None:
         time.sleep(0.002)
 
 
+def threads_report() -> list[str]:
+    """What runs where in the engine process that records: each thread of a process that has logitscope's writer
+    thread, its name, the cores it may run on, and the CPU seconds it used (Linux /proc)."""
+    lines = []
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            names = {t: (t / "comm").read_text().strip() for t in (proc / "task").iterdir()}
+        except OSError:
+            continue
+        if "logitscope-parts" not in names.values():
+            continue
+        lines.append(f"process {proc.name} ({(proc / 'comm').read_text().strip()}):")
+        for task, name in sorted(names.items(), key=lambda kv: kv[1]):
+            try:
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                allowed = next(
+                    line.split(":")[1].strip()
+                    for line in (task / "status").read_text().splitlines()
+                    if line.startswith("Cpus_allowed_list")
+                )
+            except (OSError, StopIteration):
+                continue
+            cpu = (int(fields[11]) + int(fields[12])) / ticks
+            if cpu > 0.05 or name.startswith("logitscope"):
+                lines.append(f"  {name:<18} cores {allowed:<8} {cpu:8.2f} s")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="demo", help="demo, wide (128k vocabulary, built here) or a model folder")
@@ -132,6 +161,8 @@ def main() -> None:
                 ratios = [s / b for s, b in zip(speeds, base)]
                 line += f" {statistics.median(ratios):>6.2f} {min(ratios):>6.2f}-{max(ratios):.2f}"
             print(line)
+    print("\nthreads of the recording engine's process (name, cores allowed, CPU time over the whole run):")
+    print("\n".join(threads_report()) or "  (no process with logitscope's writer thread found: not Linux?)")
 
 
 if __name__ == "__main__":

@@ -46,7 +46,8 @@ from typing import Any
 
 import torch
 
-from tracker.recording.engines.requests import EngineRecording, Request, RequestOptions
+from tracker.recording.engines.recording import EngineRecording
+from tracker.recording.engines.requests import Request, RequestOptions
 
 __all__ = ["LogitscopeLogitsProcessor", "EXTRA_ARGS_KEY", "VLLM_IMPORT_ERROR"]
 
