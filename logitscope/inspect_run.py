@@ -145,6 +145,15 @@ def _sampling_of(reader: Any, generation: int, sequence: int) -> str:
     return ""
 
 
+def _labels_of(reader: Any, generation: int) -> str:
+    """What the generation was called by whoever sent it (a served request's ``request_id`` and ``title``)."""
+    for entry in reader.metadata.generations:
+        if int(entry.get("generation", -1)) == generation:
+            parts = [f"{key} {entry[key]!r}" for key in ("request_id", "title") if isinstance(entry.get(key), str)]
+            return ", ".join(parts)
+    return ""
+
+
 def _sequence_record(reader: Any, generation: int, sequence: int, steps: slice | None, top: int) -> dict[str, Any]:
     from dashboard.views import token_pieces
 
@@ -156,6 +165,7 @@ def _sequence_record(reader: Any, generation: int, sequence: int, steps: slice |
         "prompt": reader.prompt(generation, sequence),
         "text": "".join(token_pieces(reader.vocab, track.chosen)),
         "sampling": _sampling_of(reader, generation, sequence),
+        "labels": _labels_of(reader, generation),
     }
     if steps is not None:
         start = 0 if steps.start is None else steps.start
@@ -257,7 +267,8 @@ def _print_run(out: TextIO, summary: Any, sequences: list[dict[str, Any]], names
         print(line, file=out)
     for seq in sequences:
         print(file=out)
-        print(f"generation {seq['generation']}, sequence {seq['sequence']}: {seq['steps']} step(s)", file=out)
+        labels = f" ({seq['labels']})" if seq.get("labels") else ""
+        print(f"generation {seq['generation']}, sequence {seq['sequence']}{labels}: {seq['steps']} step(s)", file=out)
         if seq["sampling"]:
             print(f"  sampling: {seq['sampling']}", file=out)
         print(f"  prompt: {seq['prompt']!r}", file=out)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 import time
 
 import numpy as np
@@ -291,3 +292,39 @@ def test_a_server_that_goes_idle_writes_its_finished_requests_and_a_stopped_one_
     assert "last" in found, running.tail()
     assert found["last"][0]["steps"].tolist() == list(range(6))
     assert (found["last"][0]["chosen"] >= 0).all()
+
+
+def test_the_guides_vllm_example_runs_as_written_and_inspect_names_each_request(tmp_path):
+    import re
+    import subprocess
+
+    from vllm_engine import ROOT, engine_env, vllm_python
+
+    fence = re.compile(r"^```([^\n]*)\n(.*?)^```\s*$", re.MULTILINE | re.DOTALL)
+    text = (ROOT / "docs" / "guide.md").read_text(encoding="utf-8")
+    [block] = [m.group(2) for m in fence.finditer(text) if m.group(1).strip() == "python vllm"]
+    (tmp_path / "engine_demo.py").write_text(block)
+    done = subprocess.run(
+        [vllm_python(), "engine_demo.py"], cwd=tmp_path, env=engine_env(), capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert len([line for line in done.stdout.splitlines() if line.startswith("'")]) == 3
+    found = _recorded(tmp_path / "logitscope-runs")
+    assert set(found) == {"r1", None} and len(found[None]) == 1  # the top-k request; the untracked one left no trace
+    assert found[None][0]["run"].metadata.storage == "topk"
+    shown = subprocess.run(
+        [sys.executable, "-m", "logitscope", "inspect", str(tmp_path / "logitscope-runs")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert shown.returncode == 0, shown.stderr
+    run_id = found["r1"][0]["run"].run_id
+    one = subprocess.run(
+        [sys.executable, "-m", "logitscope", "inspect", str(tmp_path / "logitscope-runs" / f"run_id={run_id}")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "request_id 'r1'" in one.stdout and "title 'phone'" in one.stdout, one.stdout
+    assert "demo_model" in shown.stdout  # the model is named, not "unknown model"
