@@ -17,6 +17,27 @@ import json
 import sys
 
 
+def answers(llm, prompts, params) -> list[dict]:
+    """One ``LLM.generate`` call; per request its prompt ids and, per completion, its token ids, finish reason and
+    logprobs (``{id: logprob}`` per position, or None)."""
+    return [
+        {
+            "prompt_ids": list(answer.prompt_token_ids),
+            "outputs": [
+                {
+                    "token_ids": list(out.token_ids),
+                    "finish_reason": out.finish_reason,
+                    "logprobs": None
+                    if out.logprobs is None
+                    else [{str(t): lp.logprob for t, lp in pos.items()} for pos in out.logprobs],
+                }
+                for out in answer.outputs
+            ],
+        }
+        for answer in llm.generate(prompts, params, use_tqdm=False)
+    ]
+
+
 def main(args_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -29,26 +50,7 @@ def main(args_path: str, out_path: str) -> None:
     batches = []
     for batch in args["batches"]:
         prompts = [TokensPrompt(prompt_token_ids=r["prompt_ids"]) if "prompt_ids" in r else r["prompt"] for r in batch]
-        params = [SamplingParams(**r.get("params", {})) for r in batch]
-        answers = llm.generate(prompts, params, use_tqdm=False)
-        batches.append(
-            [
-                {
-                    "prompt_ids": list(answer.prompt_token_ids),
-                    "outputs": [
-                        {
-                            "token_ids": list(out.token_ids),
-                            "finish_reason": out.finish_reason,
-                            "logprobs": None
-                            if out.logprobs is None
-                            else [{str(t): lp.logprob for t, lp in pos.items()} for pos in out.logprobs],
-                        }
-                        for out in answer.outputs
-                    ],
-                }
-                for answer in answers
-            ]
-        )
+        batches.append(answers(llm, prompts, [SamplingParams(**r.get("params", {})) for r in batch]))
     with open(out_path, "w") as f:
         json.dump({"batches": batches}, f)
 

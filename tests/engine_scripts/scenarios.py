@@ -16,28 +16,13 @@ import sys
 
 
 def _run(llm, batches):
-    return [answer for requests in batches for answer in _batch(llm, requests)]
-
-
-def _batch(llm, requests):
+    from generate import answers  # beside this script
     from vllm import SamplingParams
 
-    answers = llm.generate([r["prompt"] for r in requests], [SamplingParams(**r["params"]) for r in requests])
     return [
-        {
-            "prompt_ids": list(a.prompt_token_ids),
-            "outputs": [
-                {
-                    "token_ids": list(o.token_ids),
-                    "finish_reason": o.finish_reason,
-                    "logprobs": None
-                    if o.logprobs is None
-                    else [{str(t): v.logprob for t, v in p.items()} for p in o.logprobs],
-                }
-                for o in a.outputs
-            ],
-        }
-        for a in answers
+        answer
+        for requests in batches
+        for answer in answers(llm, [r["prompt"] for r in requests], [SamplingParams(**r["params"]) for r in requests])
     ]
 
 
