@@ -15,16 +15,20 @@ here. Needs pyarrow, numpy and pandas; no torch.
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from tracker.format.schema import RunMetadata
 from tracker.reading.block import Block
 from tracker.reading.rows import NEG_INF, probabilities, topk_rows
 from tracker.reading.run import Run
 from tracker.reading.selection import sequence_end
 
-__all__ = ["steps_tables", "candidates_table", "INT_PREFIXES", "SEQUENCES_SCHEMA", "CANDIDATES_SCHEMA"]
+__all__ = ["steps_tables", "candidates_table", "sampling_of", "INT_PREFIXES", "SEQUENCES_SCHEMA", "CANDIDATES_SCHEMA"]
 
 #: Statistics columns that count something (ranks, NaN entries, allowed tokens): integers in SQL.
 INT_PREFIXES = ("rank_chosen_", "nan_", "allowed")
@@ -38,6 +42,7 @@ SEQUENCES_SCHEMA = pa.schema(
         ("prompt", pa.string()),
         ("text", pa.string()),
         ("steps", pa.int64()),
+        ("sampling", pa.string()),
     ]
 )
 
@@ -57,6 +62,15 @@ CANDIDATES_SCHEMA = pa.schema(
         ("chosen", pa.bool_()),
     ]
 )
+
+
+def sampling_of(metadata: RunMetadata, entry: dict, sequence: int) -> Any:
+    """The sampling settings of one sequence: its generation's, per row, where the host told them (its
+    seed included), else the run's."""
+    rows = entry.get("sampling")
+    if isinstance(rows, list) and 0 <= sequence < len(rows):
+        return rows[sequence]
+    return metadata.sampling
 
 
 def _nulls_for_nan(column: pa.ChunkedArray | pa.Array, name: str) -> pa.ChunkedArray | pa.Array:
@@ -135,13 +149,15 @@ def steps_tables(run: Run) -> tuple[pa.Table, pa.Table]:
         steps, texts = recorded
     else:
         steps, texts = _computed_steps(run)
-    prompts = {g.get("generation"): g.get("prompt_ids") or [] for g in run.metadata.generations}
+    entries = {g.get("generation"): g for g in run.metadata.generations}
     sequences = []
     for generation, sequence, chosen in texts:
-        ids = prompts.get(generation, [])
+        entry = entries.get(generation, {})
+        ids = entry.get("prompt_ids") or []
         prompt = ids[sequence] if sequence < len(ids) and isinstance(ids[sequence], list) else []
         unknown = np.nonzero(chosen < 0)[0]
         known = chosen[: int(unknown[0]) if unknown.size else chosen.size]
+        sampling = sampling_of(run.metadata, entry, sequence)
         sequences.append(
             {
                 "run_id": run.run_id,
@@ -150,6 +166,7 @@ def steps_tables(run: Run) -> tuple[pa.Table, pa.Table]:
                 "prompt": run.vocab.decode(prompt) if prompt else None,
                 "text": run.vocab.decode(known.tolist()),
                 "steps": int(chosen.size),
+                "sampling": None if sampling is None else json.dumps(sampling),
             }
         )
     return steps, pa.Table.from_pylist(sequences, schema=SEQUENCES_SCHEMA)
