@@ -8,10 +8,17 @@ float at all, so a file holds:
 
 - every ``fixed_size_list`` column as a Parquet list (a reader without the
   Arrow schema sees a plain list);
+- no ``{stage}_nonfinite`` flag where the stage has its statistics columns;
 - a half-precision value column (``{stage}_logits`` in float16 or bfloat16)
   as the 16-bit patterns of its values, in int16, under the name
   ``{stage}_logits_float16`` or ``{stage}_logits_bfloat16``: one table may then
-  hold float32 and half-precision runs without two types for one column.
+  hold float32 and half-precision runs without two types for one column;
+- in a table's part, the run metadata in the column :data:`RUN_META`: the same
+  JSON on every row (one dictionary entry), with what the part holds under
+  ``"part"`` (its generations, their batch sizes and lengths, the first
+  prompt's ids, the vocabulary's hash, whether it has statistics). A table's commit repeats
+  it as that column's statistics, so the table's log alone lists its runs
+  (:mod:`tracker.format.table`); a single file keeps it in its footer instead.
 
 :func:`restore` gives the run schema back from the run's metadata (the types,
 the width of every row checked, the field metadata the schema module
@@ -21,16 +28,36 @@ they are. Needs pyarrow and numpy only.
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+from dataclasses import fields
 
 import pyarrow as pa
 
-from tracker.format.schema import FIELD_DTYPE, RunMetadata, run_schema
+from tracker.format.schema import FIELD_DTYPE, GENERATIONS_COLUMN, RunMetadata, run_schema
 
-__all__ = ["ARROW_SCHEMA_KEY", "to_file", "restore", "restored_schema", "bits_name"]
+__all__ = [
+    "ARROW_SCHEMA_KEY",
+    "RUN_META",
+    "to_file",
+    "restore",
+    "restored_schema",
+    "bits_name",
+    "file_names",
+    "part_json",
+    "NOT_ROWS",
+]
 
 #: The key under which pyarrow stores its copy of the Arrow schema in a Parquet footer.
 ARROW_SCHEMA_KEY = b"ARROW:schema"
+#: A table part's column holding the run metadata and what the part holds (see the module docstring).
+RUN_META = "run_meta"
+#: The columns of a file that describe the run rather than hold its rows.
+NOT_ROWS = (GENERATIONS_COLUMN, RUN_META)
+#: Prompt ids a part's facts keep (for listings: the first prompt of its last generation).
+PROMPT_IDS = 64
+_KEPT = ("run_id", "storage", "top_k", "stages", "vocab_size", "schema_version")
 _HALF = ("float16", "bfloat16")
 
 
@@ -41,10 +68,14 @@ def bits_name(stage: str, storage: str) -> str:
 
 def to_file(table: pa.Table) -> pa.Table:
     """``table`` (the run schema) with its columns as a file holds them (see the module docstring): the
-    half-precision value columns renamed and viewed as int16 (no value is copied). Fixed-size lists are
-    written as Parquet lists as they are."""
+    half-precision value columns renamed and viewed as int16 (no value is copied), the ``_nonfinite``
+    flags of stages with statistics left out (their ``_nan`` and ``_lse`` say it; :meth:`tracker.Run.to_arrow`
+    computes them again). Fixed-size lists are written as Parquet lists as they are."""
     names, columns = [], []
+    present = set(table.schema.names)
     for field, column in zip(table.schema, table.columns):
+        if field.name.endswith("_nonfinite") and f"{field.name[: -len('_nonfinite')]}_nan" in present:
+            continue  # the stage's statistics tell it (NaN count, +inf log-sum-exp): computed when read
         kind = (field.metadata or {}).get(FIELD_DTYPE, b"").decode()
         if pa.types.is_fixed_size_list(field.type) and kind in _HALF:
             bits = pa.list_(pa.int16(), field.type.list_size)
@@ -60,10 +91,14 @@ def to_file(table: pa.Table) -> pa.Table:
 def _expected(metadata: RunMetadata, names: set[str]) -> dict[str, pa.Field]:
     stats = "natural_entropy" in names
     flags = any(n.endswith("_nonfinite") for n in names)
-    schema = run_schema(
-        metadata.storage, metadata.stages, metadata.vocab_size, metadata.top_k, flags=flags, stats=stats
-    )
-    return {f.name: f for f in schema}
+    return _fields(metadata.storage, tuple(metadata.stages), metadata.vocab_size, metadata.top_k, flags, stats)
+
+
+@functools.lru_cache(maxsize=256)
+def _fields(
+    storage: str, stages: tuple[str, ...], vocab: int, top_k: int, flags: bool, stats: bool
+) -> dict[str, pa.Field]:
+    return {f.name: f for f in run_schema(storage, stages, vocab, top_k, flags=flags, stats=stats)}
 
 
 def restored_schema(schema: pa.Schema, metadata: RunMetadata, arrow_schema: bool) -> pa.Schema:
@@ -121,3 +156,39 @@ def restore(table: pa.Table, metadata: RunMetadata, path: str | os.PathLike[str]
                 f"({field.type}): {reason}"
             ) from exc
     return pa.Table.from_arrays(columns, schema=target)
+
+
+def file_names(metadata: RunMetadata, stats: bool) -> list[str]:
+    """The columns of a table part this version writes for a run of ``metadata`` (``stats``: with its
+    statistics columns)."""
+    return list(_file_names(metadata.storage, tuple(metadata.stages), metadata.vocab_size, metadata.top_k, stats))
+
+
+@functools.lru_cache(maxsize=256)
+def _file_names(storage: str, stages: tuple[str, ...], vocab_size: int, top_k: int, stats: bool) -> tuple[str, ...]:
+    schema = run_schema(storage, stages, vocab_size, top_k, stats=stats)
+    return (*to_file(schema.empty_table()).column_names, *NOT_ROWS)
+
+
+def part_json(metadata: RunMetadata, stats: bool, vocab_ref: str | None) -> str:
+    """The :data:`RUN_META` value of a part: the run metadata but its generations, and under ``"part"`` the
+    generations it holds (``[generation, batch_size]``), the lengths their host told
+    (``[generation, [length per row]]``, where a sequence ends), its last generation's first prompt (at
+    most :data:`PROMPT_IDS` ids), its vocabulary's hash and whether it has statistics."""
+    defaults = {f.name: f.default_factory() if callable(f.default_factory) else f.default for f in fields(metadata)}
+    body = {  # what is at its default is left out (RunMetadata.from_json gives it back): the log repeats this
+        f.name: getattr(metadata, f.name)
+        for f in fields(metadata)
+        if f.name != "generations" and (f.name in _KEPT or getattr(metadata, f.name) != defaults[f.name])
+    }
+    entries = metadata.generations
+    prompts = entries[-1].get("prompt_ids") if entries else None
+    first = prompts[0][:PROMPT_IDS] if isinstance(prompts, list) and prompts and isinstance(prompts[0], list) else []
+    body["part"] = {
+        "generations": [[e.get("generation"), e.get("batch_size") or 0] for e in entries],
+        "lengths": [[e.get("generation"), e["lengths"]] for e in entries if isinstance(e.get("lengths"), list)],
+        "prompt_ids": first,
+        "vocab": vocab_ref,
+        "stats": stats,
+    }
+    return json.dumps(body, separators=(",", ":"))

@@ -64,7 +64,7 @@ def open_table(
     from readers of the table."""
     if not is_url(root):
         folder_arg("root", root)
-    table = RunTable(root, storage_options=storage_options)
+    table = RunTable.at(root, storage_options=storage_options)
     there = table.fs.get_file_info(table.where).type == pafs.FileType.Directory
     if there and not is_table(table.fs, table.where) and complete_runs(table.fs, table.where):
         raise TableError(

@@ -28,6 +28,7 @@ Needs pyarrow (and ``deltalake`` for tables).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -72,7 +73,8 @@ class FoundRun:
         fs, files: the filesystem and the run's files inside it, in row order (a spill folder: its chunks).
         run_id: the run's id where the location tells it (a table's or a marker's), else None.
         complete: False for a marker folder without its marker (opened by name only).
-        summary: what the run browser shows (a marker's, or a table's parts' footers'); None: open the run.
+        described: what the run browser shows (a marker's summary, or how to make it from a table's parts'
+            facts); None: open the run. Read it as :attr:`summary`.
         table: the table holding the run (where its vocabulary is), if any.
         facts: what the footers of a table run's parts say (in ``files`` order).
     """
@@ -83,9 +85,16 @@ class FoundRun:
     files: tuple[str, ...]
     run_id: str | None = None
     complete: bool = True
-    summary: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+    described: dict[str, Any] | Callable[[], dict[str, Any]] | None = field(default=None, repr=False, compare=False)
     table: RunTable | None = field(default=None, repr=False, compare=False)
     facts: tuple[PartFacts, ...] = field(default=(), repr=False, compare=False)
+
+    @property
+    def summary(self) -> dict[str, Any] | None:
+        """What the run browser shows (made on first use for a table's run: its prompt needs the vocabulary)."""
+        if callable(self.described):
+            object.__setattr__(self, "described", self.described())
+        return self.described  # type: ignore[return-value]
 
 
 # ---------------------------------------------------------------- names and places
@@ -165,7 +174,7 @@ def _table_runs(table: RunTable, shown: str | Path, only: str | None = None, cac
                 table.fs,
                 files,
                 run_id=run_id,
-                summary=run_summary_of(table, parts),
+                described=lambda parts=parts: run_summary_of(table, parts),
                 table=table,
                 facts=tuple(parts),
             )
@@ -198,7 +207,7 @@ def _marker_folder(fs: pafs.FileSystem, where: str, shown: str | Path, named: bo
     if summary is not None:
         summary = {**summary, "bytes": marker.get("bytes", 0), "growing": marker.get("growing") is True}
     files = tuple(f"{where}/{n}" for n in marker["parts"])
-    return FoundRun(shown, "parts", fs, files, run_id=run_id, summary=summary)
+    return FoundRun(shown, "parts", fs, files, run_id=run_id, described=summary)
 
 
 def _marker_runs(
@@ -213,7 +222,7 @@ def _marker_runs(
             continue
         files = tuple(f"{folder}/{n}" for n in marker["parts"])
         summary = {**marker["summary"], "growing": marker.get("growing", False)}
-        found.append(FoundRun(_join(shown, name), "parts", fs, files, run_id=name.split("=", 1)[1], summary=summary))
+        found.append(FoundRun(_join(shown, name), "parts", fs, files, run_id=name.split("=", 1)[1], described=summary))
     return found
 
 

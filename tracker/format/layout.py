@@ -30,9 +30,7 @@ from tracker.format.fs import folder_arg, path_arg
 from tracker.format.marker import COMPLETE, PARQUET_SUFFIXES, complete_runs, is_partition, read_marker
 from tracker.format.parts import ID_COLUMNS, IPC_SUFFIXES, Part, open_part
 from tracker.format.schema import (
-    META_RUN,
     META_VOCAB,
-    META_VOCAB_REF,
     RunMetadata,
     check_columns,
     check_generations,
@@ -230,9 +228,8 @@ def _open(found: FoundRun, file: str) -> Part:
     return open_part(file, found.fs, str(shown))
 
 
-def _vocab_ref(found: FoundRun, footer: dict[bytes, bytes]) -> tuple[RunTable, str] | None:
+def _vocab_ref(found: FoundRun, key: str | None) -> tuple[RunTable, str] | None:
     """Where a table keeps the vocabulary a part names by hash (a part opened alone: its folder's table)."""
-    key = footer.get(META_VOCAB_REF)
     if key is None:
         return None
     table = found.table
@@ -244,7 +241,7 @@ def _vocab_ref(found: FoundRun, footer: dict[bytes, bytes]) -> tuple[RunTable, s
         raise RunFileError(
             found.path, "its vocabulary is kept by the table it was written into (_vocab/ there); open it there"
         )
-    return table, key.decode("ascii", "replace")
+    return table, key
 
 
 def open_layout(path: str | os.PathLike[str], run_id: str | None = None) -> RunLayout:
@@ -268,7 +265,8 @@ def open_layout(path: str | os.PathLike[str], run_id: str | None = None) -> RunL
         names = [m.rsplit("/", 1)[-1] for m in missing[:4]]
         raise RunFileError(found.path, f"{what} parts that are not there: {names}")
     parts = [_open(found, f) for f in found.files]
-    metas = [_metadata(p.path, p.footer.get(META_RUN)) for p in parts]
+    described = [p.described() for p in parts]
+    metas = [_metadata(p.path, raw) for p, (raw, _) in zip(parts, described)]
     if found.kind == "table":
         strangers = [p.path for p, m in zip(parts, metas) if m.run_id != found.run_id]
         if strangers:
@@ -277,16 +275,16 @@ def open_layout(path: str | os.PathLike[str], run_id: str | None = None) -> RunL
         parts, metas = _parts_of_one_run(found.path, parts, metas, run_id)
     for part, meta in zip(parts, metas):
         part.bind(meta)
-    footer = parts[0].footer
+    ref = next((r for p, (_, r) in zip(found.files, described) if r), None)
     layout = RunLayout(
         found.path,
         "file" if found.kind == "file" else found.kind,
         parts,
         metas[0],
-        footer.get(META_VOCAB),
+        parts[0].footer.get(META_VOCAB),
         parts[0].path,
         incomplete=not found.complete,
-        vocab_ref=_vocab_ref(found, footer),
+        vocab_ref=_vocab_ref(found, ref),
     )
     return _checked(layout, run_id)
 

@@ -15,6 +15,7 @@ naming it. Needs pyarrow and numpy only.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from pathlib import Path
 from typing import Protocol
@@ -24,8 +25,15 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from tracker.format.checks import RunFileError, arrow_reason, check_batch
-from tracker.format.columns import ARROW_SCHEMA_KEY, bits_name, restore, restored_schema
-from tracker.format.schema import GENERATIONS_COLUMN, ID_SCHEMA, RunMetadata, generations_from_column
+from tracker.format.columns import ARROW_SCHEMA_KEY, NOT_ROWS, RUN_META, bits_name, restore, restored_schema
+from tracker.format.schema import (
+    GENERATIONS_COLUMN,
+    ID_SCHEMA,
+    META_RUN,
+    META_VOCAB_REF,
+    RunMetadata,
+    generations_from_column,
+)
 
 __all__ = ["Part", "open_part", "IPC_SUFFIXES", "PARQUET_SUFFIXES", "ID_COLUMNS"]
 
@@ -44,6 +52,7 @@ class Part(Protocol):
     def schema(self) -> pa.Schema: ...
     @property
     def footer(self) -> dict[bytes, bytes]: ...
+    def described(self) -> tuple[bytes | None, str | None]: ...
     def bind(self, metadata: RunMetadata) -> None: ...
     def block_sizes(self) -> list[int]: ...
     def read_ids(self) -> pa.Table: ...
@@ -77,6 +86,26 @@ class _ParquetPart:
     @property
     def _arrow(self) -> bool:
         return ARROW_SCHEMA_KEY in (self.file.metadata.metadata or {})
+
+    def described(self) -> tuple[bytes | None, str | None]:
+        """``(run metadata JSON, vocabulary hash)``: from the footer (a single file), or from the
+        :data:`~tracker.format.columns.RUN_META` column (a table's part: its first row); None where absent."""
+        footer = self.footer
+        if META_RUN in footer or RUN_META not in self.file.schema_arrow.names:
+            ref = footer.get(META_VOCAB_REF)
+            return footer.get(META_RUN), None if ref is None else ref.decode("ascii", "replace")
+        column = (
+            self.file.read_row_group(0, columns=[RUN_META]).column(0) if self.file.metadata.num_row_groups else None
+        )
+        raw = column[0].as_py() if column is not None and len(column) else None
+        if not isinstance(raw, str):
+            return None, None
+        try:
+            part = json.loads(raw).get("part")
+        except (ValueError, AttributeError, RecursionError):
+            part = None  # the metadata's own parse says what is wrong
+        ref = part.get("vocab") if isinstance(part, dict) else None
+        return raw.encode(), ref if isinstance(ref, str) else None
 
     @property
     def schema(self) -> pa.Schema:
@@ -156,7 +185,7 @@ class _ParquetPart:
 
     def read_all(self) -> pa.Table:
         """Every row and column but the generations' metadata."""
-        names = [n for n in self.file.schema_arrow.names if n != GENERATIONS_COLUMN]
+        names = [n for n in self.file.schema_arrow.names if n not in NOT_ROWS]
         return self._restored(self.file.read(columns=names, use_threads=True))
 
     def generations(self) -> list[dict]:
@@ -182,6 +211,9 @@ class _IpcPart:
     @property
     def footer(self) -> dict[bytes, bytes]:
         return dict(self.reader.schema.metadata or {})
+
+    def described(self) -> tuple[bytes | None, str | None]:
+        return self.footer.get(META_RUN), None
 
     def bind(self, metadata: RunMetadata) -> None:
         """Nothing to do: an IPC file keeps the run schema as it is."""
@@ -215,7 +247,7 @@ class _IpcPart:
 
     def read_all(self) -> pa.Table:
         table = self._table()
-        return table.drop_columns([GENERATIONS_COLUMN]) if GENERATIONS_COLUMN in table.schema.names else table
+        return table.drop_columns([n for n in NOT_ROWS if n in table.schema.names])
 
     def generations(self) -> list[dict]:
         if GENERATIONS_COLUMN not in self.schema.names:

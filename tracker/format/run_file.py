@@ -1,10 +1,11 @@
 """Writing a run as Parquet: one self-contained file, or a part of a table, on any filesystem.
 
 Both hold the run's columns as :mod:`tracker.format.columns` lays them out
-(no copy of the Arrow schema in the footer), the generations' metadata in
-their column and the rest of the run metadata in the footer. A single file
-carries its vocabulary once, in the footer; a table's part names it by hash
-(:data:`~tracker.format.schema.META_VOCAB_REF`), stored once per table
+(no copy of the Arrow schema in the footer) and the generations' metadata in
+their column. A single file carries the rest of the run metadata and its
+vocabulary once, in the footer; a table's part carries the run metadata in a
+column (:data:`~tracker.format.columns.RUN_META`, what the table's log repeats)
+and names its vocabulary by hash, stored once per table
 (:mod:`tracker.format.vocab_store`), so a footer is a few kilobytes.
 
 Value columns take the given codec (zstd by default); the id and statistics
@@ -25,32 +26,43 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from tracker.format.columns import to_file
+from tracker.format.columns import RUN_META, to_file
 from tracker.format.fs import is_url, path_arg, resolve
 from tracker.format.schema import (
     GENERATIONS_COLUMN,
     MAX_METADATA_BYTES,
     META_RUN,
     META_VOCAB,
-    META_VOCAB_REF,
-    STAT_COLUMNS,
     RunMetadata,
     generations_column,
 )
 from tracker.format.spill import atomic_path, fsync_path, remove_orphans
 
-__all__ = ["ROW_GROUP_BYTES", "write_parquet", "write_part", "parquet_table", "check_compression", "SCALAR_CODEC"]
+__all__ = [
+    "ROW_GROUP_BYTES",
+    "write_parquet",
+    "write_part",
+    "parquet_table",
+    "check_compression",
+    "is_statistic",
+    "SCALAR_CODEC",
+]
 
 #: Bytes of values per Parquet row group: reading one step back reads about this much.
 ROW_GROUP_BYTES = 8 << 20
 #: The codec of the id and statistics columns (when the values are compressed at all).
 SCALAR_CODEC = "lz4"
-_ID_STATS = ("generation", "sequence", "step", "chosen")
-_STAT_SUFFIXES = tuple(f"_{name}" for name in STAT_COLUMNS)
+#: Columns given Parquet statistics (min/max), so that engines skip row groups and files by them: the ids
+#: a row is found by and the statistics questions filter on (each costs its footer about 35 bytes).
+_ID_STATS = ("generation", "sequence", "step")
+_STAT_SUFFIXES = tuple(
+    f"_{n}" for n in ("entropy", "allowed", "p_eos", "removed_mass", "margin", "p_chosen", "rank_chosen")
+)
 
 
 def _footer(metadata: RunMetadata, with_rows: bool) -> bytes:
@@ -75,23 +87,32 @@ def check_compression(compression: object) -> None:
         raise ValueError(f"compression must be None or one of {[*codecs, 'none']}, got {compression!r}")
 
 
-def parquet_table(
-    table: pa.Table, metadata: RunMetadata, *, part: bool = False, vocab_ref: str | None = None
-) -> pa.Table:
-    """``table`` as a run file holds it: its columns laid out for a file, the footer metadata, the
-    generations in their column. A single file keeps the vocabulary ``table`` carries in its schema
-    metadata; a table's ``part`` names it by its hash ``vocab_ref`` instead (None: the run has none)."""
-    footer = {META_RUN: _footer(metadata, table.num_rows > 0)}
+def parquet_table(table: pa.Table, metadata: RunMetadata, *, part: str | None = None) -> pa.Table:
+    """``table`` as a run file holds it: its columns laid out for a file (:mod:`tracker.format.columns`), the
+    generations in their column, and the run metadata: in the footer with the vocabulary ``table``
+    carries, for a single file; in the :data:`~tracker.format.columns.RUN_META` column, for a table's part
+    (``part``: that column's JSON, :func:`~tracker.format.columns.part_json`)."""
     carried = table.schema.metadata or {}
-    if part and vocab_ref is not None:
-        footer[META_VOCAB_REF] = vocab_ref.encode()
-    elif not part and META_VOCAB in carried:
-        footer[META_VOCAB] = carried[META_VOCAB]
-    table = to_file(table).replace_schema_metadata(footer)
+    footer = {}
+    if part is None:
+        footer[META_RUN] = _footer(metadata, table.num_rows > 0)
+        if META_VOCAB in carried:
+            footer[META_VOCAB] = carried[META_VOCAB]
+    table = to_file(table).replace_schema_metadata(footer or None)
     if table.num_rows:
         generation = table.column("generation").to_numpy()
         table = table.append_column(GENERATIONS_COLUMN, generations_column(generation, metadata.generations))
+    if part is not None:
+        if len(part) > MAX_METADATA_BYTES:
+            _footer(metadata, True)  # names the largest fields
+        one = pa.DictionaryArray.from_arrays(pa.array(np.zeros(table.num_rows, np.int32)), pa.array([part]))
+        table = table.append_column(RUN_META, one)  # one value for every row, written once (a dictionary)
     return table
+
+
+def is_statistic(name: str) -> bool:
+    """Whether a run file's column gets Parquet statistics (and a table's log its minimum and maximum)."""
+    return name in _ID_STATS or name.endswith(_STAT_SUFFIXES)
 
 
 def _write(table: pa.Table, where: str, metadata: RunMetadata, compression: str | None, fs: pafs.FileSystem) -> None:
@@ -106,11 +127,11 @@ def _write(table: pa.Table, where: str, metadata: RunMetadata, compression: str 
         else:
             codecs[field.name] = SCALAR_CODEC if values != "none" else "none"
             scalars.append(field.name)
-    stats = [n for n in scalars if n in _ID_STATS or n.endswith(_STAT_SUFFIXES)]
+    stats = [n for n in scalars if is_statistic(n)]
     options = dict(
         filesystem=fs,
         compression=codecs,
-        use_dictionary=["generation", "sequence"],
+        use_dictionary=["generation", "sequence", RUN_META],
         write_statistics=stats,
         write_page_checksum=True,
         store_schema=False,  # pyarrow's copy of the schema would repeat the metadata (the vocabulary) in the footer
@@ -181,15 +202,15 @@ def write_part(
     metadata: RunMetadata,
     fs: pafs.FileSystem,
     where: str,
-    vocab_ref: str | None,
+    part: str,
     compression: str | None = "zstd",
 ) -> tuple[int, pa.Schema]:
     """Write one part of a table's run at ``where`` (inside ``fs``): the rows of ``table`` (the run schema),
-    ``metadata`` holding the part's generations, the vocabulary named by ``vocab_ref`` (None: the run has
-    none). Returns the bytes written and the file's schema. Atomic on a local disk; one upload on an
+    ``metadata`` holding the part's generations, ``part`` its :data:`~tracker.format.columns.RUN_META`
+    value. Returns the bytes written and the file's schema. Atomic on a local disk; one upload on an
     object store."""
     check_compression(compression)
-    data = parquet_table(table, metadata, part=True, vocab_ref=vocab_ref)
+    data = parquet_table(table, metadata, part=part)
     if isinstance(fs, pafs.LocalFileSystem):
         _write_local(data, Path(where), metadata, compression, None)
     else:

@@ -37,18 +37,22 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
+from tracker.format.columns import RUN_META, part_json
 from tracker.format.fs import is_url, resolve
-from tracker.format.run_file import write_part
-from tracker.format.schema import GENERATIONS_COLUMN, META_VOCAB, STAT_COLUMNS, RunMetadata
+from tracker.format.run_file import is_statistic, write_part
+from tracker.format.schema import GENERATIONS_COLUMN, META_VOCAB, RunMetadata
 
-__all__ = ["LOG_DIR", "RunTable", "Staged", "Committed", "is_table", "check_run_id", "TableError"]
+__all__ = ["LOG_DIR", "RunTable", "Staged", "Committed", "is_table", "check_run_id", "check_part_path", "TableError"]
 
 LOG_DIR = "_delta_log"
 #: Schemes ``deltalake`` serves (a table elsewhere cannot be written; its parts can still be read).
 TABLE_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "azure", "file")
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
-_STATS = ("generation", "sequence", "step", "chosen", *(f"_{n}" for n in STAT_COLUMNS))
 _COMMIT_TRIES = 20
+#: The longest run metadata a commit repeats as its part's statistics (longer: readers read the part).
+LOGGED_META_BYTES = 16 << 10
+#: What a committed part's path may hold: its run folder and file name, nothing that leads elsewhere.
+_PART_PATH = re.compile(r"^run_id=[A-Za-z0-9][A-Za-z0-9._-]{0,199}/[A-Za-z0-9][A-Za-z0-9._=-]{0,250}\.parquet$")
 
 
 _last_stamp = 0
@@ -65,6 +69,10 @@ def _stamp() -> str:
     return time.strftime("%Y%m%dT%H%M%S", time.gmtime(micros // 1_000_000)) + f"{micros % 1_000_000:06d}"
 
 
+_shared: dict[tuple[str, tuple[tuple[str, str], ...]], RunTable] = {}
+_shared_lock = threading.Lock()
+
+
 class TableError(ValueError):
     """A table that cannot be written or read as one (its location, its schema, a commit that failed)."""
 
@@ -77,6 +85,15 @@ def check_run_id(run_id: object) -> str:
             f"got {run_id!r:.80}; write such a run as one file (to_parquet) instead"
         )
     return run_id
+
+
+def check_part_path(path: str, table: str) -> None:
+    """TableError naming the table when a commit names a file that is not a part of one of its run folders
+    (an absolute path, a URL, ``..``: a log written by anyone names only its own parts)."""
+    if not _PART_PATH.match(path) or ".." in path:
+        raise TableError(
+            f"the table at '{table}' names a part {path[:120]!r} that is not in one of its run_id= folders"
+        )
 
 
 def is_table(fs: pafs.FileSystem, where: str) -> bool:
@@ -98,12 +115,16 @@ class Staged:
 
 @dataclass(frozen=True)
 class Committed:
-    """A committed part: its path relative to the table, its run, size in bytes and rows."""
+    """A committed part: its path relative to the table, its run, size in bytes and rows, and what the log's
+    statistics of it say: its largest step + 1 (-1: not told) and its :data:`~tracker.format.columns.RUN_META`
+    ('' where not told: read the part)."""
 
     path: str
     run_id: str
     size: int
     rows: int
+    steps: int = -1
+    run_json: str = ""
 
 
 def _options(location: str, given: dict[str, str] | None) -> dict[str, str]:
@@ -121,27 +142,30 @@ def _json_value(value: Any) -> Any:
     return value if not isinstance(value, float) or math.isfinite(value) else None
 
 
-def _add_stats(table: pa.Table) -> str:
-    """Delta's per-file statistics (rows; min, max and nulls of the id and statistics columns) as JSON."""
-    low, high, nulls = {}, {}, {}
+def _add_stats(table: pa.Table, part: str) -> str:
+    """Delta's per-file statistics as JSON: rows; min and max of the columns run files give Parquet statistics
+    (:data:`~tracker.format.run_file.STATISTICS`), so that engines skip files by them; and, as its minimum,
+    the part's :data:`~tracker.format.columns.RUN_META` (its one value), so that the log alone lists the
+    runs (unless it is longer than :data:`LOGGED_META_BYTES`). Null counts are left out (optional, and as
+    large as the rest)."""
+    low, high = {}, {}
+    if len(part) <= LOGGED_META_BYTES:
+        low[RUN_META] = part
     for name in table.column_names:
-        if not (name in _STATS[:4] or name.endswith(_STATS[4:])) or not pa.types.is_primitive(
-            table.schema.field(name).type
-        ):
+        if not is_statistic(name) or not pa.types.is_primitive(table.schema.field(name).type):
             continue
-        column = table.column(name)
-        nulls[name] = column.null_count
-        bounds = pc.min_max(column).as_py()
+        bounds = pc.min_max(table.column(name)).as_py()
         lo, hi = _json_value(bounds["min"]), _json_value(bounds["max"])
         if lo is not None and hi is not None:
             low[name], high[name] = lo, hi
-    body = {"numRecords": table.num_rows, "minValues": low, "maxValues": high, "nullCount": nulls}
-    return json.dumps(body, separators=(",", ":"))
+    return json.dumps({"numRecords": table.num_rows, "minValues": low, "maxValues": high}, separators=(",", ":"))
 
 
 def _loose(field: pa.Field) -> pa.Field:
     """``field`` as a table's schema holds it: nullable (a part of another run may lack it), plain lists."""
     kind = field.type
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
     if pa.types.is_fixed_size_list(kind) or pa.types.is_list(kind):
         kind = pa.list_(pa.field("element", kind.value_type, nullable=True))
     return pa.field(field.name, kind, nullable=True)
@@ -173,6 +197,14 @@ class RunTable:
 
     def __repr__(self) -> str:
         return f"RunTable({self.location!r})"
+
+    @classmethod
+    def at(cls, location: str | os.PathLike[str], *, storage_options: dict[str, str] | None = None) -> RunTable:
+        """The table at ``location``, shared in this process (its log is read once, then brought up to date)."""
+        probe = cls(location, storage_options=storage_options)
+        key = (probe.location if is_url(location) else probe.where, tuple(sorted(probe.options.items())))
+        with _shared_lock:
+            return _shared.setdefault(key, probe)
 
     # ---------------------------------------------------------------- reading the log
 
@@ -231,8 +263,16 @@ class RunTable:
         run = actions.column("partition.run_id").to_pylist() if "partition.run_id" in names else [None] * len(actions)
         paths = actions.column("path").to_pylist()
         sizes = actions.column("size_bytes").to_pylist()
-        rows = actions.column("num_records").to_pylist() if "num_records" in names else [None] * len(actions)
-        found = [Committed(p, r or "", int(s or 0), int(n or 0)) for p, r, s, n in zip(paths, run, sizes, rows)]
+        nothing = [None] * len(actions)
+        rows = actions.column("num_records").to_pylist() if "num_records" in names else nothing
+        steps = actions.column("max.step").to_pylist() if "max.step" in names else nothing
+        described = actions.column(f"min.{RUN_META}").to_pylist() if f"min.{RUN_META}" in names else nothing
+        found = [
+            Committed(p, r or "", int(s or 0), int(n or 0), -1 if t is None else int(t) + 1, m or "")
+            for p, r, s, n, t, m in zip(paths, run, sizes, rows, steps, described)
+        ]
+        for part in found:
+            check_part_path(part.path, self.location)
         return sorted(found, key=lambda c: (c.run_id, c.path))
 
     def version(self) -> int:
@@ -254,10 +294,11 @@ class RunTable:
         where = f"{self.where}/{name}"
         if not isinstance(self.fs, pafs.LocalFileSystem):
             self.fs.create_dir(where.rsplit("/", 1)[0], recursive=True)
-        size, schema = write_part(rows, metadata, self.fs, where, vocab_ref, compression)
+        part = part_json(metadata, "natural_entropy" in rows.schema.names, vocab_ref)
+        size, schema = write_part(rows, metadata, self.fs, where, part, compression)
         if serialized is not None:  # after the part: a part that could not be written leaves nothing behind
             store_vocab(self.fs, self.where, serialized)
-        return Staged(name, run_id, size, rows.num_rows, schema, _add_stats(rows))
+        return Staged(name, run_id, size, rows.num_rows, schema, _add_stats(rows, part))
 
     def commit(self, staged: list[Staged], *, replace: set[str] | frozenset[str] = frozenset()) -> int:
         """Name ``staged`` parts in one commit (the table is made by the first); with ``replace``, the same

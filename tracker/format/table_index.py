@@ -1,15 +1,17 @@
-"""What the committed parts of a table say about their runs, read once and kept on this machine.
+"""What the committed parts of a table say about their runs: from the table's log, else read once and kept.
 
 Listing the runs of a table (the run browser, ``logitscope query``'s ``runs``
-view, ``list_runs``) needs each part's footer: its run metadata, columns,
-vocabulary and row count, and the generations its small ``generation_meta``
-column lists. A committed part never changes (a rewrite commits a new file),
-so what was read of it stays true: it is kept per table in
-``~/.cache/logitscope/table-index/`` (``$LOGITSCOPE_CACHE`` overrides), and a
-later process reads only the footers of parts it has not seen. The footers
-read in this process are kept too (a few kilobytes each, at most
-:data:`FOOTERS_KEPT`), so that reading the parts' columns next does not parse
-them again. Needs pyarrow only.
+view, ``list_runs``) needs what each part holds: its run metadata, columns,
+vocabulary, rows and steps, its generations and their batch sizes. A part
+this version writes carries them in its :data:`~tracker.format.columns.RUN_META`
+column, and its commit repeats them as that column's statistics, with the
+rows and the largest step: the log alone lists the runs, no part is opened.
+A part whose commit did not (written by another tool, or with metadata past
+:data:`~tracker.format.table.LOGGED_META_BYTES`) is read once: a committed
+part never changes, so what was read of it is kept per table in
+``~/.cache/logitscope/table-index/`` (``$LOGITSCOPE_CACHE`` overrides). The
+footers read in this process are kept too (at most :data:`FOOTERS_KEPT`), so
+that reading the parts' columns next does not parse them again. Needs pyarrow only.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tracker.format.checks import RunFileError, arrow_reason
-from tracker.format.schema import GENERATIONS_COLUMN, META_RUN, META_VOCAB_REF, generations_from_column
 from tracker.format.spill import atomic_path
 from tracker.format.table import Committed, RunTable
 
@@ -40,7 +41,7 @@ CACHE_ENV = "LOGITSCOPE_CACHE"
 #: Parsed footers kept in this process for the next read of the same parts.
 FOOTERS_KEPT = 4096
 _INDEX_VERSION = 1
-_PROMPT_IDS = 128
+_PROMPT_IDS = 64
 
 _footers: OrderedDict[tuple[str, str], pq.FileMetaData] = OrderedDict()
 _lock = threading.Lock()
@@ -69,9 +70,11 @@ class PartFacts:
     columns: tuple[str, ...]
     generations: tuple[tuple[int, int], ...]
     prompt_ids: tuple[int, ...]
+    lengths: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    metadata: Any = field(default=None, compare=False, repr=False)  # run_json parsed, where it was
 
     def to_json(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "metadata"}
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> PartFacts:
@@ -86,6 +89,7 @@ class PartFacts:
             columns=tuple(str(c) for c in raw["columns"]),
             generations=tuple((int(g), int(b)) for g, b in raw["generations"]),
             prompt_ids=tuple(int(i) for i in raw["prompt_ids"]),
+            lengths=tuple((int(g), tuple(int(n) for n in ls)) for g, ls in raw.get("lengths", [])),
         )
 
 
@@ -112,53 +116,110 @@ def _keep(table: RunTable, path: str, footer: pq.FileMetaData) -> None:
             _footers.popitem(last=False)
 
 
+def _facts(part: Committed, raw: str, steps: int, columns: list[str] | None) -> PartFacts:
+    """A part's facts from its :data:`~tracker.format.columns.RUN_META` JSON (checked as run metadata) and its
+    steps; ``columns``: the file's own (None: those this version writes for such a run)."""
+    from tracker.format.columns import file_names
+    from tracker.format.schema import RunMetadata
+
+    body = json.loads(raw)
+    if not isinstance(body, dict):
+        raise ValueError(f"run metadata must be a JSON object, got {type(body).__name__}")
+    metadata = _metadata(raw, body, RunMetadata)
+    facts = body.get("part") if isinstance(body.get("part"), dict) else {}
+    entries = facts.get("generations") if isinstance(facts.get("generations"), list) else []
+    prompt = facts.get("prompt_ids") if isinstance(facts.get("prompt_ids"), list) else []
+    vocab = facts.get("vocab") if isinstance(facts.get("vocab"), str) else ""
+    told = facts.get("lengths") if isinstance(facts.get("lengths"), list) else []
+    lengths = tuple(
+        (e[0], tuple(e[1]))
+        for e in told
+        if isinstance(e, list)
+        and len(e) == 2
+        and type(e[0]) is int
+        and isinstance(e[1], list)
+        and all(type(n) is int for n in e[1])
+    )
+    if columns is None:
+        columns = file_names(metadata, facts.get("stats") is True)
+    return PartFacts(
+        path=part.path,
+        run_id=part.run_id,
+        size=part.size,
+        rows=part.rows,
+        steps=steps,
+        run_json=raw,
+        vocab=vocab,
+        columns=tuple(columns),
+        generations=tuple(
+            (int(e[0]), int(e[1]))
+            for e in entries
+            if isinstance(e, list) and len(e) == 2 and all(type(x) is int for x in e)
+        ),
+        prompt_ids=tuple(int(i) for i in prompt[:_PROMPT_IDS] if type(i) is int),
+        lengths=lengths,
+        metadata=metadata,
+    )
+
+
+#: Run metadata checked once per shape: the parts of a table's runs differ mostly in their id and time.
+_shapes: OrderedDict[str, Any] = OrderedDict()
+_SHAPES_KEPT = 64
+
+
+def _metadata(raw: str, body: dict[str, Any], kind: Any) -> Any:
+    """``kind.from_json(raw)`` (RunMetadata), checked in full once per shape of metadata (all but its run id,
+    time and part facts): a part of the same shape only has those three checked."""
+    run_id, created_at = body.get("run_id"), body.get("created_at", "")
+    if not isinstance(run_id, str) or not isinstance(created_at, str):
+        return kind.from_json(raw)  # says what is wrong
+    key = json.dumps({k: v for k, v in body.items() if k not in ("run_id", "created_at", "part")}, sort_keys=True)
+    with _lock:
+        shape = _shapes.get(key)
+    if shape is None:
+        shape = kind.from_json(raw)
+        with _lock:
+            _shapes[key] = shape
+            while len(_shapes) > _SHAPES_KEPT:
+                _shapes.popitem(last=False)
+    return replace(shape, run_id=run_id, created_at=created_at)
+
+
 def _read(table: RunTable, part: Committed) -> PartFacts:
-    """What the footer (and the ``generation_meta`` column) of one committed part say."""
+    """What the footer and the :data:`~tracker.format.columns.RUN_META` column of one committed part say
+    (for a part whose commit did not repeat them)."""
+    from tracker.format.parts import open_part
+
     url = f"{table.location}/{part.path}"
+    where = f"{table.where}/{part.path}"
     try:
-        with table.fs.open_input_file(f"{table.where}/{part.path}") as f:
-            file = pq.ParquetFile(f, page_checksum_verification=True)
+        opened = open_part(Path(where)) if table.fs.type_name == "local" else open_part(where, table.fs, url)
+        raw, _ = opened.described()
+        if raw is None:
+            raise RunFileError(
+                url, "it holds no logitscope run metadata (a run_meta column or footer key 'logitscope.run')"
+            )
+        file = getattr(opened, "file", None)
+        high = -1
+        if file is not None:
             meta, names = file.metadata, file.schema_arrow.names
-            footer = dict(meta.metadata or {})
-            high = -1
+            _keep(table, part.path, meta)
             if "step" in names:
                 index = names.index("step")
                 for g in range(meta.num_row_groups):
                     stats = meta.row_group(g).column(index).statistics
                     if stats is not None and stats.has_min_max:
                         high = max(high, int(stats.max))
-            entries = (
-                generations_from_column(file.read(columns=[GENERATIONS_COLUMN]).column(0))
-                if GENERATIONS_COLUMN in names
-                else []
-            )
+        names = opened.schema.names
+        return _facts(part, raw.decode("utf-8", "replace"), high + 1, list(names))
     except (pa.ArrowException, OSError) as exc:
         if isinstance(exc, (FileNotFoundError, PermissionError)):
             raise RunFileError(url, f"it is committed but cannot be read ({exc})") from exc
         raise RunFileError(url, arrow_reason(exc)) from exc
     except ValueError as exc:
+        if isinstance(exc, RunFileError):
+            raise
         raise RunFileError(url, str(exc)) from exc
-    if META_RUN not in footer:
-        raise RunFileError(url, "it holds no logitscope run metadata (footer key 'logitscope.run')")
-    _keep(table, part.path, meta)
-    prompts = entries[-1].get("prompt_ids") if entries else None
-    first = prompts[0] if isinstance(prompts, list) and prompts and isinstance(prompts[0], list) else []
-    return PartFacts(
-        path=part.path,
-        run_id=part.run_id,
-        size=part.size,
-        rows=int(meta.num_rows),
-        steps=high + 1,
-        run_json=footer[META_RUN].decode("utf-8", "replace"),
-        vocab=footer.get(META_VOCAB_REF, b"").decode("ascii", "replace"),
-        columns=tuple(names),
-        generations=tuple(
-            (int(e["generation"]), int(e.get("batch_size") or 0))
-            for e in entries
-            if isinstance(e.get("generation"), int)
-        ),
-        prompt_ids=tuple(int(i) for i in first[:_PROMPT_IDS] if isinstance(i, int)),
-    )
 
 
 def _load(path: Path) -> dict[str, dict]:
@@ -176,18 +237,27 @@ def _load(path: Path) -> dict[str, dict]:
 
 
 def part_facts(table: RunTable, parts: list[Committed], *, cache: bool = True, threads: int = 8) -> list[PartFacts]:
-    """:class:`PartFacts` of ``parts`` (committed parts of ``table``), in their order: from this machine's
-    cache, else from their footers (read ``threads`` at a time, then cached). RunFileError naming a part
-    whose footer cannot be read."""
-    index_file = _cache_file(table.location)
-    known = _load(index_file) if cache else {}
+    """:class:`PartFacts` of ``parts`` (committed parts of ``table``), in their order: from what their commits
+    repeat (the log), else from this machine's cache, else from the parts themselves (read ``threads`` at a
+    time, then cached). RunFileError naming a part whose metadata is damaged or cannot be read."""
     facts: dict[str, PartFacts] = {}
     for part in parts:
+        if part.run_json and part.steps >= 0:
+            try:
+                facts[part.path] = _facts(part, part.run_json, part.steps, None)
+            except ValueError as exc:
+                raise RunFileError(f"{table.location}/{part.path}", str(exc)) from exc
+    rest = [p for p in parts if p.path not in facts]
+    if not rest:
+        return [facts[p.path] for p in parts]
+    index_file = _cache_file(table.location)
+    known = _load(index_file) if cache else {}
+    for part in rest:
         raw = known.get(part.path)
         if isinstance(raw, dict) and raw.get("size") == part.size:
             with contextlib.suppress(KeyError, TypeError, ValueError):
                 facts[part.path] = PartFacts.from_json(raw)
-    missing = [p for p in parts if p.path not in facts]
+    missing = [p for p in rest if p.path not in facts]
     if missing:
         if len(missing) < 4 or threads <= 1:
             found = [_read(table, p) for p in missing]
@@ -198,7 +268,7 @@ def part_facts(table: RunTable, parts: list[Committed], *, cache: bool = True, t
         if cache:
             with contextlib.suppress(OSError):  # a cache that cannot be written is only slower next time
                 index_file.parent.mkdir(parents=True, exist_ok=True)
-                live = {p.path for p in parts}
+                live = {p.path for p in rest}
                 kept = {k: v for k, v in known.items() if k in live}
                 kept.update((f.path, f.to_json()) for f in found)
                 with atomic_path(index_file) as tmp:

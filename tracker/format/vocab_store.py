@@ -23,12 +23,15 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 from processors.vocab import Vocabulary
+from processors.vocab_text import display_bytes
 from tracker.format.spill import atomic_path, fsync_path
 
-__all__ = ["VOCAB_DIR", "VOCAB_SUFFIX", "vocab_key", "store_vocab", "load_vocab", "vocab_path"]
+__all__ = ["VOCAB_DIR", "VOCAB_SUFFIX", "vocab_key", "store_vocab", "load_vocab", "token_display", "vocab_path"]
 
 VOCAB_DIR = "_vocab"
 VOCAB_SUFFIX = ".arrows"
@@ -41,6 +44,7 @@ _stored: dict[tuple[str, str], float] = {}  # (table, key) -> when this process 
 _TRUST_S = 600.0
 _loaded: OrderedDict[tuple[str, str], Vocabulary] = OrderedDict()  # a few, shared by every run that names them
 _LOADED_MAX = 8
+_tables: OrderedDict[tuple[str, str], pa.Table] = OrderedDict()  # the vocabulary files read for token_display
 
 
 def vocab_key(serialized: bytes) -> tuple[str, bytes]:
@@ -76,15 +80,10 @@ def store_vocab(fs: pafs.FileSystem, root: str, serialized: bytes) -> str:
     return key
 
 
-def load_vocab(fs: pafs.FileSystem, root: str, key: str, shown: str) -> Vocabulary:
-    """The vocabulary ``key`` of the table at ``root``; ValueError naming the file (``shown``: the table as a
-    person calls it) when it is missing, too large, not what its name says, or not a vocabulary."""
+def _read_checked(fs: pafs.FileSystem, root: str, key: str, shown: str) -> bytes:
+    """The bytes of the vocabulary ``key``, checked against its name (ValueError naming the file)."""
     if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
         raise ValueError(f"its vocabulary reference {key[:80]!r} is not a SHA-256 (64 hex digits)")
-    with _lock:
-        if (root, key) in _loaded:
-            _loaded.move_to_end((root, key))
-            return _loaded[(root, key)]
     where = vocab_path(root, key)
     name = vocab_path(shown, key)
     info = fs.get_file_info(where)
@@ -96,6 +95,44 @@ def load_vocab(fs: pafs.FileSystem, root: str, key: str, shown: str) -> Vocabula
         data = f.read()
     if hashlib.sha256(data).hexdigest() != key:
         raise ValueError(f"its vocabulary '{name}' does not match its name (the file is damaged)")
+    return data
+
+
+def token_display(fs: pafs.FileSystem, root: str, key: str, shown: str, ids: np.ndarray) -> pa.Array:
+    """How the vocabulary ``key`` shows each of ``ids`` (ids inside it; as :attr:`Vocabulary.display` does:
+    special tokens by their stored name, the others from their bytes), without building the whole
+    vocabulary: a listing of a thousand runs shows a few thousand distinct tokens of 128k."""
+    with _lock:
+        table = _tables.get((root, key))
+    if table is None:
+        data = _read_checked(fs, root, key, shown)
+        try:
+            table = pa.ipc.open_stream(pa.py_buffer(data)).read_all().combine_chunks()
+            table.validate(full=True)
+        except pa.ArrowException as exc:
+            raise ValueError(f"its vocabulary '{vocab_path(shown, key)}' is damaged ({exc})") from exc
+        with _lock:
+            _tables[(root, key)] = table
+            while len(_tables) > _LOADED_MAX:
+                _tables.popitem(last=False)
+    unique, back = np.unique(ids, return_inverse=True)
+    chosen = pa.array(unique)
+    pieces = table.column("bytes").take(chosen).to_pylist()
+    special = table.column("special").take(chosen).to_pylist()
+    stored = table.column("display").take(chosen).to_pylist()
+    shown_text = [name if flag else display_bytes(piece) for piece, flag, name in zip(pieces, special, stored)]
+    return pa.array(shown_text, pa.string()).take(pa.array(back.reshape(-1)))
+
+
+def load_vocab(fs: pafs.FileSystem, root: str, key: str, shown: str) -> Vocabulary:
+    """The vocabulary ``key`` of the table at ``root``; ValueError naming the file (``shown``: the table as a
+    person calls it) when it is missing, too large, not what its name says, or not a vocabulary."""
+    with _lock:
+        if (root, key) in _loaded:
+            _loaded.move_to_end((root, key))
+            return _loaded[(root, key)]
+    data = _read_checked(fs, root, key, shown)
+    name = vocab_path(shown, key)
     try:
         vocab = Vocabulary.deserialize(base64.b64encode(data))
     except Exception as exc:  # Arrow or layout errors: a damaged vocabulary whatever the cause

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import replace
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -133,6 +133,10 @@ class Dataset:
         self.k = k
         self._sources = sources
         self._tables: dict[str, pa.Table] = {}
+        self._texts: list = []  # per sequence of the runs read all at once: its chosen ids (for ``sequences``)
+        self._scanned: list[RunSource] = []  # those runs, in the order the texts refer to
+        self._steps_columns: set[str] | None = None  # the columns of steps made so far (None: all)
+        self._slow_sequences: list[pa.Table] = []
         self._registered: set[str] = set()
         self._vocabularies: dict[bytes, Vocabulary] = {}
         self.connection = duckdb.connect(":memory:", config=dict(_DUCKDB_CONFIG))
@@ -144,10 +148,17 @@ class Dataset:
     def __repr__(self) -> str:
         return f"Dataset({self.location!r}, runs={len(self._sources)}, k={self.k})"
 
-    def table(self, view: str) -> pa.Table:
-        """The whole table of one of :data:`VIEWS`, made on first use and kept."""
+    def table(self, view: str, columns: set[str] | None = None) -> pa.Table:
+        """The table of one of :data:`VIEWS`, made on first use and kept; of ``steps``, with at least
+        ``columns`` (None: all of them; a query reads only those it names)."""
         if view not in VIEWS:
             raise ValueError(f"view must be one of {VIEWS}, got {view!r}")
+        if view == "steps" and view in self._tables and not self._has(columns):
+            columns = None if columns is None or self._steps_columns is None else columns | self._steps_columns
+            del self._tables["steps"]  # made again with more columns
+            if "steps" in self._registered:
+                self.connection.unregister("steps")
+                self._registered.discard("steps")
         if view not in self._tables:
             if view == "runs":
                 self._tables[view] = pa.Table.from_pylist([_run_row(s) for s in self._sources], schema=_RUNS_SCHEMA)
@@ -156,44 +167,90 @@ class Dataset:
 
                 tables = [candidates_table(s.load(self._vocabularies), self.k) for s in self._sources]
                 self._tables[view] = pa.concat_tables(tables)
+            elif view == "steps":
+                self._steps(columns)
             else:
-                self._steps()
+                self._sequences()
             for name, table in self._tables.items():
                 if name not in self._registered:
                     self.connection.register(name, table)
                     self._registered.add(name)
         return self._tables[view]
 
-    def _steps(self) -> None:
-        """``steps`` and ``sequences``: runs with recorded statistics all at once from those columns, the
-        others run by run (:mod:`tracker.reading.query_steps`, :mod:`tracker.reading.query_views`)."""
-        from tracker.reading.query_steps import read_runs, sequences_of_runs, steps_of_runs
-        from tracker.reading.query_views import SEQUENCES_SCHEMA, steps_tables
+    def _fast(self) -> list[RunSource]:
+        """The runs whose views come from their statistics columns, all at once."""
+        return [s for s in self._sources if s.has_stats and not s.metadata.stage_aliases]
 
-        fast = [s for s in self._sources if s.has_stats and not s.metadata.stage_aliases]
-        steps, sequences = [], []
+    def _vocabulary(self, sources: Sequence[RunSource]) -> Callable[[int], Vocabulary]:
+        def vocabulary(i: int) -> Vocabulary:
+            found = sources[i].vocabulary(self._vocabularies)
+            return found if found is not None else Vocabulary.placeholder(sources[i].metadata.vocab_size)
+
+        return vocabulary
+
+    def _has(self, columns: set[str] | None) -> bool:
+        return self._steps_columns is None or (columns is not None and columns <= self._steps_columns)
+
+    def _steps(self, columns: set[str] | None = None) -> None:
+        """``steps`` with ``columns`` (None: all): runs with recorded statistics all at once from those
+        columns, the others run by run (:mod:`tracker.reading.query_steps`, :mod:`tracker.reading.query_views`);
+        what ``sequences`` needs of them is kept."""
+        from tracker.reading.query_steps import scan_runs, steps_of_runs
+        from tracker.reading.query_views import steps_tables
+
+        fast = self._fast()
+        steps = []
         if fast:
-            runs = read_runs([(replace(s.metadata, generations=[]), s.parts(), s.names[0]) for s in fast])
-            vocabularies = {}
-
-            def vocabulary(i: int) -> Vocabulary:
-                if i not in vocabularies:
-                    vocabularies[i] = fast[i].vocabulary(self._vocabularies) or Vocabulary.placeholder(
-                        runs[i].metadata.vocab_size
-                    )
-                return vocabularies[i]
-
-            table, texts = steps_of_runs(runs, vocabulary)
+            scanned = scan_runs(fast, columns)
+            self._scanned = list(scanned.sources)  # what the texts refer to
+            table, self._texts = steps_of_runs(scanned, self._vocabularies, columns)
             steps.append(table)
-            sequences.append(sequences_of_runs(runs, vocabulary, texts))
+        self._steps_columns = None if columns is None else set(columns)
+        self._slow_sequences = []
         for source in self._sources:
             if source.has_stats and not source.metadata.stage_aliases:
                 continue
             s, q = steps_tables(source.load(self._vocabularies))
             steps.append(s)
-            sequences.append(q)
+            self._slow_sequences.append(q)
         self._tables["steps"] = pa.concat_tables(steps, promote_options="permissive")
-        self._tables["sequences"] = pa.concat_tables(sequences) if sequences else SEQUENCES_SCHEMA.empty_table()
+
+    def _sequences(self) -> None:
+        from tracker.reading.query_steps import sequences_of_runs
+        from tracker.reading.query_views import SEQUENCES_SCHEMA
+
+        if "steps" not in self._tables:
+            self._steps()
+        fast = self._scanned
+        tables = [sequences_of_runs(fast, self._vocabulary(fast), self._texts)] if fast else []
+        tables += self._slow_sequences
+        self._tables["sequences"] = pa.concat_tables(tables) if tables else SEQUENCES_SCHEMA.empty_table()
+
+    def _named(self, query: str) -> set[str] | None:
+        """The columns ``query`` names (DuckDB's parse of it), so that ``steps`` reads only those; None (all)
+        for a ``*``, or a statement DuckDB does not describe."""
+        import duckdb
+
+        try:
+            tree = json.loads(self.connection.execute("SELECT json_serialize_sql($q)", {"q": query}).fetchall()[0][0])
+        except (duckdb.Error, ValueError, TypeError):
+            return None
+        if not isinstance(tree, dict) or tree.get("error") is not False:
+            return None
+        names: set[str] = set()
+        stack: list[Any] = [tree]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                kind = node.get("class")
+                if kind in ("STAR", "COLUMNS"):
+                    return None
+                if kind == "COLUMN_REF" and node.get("column_names"):
+                    names.add(str(node["column_names"][-1]).lower())
+                stack.extend(node.values())
+            elif isinstance(node, list):
+                stack.extend(node)
+        return names
 
     def sql(self, query: str) -> pa.Table:
         """The answer to ``query`` (DuckDB's SQL over :data:`VIEWS`) as an Arrow table (``.to_pandas()`` for a
@@ -202,6 +259,9 @@ class Dataset:
 
         if not isinstance(query, str) or not query.strip():
             raise ValueError(f"query must be SQL text, got {query!r}")
+        named = self._named(query)
+        if "steps" in self._registered and not self._has(named):
+            self.table("steps", named)  # the columns this query reads that steps does not hold yet
         while True:  # a view's table is made when DuckDB first misses it
             try:
                 result = self.connection.sql(query)
@@ -213,7 +273,7 @@ class Dataset:
                 view = missing.group(1).lower() if missing else None
                 if view not in VIEWS or view in self._registered:
                     raise QueryError(f"{_one_line(exc)} (the views are {', '.join(VIEWS)})") from exc
-                self.table(view)
+                self.table(view, named)
             except duckdb.Error as exc:
                 raise QueryError(_one_line(exc)) from exc
 

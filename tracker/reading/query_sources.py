@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
@@ -23,7 +24,7 @@ from processors.vocab import Vocabulary
 from tracker.format.checks import RunFileError, arrow_reason, metadata_from, vocabulary_from
 from tracker.format.discovery import FoundRun, NoRunError, find_runs
 from tracker.format.parts import ID_COLUMNS, Part, open_part
-from tracker.format.schema import META_RUN, META_VOCAB, META_VOCAB_REF, RunMetadata, check_columns, check_generations
+from tracker.format.schema import META_VOCAB, RunMetadata, check_columns, check_generations
 from tracker.format.table import RunTable
 from tracker.format.table_index import footer_of
 from tracker.reading.run import Run
@@ -45,10 +46,11 @@ class RunSource:
 
     Attributes:
         fs, files: the filesystem and the run's files inside it, in row order.
-        metadata: the run metadata (generations: those read so far; a table's run: none until read).
+        metadata: the run metadata (a table's run: without its generations, read with its columns).
         generations, sequences: its generations, and their sequences, counted from the footers.
         rows, steps, size: its rows, its largest step + 1, its bytes.
-        columns: each file's columns (the run's names).
+        columns: each file's columns (the run's names). file_rows: each file's rows.
+        lengths: per generation, each sequence's length where its host told it.
     """
 
     fs: pafs.FileSystem
@@ -62,6 +64,8 @@ class RunSource:
     steps: int = 0
     size: int = 0
     columns: list[set[str]] = field(default_factory=list)
+    file_rows: list[int] = field(default_factory=list)
+    lengths: dict[int, list[int]] = field(default_factory=dict)
     table: RunTable | None = None
     _parts: list[Part] | None = None
 
@@ -106,6 +110,24 @@ class RunSource:
         except (ValueError, OSError) as exc:
             raise RunFileError(self.names[0], str(exc)) from exc
 
+    def vocab_identity(self) -> object:
+        """What runs sharing this run's vocabulary share (its hash in a table, else its bytes)."""
+        return ("table", self.vocab_ref[1]) if self.vocab_ref is not None else self.vocab_raw
+
+    def token_display(self, shared: dict[bytes, Vocabulary], ids: np.ndarray) -> pa.Array:
+        """How this run's vocabulary shows each of ``ids`` (in the vocabulary), without building all of a
+        table's vocabulary."""
+        try:
+            if self.vocab_ref is not None:
+                from tracker.format.vocab_store import token_display
+
+                table, key = self.vocab_ref
+                return token_display(table.fs, table.where, key, table.location, ids)
+        except (ValueError, OSError) as exc:
+            raise RunFileError(self.names[0], str(exc)) from exc
+        vocab = self.vocabulary(shared) or Vocabulary.placeholder(self.metadata.vocab_size)
+        return vocab.display_array.take(pa.array(ids))
+
     def load(self, shared: dict[bytes, Vocabulary], columns: list[str] | None = None) -> Run:
         """The run, with only ``columns`` (and the ids) read when given."""
         entries: list[dict] = []
@@ -147,7 +169,7 @@ def _metadata(path: str, raw: bytes | None) -> RunMetadata:
 def _of_table(found: FoundRun) -> RunSource:
     """A table's run, from its parts' facts (no file opened)."""
     facts = found.facts
-    metadata = _metadata(str(found.path), facts[0].run_json.encode())
+    metadata = facts[0].metadata or _metadata(str(found.path), facts[0].run_json.encode())
     if metadata.run_id != found.run_id:
         raise RunFileError(found.files[0], f"its metadata names another run than its table's {found.run_id!r}")
     counts = {g: b for f in facts for g, b in f.generations}
@@ -163,6 +185,8 @@ def _of_table(found: FoundRun) -> RunSource:
         steps=max(f.steps for f in facts),
         size=sum(f.size for f in facts),
         columns=[{c[: -len(suffix)] + "_logits" if c.endswith(suffix) else c for c in f.columns} for f in facts],
+        file_rows=[f.rows for f in facts],
+        lengths={g: list(ls) for f in facts for g, ls in f.lengths},
         table=found.table,
     )
 
@@ -174,8 +198,8 @@ def _of_files(found: list[FoundRun]) -> list[RunSource]:
         for path in run.files:
             name = _url(run.fs, path)
             part = open_part(Path(path)) if isinstance(run.fs, pafs.LocalFileSystem) else open_part(path, run.fs, name)
-            footer = part.footer
-            metadata = _metadata(name, footer.get(META_RUN))
+            raw, ref = part.described()
+            metadata = _metadata(name, raw)
             _check_part(part, metadata)
             try:
                 entries = part.generations()
@@ -186,12 +210,9 @@ def _of_files(found: list[FoundRun]) -> list[RunSource]:
                 raise RunFileError(name, str(exc)) from exc
             source = runs.get(metadata.run_id)
             if source is None:
-                ref = footer.get(META_VOCAB_REF)
-                vocab_ref = None
-                if ref is not None and run.table is not None:
-                    vocab_ref = (run.table, ref.decode("ascii", "replace"))
+                vocab_ref = (run.table, ref) if ref is not None and run.table is not None else None
                 source = runs[metadata.run_id] = RunSource(
-                    run.fs, [], replace(metadata, generations=[]), footer.get(META_VOCAB), vocab_ref, _parts=[]
+                    run.fs, [], replace(metadata, generations=[]), part.footer.get(META_VOCAB), vocab_ref, _parts=[]
                 )
             source.files.append(path)
             source._parts.append(part)  # type: ignore[union-attr]
@@ -201,10 +222,12 @@ def _of_files(found: list[FoundRun]) -> list[RunSource]:
             source.sequences += sum(int(e.get("batch_size") or 0) for e in entries)
             sizes = part.block_sizes()
             source.rows += sum(sizes)
+            source.file_rows.append(sum(sizes))
             source.steps = max(source.steps, _steps(part))
             source.size += int(part.nbytes)
-    for source in runs.values():  # generations are read again with the columns
-        source.metadata = replace(source.metadata, generations=[])
+    for source in runs.values():  # where the host told each sequence's length (it ends there)
+        told = [e for e in source.metadata.generations if isinstance(e.get("lengths"), list)]
+        source.lengths = {e["generation"]: e["lengths"] for e in told}
     return list(runs.values())
 
 
