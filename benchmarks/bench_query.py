@@ -173,30 +173,41 @@ def same(a: list, b: list) -> bool:
 
 
 def compare(root: str, repeats: int, env: dict[str, str] | None = None, label: str = "") -> dict:
-    """Best-of-``repeats`` cold timings of DuckDB and logitscope (first and second process) on both questions."""
+    """Cold timings of DuckDB and logitscope (a first and a second process) on both questions, taken in
+    rounds (DuckDB, then logitscope, one right after the other, so that a busy machine slows both alike):
+    the best of each, and the median of the rounds' ratios."""
     results: dict = {}
     for name, sql, raw in (("removed", REMOVED, RAW_REMOVED), ("entropy", ENTROPY, RAW_ENTROPY)):
-        duck = [timed(DUCKDB, root, raw, env) for _ in range(repeats)]
-        firsts, seconds = [], []
+        rounds = []
         for _ in range(repeats):
             cache = tempfile.mkdtemp(prefix="bench-query-cache-")
             try:
-                firsts.append(timed(LOGITSCOPE, root, sql, {**(env or {}), "LOGITSCOPE_CACHE": cache}))
-                seconds.append(timed(LOGITSCOPE, root, sql, {**(env or {}), "LOGITSCOPE_CACHE": cache}))
+                duck = timed(DUCKDB, root, raw, env)
+                first = timed(LOGITSCOPE, root, sql, {**(env or {}), "LOGITSCOPE_CACHE": cache})
+                second = timed(LOGITSCOPE, root, sql, {**(env or {}), "LOGITSCOPE_CACHE": cache})
             finally:
                 shutil.rmtree(cache, ignore_errors=True)
-        if not same(firsts[0]["answer"], duck[0]["answer"]):
-            raise SystemExit(f"{name}: logitscope and DuckDB disagree")
-        best = {k: min(r[k] for r in duck) for k in ("open", "first")}
-        one = {k: min(r[k] for r in firsts) for k in ("open", "first")}
-        two = {k: min(r[k] for r in seconds) for k in ("open", "first")}
-        results[name] = {"duckdb": best, "first process": one, "second process": two, "rows": len(duck[0]["answer"])}
-        print(f"{label}{name} ({results[name]['rows']:,} rows in the answer), best of {repeats}, seconds:")
-        print(f"  DuckDB alone            open {best['open']:6.2f}   first question {best['first']:6.2f}")
-        for which, t in (("first process", one), ("second process", two)):
+            if not same(first["answer"], duck["answer"]):
+                raise SystemExit(f"{name}: logitscope and DuckDB disagree")
+            rounds.append((duck, first, second))
+        out: dict = {"rows": len(rounds[0][0]["answer"])}
+        for i, who in enumerate(("duckdb", "first process", "second process")):
+            out[who] = {k: min(r[i][k] for r in rounds) for k in ("open", "first")}
+            if i:
+                out[who]["ratio"] = {
+                    k: float(np.median([r[i][k] / r[0][k] for r in rounds])) for k in ("open", "first")
+                }
+        results[name] = out
+        best = out["duckdb"]
+        print(
+            f"{label}{name} ({out['rows']:,} rows in the answer), {repeats} rounds, seconds (best) and ratio (median):"
+        )
+        print(f"  DuckDB alone             open {best['open']:6.2f}          first question {best['first']:6.2f}")
+        for who in ("first process", "second process"):
+            t, ratio = out[who], out[who]["ratio"]
             print(
-                f"  logitscope, {which:14s}open {t['open']:6.2f} ({t['open'] / best['open']:4.2f}x)   "
-                f"first question {t['first']:6.2f} ({t['first'] / best['first']:4.2f}x)"
+                f"  logitscope, {who:14s} open {t['open']:6.2f} ({ratio['open']:4.2f}x)  "
+                f"first question {t['first']:6.2f} ({ratio['first']:4.2f}x)"
             )
     return results
 
@@ -208,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--vocab", type=int, default=32_000)
     parser.add_argument("--k", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="rounds of each timing")
     parser.add_argument("--keep", default=None, metavar="FOLDER", help="write the table here and keep it")
     parser.add_argument("--previous", default=None, metavar="CHECKOUT", help="a checkout of the previous release")
     parser.add_argument("--s3", type=int, default=0, metavar="RUNS", help="also this many runs on a moto S3 server")

@@ -149,16 +149,19 @@ def table_of(fs: pafs.FileSystem, where: str, shown: str | Path) -> tuple[RunTab
     if not name.startswith("run_id=") or not parent or not is_table(fs, parent):
         return None
     if isinstance(shown, Path):
-        return RunTable(parent), name.split("=", 1)[1], shown.parent
+        return RunTable.at(parent), name.split("=", 1)[1], shown.parent
     table_shown = shown.rstrip("/").rpartition("/")[0]
-    return RunTable(table_shown), name.split("=", 1)[1], table_shown
+    return RunTable.at(table_shown), name.split("=", 1)[1], table_shown
 
 
 # ---------------------------------------------------------------- runs of a table
 
 
-def _table_runs(table: RunTable, shown: str | Path, only: str | None = None, cache: bool = True) -> list[FoundRun]:
-    """The committed runs of ``table`` (``only``: that run), each with its parts' facts and summary."""
+def _table_runs(
+    table: RunTable, shown: str | Path, only: str | None = None, cache: bool = True, inside: Path | None = None
+) -> list[FoundRun]:
+    """The committed runs of ``table`` (``only``: that run), each with its parts' facts and summary; a local
+    run one of whose parts is a symlink leading out of ``inside`` is left out."""
     committed = [c for c in table.committed() if only is None or c.run_id == only]
     facts = part_facts(table, committed, cache=cache)
     runs: dict[str, list[PartFacts]] = {}
@@ -167,6 +170,8 @@ def _table_runs(table: RunTable, shown: str | Path, only: str | None = None, cac
     found = []
     for run_id, parts in sorted(runs.items()):
         files = tuple(f"{table.where}/{p.path}" for p in parts)
+        if inside is not None and any(_leads_out(Path(f), inside) for f in files):
+            continue
         found.append(
             FoundRun(
                 _join(shown, f"run_id={run_id}"),
@@ -239,7 +244,7 @@ def _folder_runs(
     """The runs in the folder ``where`` and under it (``depth`` more folders down)."""
     local = isinstance(fs, pafs.LocalFileSystem)
     if is_table(fs, where):
-        return _table_runs(RunTable(shown if isinstance(shown, str) else where), shown, cache=cache)
+        return _table_runs(RunTable.at(shown if isinstance(shown, str) else where), shown, cache=cache, inside=inside)
     if local and (Path(where) / RUN_JSON).is_file():
         return [FoundRun(shown, "spill", fs, ())]
     name = where.rstrip("/").rsplit("/", 1)[-1]
@@ -291,7 +296,7 @@ def find_runs(location: str | os.PathLike[str], *, depth: int = MAX_DEPTH, cache
         return [FoundRun(shown, "file", fs, (where,))]
     owner = table_of(fs, where, shown)
     if owner is not None:
-        return _table_runs(owner[0], owner[2], owner[1], cache)
+        return _table_runs(owner[0], owner[2], owner[1], cache, inside)
     runs = _folder_runs(fs, where, shown, depth - 1, inside, True, cache)
     return sorted(runs, key=lambda r: str(r.path))
 
@@ -343,9 +348,10 @@ def locate(location: str | os.PathLike[str], run_id: str | None = None) -> Found
             )
         return _pick(shown, runs, run_id, "in")
     if is_table(fs, where):
-        runs = _table_runs(RunTable(shown if isinstance(shown, str) else where), shown, run_id)
+        table = RunTable.at(shown if isinstance(shown, str) else where)
+        runs = _table_runs(table, shown, run_id)
         if not runs:
-            known = [c.run_id for c in RunTable(shown if isinstance(shown, str) else where).committed()]
+            known = [c.run_id for c in table.committed()]
             if run_id is None:
                 raise NoRunError(shown, "its table holds no committed run yet")
             raise ValueError(

@@ -193,6 +193,7 @@ class RunTable:
         self.uri = self.where if isinstance(self.fs, pafs.LocalFileSystem) else self.location
         self.options = _options(self.location, storage_options)
         self._lock = threading.Lock()
+        self._committing = threading.Lock()
         self._delta: Any = None
 
     def __repr__(self) -> str:
@@ -292,8 +293,6 @@ class RunTable:
         vocab_ref = None if serialized is None else vocab_key(serialized)[0]
         name = f"run_id={run_id}/part-{_stamp()}-{secrets.token_hex(8)}.parquet"
         where = f"{self.where}/{name}"
-        if not isinstance(self.fs, pafs.LocalFileSystem):
-            self.fs.create_dir(where.rsplit("/", 1)[0], recursive=True)
         part = part_json(metadata, "natural_entropy" in rows.schema.names, vocab_ref)
         size, schema = write_part(rows, metadata, self.fs, where, part, compression)
         if serialized is not None:  # after the part: a part that could not be written leaves nothing behind
@@ -312,7 +311,8 @@ class RunTable:
         others = 0
         for attempt in range(_COMMIT_TRIES):
             try:
-                self._commit(staged, replace)
+                with self._committing:  # one commit at a time from this process (its snapshot is shared)
+                    self._commit(staged, replace)
                 return self.version()
             except (CommitFailedError, DeltaError, OSError) as exc:
                 # a concurrent writer committed first (or made the table, or changed its schema): read, retry;
@@ -382,10 +382,11 @@ class RunTable:
 
     def vacuum(self, older_than_hours: float, dry_run: bool = False) -> list[str]:
         """Remove files of the table no commit names (a killed writer's parts, parts a rewrite replaced),
-        older than ``older_than_hours``; returns their paths, relative to the table. Delta's own vacuum."""
+        older than ``older_than_hours`` (whole hours, rounded up); returns their paths, relative to the
+        table. Delta's own vacuum; :func:`tracker.format.upkeep.vacuum` also removes vocabularies."""
         delta = self._snapshot()
         if delta is None:
             return []
         hours = max(0, math.ceil(older_than_hours))
         removed = delta.vacuum(retention_hours=hours, dry_run=dry_run, enforce_retention_duration=False, full=True)
-        return sorted(str(p) for p in removed)
+        return sorted(str(p) for p in removed if str(p) and not str(p).endswith("/") and "/" in str(p))

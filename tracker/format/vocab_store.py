@@ -71,8 +71,7 @@ def store_vocab(fs: pafs.FileSystem, root: str, serialized: bytes) -> str:
                 tmp.write_bytes(data)
                 fsync_path(tmp)
             fsync_path(Path(where).parent)
-        else:
-            fs.create_dir(where.rsplit("/", 1)[0], recursive=True)
+        else:  # an object store: no folder to make, the object appears whole when its upload completes
             with fs.open_output_stream(where) as sink:
                 sink.write(data)
     with _lock:

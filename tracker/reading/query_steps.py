@@ -118,9 +118,9 @@ def _statistics(columns: set[str] | None, stage: str) -> list[str]:
     wanted = {n for n, shown in _SHOWN.items() if any(f"{v}_{stage}" in columns for v in shown)}
     wanted |= {n for n in ("allowed", "removed_mass", "margin") if n in columns}
     if "nonfinite" in columns:
-        wanted |= {"nan", "lse"}
-    if wanted:
-        wanted |= {"lse", "allowed", "max"}
+        wanted |= {"nan", "lse", "max"}  # the log-sum-exp is checked against the largest logit
+    if wanted & {"entropy", "allowed"}:
+        wanted |= {"lse", "allowed"}  # which rows hold a distribution, and how many tokens it spreads over
     return [f"{stage}_{n}" for n in _STATS if n in wanted]
 
 
@@ -158,8 +158,11 @@ def _check(scanned: Scanned, src: np.ndarray, vocab: np.ndarray, keys: np.ndarra
                 bad = bool((allowed > vocab[src]).any())
     if bad:
         for i, source in enumerate(sources):
-            check_ids(source.names[0], scanned.run_table(i), source.metadata.vocab_size)
-            check_stats(source.names[0], scanned.run_table(i), source.metadata)
+            rows = scanned.run_table(i)
+            if "processor_error" not in rows.column_names:  # not read: nothing to check of it
+                rows = rows.append_column("processor_error", pa.array(np.zeros(rows.num_rows, bool)))
+            check_ids(source.names[0], rows, source.metadata.vocab_size)
+            check_stats(source.names[0], rows, source.metadata)
 
 
 def _float(table: pa.Table, name: str, rows: pa.Array) -> np.ndarray:
