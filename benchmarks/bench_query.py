@@ -57,7 +57,7 @@ RAW_ENTROPY = "SELECT run_id, avg(natural_entropy) AS entropy FROM files GROUP B
 
 #: Each timing's process: prints one JSON line {"open": s, "first": s, "answers": [...]}.
 DUCKDB = """
-import json, sys, time
+import json, os, sys, time
 import duckdb
 from deltalake import DeltaTable
 root, question = sys.argv[1], sys.argv[2]
@@ -65,8 +65,9 @@ remote = "://" in root  # DuckDB reads an object store through the table's pyarr
 
 
 def files(con):
-    if remote:
-        con.register("committed", DeltaTable(root).to_pyarrow_dataset())
+    if remote:  # the store's options as the writers use them (an http:// endpoint here)
+        options = {"allow_http": "true"} if os.environ.get("AWS_ENDPOINT_URL", "").startswith("http://") else None
+        con.register("committed", DeltaTable(root, storage_options=options).to_pyarrow_dataset())
         return "committed", {}
     return "read_parquet($f, hive_partitioning=true)", {"f": DeltaTable(root).file_uris()}
 
@@ -323,6 +324,9 @@ def on_s3(local: Path, args: argparse.Namespace) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     env = {

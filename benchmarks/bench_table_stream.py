@@ -173,6 +173,9 @@ def on_s3(requests: int, table: pa.Table, metadata, commit_every_s: float) -> No
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     env = {

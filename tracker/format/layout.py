@@ -271,6 +271,9 @@ def open_layout(path: str | os.PathLike[str], run_id: str | None = None) -> RunL
         strangers = [p.path for p, m in zip(parts, metas) if m.run_id != found.run_id]
         if strangers:
             raise RunFileError(strangers[0], f"its metadata names another run than its table's {found.run_id!r}")
+        for part, (raw, _), fact in zip(parts, described, found.facts):
+            if raw is not None and raw.decode("utf-8", "replace") != fact.run_json:
+                raise RunFileError(part.path, "its run_meta is not what its commit says it holds (it was changed)")
     elif found.kind != "file":  # a file is one run (a run_id naming another is refused below)
         parts, metas = _parts_of_one_run(found.path, parts, metas, run_id)
     for part, meta in zip(parts, metas):

@@ -94,9 +94,11 @@ class _ParquetPart:
         if META_RUN in footer or RUN_META not in self.file.schema_arrow.names:
             ref = footer.get(META_VOCAB_REF)
             return footer.get(META_RUN), None if ref is None else ref.decode("ascii", "replace")
-        column = (
-            self.file.read_row_group(0, columns=[RUN_META]).column(0) if self.file.metadata.num_row_groups else None
-        )
+        try:
+            groups = self.file.metadata.num_row_groups
+            column = self.file.read_row_group(0, columns=[RUN_META]).column(0) if groups else None
+        except (pa.ArrowException, OSError) as exc:  # a damaged page (checksum), a truncated file
+            raise RunFileError(self.path, arrow_reason(exc)) from exc
         raw = column[0].as_py() if column is not None and len(column) else None
         if not isinstance(raw, str):
             return None, None
@@ -120,11 +122,11 @@ class _ParquetPart:
         list column's rows cannot all be as wide as the metadata says (told by the footer's counts)."""
         self._run = metadata
         names = self.file.schema_arrow.names
-        if metadata.storage in ("float16", "bfloat16") and not self._arrow:
+        if metadata.storage in ("float16", "bfloat16"):  # the values as their bit patterns (a table's layout)
             self._names = {
                 f"{s}_logits": bits_name(s, metadata.storage)
                 for s in metadata.stages
-                if bits_name(s, metadata.storage) in names
+                if bits_name(s, metadata.storage) in names and f"{s}_logits" not in names
             }
         self._check_widths()
 
