@@ -6,14 +6,15 @@
 
 - *write throughput*: each writer records top-k runs (k=20, a 32,000-token
   vocabulary, 64 steps, random logits) with the real tracker and writes each
-  into one local dataset (``to_dataset``). The baseline, in the same run, is
+  into one local table (``to_dataset``: a commit each). The baseline, in the same run, is
   one process recording and writing all the runs; the figure is the ratio of
   runs per second, 4 processes against 1 (on a machine with fewer free cores
   than writers, expect less than 4).
-- *the run browser*: a dataset of ``--runs`` small complete runs (built once
-  by 4 writer processes, kept under ``--keep``, reused when it is there),
-  then, in this process: :func:`tracker.format.dataset.list_runs` reading every
-  marker, and again with the markers it has seen cached, the Runs page's first render on a fresh Streamlit session and cache (``AppTest``,
+- *the run browser*: a table of ``--runs`` small runs (built once by 4 writer
+  processes, a commit each, kept under ``--keep``, reused when it is there),
+  then, in this process: :func:`tracker.format.dataset.list_runs` reading the
+  table's log (its checkpoint and the commits after it: no part is opened),
+  and again with the log read, the Runs page's first render on a fresh Streamlit session and cache (``AppTest``,
   server side: script, widgets, table), and its baseline, ``AppTest`` running
   a one-line script (Streamlit's own start-up). For scale, opening runs the
   way the page did before it read markers (:class:`~dashboard.reader.RunReader`
@@ -78,7 +79,7 @@ def write_throughput(writers: int, runs_each: int) -> None:
         from tracker.format.dataset import list_runs
 
         assert len(list_runs(f"{tmp}/one")) == total == len(list_runs(f"{tmp}/many"))
-    print(f"write: {total} top-k runs (k=20, V=32,000, 64 steps) recorded and written to one dataset")
+    print(f"write: {total} top-k runs (k=20, V=32,000, 64 steps) recorded and written to one table")
     print(f"  1 process:   {one:6.1f} s  ({total / one:5.2f} runs/s; process start-up included)")
     print(f"  {writers} processes: {many:6.1f} s  ({total / many:5.2f} runs/s)")
     print(f"  ratio (throughput {writers} : 1): {one / many:.2f}x on {os.cpu_count()} cores")
@@ -131,8 +132,8 @@ def run_browser(runs: int, keep: Path) -> None:
         summary_of(RunReader(path), path.name)
     per_run = (time.perf_counter() - start) / len(sample)
     print(f"run browser: {len(entries):,} runs in {root}")
-    print(f"  list_runs, every marker read:            {cold * 1000:7.0f} ms")
-    print(f"  list_runs, markers already seen (cache): {listing * 1000:7.0f} ms")
+    print(f"  list_runs, the table's log read:          {cold * 1000:7.0f} ms")
+    print(f"  list_runs again (the log brought up to date): {listing * 1000:7.0f} ms")
     print(f"  Runs page, first render (median of 3):   {renders[1] * 1000:7.0f} ms  (min {renders[0] * 1000:.0f})")
     print(f"  baseline, a one-line Streamlit script:   {baseline * 1000:7.0f} ms")
     print(

@@ -25,8 +25,8 @@ import streamlit as st
 from dashboard.discover import (
     MAX_DEPTH,
     RunSummary,
-    find_runs,
-    marker_summaries,
+    found_runs,
+    label_of,
     summary_from_marker,
     summary_of,
     unexpected_reason,
@@ -41,7 +41,7 @@ from dashboard.views import (
     window_view,
 )
 from tracker.format.checks import DamagedRowError
-from tracker.format.dataset import list_runs
+from tracker.format.dataset import RunEntry
 from tracker.format.fs import is_url
 from tracker.reading.compare import Comparison, compare
 from tracker.reading.prompt import perplexity
@@ -104,41 +104,32 @@ def _open(path: str, version: Stamp) -> RunReader:
 
 
 def reader(path: str) -> RunReader:
-    """The shared reader of the run at ``path`` (BadRunError when it is not one). A run at a URL is read
-    once: a complete run there is never rewritten."""
-    return _open(path, (0, 0, 0) if is_url(path) else stamp(path))
+    """The shared reader of the run at ``path`` (BadRunError when it is not one). A run at a URL is opened
+    again every :data:`REMOTE_LISTING_S` seconds (a table's run written again is a new commit)."""
+    return _open(path, (0, int(time.time() // REMOTE_LISTING_S), 0) if is_url(path) else stamp(path))
 
 
 @st.cache_resource(max_entries=8, show_spinner=False)  # shared, not copied: 10,000 summaries unpickled per call cost
 def _runs(root: str, version: Stamp) -> list[RunSummary]:  # 0.3 s (RunSummary is frozen; nobody changes the list)
-    if is_dataset(root):  # its complete runs, from their markers (and the cache of them): no run is opened
-        try:
-            entries = list_runs(root)
-        except ValueError as exc:  # a damaged marker: say so rather than hide the dataset
-            return [RunSummary(path=root, label=root, error=str(exc))]
-        if entries:
-            return [summary_from_marker(e, e.path.rstrip("/").rsplit("/", 1)[-1]) for e in entries]
-    found = find_runs(root)
-    described = marker_summaries(found)  # a dataset's complete runs: from their markers, nothing opened
+    try:
+        found = found_runs(root)
+    except ValueError as exc:  # a damaged marker or committed part: say so rather than hide the dataset
+        return [RunSummary(path=root, label=root, error=str(exc))]
     summaries = []
-    for path in found:
-        if is_url(root):
-            label = str(path)[len(root.rstrip("/")) + 1 :] or str(path).rstrip("/").rsplit("/", 1)[-1]
-        else:
-            label = str(Path(path).relative_to(root)) if Path(path) != Path(root) else Path(path).name
-        if str(path) in described:
-            summaries.append(replace(described[str(path)], label=label))
+    for run in found:
+        label = label_of(run.path, root)
+        if run.summary is not None:  # a table's or a marker folder's run: described from its listing, not opened
+            summaries.append(summary_from_marker(RunEntry(run.run_id or "", str(run.path), run.summary), label))
             continue
+        path = str(run.path)
         try:
-            summaries.append(summary_of(reader(str(path)), label))
+            summaries.append(summary_of(reader(path), label))
         except BadRunError as exc:
-            summaries.append(RunSummary(path=str(path), label=label, error=exc.reason))
+            summaries.append(RunSummary(path=path, label=label, error=exc.reason))
         except (ValueError, TypeError, KeyError, IndexError, RecursionError, MemoryError, pa.ArrowException) as exc:
-            summaries.append(RunSummary(path=str(path), label=label, error=unexpected_reason(exc)))
+            summaries.append(RunSummary(path=path, label=label, error=unexpected_reason(exc)))
         except OSError as exc:  # no permission to read it, or it vanished while listing
-            summaries.append(
-                RunSummary(path=str(path), label=label, error=f"it cannot be read ({exc.strerror or exc})")
-            )
+            summaries.append(RunSummary(path=path, label=label, error=f"it cannot be read ({exc.strerror or exc})"))
     return summaries
 
 
@@ -147,7 +138,8 @@ REMOTE_LISTING_S = 30
 
 
 def is_dataset(root: str) -> bool:
-    """A URL of a store's folder, or a local folder holding ``run_id=...`` folders: listed from markers."""
+    """A URL of a store's folder, or a local folder holding ``run_id=...`` folders (a table, or a folder of
+    completion markers): listed again by time, not by its files' stamps."""
     if is_url(root):
         return not root.rstrip("/").rsplit("/", 1)[-1].startswith("run_id=")
     try:

@@ -1,16 +1,14 @@
-"""Finding the runs under a path and describing each one for the run browser.
+"""The runs under a path, described for the run browser and ``logitscope inspect``.
 
-A path may be one run (a ``.parquet`` or Arrow IPC file, a ``run_id=...``
-folder, a spill folder) or a folder holding runs, at any depth up to
-:data:`MAX_DEPTH`. Hidden entries and half-written temporary files are
-skipped, and so are symlinks that lead out of the folder and subfolders the
-server may not read. A file that looks like a run but cannot be read still appears, with
-its error, so the browser can say what is wrong with it.
-
-A dataset's complete runs (``run_id=...`` folders with their ``_complete.json``,
-:mod:`tracker.format.dataset`) are described from that marker alone, so a folder of
-10,000 runs is listed without opening one. A URL (``s3://bucket/runs``) is a
-run file, a run folder or a dataset root on that store.
+Which runs a path or URL holds is :func:`tracker.format.discovery.find_runs`'s
+answer, the one every reader uses (files, tables, folders of completion
+markers, spill folders, any folder holding them up to :data:`MAX_DEPTH` deep;
+hidden and temporary files, uncommitted parts and symlinks leading out of the
+folder left out). A table's or a marker folder's run is described from what
+its listing already read (its parts' footers, its marker), so a folder of
+10,000 runs is listed without opening one; any other run is opened. A file
+that looks like a run but cannot be read still appears, with its error, so
+the browser can say what is wrong with it.
 """
 
 from __future__ import annotations
@@ -20,110 +18,48 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 
-from dashboard.reader import IPC_SUFFIXES, PARQUET_SUFFIXES, BadRunError, RunReader
-from tracker.format.dataset import RunEntry, list_runs
-from tracker.format.fs import is_url, resolve
-from tracker.format.layout import COMPLETE, is_partition
+from dashboard.reader import BadRunError, RunReader
+from tracker.format import discovery
+from tracker.format.dataset import RunEntry
+from tracker.format.fs import is_url
+from tracker.format.layout import is_partition
 from tracker.format.spill import RUN_JSON
 
 __all__ = [
     "MAX_DEPTH",
     "RunSummary",
     "find_runs",
+    "found_runs",
     "is_run_folder",
     "summarize",
     "summary_of",
     "summary_from_marker",
-    "marker_summaries",
+    "label_of",
     "unexpected_reason",
 ]
 
-MAX_DEPTH = 4
-RUN_SUFFIXES = PARQUET_SUFFIXES + IPC_SUFFIXES
+MAX_DEPTH = discovery.MAX_DEPTH
 
 
 def is_run_folder(path: Path) -> bool:
-    """A folder that is one run: a dataset partition (``run_id=...``) holding a part, or a spill folder.
-    A partition holding only the temporary file of an export in progress (or killed) is no run yet."""
+    """A folder that is one run: a complete marker folder (``run_id=...`` with its ``_complete.json``), or a
+    spill folder. A partition holding only the temporary file of an export in progress (or killed) is no run."""
     return is_partition(path) or (path.is_dir() and (path / RUN_JSON).is_file())
 
 
-def _visible(path: Path) -> bool:
-    return not path.name.startswith((".", "_")) and not path.name.endswith(".tmp")
-
-
-def _leads_out(entry: Path, inside: Path) -> bool:
-    """A symlink whose target is not under ``inside`` (or cannot be resolved)."""
-    if not entry.is_symlink():
-        return False
+def found_runs(root: str | Path) -> list[discovery.FoundRun]:
+    """The runs at or under ``root`` (a path or a URL), as :func:`tracker.format.discovery.find_runs` finds
+    them. FileNotFoundError naming ``root`` if nothing is there; PermissionError if it cannot be listed."""
     try:
-        return not entry.resolve().is_relative_to(inside)
-    except (OSError, RuntimeError):
-        return True
-
-
-def _holds_outside_links(folder: Path, inside: Path) -> bool:
-    """A run folder one of whose files (a part, a spill chunk) is a symlink leading out of ``inside``."""
-    try:
-        return any(_leads_out(entry, inside) for entry in folder.iterdir())
-    except OSError:
-        return True
-
-
-def _find_remote(url: str) -> list[str]:
-    """The runs at a URL: the run file or run folder it names, else the complete runs of the dataset there."""
-    fs, where = resolve(url, "path")
-    info = fs.get_file_info(where.rstrip("/"))
-    if info.type == pafs.FileType.NotFound:
-        raise FileNotFoundError(f"path: nothing at '{url}' (give a run file or a folder of runs)")
-    if info.type == pafs.FileType.File or where.rstrip("/").rsplit("/", 1)[-1].startswith("run_id="):
-        return [url]
-    return [entry.path for entry in list_runs(url)]
+        return discovery.find_runs(root)
+    except discovery.NoRunError as exc:
+        raise FileNotFoundError(f"path: nothing at '{root}' (give a run file or a folder of runs)") from exc
 
 
 def find_runs(root: str | Path) -> list[Path] | list[str]:
-    """The runs at or under ``root`` (a path, or a URL: then URLs), sorted by path.
-
-    FileNotFoundError naming ``root`` if it is missing; PermissionError if
-    ``root`` itself cannot be listed (unreadable subfolders are skipped).
-    Symlinks are followed only to targets inside ``root``; a run folder holding a symlink that leads out
-    (``run_id=x/part-00000.parquet`` linked from elsewhere) is not listed either.
-    """
-    if is_url(root):
-        return _find_remote(str(root))
-    base = Path(root)
-    if not base.exists():
-        raise FileNotFoundError(f"path: nothing at '{base}' (give a run file or a folder of runs)")
-    inside = base.resolve()
-    if base.is_file() or is_run_folder(base):
-        return [] if base.is_dir() and _holds_outside_links(base, inside) else [base]
-    found: list[Path] = []
-
-    def walk(folder: Path, depth: int) -> None:
-        try:
-            entries = sorted(folder.iterdir())
-        except OSError:
-            if folder == base:
-                raise
-            return  # a subfolder this server may not read
-        for entry in entries:
-            if not _visible(entry) or _leads_out(entry, inside):
-                continue
-            try:
-                if entry.is_file() and entry.suffix in RUN_SUFFIXES:
-                    found.append(entry)
-                elif is_run_folder(entry):
-                    if not _holds_outside_links(entry, inside):  # a part linked from elsewhere: not shown
-                        found.append(entry)
-                elif entry.is_dir() and depth < MAX_DEPTH:
-                    walk(entry, depth + 1)
-            except OSError:
-                continue  # an entry that cannot be looked at
-
-    walk(base, 1)
-    return found
+    """The paths of the runs at or under ``root`` (Paths for a local root, URLs for a URL), sorted."""
+    return [r.path for r in found_runs(root)]  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -197,19 +133,27 @@ def summary_of(reader: RunReader, label: str) -> RunSummary:
 
 
 def summarize(path: str | Path, root: str | Path | None = None) -> RunSummary:
-    """Open ``path`` and describe it; a bad run gives a summary with ``error`` set instead of raising."""
-    target = Path(path)
-    label = (
-        str(target.relative_to(root))
-        if root is not None and target != Path(root) and target.is_relative_to(root)
-        else target.name
-    )
+    """Open ``path`` (a path or a URL) and describe it; a bad run gives a summary with ``error`` set instead
+    of raising."""
+    target: str | Path = str(path) if is_url(path) else Path(path)
+    label = label_of(target, root)
     try:
         return summary_of(RunReader(target), label)
     except BadRunError as exc:
         return RunSummary(path=str(target), label=label, error=exc.reason)
     except (ValueError, TypeError, KeyError, IndexError, RecursionError, MemoryError, pa.ArrowException) as exc:
         return RunSummary(path=str(target), label=label, error=unexpected_reason(exc))
+
+
+def label_of(target: str | Path, root: str | Path | None) -> str:
+    """How a run under ``root`` is labelled: its path relative to ``root``, else its name."""
+    if isinstance(target, str):
+        base = str(root).rstrip("/") if root is not None else ""
+        inside = bool(base) and target.startswith(base + "/")
+        return target[len(base) + 1 :] if inside else target.rstrip("/").rsplit("/", 1)[-1]
+    if root is not None and not is_url(root) and target != Path(root) and target.is_relative_to(root):
+        return str(target.relative_to(root))
+    return target.name
 
 
 def unexpected_reason(exc: BaseException) -> str:
@@ -240,22 +184,3 @@ def summary_from_marker(entry: RunEntry, label: str) -> RunSummary:
         vocab_size=int(m.get("vocab_size") or 0),
         size_bytes=int(m.get("bytes") or 0),
     )
-
-
-def marker_summaries(folders: list[Path] | list[str]) -> dict[str, RunSummary]:
-    """Summaries, by path, of those local ``folders`` that are complete dataset runs, read from their markers
-    (the others are left out: they are opened as runs). A damaged marker is left out too: opening the run
-    says what is wrong."""
-    found: dict[str, RunSummary] = {}
-    for folder in folders:
-        name = Path(folder).name
-        if is_url(folder) or not name.startswith("run_id="):
-            continue
-        try:
-            raw = json.loads((Path(folder) / COMPLETE).read_bytes())
-        except (OSError, ValueError):
-            continue
-        if isinstance(raw, dict) and isinstance(raw.get("summary"), dict):
-            summary = {**raw["summary"], "bytes": raw.get("bytes", 0)}
-            found[str(folder)] = summary_from_marker(RunEntry(name.split("=", 1)[1], str(folder), summary), "")
-    return found

@@ -23,6 +23,7 @@ import torch
 import tracker
 from processors import BatchContext
 from tracker import Vocabulary
+from tracker.format.dataset import open_table
 from tracker.format.schema import META_RUN, META_VOCAB, RunMetadata, run_schema
 from tracker.format.spill import atomic_path
 
@@ -204,9 +205,11 @@ def write_large_run(
                 compression=compression,
                 use_dictionary=["generation", "sequence"],
                 write_statistics=["generation", "sequence", "step", "chosen"],
+                store_schema=False,  # the run files' layout (tracker.format.columns): the vocabulary once
             ) as writer:
                 for block in blocks:
                     writer.write_batch(_record_batch(schema, *block), row_group_size=rows)
+                writer.add_key_value_metadata(schema.metadata)
     return target
 
 
@@ -218,8 +221,8 @@ FLEET_PROCESSORS = ("none", "JSONSchema", "Regex", "BadWords")
 def write_run_dataset(
     root: str | Path, runs: int, *, steps: int = 8, vocab: int = 64, seed: int = 0, start: int = 0
 ) -> list[str]:
-    """Write ``runs`` small recorded runs (numbered from ``start``) into the dataset at ``root`` (a folder or
-    URL), each complete.
+    """Write ``runs`` small recorded runs (numbered from ``start``) into the table at ``root`` (a folder or
+    URL), in one commit.
 
     One run is recorded through the real tracker (random logits, two
     sequences); the others are it under new ids, titles, models, processors
@@ -236,7 +239,8 @@ def write_run_dataset(
     recorder.finish(ids)
     template = recorder.run
     day = _dt.datetime(2026, 1, 1, tzinfo=_dt.timezone.utc)
-    written = []
+    table = open_table(root)
+    staged, written = [], []
     for i in range(start, start + runs):
         created = (day + _dt.timedelta(hours=i)).isoformat(timespec="seconds")
         metadata = replace(
@@ -247,6 +251,9 @@ def write_run_dataset(
             processors=FLEET_PROCESSORS[(i // len(FLEET_MODELS)) % len(FLEET_PROCESSORS)],
             extra={"title": f"request {i}"},
         )
-        tracker.Run(template._record_batches(), metadata, template.vocab).to_dataset(root)
+        staged.append(
+            table.stage(tracker.Run(template._record_batches(), metadata, template.vocab).to_arrow(), metadata)
+        )
         written.append(metadata.run_id)
+    table.commit(staged)
     return written

@@ -11,8 +11,8 @@ Each actor loads its model once (the shipped demo model by default, or a
 function that returns ``(model, tokenizer)``), wraps logitscope's
 :class:`~sampling.Generator` with :func:`tracker.add_tracking`, and for each
 batch of prompts generates, writes the batch as one run into the shared
-dataset (:meth:`tracker.Run.to_dataset`: ``root/run_id=<id>/``, run ids
-unique, each file written once) and returns a small table of run ids,
+table (:meth:`tracker.Run.to_dataset`: one commit per run, run ids unique,
+visible to every reader once committed) and returns a small table of run ids,
 prompts and generated texts. Nothing here depends on Ray: any engine that
 calls a class per batch of rows (Spark's ``mapInPandas``, Daft's UDF
 classes) can use it the same way.

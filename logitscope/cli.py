@@ -27,7 +27,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from logitscope import __version__, cli_rescore, inspect_run, query_cli
+from logitscope import __version__, cli_rescore, inspect_run, query_cli, table_cli
 from logitscope.cli_args import device as _device
 from logitscope.cli_args import fail as _fail
 from logitscope.cli_args import no_loading_bar as _no_loading_bar
@@ -471,6 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect_run.add_parser(sub)
     cli_rescore.add_parsers(sub)
     query_cli.add_parser(sub)
+    table_cli.add_parsers(sub)
     return parser
 
 

@@ -1,5 +1,6 @@
 """Runs at fleet scale, storage side: URLs, a real S3-compatible server (moto) on the loopback, many writers
-into one dataset, runs visible only when complete, parts streamed while a run generates."""
+into one table, runs visible only once committed, parts streamed while a run generates, and the folders of
+completion markers written before tables."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ import warnings
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pytest
 import torch
+from marker_support import marker_run
 
 from tracker import LogitTrackingProcessor, Run
 from tracker.format.dataset import COMPLETE, list_runs
 from tracker.format.layout import PartialRunWarning
+from tracker.format.table import RunTable
 
 pytest.importorskip("moto")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,7 +91,7 @@ def test_a_run_written_to_s3_reads_back_bit_identical(s3):
     assert run.to_parquet("s3://bucket/one/run.parquet") == "s3://bucket/one/run.parquet"
     same(Run.load("s3://bucket/one/run.parquet"), run)
     part = run.to_dataset("s3://bucket/runs")
-    assert part == f"s3://bucket/runs/run_id={run.run_id}/part-00000.parquet"
+    assert part.startswith(f"s3://bucket/runs/run_id={run.run_id}/part-") and part.endswith(".parquet")
     same(Run.load("s3://bucket/runs"), run)
     same(Run.load("s3://bucket/runs", run_id=run.run_id), run)
     [entry] = list_runs("s3://bucket/runs")
@@ -123,21 +127,51 @@ def test_missing_and_unknown_urls_name_the_argument(s3):
         Run.load("nosuchscheme://x")
 
 
-def test_a_run_folder_without_its_marker_is_not_listed_and_loads_only_with_a_warning(tmp_path):
+def test_a_streamed_run_is_invisible_until_closed_then_whole(tmp_path):
     tracker = recorded(steps=3, seed=3)
     stream = tracker.stream_to(tmp_path)
     stream.flush()
-    assert list_runs(tmp_path) == []  # still being written: invisible
-    with pytest.raises(FileNotFoundError, match="no complete run yet"):
+    assert list_runs(tmp_path) == []  # written, not committed: no reader sees it
+    with pytest.raises(FileNotFoundError, match="no committed run yet"):
         Run.load(tmp_path)
-    with pytest.warns(PartialRunWarning, match=COMPLETE):
-        part = Run.load(stream.folder)
-    same(part, tracker.run)
+    with pytest.raises(FileNotFoundError, match="no commit of its table names a part"):
+        Run.load(stream.folder)
     stream.close()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         same(Run.load(tmp_path), tracker.run)
     assert [e.run_id for e in list_runs(tmp_path)] == [tracker.run_id]
+
+
+def test_a_marker_folder_without_its_marker_is_not_listed_not_loaded_from_its_root_and_warns_by_name(tmp_path):
+    """The layout before tables: a run_id= folder without its _complete.json is a run still being written."""
+    done, pending = recorded(steps=2, seed=1).run, recorded(steps=3, seed=3).run
+    marker_run(done, tmp_path)
+    marker_run(pending, tmp_path, marker=False)
+    assert [e.run_id for e in list_runs(tmp_path)] == [done.run_id]
+    same(Run.load(tmp_path), done)  # the root's one complete run
+    with pytest.raises(FileNotFoundError, match="not complete .* a dataset's root shows complete runs only"):
+        Run.load(tmp_path, run_id=pending.run_id)
+    with pytest.warns(PartialRunWarning, match=COMPLETE):
+        same(Run.load(tmp_path / f"run_id={pending.run_id}"), pending)
+
+
+def test_a_marker_folder_answers_the_same_on_s3_as_on_a_local_disk(s3, tmp_path):
+    done, pending = recorded(steps=2, seed=11).run, recorded(steps=3, seed=12).run
+    for run, marker in ((done, True), (pending, False)):
+        path = marker_run(run, tmp_path, marker=marker)
+        fs = pafs.FileSystem.from_uri("s3://bucket/markers")[0]
+        for file in path.parent.iterdir():
+            fs.create_dir(f"bucket/markers/{path.parent.name}")
+            with fs.open_output_stream(f"bucket/markers/{path.parent.name}/{file.name}") as sink:
+                sink.write(file.read_bytes())
+    for root in (tmp_path, "s3://bucket/markers"):
+        assert [e.run_id for e in list_runs(root)] == [done.run_id]
+        same(Run.load(root), done)
+        with pytest.raises(FileNotFoundError, match="not complete"):
+            Run.load(root, run_id=pending.run_id)
+        with pytest.warns(PartialRunWarning):
+            same(Run.load(f"{root}/run_id={pending.run_id}"), pending)
 
 
 def test_a_streamed_run_is_written_part_by_part_and_reads_back_whole(s3, tmp_path):
@@ -148,19 +182,23 @@ def test_a_streamed_run_is_written_part_by_part_and_reads_back_whole(s3, tmp_pat
             first = tracker.run.num_rows
             record(tracker, 4, 60, torch.Generator().manual_seed(5))  # a second generation: the next part
             stream.flush()
-        assert stream.parts == ["part-00000.parquet", "part-00001.parquet"]
+        assert len(stream.parts) == 2
         loaded = Run.load(root)
         assert loaded.num_rows > first and len(loaded.generations()) == 2
         same(loaded, tracker.run)
 
 
-def test_a_stream_left_by_an_exception_keeps_its_parts_but_stays_invisible(tmp_path):
+def test_a_stream_left_by_an_exception_commits_nothing_and_vacuum_removes_its_parts(tmp_path):
     tracker = recorded(steps=3, seed=8)
     with pytest.raises(RuntimeError, match="boom"), tracker.stream_to(tmp_path) as stream:
+        stream.flush()
         raise RuntimeError("boom")
-    assert stream.parts == ["part-00000.parquet"] and list_runs(tmp_path) == []
-    with pytest.warns(PartialRunWarning):
-        same(Run.load(stream.folder), tracker.run)
+    assert len(stream.parts) == 1 and list_runs(tmp_path) == []
+    assert RunTable(tmp_path).committed() == []  # nothing was ever committed
+    other = recorded(steps=2, seed=9).run
+    other.to_dataset(tmp_path)
+    assert RunTable(tmp_path).vacuum(older_than_hours=0) == stream.parts
+    assert [e.run_id for e in list_runs(tmp_path)] == [other.run_id]
 
 
 # ---------------------------------------------------------------- many writers at once
@@ -297,18 +335,32 @@ def test_the_run_browser_lists_a_dataset_from_its_markers_filters_pages_and_open
 
 
 def test_listing_again_reads_only_new_markers_and_a_damaged_one_is_named(tmp_path):
-    from dashboard.synthetic import write_run_dataset
-
     root = tmp_path / "runs"
-    first = write_run_dataset(root, 3, steps=2, vocab=20)
-    assert [e.run_id for e in list_runs(root)] == first
-    marker = root / f"run_id={first[0]}" / COMPLETE
+    first = [recorded(steps=2, seed=30 + i).run for i in range(3)]
+    for run in first:
+        marker_run(run, root)
+    assert [e.run_id for e in list_runs(root)] == sorted(r.run_id for r in first)
+    marker = root / f"run_id={first[0].run_id}" / COMPLETE
     marker.write_text("not json")  # a complete run is never rewritten: its cached summary stands
-    more = write_run_dataset(root, 2, steps=3, vocab=20, start=3)
+    more = recorded(steps=3, seed=40).run
+    marker_run(more, root)
     entries = list_runs(root)
-    assert [e.run_id for e in entries] == first + more and entries[-1].summary["steps"] == 3
-    with pytest.raises(ValueError, match=f"run_id={first[0]}/{COMPLETE}' is a damaged completion marker"):
+    assert len(entries) == 4 and next(e for e in entries if e.run_id == more.run_id).summary["steps"] == 3
+    with pytest.raises(ValueError, match=f"run_id={first[0].run_id}/{COMPLETE}' cannot be read .* damaged completion"):
         list_runs(root, cache=False)
+
+
+def test_a_rewritten_run_is_a_new_commit_and_is_listed_anew(tmp_path):
+    """A run written again is a new commit: its listing (and the Runs page) shows it as written last."""
+    tracker = recorded(steps=2, seed=50)
+    tracker.to_dataset(tmp_path)
+    [entry] = list_runs(tmp_path)
+    assert entry.summary["generations"] == 1
+    record(tracker, 3, 60, torch.Generator().manual_seed(51))  # a second generation, then written again
+    tracker.to_dataset(tmp_path)
+    [entry] = list_runs(tmp_path)
+    assert entry.summary["generations"] == 2 and entry.summary["rows"] == tracker.run.num_rows
+    same(Run.load(tmp_path), tracker.run)
 
 
 def test_the_run_browser_lists_and_opens_runs_of_a_dataset_on_s3(s3):

@@ -96,8 +96,8 @@ def _main_file(path: Path) -> Path:
     """The file of a run that damage goes to: the file itself, a dataset's part, a spill folder's first chunk."""
     if path.is_file():
         return path
-    parts = sorted(path.rglob("*.parquet")) or sorted(path.glob("chunk-*.arrow"))
-    return parts[0]
+    parts = sorted(p for p in path.rglob("*.parquet") if "_delta_log" not in p.parts)  # a table's log: not a run
+    return (parts or sorted(path.glob("chunk-*.arrow")))[0]
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -195,7 +195,8 @@ class _NotApplicable(Exception):
 
 
 def _metadata_json(change: Callable[[dict], None]) -> Callable[[Path, random.Random], None]:
-    """Rewrite the run metadata JSON (a file's schema metadata, or a spill folder's ``_run.json``)."""
+    """Rewrite the run metadata JSON (a file's schema metadata, a table part's ``run_meta`` column, or a spill
+    folder's ``_run.json``)."""
 
     def damage(run: Path, rng: random.Random) -> None:
         if (run / "_run.json").is_file():
@@ -205,6 +206,11 @@ def _metadata_json(change: Callable[[dict], None]) -> Callable[[Path, random.Ran
             return
         part = _main_file(run)
         table = _read(part)
+        if "run_meta" in table.schema.names:  # a table's part: the metadata is that column's, on every row
+            raw = _apply(change, json.loads(table.column("run_meta")[0].as_py())).decode()
+            index = table.schema.get_field_index("run_meta")
+            _write(table.set_column(index, "run_meta", pa.array([raw] * table.num_rows, pa.string())), part)
+            return
         meta = dict(table.schema.metadata)
         meta[b"logitscope.run"] = _apply(change, json.loads(meta[b"logitscope.run"]))
         _write(table.replace_schema_metadata(meta), part)

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import streamlit as st
 import torch
+from marker_support import marker_run
 from streamlit.testing.v1 import AppTest
 from test_fuzz_files import lying_lengths
 from test_trust_files import recorded, rewrite
@@ -107,17 +108,23 @@ def test_a_run_whose_chosen_tokens_are_unknown_shows_in_a_notebook():
 
 
 def _two_copies(tmp_path: Path, marker: bool = False) -> Path:
-    path = recorded(steps=3, vocab=40).run.to_dataset(tmp_path / "runs")
+    path = marker_run(recorded(steps=3, vocab=40).run, tmp_path / "runs", marker=marker)
     shutil.copy(path, path.with_name("part-00001.parquet"))  # a run and a copy of it, in one run folder
-    if not marker:  # a folder copied by hand, or written before completion markers: every part is read
-        (path.parent / "_complete.json").unlink()
-    return path.parent
+    return path.parent  # without a marker (a folder copied by hand, or written before markers): every part is read
 
 
 def test_a_complete_runs_folder_reads_the_parts_its_marker_names_not_a_copy_put_beside_them(tmp_path):
     folder = _two_copies(tmp_path, marker=True)
     run, alone = Run.load(folder), Run.load(folder / "part-00000.parquet")
     assert run.to_arrow().equals(alone.to_arrow()) and run.sequence() == alone.sequence()
+
+
+def test_a_table_reads_the_parts_its_commits_name_not_a_copy_put_beside_them(tmp_path):
+    written = Path(recorded(steps=3, vocab=40).run.to_dataset(tmp_path / "table"))
+    shutil.copy(written, written.with_name("part-copy.parquet"))  # dropped into the run's folder, never committed
+    run, alone = Run.load(written.parent), Run.load(written)
+    assert run.to_arrow().equals(alone.to_arrow()) and run.sequence() == alone.sequence()
+    assert [p.name for p in find_runs(tmp_path / "table")] == [written.parent.name]
 
 
 def test_a_run_and_its_copy_in_one_folder_are_refused_not_read_with_every_step_twice(tmp_path):
@@ -133,9 +140,10 @@ def test_a_run_and_its_copy_in_one_folder_are_refused_not_read_with_every_step_t
 def test_a_part_symlinked_from_outside_the_served_folder_is_not_listed(tmp_path):
     outside = recorded(steps=3, vocab=40).to_parquet(tmp_path / "elsewhere" / "secret.parquet")
     served = tmp_path / "served"
-    recorded(steps=2, vocab=40, seed=1).run.to_dataset(served)
+    marker_run(recorded(steps=2, vocab=40, seed=1).run, served)
     (served / "run_id=x").mkdir()
     (served / "run_id=x" / "part-00000.parquet").symlink_to(outside)
+    (served / "run_id=x" / "_complete.json").write_text('{"run_id": "x", "parts": ["part-00000.parquet"]}')
     (served / "inside.parquet").symlink_to(next(served.glob("run_id=2*/part-00000.parquet")))  # inside: kept
     found = sorted(p.relative_to(served).as_posix() for p in find_runs(served))
     assert len(found) == 2 and "run_id=x" not in found and "inside.parquet" in found
@@ -292,7 +300,7 @@ def test_a_full_disk_names_the_file_and_leaves_no_empty_dataset_folder(tmp_path)
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 2, done.stdout + done.stderr
     assert re.match(r"OSError: \[Errno 27\] File too large: .*'.*out/run\.parquet'", lines[0]), lines[0]
-    assert re.match(r"OSError: \[Errno 27\] File too large: .*'.*dataset/run_id=.*/part-00000\.parquet'", lines[1])
+    assert re.match(r"OSError: \[Errno 27\] File too large: .*'.*dataset/run_id=.*/part-.*\.parquet'", lines[1])
     assert not (tmp_path / "out").exists() and not (tmp_path / "dataset").exists()
 
 

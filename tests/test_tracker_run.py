@@ -9,12 +9,11 @@ import stat
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pytest
 import torch
 from test_tracker_support import FailsOnThirdCall, byte_tokenizer, record_until_the_processor_raises
 
-import tracker.format.layout as layout_module
+import tracker.format.run_file as run_file_module
 from processors import LogitsProcessor
 from tracker import LogitTrackingProcessor, Run, Vocabulary
 from tracker.format.schema import META_RUN, SCHEMA_VERSION, RunMetadata
@@ -97,7 +96,7 @@ def test_writes_are_atomic_a_failed_write_leaves_the_old_file(tmp_path, monkeypa
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(layout_module.pq, "write_table", broken)
+    monkeypatch.setattr(run_file_module.pq.ParquetWriter, "write_table", broken)
     with pytest.raises(OSError, match="disk full"):
         tracked(seed=1).to_parquet(path)
     assert path.read_bytes() == before
@@ -119,17 +118,17 @@ def test_many_runs_form_one_dataset_for_pyarrow_and_duckdb(tmp_path):
     runs = [tracked(seed=s, steps=3 + s) for s in range(3)]
     for tracker in runs:
         tracker.to_dataset(tmp_path)
-    dataset = ds.dataset(tmp_path, format="parquet", partitioning="hive")
+    from deltalake import DeltaTable
+
+    dataset = DeltaTable(tmp_path).to_pyarrow_dataset()  # the committed parts, run_id their partition
     table = dataset.to_table(columns=["run_id", "generation", "sequence", "step", "chosen"])
     counts = {
         r: c for r, c in zip(*np.unique(table.column("run_id").to_numpy(zero_copy_only=False), return_counts=True))
     }
     assert counts == {t.run_id: 2 * (3 + s) for s, t in enumerate(runs)}
     con = duckdb.connect()
-    rows = con.execute(
-        f"select run_id, count(*), max(step) from read_parquet('{tmp_path}/**/*.parquet', hive_partitioning=true) "
-        "group by run_id order by run_id"
-    ).fetchall()
+    con.register("runs", dataset)
+    rows = con.execute("select run_id, count(*), max(step) from runs group by run_id order by run_id").fetchall()
     assert rows == sorted((t.run_id, 2 * (3 + s), 2 + s) for s, t in enumerate(runs))
     one = Run.load(tmp_path, run_id=runs[1].run_id)
     assert one.get_top_tokens(k=3) == runs[1].get_top_tokens(k=3)

@@ -214,20 +214,19 @@ for _ in range(3):
     ids = torch.cat([ids, tracker(ids, torch.randn(1, 50)).argmax(1, keepdim=True)], 1)
 tracker.finish(ids)
 
-def killed(table, where, **kwargs):  # the process dies with the part half written
-    with open(where, "wb") as f:
-        f.write(b"PAR1 half a part")
+def killed(self, table, **kwargs):  # the process dies with the part half written
     os.kill(os.getpid(), signal.SIGKILL)
 
-pq.write_table = killed
+pq.ParquetWriter.write_table = killed
 tracker.to_dataset(sys.argv[1])
 """
 
 
-def test_a_killed_dataset_export_leaves_the_dataset_as_it_was(tmp_path):
-    """An export into a dataset killed midway adds no run to it: readers see the runs that were there, and the
-    next export into the dataset removes what the killed one left."""
+def test_a_killed_dataset_export_adds_no_run_and_vacuum_removes_what_it_left(tmp_path):
+    """An export into a table killed midway adds no run to it: readers see the runs that were there, and
+    vacuum removes the file it left."""
     from dashboard.discover import find_runs
+    from tracker.format.table import RunTable
 
     root = tmp_path / "dataset"
     first = recorded(steps=2, vocab=50).run
@@ -236,30 +235,33 @@ def test_a_killed_dataset_export_leaves_the_dataset_as_it_was(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", KILLED_DATASET_EXPORT, str(root)], env=env)
     assert done.returncode == -9
-    shown = sorted(p.relative_to(root) for p in root.rglob("*") if not p.name.endswith(".tmp"))
-    assert shown == before  # no run_id= folder for the run that was never written
+    left = [p for p in root.rglob("*") if p.relative_to(root) not in before and p.is_file()]
+    assert left and all(p.name.endswith(".tmp") for p in left)  # the killed writer's temporary file
     assert Run.load(root).run_id == first.run_id  # the one run, without naming it
     assert find_runs(root) == [root / f"run_id={first.run_id}"]
     second = recorded(steps=3, vocab=50, seed=1).run
     second.to_dataset(root)
-    assert not [p for p in root.rglob("*") if p.name.endswith(".tmp")]  # the killed export's file is gone
     assert sorted(p.name for p in find_runs(root)) == sorted(f"run_id={r.run_id}" for r in (first, second))
+    removed = RunTable(root).vacuum(older_than_hours=0)
+    assert sorted(removed) == sorted(str(p.relative_to(root)) for p in left)
+    assert not [p for p in root.rglob("*") if p.name.endswith(".tmp")]
 
 
-def test_a_dataset_folder_holding_only_a_temporary_file_is_not_a_run(tmp_path):
-    """A run_id= folder whose part was never renamed into place (an export in progress, or one killed by an
-    earlier version) is not listed, and does not stop the dataset's one run from loading."""
-    from dashboard.discover import find_runs, is_run_folder
+def test_a_run_folder_holding_only_an_uncommitted_file_is_not_a_run(tmp_path):
+    """A run_id= folder whose part no commit names (an export in progress, or one killed) is not listed,
+    does not stop the table's one run from loading, and cannot be loaded by its id."""
+    from dashboard.discover import find_runs
 
     root = tmp_path / "dataset"
     run = recorded(steps=2, vocab=50).run
     run.to_dataset(root)
     pending = root / "run_id=20990101T000000-00000000"
     pending.mkdir()
-    (pending / ".part-00000.parquet.host-1.abcd.tmp").write_bytes(b"PAR1 half a part")
+    (pending / "part-x.parquet").write_bytes(b"PAR1 half a part")
     assert Run.load(root).run_id == run.run_id
     assert find_runs(root) == [root / f"run_id={run.run_id}"]
     assert find_runs(tmp_path) == [root / f"run_id={run.run_id}"]
-    assert not is_run_folder(pending)
-    with pytest.raises(FileNotFoundError, match="holds no .parquet parts"):
+    with pytest.raises(ValueError, match="no commit names it"):
         Run.load(root, run_id="20990101T000000-00000000")
+    with pytest.raises(FileNotFoundError, match="no commit of its table names a part"):
+        Run.load(pending)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-__all__ = ["is_url", "resolve", "PYARROW_SCHEMES"]
+__all__ = ["is_url", "resolve", "PYARROW_SCHEMES", "path_arg", "folder_arg"]
 
 #: The schemes that pyarrow's own filesystems serve.
 PYARROW_SCHEMES = ("file", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss", "az")
@@ -56,3 +56,22 @@ def resolve(location: str | os.PathLike[str], name: str = "path") -> tuple[pafs.
     except (ValueError, OSError) as exc:
         raise ValueError(f"{name} {location!r} cannot be opened: {exc}") from exc
     return PyFileSystem(FSSpecHandler(fs)), path
+
+
+def path_arg(name: str, value: object) -> Path:
+    """``value`` as a Path: a non-empty ``str`` or an ``os.PathLike``; else an error naming the argument and the value."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a path (a str or os.PathLike), got {value!r} ({type(value).__name__})")
+    if str(value) == "":
+        raise ValueError(f"{name} must be a path, got '' (an empty string)")
+    return Path(value)
+
+
+def folder_arg(name: str, value: object) -> Path:
+    """``value`` as a Path (:func:`path_arg`) to a folder that exists or can be made (not at or under a file)."""
+    folder = path_arg(name, value)
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        where = "is a file" if existing == folder else f"lies under '{existing}', which is a file"
+        raise NotADirectoryError(f"{name} must be a folder (made if missing), got '{folder}', which {where}")
+    return folder

@@ -1,52 +1,43 @@
 """Every on-disk layout of a run, opened one way: what :meth:`tracker.Run.load` and the dashboard read.
 
-Layouts (as :mod:`tracker.reading.run` and :mod:`tracker.format.spill` write them):
-
-- a Parquet file (``.parquet``, ``.pq``) or an Arrow IPC file (``.arrow``, ``.feather``, ``.ipc``);
-- a folder of Parquet parts (a ``run_id=...`` dataset partition);
-- a dataset root holding complete ``run_id=...`` folders (with their :data:`COMPLETE`, :mod:`tracker.format.dataset`);
-- any of these at a URL (``s3://...``, :mod:`tracker.format.fs`), but a spill folder (local by nature);
-- a spill folder: ``_run.json``, ``_vocab.arrow`` and ``chunk-*.arrow`` files.
-
-:func:`open_layout` reads the metadata (the generations a Parquet file keeps
-in its ``generation_meta`` column put back), checks every part's columns
-against it and returns a :class:`RunLayout`: its parts, read whole
-(:meth:`RunLayout.batches`) or block by block (a Parquet row group, a record
-batch of a memory-mapped IPC file: :meth:`Part.read_block`). A damaged file
-raises :class:`RunFileError` naming the file and what is wrong with it;
-Parquet pages are checked against their checksums on every read. Needs
-pyarrow and numpy only.
+Which files make the run a path names is :func:`tracker.format.discovery.locate`'s
+answer (a run file, a table's run, a marker folder, a spill folder, on a local
+disk or at a URL); this module opens them (:mod:`tracker.format.parts`): it
+reads the metadata (the generations a Parquet file keeps in its
+``generation_meta`` column put back), finds the vocabulary (in the file, or in
+the table by its hash), checks every part's columns against the metadata and
+returns a :class:`RunLayout`: its parts, read whole (:meth:`RunLayout.batches`)
+or block by block (a Parquet row group, a record batch of a memory-mapped IPC
+file: :meth:`Part.read_block`). A damaged file raises :class:`RunFileError`
+naming the file and what is wrong with it; Parquet pages are checked against
+their checksums on every read. Needs pyarrow and numpy only.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal
 
 import pyarrow as pa
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 
 from processors.vocab import Vocabulary
-from tracker.format.checks import RunFileError, arrow_reason, check_batch, check_ids, metadata_from, vocabulary_from
-from tracker.format.fs import is_url, resolve
+from tracker.format.checks import RunFileError, arrow_reason, check_ids, metadata_from, vocabulary_from
+from tracker.format.discovery import FoundRun, NoRunError, locate, table_of
+from tracker.format.fs import folder_arg, path_arg
 from tracker.format.marker import COMPLETE, PARQUET_SUFFIXES, complete_runs, is_partition, read_marker
+from tracker.format.parts import ID_COLUMNS, IPC_SUFFIXES, Part, open_part
 from tracker.format.schema import (
-    GENERATIONS_COLUMN,
-    ID_SCHEMA,
-    META_RUN,
     META_VOCAB,
     RunMetadata,
     check_columns,
     check_generations,
-    generations_from_column,
     value_column,
 )
 from tracker.format.spill import CHUNK_GLOB, RUN_JSON, VOCAB_FILE
+from tracker.format.table import RunTable
 
 __all__ = [
     "PartialRunWarning",
@@ -70,149 +61,9 @@ __all__ = [
     "read_marker",
 ]
 
-IPC_SUFFIXES = (".arrow", ".feather", ".ipc")
-ID_COLUMNS: tuple[str, ...] = tuple(ID_SCHEMA.names)
-
 
 class PartialRunWarning(UserWarning):
     """A run read from a spill folder: only the rows that had spilled to disk (see :attr:`RunLayout.note`)."""
-
-
-class NoRunError(FileNotFoundError):
-    """Nothing to read at a path (no file, or a folder holding no run); ``reason`` says which."""
-
-    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
-        self.path = str(path)
-        self.reason = reason
-        super().__init__(f"path: no run at '{path}' ({reason})")
-
-
-# ---------------------------------------------------------------- parts: the files of a run
-
-
-class Part(Protocol):
-    """One file of a run, read whole or in blocks (row groups or record batches)."""
-
-    path: Path | str  # a str: the URL of a part on a remote filesystem
-    nbytes: int
-
-    @property
-    def schema(self) -> pa.Schema: ...
-    def block_sizes(self) -> list[int]: ...
-    def read_ids(self) -> pa.Table: ...
-    def read_block(self, block: int, columns: tuple[str, ...]) -> tuple[pa.Table, int]: ...
-    def read_all(self) -> pa.Table: ...
-    def generations(self) -> list[dict]: ...
-
-
-class _ParquetPart:
-    """A Parquet file: blocks are row groups; only the requested column chunks are read."""
-
-    def __init__(self, path: Path | str, source: pa.NativeFile | None = None) -> None:
-        self.path = path
-        self.file = pq.ParquetFile(
-            path if source is None else source, memory_map=source is None, page_checksum_verification=True
-        )
-        self.nbytes = int(os.path.getsize(path) if source is None else source.size())
-
-    @property
-    def schema(self) -> pa.Schema:
-        return self.file.schema_arrow
-
-    def block_sizes(self) -> list[int]:
-        meta = self.file.metadata
-        return [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
-
-    def read_ids(self) -> pa.Table:
-        return self.file.read(columns=list(ID_COLUMNS), use_threads=True)
-
-    def read_block(self, block: int, columns: tuple[str, ...]) -> tuple[pa.Table, int]:
-        table = self.file.read_row_group(block, columns=list(columns), use_threads=True)
-        group = self.file.metadata.row_group(block)
-        wanted = set(columns)
-        nbytes = sum(
-            group.column(j).total_compressed_size
-            for j in range(group.num_columns)
-            if group.column(j).path_in_schema.split(".")[0] in wanted
-        )
-        return table, int(nbytes)
-
-    def read_all(self) -> pa.Table:
-        """Every row and column but the generations' metadata."""
-        return self.file.read(columns=[n for n in self.schema.names if n != GENERATIONS_COLUMN], use_threads=True)
-
-    def generations(self) -> list[dict]:
-        if GENERATIONS_COLUMN not in self.schema.names:
-            return []
-        return generations_from_column(self.file.read(columns=[GENERATIONS_COLUMN]).column(0))
-
-
-class _IpcPart:
-    """An Arrow IPC file through a memory map: blocks are record batches, read without a copy, each checked
-    against its buffers before a value is touched (:func:`~tracker.format.checks.check_batch`, once per batch)."""
-
-    def __init__(self, path: Path | str, source: pa.NativeFile | None = None) -> None:
-        self.path = path
-        self.reader = pa.ipc.open_file(pa.memory_map(str(path), "r") if source is None else source)
-        self.nbytes = int(os.path.getsize(path) if source is None else source.size())
-        self._checked: set[int] = set()
-
-    @property
-    def schema(self) -> pa.Schema:
-        return self.reader.schema
-
-    def _batch(self, i: int) -> pa.RecordBatch:
-        batch = self.reader.get_batch(i)
-        if i not in self._checked:
-            check_batch(self.path, batch, f"record batch {i}")
-            self._checked.add(i)
-        return batch
-
-    def block_sizes(self) -> list[int]:
-        return [self._batch(i).num_rows for i in range(self.reader.num_record_batches)]
-
-    def read_ids(self) -> pa.Table:
-        batches = [self._batch(i).select(list(ID_COLUMNS)) for i in range(self.reader.num_record_batches)]
-        return pa.Table.from_batches(batches, schema=pa.schema([self.reader.schema.field(n) for n in ID_COLUMNS]))
-
-    def read_block(self, block: int, columns: tuple[str, ...]) -> tuple[pa.Table, int]:
-        batch = self._batch(block).select(list(columns))
-        return pa.Table.from_batches([batch]), int(batch.nbytes)
-
-    def read_all(self) -> pa.Table:
-        table = pa.Table.from_batches(
-            [self._batch(i) for i in range(self.reader.num_record_batches)], schema=self.reader.schema
-        )
-        return table.drop_columns([GENERATIONS_COLUMN]) if GENERATIONS_COLUMN in table.schema.names else table
-
-    def generations(self) -> list[dict]:
-        if GENERATIONS_COLUMN not in self.schema.names:
-            return []
-        column = [self._batch(i).column(GENERATIONS_COLUMN) for i in range(self.reader.num_record_batches)]
-        return generations_from_column(pa.chunked_array(column, self.schema.field(GENERATIONS_COLUMN).type))
-
-
-def open_part(path: Path, fs: pafs.FileSystem | None = None, url: str | None = None) -> Part:
-    """Open one run file (IPC or Parquet, told by its first bytes, else its suffix); RunFileError naming it
-    when it cannot be read. With ``fs``, ``path`` is inside that filesystem and ``url`` names it in errors."""
-    try:
-        source = None if fs is None else fs.open_input_file(str(path))
-        name: Path | str = path if url is None else url
-        with open(path, "rb") if source is None else contextlib.nullcontext(source) as f:
-            magic = f.read(6)
-        source is None or source.seek(0)
-        if magic.startswith(b"PAR1"):
-            return _ParquetPart(name, source)
-        if magic == b"ARROW1" or str(path).endswith(IPC_SUFFIXES):
-            return _IpcPart(name, source)
-        return _ParquetPart(name, source)
-    except (pa.ArrowException, OSError, ValueError) as exc:
-        if isinstance(exc, (FileNotFoundError, PermissionError)):
-            raise
-        raise RunFileError(url or path, arrow_reason(exc)) from exc
-
-
-# ---------------------------------------------------------------- a run's layout
 
 
 @dataclass(frozen=True)
@@ -220,21 +71,24 @@ class RunLayout:
     """An opened run on disk.
 
     Attributes:
-        path: the run's file or folder.
-        kind: ``"file"``, ``"parts"`` (a folder of Parquet parts) or ``"spill"``.
+        path: the run's file or folder (a table's run: ``<table>/run_id=<id>``).
+        kind: ``"file"``, ``"parts"`` (a folder of Parquet parts), ``"table"`` (a table's committed
+            parts) or ``"spill"``.
         parts: its files, in row order (a spill folder may have none yet).
         metadata: the run metadata, generations included.
-        vocab_raw: the serialised vocabulary (None when the run carries none).
-        vocab_path: the file it came from, for errors.
+        vocab_raw: the serialised vocabulary the run's file carries (None when it carries none).
+        vocab_path: where the vocabulary comes from, for errors.
+        vocab_ref: ``(table, hash)`` of a vocabulary a table keeps for its runs.
     """
 
     path: Path | str
-    kind: Literal["file", "parts", "spill"]
+    kind: Literal["file", "parts", "table", "spill"]
     parts: list[Part]
     metadata: RunMetadata
     vocab_raw: bytes | None
     vocab_path: Path | str
     incomplete: bool = False  # a ``run_id=...`` folder without its completion marker
+    vocab_ref: tuple[RunTable, str] | None = None
 
     @property
     def note(self) -> str | None:
@@ -253,10 +107,16 @@ class RunLayout:
         )
 
     def vocabulary(self) -> Vocabulary | None:
-        """The run's vocabulary (None when it carries none); RunFileError when it is damaged."""
+        """The run's vocabulary (None when it carries none); RunFileError when it is damaged or missing."""
         try:
-            vocab = vocabulary_from(self.vocab_raw)
-        except ValueError as exc:
+            if self.vocab_ref is not None:
+                from tracker.format.vocab_store import load_vocab
+
+                table, key = self.vocab_ref
+                vocab: Vocabulary | None = load_vocab(table.fs, table.where, key, table.location)
+            else:
+                vocab = vocabulary_from(self.vocab_raw)
+        except (ValueError, OSError) as exc:
             raise RunFileError(self.vocab_path, str(exc)) from exc
         if vocab is not None and vocab.size < self.metadata.vocab_size:
             raise RunFileError(
@@ -284,7 +144,7 @@ class RunLayout:
         return batches
 
 
-def _metadata(path: Path, raw: bytes | None) -> RunMetadata:
+def _metadata(path: Path | str, raw: bytes | None) -> RunMetadata:
     try:
         return metadata_from(raw)
     except ValueError as exc:
@@ -304,8 +164,10 @@ def _with_generations(metadata: RunMetadata, parts: list[Part]) -> RunMetadata:
             raise RunFileError(part.path, str(exc)) from exc
     if len(entries) == len(metadata.generations):
         return metadata
-    merged: dict[int, dict] = {}  # a generation written in pieces (a server past its memory bound) has an
-    for entry in entries:  # entry in each: one generation, the later pieces' facts (its end) over the earlier
+    # a generation written in pieces (a server past its memory bound, a request preempted and resumed) has an
+    # entry in each: one generation, the facts of the piece that ended last (its length) over the others'
+    merged: dict[int, dict] = {}
+    for entry in sorted(entries, key=lambda e: str(e.get("ended_at", ""))):
         merged[entry["generation"]] = {**merged.get(entry["generation"], {}), **entry}
     return replace(metadata, generations=sorted(merged.values(), key=lambda e: e["generation"]))
 
@@ -332,7 +194,7 @@ def _check(layout: RunLayout) -> None:
 
 
 def _parts_of_one_run(
-    folder: Path, parts: list[Part], metas: list[RunMetadata], run_id: str | None
+    folder: Path | str, parts: list[Part], metas: list[RunMetadata], run_id: str | None
 ) -> tuple[list[Part], list[RunMetadata]]:
     """The parts of a folder that belong to one run: the one ``run_id`` names, or the only one there is.
 
@@ -346,7 +208,7 @@ def _parts_of_one_run(
             raise ValueError(f"run_id={run_id!r} is not in '{folder}'; its runs are {ids}")
         return [parts[i] for i in keep], [metas[i] for i in keep]
     if len(ids) > 1:
-        files = [Path(p.path).name for p in parts]
+        files = [str(p.path).replace("\\", "/").rsplit("/", 1)[-1] for p in parts]
         raise ValueError(
             f"'{folder}' holds {len(ids)} runs in {len(files)} files ({', '.join(files[:4])}"
             f"{', ...' if len(files) > 4 else ''}); open one file, or pass run_id= one of {ids}"
@@ -354,97 +216,41 @@ def _parts_of_one_run(
     return parts, metas
 
 
-def _dataset_member(root: Path | str, runs: list[str], run_id: str | None, exists: Callable[[str], bool]) -> str:
-    """The ``run_id=...`` folder name of a dataset root that ``run_id`` names (the only one when it is None)."""
-    if run_id is None:
-        if len(runs) > 1:
-            names = [p.split("=", 1)[1] for p in runs]
-            raise ValueError(f"'{root}' holds {len(runs)} runs; pass run_id= one of {names}")
-        return runs[0]
-    if f"run_id={run_id}" not in runs and not exists(f"run_id={run_id}"):
-        raise ValueError(f"run_id={run_id!r} is not in '{root}'")
-    return f"run_id={run_id}"  # named: opened even before it is complete (then with a PartialRunWarning)
+def _spill(found: FoundRun) -> RunLayout:
+    source = Path(found.path)
+    metadata = _metadata(source / RUN_JSON, (source / RUN_JSON).read_bytes())
+    vocab = source / VOCAB_FILE
+    vocab_raw = open_part(vocab).footer.get(META_VOCAB) if vocab.is_file() else None
+    parts = [open_part(p) for p in sorted(source.glob(CHUNK_GLOB))]
+    return RunLayout(source, "spill", parts, metadata, vocab_raw, vocab)
 
 
-def _folder_parts(names: list[str], marker_raw: bytes | None, where: Path | str) -> tuple[list[str], bool]:
-    """The part names of a run folder: those its marker lists, else every part there (then it is incomplete)."""
-    if marker_raw is None:
-        return sorted(n for n in names if n.endswith(PARQUET_SUFFIXES) and not n.startswith(".")), True
-    try:
-        return list(read_marker(marker_raw)["parts"]), False
-    except ValueError as exc:
-        raise RunFileError(where, str(exc)) from exc
+def _open(found: FoundRun, file: str) -> Part:
+    if isinstance(found.fs, pafs.LocalFileSystem):
+        return open_part(Path(file))
+    shown = found.path if found.kind == "file" else f"{found.path}/{file.rsplit('/', 1)[-1]}"
+    return open_part(file, found.fs, str(shown))
 
 
-def path_arg(name: str, value: object) -> Path:
-    """``value`` as a Path: a non-empty ``str`` or an ``os.PathLike``; else an error naming the argument and the value."""
-    if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"{name} must be a path (a str or os.PathLike), got {value!r} ({type(value).__name__})")
-    if str(value) == "":
-        raise ValueError(f"{name} must be a path, got '' (an empty string)")
-    return Path(value)
-
-
-def folder_arg(name: str, value: object) -> Path:
-    """``value`` as a Path (:func:`path_arg`) to a folder that exists or can be made (not at or under a file)."""
-    folder = path_arg(name, value)
-    existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
-    if existing is not None and not existing.is_dir():
-        where = "is a file" if existing == folder else f"lies under '{existing}', which is a file"
-        raise NotADirectoryError(f"{name} must be a folder (made if missing), got '{folder}', which {where}")
-    return folder
-
-
-def _parts_layout(where: Path | str, names: list[str], marker: bytes | None, opener, run_id: str | None) -> RunLayout:
-    """The layout of a folder of Parquet parts (``names`` its entries, ``marker`` its :data:`COMPLETE`)."""
-    files, incomplete = _folder_parts(names, marker, f"{where}/{COMPLETE}")
-    if not files:
-        pending = sum(n.startswith("run_id=") for n in names)
-        raise NoRunError(
-            where,
-            f"it holds {pending} run_id=... folders but no complete run yet (a run is complete once its "
-            f"{COMPLETE} is written)"
-            if pending
-            else "the folder holds no .parquet parts and no spill files (_run.json)",
+def _vocab_ref(found: FoundRun, key: str | None) -> tuple[RunTable, str] | None:
+    """Where a table keeps the vocabulary a part names by hash (a part opened alone: its folder's table)."""
+    if key is None:
+        return None
+    table = found.table
+    if table is None and found.files:
+        parent = found.path.parent if isinstance(found.path, Path) else str(found.path).rsplit("/", 1)[0]
+        owner = table_of(found.fs, found.files[0].rsplit("/", 1)[0], parent)
+        table = owner[0] if owner is not None else None
+    if table is None:
+        raise RunFileError(
+            found.path, "its vocabulary is kept by the table it was written into (_vocab/ there); open it there"
         )
-    missing = [n for n in files if n not in names]
-    if missing:
-        raise RunFileError(where, f"its {COMPLETE} lists parts that are not there: {missing[:4]}")
-    parts = [opener(n) for n in files]
-    metas = [_metadata(p.path, (p.schema.metadata or {}).get(META_RUN)) for p in parts]
-    parts, metas = _parts_of_one_run(where, parts, metas, run_id)  # type: ignore[arg-type]
-    meta = parts[0].schema.metadata or {}
-    incomplete = incomplete and str(where).rstrip("/").rsplit("/", 1)[-1].startswith("run_id=")
-    return RunLayout(where, "parts", parts, metas[0], meta.get(META_VOCAB), parts[0].path, incomplete)
-
-
-def _open_remote(fs: pafs.FileSystem, where: str, url: str, run_id: str | None) -> RunLayout:
-    """:func:`open_layout` of a file or folder on a remote filesystem (no spill folders there)."""
-    info = fs.get_file_info(where)
-    if info.type == pafs.FileType.NotFound:
-        raise NoRunError(url, "there is no object or folder at this URL")
-    if info.type == pafs.FileType.File:
-        part = open_part(where, fs, url)  # type: ignore[arg-type]
-        meta = part.schema.metadata or {}
-        return RunLayout(url, "file", [part], _metadata(url, meta.get(META_RUN)), meta.get(META_VOCAB), url)
-    runs = complete_runs(fs, where)
-    named = run_id is not None and fs.get_file_info(f"{where}/run_id={run_id}").type == pafs.FileType.Directory
-    if runs or named:
-        member = _dataset_member(url, runs, run_id, lambda n: named)
-        where, url = f"{where}/{member}", f"{url}/{member}"
-    listing = fs.get_file_info(pafs.FileSelector(where, allow_not_found=True))
-    names = [i.base_name for i in listing if i.type == pafs.FileType.File] + [
-        i.base_name for i in listing if i.type == pafs.FileType.Directory
-    ]
-    marker = None
-    if COMPLETE in names:
-        with fs.open_input_stream(f"{where}/{COMPLETE}") as f:
-            marker = f.read()
-    return _parts_layout(url, names, marker, lambda n: open_part(f"{where}/{n}", fs, f"{url}/{n}"), run_id)  # type: ignore[arg-type]
+    return table, key
 
 
 def open_layout(path: str | os.PathLike[str], run_id: str | None = None) -> RunLayout:
-    """Open the run at ``path`` (any layout of the module docstring, or a URL of one) by its metadata and schemas.
+    """Open the run at ``path`` (any layout :func:`~tracker.format.discovery.locate` finds, or a URL of one)
+    by its metadata and schemas.
 
     Reads no values (only the small ``generation_meta`` column): :meth:`RunLayout.batches`
     or the parts' blocks do.
@@ -452,33 +258,41 @@ def open_layout(path: str | os.PathLike[str], run_id: str | None = None) -> RunL
     for a file or folder that is not a readable run, and ValueError when a
     dataset root holds several runs and ``run_id`` names none of them.
     """
-    if is_url(path):
-        fs, where = resolve(path, "path")
-        if not isinstance(fs, pafs.LocalFileSystem):
-            layout = _open_remote(fs, where.rstrip("/"), str(path).rstrip("/"), run_id)
-            return _checked(layout, run_id)
-        path = where
-    source = path_arg("path", path)
-    if not source.exists():
-        raise NoRunError(source, "there is no file or folder at this path")
-    if source.is_file():
-        part = open_part(source)
-        meta = part.schema.metadata or {}
-        layout = RunLayout(source, "file", [part], _metadata(source, meta.get(META_RUN)), meta.get(META_VOCAB), source)
-    elif (source / RUN_JSON).is_file():
-        metadata = _metadata(source / RUN_JSON, (source / RUN_JSON).read_bytes())
-        vocab = source / VOCAB_FILE
-        vocab_raw = (open_part(vocab).schema.metadata or {}).get(META_VOCAB) if vocab.is_file() else None
-        parts = [open_part(p) for p in sorted(source.glob(CHUNK_GLOB))]
-        layout = RunLayout(source, "spill", parts, metadata, vocab_raw, vocab)
-    else:
-        runs = complete_runs(pafs.LocalFileSystem(), str(source))
-        if runs or (run_id is not None and (source / f"run_id={run_id}").is_dir()):
-            return open_layout(source / _dataset_member(source, runs, run_id, lambda n: (source / n).is_dir()))
-        marker = source / COMPLETE
-        names = [p.name for p in source.iterdir()]
-        raw = marker.read_bytes() if marker.is_file() else None
-        layout = _parts_layout(source, names, raw, lambda n: open_part(source / n), run_id)
+    found = locate(path, run_id)
+    if found.kind == "spill":
+        return _checked(_spill(found), run_id)
+    if not found.files:
+        raise NoRunError(found.path, "the folder holds no .parquet parts and no spill files (_run.json)")
+    missing = [f for f in found.files if found.fs.get_file_info(f).type != pafs.FileType.File]
+    if missing:
+        what = "its commits name" if found.kind == "table" else f"its {COMPLETE} lists"
+        names = [m.rsplit("/", 1)[-1] for m in missing[:4]]
+        raise RunFileError(found.path, f"{what} parts that are not there: {names}")
+    parts = [_open(found, f) for f in found.files]
+    described = [p.described() for p in parts]
+    metas = [_metadata(p.path, raw) for p, (raw, _) in zip(parts, described)]
+    if found.kind == "table":
+        strangers = [p.path for p, m in zip(parts, metas) if m.run_id != found.run_id]
+        if strangers:
+            raise RunFileError(strangers[0], f"its metadata names another run than its table's {found.run_id!r}")
+        for part, (raw, _), fact in zip(parts, described, found.facts):
+            if raw is not None and raw.decode("utf-8", "replace") != fact.run_json:
+                raise RunFileError(part.path, "its run_meta is not what its commit says it holds (it was changed)")
+    elif found.kind != "file":  # a file is one run (a run_id naming another is refused below)
+        parts, metas = _parts_of_one_run(found.path, parts, metas, run_id)
+    for part, meta in zip(parts, metas):
+        part.bind(meta)
+    ref = next((r for p, (_, r) in zip(found.files, described) if r), None)
+    layout = RunLayout(
+        found.path,
+        "file" if found.kind == "file" else found.kind,
+        parts,
+        metas[0],
+        parts[0].footer.get(META_VOCAB),
+        parts[0].path,
+        incomplete=not found.complete,
+        vocab_ref=_vocab_ref(found, ref),
+    )
     return _checked(layout, run_id)
 
 

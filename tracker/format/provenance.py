@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
-import uuid
+import secrets
 from importlib import metadata as _importlib_metadata
 from typing import Any
 
@@ -15,7 +15,8 @@ def now() -> str:
 
 
 def new_run_id() -> str:
-    return f"{_dt.datetime.now(_dt.timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:16]}"  # 64 random bits: no collision across writers
+    """A UTC timestamp and 64 random bits (16 hex digits): unique across processes and machines."""
+    return f"{_dt.datetime.now(_dt.timezone.utc):%Y%m%dT%H%M%S}-{secrets.token_hex(8)}"
 
 
 def library_version() -> str:

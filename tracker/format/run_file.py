@@ -1,11 +1,22 @@
-"""Writing a run as one Parquet file, on a local disk or any filesystem :mod:`tracker.format.fs` resolves.
+"""Writing a run as Parquet: one self-contained file, or a part of a table, on any filesystem.
 
-Locally the file is written atomically (a temporary file flushed to disk, then
-renamed). An object store has no rename, but it makes an object visible only
-when its upload completes, so a reader never sees half of one: the file is
-written in place. Other remote filesystems (HDFS, SFTP, ...) may show a file
-while it is written; a dataset run becomes visible only by its completion
-marker, written last (:mod:`tracker.format.dataset`). Needs pyarrow and numpy only.
+Both hold the run's columns as :mod:`tracker.format.columns` lays them out
+(no copy of the Arrow schema in the footer) and the generations' metadata in
+their column. A single file carries the rest of the run metadata and its
+vocabulary once, in the footer; a table's part carries the run metadata in a
+column (:data:`~tracker.format.columns.RUN_META`, what the table's log repeats)
+and names its vocabulary by hash, stored once per table
+(:mod:`tracker.format.vocab_store`), so a footer is a few kilobytes.
+
+Value columns take the given codec (zstd by default); the id and statistics
+columns, read by every question across runs, take LZ4 (decoding zstd's small
+pages costs more than reading them) and Parquet statistics (min/max), so that
+engines skip row groups and files by them. Every page carries a checksum.
+
+Locally a file is written atomically (a temporary file flushed to disk, then
+renamed). An object store shows an object only when its upload completes, so
+a file is written in place there; a table's part becomes a part of a run only
+when a commit names it (:mod:`tracker.format.table`). Needs pyarrow and numpy only.
 """
 
 from __future__ import annotations
@@ -15,19 +26,43 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from tracker.format.fs import is_url, resolve
-from tracker.format.layout import path_arg
-from tracker.format.schema import GENERATIONS_COLUMN, MAX_METADATA_BYTES, META_RUN, RunMetadata, generations_column
+from tracker.format.columns import RUN_META, to_file
+from tracker.format.fs import is_url, path_arg, resolve
+from tracker.format.schema import (
+    GENERATIONS_COLUMN,
+    MAX_METADATA_BYTES,
+    META_RUN,
+    META_VOCAB,
+    RunMetadata,
+    generations_column,
+)
 from tracker.format.spill import atomic_path, fsync_path, remove_orphans
 
-__all__ = ["ROW_GROUP_BYTES", "write_parquet", "parquet_table"]
+__all__ = [
+    "ROW_GROUP_BYTES",
+    "write_parquet",
+    "write_part",
+    "parquet_table",
+    "check_compression",
+    "is_statistic",
+    "SCALAR_CODEC",
+]
 
 #: Bytes of values per Parquet row group: reading one step back reads about this much.
 ROW_GROUP_BYTES = 8 << 20
+#: The codec of the id and statistics columns (when the values are compressed at all).
+SCALAR_CODEC = "lz4"
+#: Columns given Parquet statistics (min/max), so that engines skip row groups and files by them: the ids
+#: a row is found by and the statistics questions filter on (each costs its footer about 35 bytes).
+_ID_STATS = ("generation", "sequence", "step")
+_STAT_SUFFIXES = tuple(
+    f"_{n}" for n in ("entropy", "allowed", "p_eos", "removed_mass", "margin", "p_chosen", "rank_chosen")
+)
 
 
 def _footer(metadata: RunMetadata, with_rows: bool) -> bytes:
@@ -45,35 +80,65 @@ def _footer(metadata: RunMetadata, with_rows: bool) -> bytes:
     return footer
 
 
-def _check_compression(compression: object) -> None:
+def check_compression(compression: object) -> None:
+    """ValueError naming ``compression`` unless it is None or a codec this pyarrow has."""
     codecs = [c for c in ("zstd", "snappy", "gzip", "brotli", "lz4") if pa.Codec.is_available(c)]
     if compression is not None and (not isinstance(compression, str) or compression.lower() not in {*codecs, "none"}):
         raise ValueError(f"compression must be None or one of {[*codecs, 'none']}, got {compression!r}")
 
 
-def parquet_table(table: pa.Table, metadata: RunMetadata) -> pa.Table:
-    """``table`` as a run file holds it: the footer metadata in the schema, the generations in their column."""
-    footer = _footer(metadata, table.num_rows > 0)
-    table = table.replace_schema_metadata({**(table.schema.metadata or {}), META_RUN: footer})
+def parquet_table(table: pa.Table, metadata: RunMetadata, *, part: str | None = None) -> pa.Table:
+    """``table`` as a run file holds it: its columns laid out for a file (:mod:`tracker.format.columns`), the
+    generations in their column, and the run metadata: in the footer with the vocabulary ``table``
+    carries, for a single file; in the :data:`~tracker.format.columns.RUN_META` column, for a table's part
+    (``part``: that column's JSON, :func:`~tracker.format.columns.part_json`)."""
+    carried = table.schema.metadata or {}
+    footer = {}
+    if part is None:
+        footer[META_RUN] = _footer(metadata, table.num_rows > 0)
+        if META_VOCAB in carried:
+            footer[META_VOCAB] = carried[META_VOCAB]
+    table = to_file(table).replace_schema_metadata(footer or None)
     if table.num_rows:
         generation = table.column("generation").to_numpy()
         table = table.append_column(GENERATIONS_COLUMN, generations_column(generation, metadata.generations))
+    if part is not None:
+        if len(part) > MAX_METADATA_BYTES:
+            _footer(metadata, True)  # names the largest fields
+        one = pa.DictionaryArray.from_arrays(pa.array(np.zeros(table.num_rows, np.int32)), pa.array([part]))
+        table = table.append_column(RUN_META, one)  # one value for every row, written once (a dictionary)
     return table
+
+
+def is_statistic(name: str) -> bool:
+    """Whether a run file's column gets Parquet statistics (and a table's log its minimum and maximum)."""
+    return name in _ID_STATS or name.endswith(_STAT_SUFFIXES)
 
 
 def _write(table: pa.Table, where: str, metadata: RunMetadata, compression: str | None, fs: pafs.FileSystem) -> None:
     width = metadata.top_k if metadata.storage == "topk" else metadata.vocab_size
     row_bytes = max(1, width * 4 * max(1, len(metadata.stages)))
-    pq.write_table(
-        table,
-        where,
+    values = compression if compression and compression.lower() != "none" else "none"
+    codecs: dict[str, str] = {}
+    scalars = []
+    for field in table.schema:
+        if pa.types.is_list(field.type) or pa.types.is_fixed_size_list(field.type):
+            codecs[f"{field.name}.list.element"] = values
+        else:
+            codecs[field.name] = SCALAR_CODEC if values != "none" else "none"
+            scalars.append(field.name)
+    stats = [n for n in scalars if is_statistic(n)]
+    options = dict(
         filesystem=fs,
-        compression=compression,
-        row_group_size=max(1, ROW_GROUP_BYTES // row_bytes),
-        use_dictionary=["generation", "sequence"],
-        write_statistics=["generation", "sequence", "step", "chosen"],
+        compression=codecs,
+        use_dictionary=["generation", "sequence", RUN_META],
+        write_statistics=stats,
         write_page_checksum=True,
+        store_schema=False,  # pyarrow's copy of the schema would repeat the metadata (the vocabulary) in the footer
     )
+    with pq.ParquetWriter(where, table.schema, **options) as writer:
+        writer.write_table(table, row_group_size=max(1, ROW_GROUP_BYTES // row_bytes))
+        writer.add_key_value_metadata(table.schema.metadata or {})
 
 
 def write_parquet(
@@ -87,16 +152,16 @@ def write_parquet(
     """Write a run's table (the run schema, with its vocabulary in the schema metadata) as one Parquet file.
 
     The generations' metadata goes in :data:`GENERATIONS_COLUMN`, the rest of
-    ``metadata`` in the footer; row groups hold about :data:`ROW_GROUP_BYTES`;
-    only the id columns get dictionaries and statistics; every page carries a
-    checksum. A local file is written atomically (a temporary file flushed to
-    disk, then renamed), after removing temporary files a killed writer left
-    beside ``path``; with ``scratch`` (a dataset's root), the temporary file is
-    made there, and so are those removed (:func:`~tracker.format.spill.atomic_path`).
-    A URL (``s3://...``) is written in place through its filesystem (see the
-    module docstring). Returns the path (the URL as given for a URL).
+    ``metadata`` and the vocabulary in the footer, once; row groups hold about
+    :data:`ROW_GROUP_BYTES`; every page carries a checksum. A local file is
+    written atomically (a temporary file flushed to disk, then renamed), after
+    removing temporary files a killed writer left beside ``path``; with
+    ``scratch``, the temporary file is made there, and so are those removed
+    (:func:`~tracker.format.spill.atomic_path`). A URL (``s3://...``) is written
+    in place through its filesystem (see the module docstring). Returns the
+    path (the URL as given for a URL).
     """
-    _check_compression(compression)
+    check_compression(compression)
     if is_url(path):
         fs, where = resolve(path, "path")
         if not isinstance(fs, pafs.LocalFileSystem):
@@ -110,7 +175,13 @@ def write_parquet(
     target = path_arg("path", path)
     if target.is_dir():
         raise IsADirectoryError(f"path: '{target}' is a folder; give a file name, e.g. '{target / 'run.parquet'}'")
-    table = parquet_table(table, metadata)
+    _write_local(parquet_table(table, metadata), target, metadata, compression, scratch)
+    return target
+
+
+def _write_local(
+    table: pa.Table, target: Path, metadata: RunMetadata, compression: str | None, scratch: Path | None
+) -> None:
     remove_orphans(target.parent, target.name)
     if scratch is not None:
         remove_orphans(scratch, target.name)
@@ -123,5 +194,25 @@ def write_parquet(
             raise
         raise OSError(exc.errno, f"{os.strerror(exc.errno)}: the run could not be written to '{target}'") from exc
     for folder in (target.parent, scratch) if scratch is not None else (target.parent,):
-        fsync_path(folder)  # the file's entry (and, in a dataset, its new partition's)
-    return target
+        fsync_path(folder)  # the file's entry (and, with scratch, its new folder's)
+
+
+def write_part(
+    table: pa.Table,
+    metadata: RunMetadata,
+    fs: pafs.FileSystem,
+    where: str,
+    part: str,
+    compression: str | None = "zstd",
+) -> tuple[int, pa.Schema]:
+    """Write one part of a table's run at ``where`` (inside ``fs``): the rows of ``table`` (the run schema),
+    ``metadata`` holding the part's generations, ``part`` its :data:`~tracker.format.columns.RUN_META`
+    value. Returns the bytes written and the file's schema. Atomic on a local disk; one upload on an
+    object store."""
+    check_compression(compression)
+    data = parquet_table(table, metadata, part=part)
+    if isinstance(fs, pafs.LocalFileSystem):
+        _write_local(data, Path(where), metadata, compression, None)
+    else:
+        _write(data, where, metadata, compression, fs)
+    return int(fs.get_file_info(where).size or 0), data.schema.remove_metadata()

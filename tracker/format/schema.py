@@ -55,7 +55,7 @@ the recorder's own batches use the schema without them (``flags=False``).
 A stage's value columns are null in rows where that stage was not recorded
 (the wrapped processor raised, or the sampling tap was not there). Run-level
 facts travel in the schema metadata under :data:`META_RUN` (JSON) and
-:data:`META_VOCAB` (the vocabulary, see :mod:`processors.vocab`).
+:data:`META_VOCAB` (a table's part names it by hash); files: :mod:`tracker.format.columns`.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ __all__ = [
     "ID_SCHEMA",
     "META_RUN",
     "META_VOCAB",
+    "META_VOCAB_REF",
     "FIELD_DTYPE",
     "FIELD_OFFSET",
     "row_offsets",
@@ -96,12 +97,13 @@ __all__ = [
     "generations_from_column",
 ]
 
-#: Bumped when a column changes meaning or type; readers check the major part.
-SCHEMA_VERSION = "1.1"
+#: Bumped when a column changes meaning or type; readers check the major part (1.2: the file layout of columns.py).
+SCHEMA_VERSION = "1.2"
 
 #: Schema metadata keys.
 META_RUN = b"logitscope.run"
 META_VOCAB = b"logitscope.vocab"
+META_VOCAB_REF = b"logitscope.vocab_sha256"  # a table's part: its vocabulary's hash (vocab_store.py)
 #: Field metadata key naming the element type of a value column ("bfloat16" is stored as uint16).
 FIELD_DTYPE = b"logitscope.dtype"
 #: Field metadata key of a half-precision value column stored relative to a per-row offset: the name of the

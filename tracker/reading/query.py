@@ -11,15 +11,17 @@ Views (their columns: ``docs/guide.md``, "At scale"):
 - ``sequences``: one row per run, generation and sequence: its prompt, generated text and step count;
 - ``candidates``: the ``k`` best tokens of every step and stage, in long form.
 
-A view's table is made the first time a query names it and kept: ``runs`` from the footers;
-``steps`` and ``sequences`` run by run, reading only the id and statistics columns of runs that recorded
-their statistics (others are loaded one at a time and their statistics computed from the rows);
-``candidates`` run by run, reading each run's values. What stays in memory is the views' tables (scalars
-per step, ``k`` rows per step and stage for candidates), never more than one run's values.
+A view's table is made the first time a query names it and kept: ``runs`` from the footers (a table's
+committed parts: what this machine learnt of them, :mod:`tracker.format.table_index`); ``steps`` and
+``sequences`` from the id and statistics columns of the runs that recorded their statistics, all at once
+(:mod:`tracker.reading.query_steps`; other runs are loaded one at a time and their statistics computed
+from the rows); ``candidates`` run by run, reading each run's values. What stays in memory is the views'
+tables (scalars per step, ``k`` rows per step and stage for candidates), never more than one run's values.
 
-Runs are listed through :func:`tracker.format.fs.resolve` (any filesystem pyarrow or fsspec serves): a file is
-one run; a folder holding ``run_id=...`` folders is a dataset (each folder holding its completion marker
-is a run, read for the parts the marker lists; a run still being written is left out); any other folder's ``.parquet``/``.arrow`` files are runs, grouped by their run id. DuckDB only
+Runs are found by :mod:`tracker.format.discovery` (:mod:`tracker.reading.query_sources`), on any filesystem
+pyarrow or fsspec serves: a file is one run; a table holds the runs its commits name; a folder of
+``run_id=...`` folders holds those with a completion marker; any other folder's ``.parquet``/``.arrow``
+files are runs, grouped by their run id. DuckDB only
 reads the tables handed to it from Python: its own file and network access is switched off, with the
 download of extensions, and the setting locked, so a query can neither read nor write anything else.
 """
@@ -29,30 +31,13 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 
 from processors.vocab import Vocabulary
-from tracker.format.fs import resolve
-from tracker.format.layout import (
-    ID_COLUMNS,
-    IPC_SUFFIXES,
-    PARQUET_SUFFIXES,
-    NoRunError,
-    RunFileError,
-    arrow_reason,
-    metadata_from,
-    vocabulary_from,
-)
-from tracker.format.marker import COMPLETE, complete_runs, read_marker
-from tracker.format.schema import GENERATIONS_COLUMN, META_RUN, META_VOCAB, STAT_COLUMNS, RunMetadata, check_columns
-from tracker.format.schema import generations_from_column as _generations
-from tracker.reading.run import Run
+from tracker.reading.query_sources import RunSource, find_sources
 from tracker.reading.selection import count_arg
 
 __all__ = ["Dataset", "open_dataset", "VIEWS", "QueryError"]
@@ -76,174 +61,6 @@ def _one_line(exc: BaseException) -> str:
 
 class QueryError(ValueError):
     """A query DuckDB refused; the message is DuckDB's, on one line."""
-
-
-@dataclass
-class _Source:
-    """One run's files on a filesystem and what their footers say."""
-
-    fs: pafs.FileSystem
-    files: list[str]
-    metadata: RunMetadata
-    vocab_raw: bytes | None
-    rows: int = 0
-    steps: int = 0
-    size: int = 0
-    schemas: list[pa.Schema] = field(default_factory=list)
-
-    @property
-    def has_stats(self) -> bool:
-        return all("natural_entropy" in s.names for s in self.schemas)
-
-    def _read(self, path: str, schema: pa.Schema, columns: list[str] | None) -> pa.Table:
-        wanted = [n for n in (columns or schema.names) if n in schema.names]
-        try:
-            with self.fs.open_input_file(path) as f:
-                if path.endswith(IPC_SUFFIXES):
-                    return pa.ipc.open_file(f).read_all().select(wanted)
-                return pq.ParquetFile(f, page_checksum_verification=True).read(columns=wanted)
-        except (pa.ArrowException, OSError) as exc:
-            raise RunFileError(path, arrow_reason(exc)) from exc
-
-    def load(self, vocabularies: dict[bytes, Vocabulary], columns: list[str] | None = None) -> Run:
-        """The run, with only ``columns`` (and the ids) read when given; vocabularies shared by their bytes."""
-        if columns is not None:
-            columns = list(ID_COLUMNS) + [c for c in columns if c not in ID_COLUMNS]
-        tables = [self._read(p, s, columns) for p, s in zip(self.files, self.schemas)]
-        batches = [
-            b for t in tables for b in t.select([n for n in t.column_names if n != GENERATIONS_COLUMN]).to_batches()
-        ]
-        raw = self.vocab_raw
-        vocab = None
-        if raw is not None:
-            if raw not in vocabularies:
-                try:
-                    vocabularies[raw] = vocabulary_from(raw)  # type: ignore[assignment]
-                except ValueError as exc:
-                    raise RunFileError(self.files[0], str(exc)) from exc
-            vocab = vocabularies[raw]
-        return Run(batches, self.metadata, vocab)
-
-    def stats_columns(self) -> list[str]:
-        """The columns :meth:`tracker.Run.stats` reads in a run with recorded statistics."""
-        return [f"{stage}_{name}" for stage in self.metadata.stages for name in STAT_COLUMNS]
-
-
-def _footer(fs: pafs.FileSystem, path: str) -> tuple[pa.Schema, int, int, list[dict]]:
-    """``(schema, rows, steps, generations)`` of one run file, from its footer (Parquet; the small
-    ``generation_meta`` column too) or, for an Arrow IPC file, from reading it."""
-    try:
-        with fs.open_input_file(path) as f:
-            if path.endswith(IPC_SUFFIXES):
-                table = pa.ipc.open_file(f).read_all()
-                steps = table.column("step") if "step" in table.schema.names else pa.array([], pa.int32())
-                high = pc.max(steps).as_py()
-                gens = (
-                    _generations(table.column(GENERATIONS_COLUMN)) if GENERATIONS_COLUMN in table.schema.names else []
-                )
-                return table.schema, table.num_rows, 0 if high is None else high + 1, gens
-            file = pq.ParquetFile(f, page_checksum_verification=True)
-            meta, schema = file.metadata, file.schema_arrow
-            high = -1
-            if "step" in schema.names:
-                index = schema.get_field_index("step")
-                for g in range(meta.num_row_groups):
-                    stats = meta.row_group(g).column(index).statistics
-                    if stats is not None and stats.has_min_max:
-                        high = max(high, int(stats.max))
-            gens = (
-                _generations(file.read(columns=[GENERATIONS_COLUMN]).column(0))
-                if GENERATIONS_COLUMN in schema.names
-                else []
-            )
-            return schema, meta.num_rows, high + 1, gens
-    except (pa.ArrowException, OSError) as exc:
-        if isinstance(exc, (FileNotFoundError, PermissionError)):
-            raise
-        raise RunFileError(path, arrow_reason(exc)) from exc
-    except ValueError as exc:
-        raise RunFileError(path, str(exc)) from exc
-
-
-def _sources_of(fs: pafs.FileSystem, files: list[str]) -> list[_Source]:
-    """The runs held by ``files`` (parts of one run share its run id), checked against their metadata.
-    Runs of one model share one copy of their vocabulary's bytes."""
-    runs: dict[str, _Source] = {}
-    vocabularies: dict[bytes, bytes] = {}
-    for path in files:
-        schema, rows, steps, gens = _footer(fs, path)
-        meta = schema.metadata or {}
-        try:
-            metadata = metadata_from(meta.get(META_RUN))
-            missing = [n for n in ID_COLUMNS if n not in schema.names]
-            if missing:
-                raise ValueError(f"it lacks the id columns {missing} every run has")
-            check_columns(schema, metadata, complete=False)
-        except ValueError as exc:
-            raise RunFileError(path, str(exc)) from exc
-        source = runs.get(metadata.run_id)
-        if source is None:
-            raw = meta.get(META_VOCAB)
-            raw = None if raw is None else vocabularies.setdefault(raw, raw)
-            source = runs[metadata.run_id] = _Source(fs, [], metadata, raw)
-        source.files.append(path)
-        source.schemas.append(schema)
-        source.metadata = replace(source.metadata, generations=source.metadata.generations + gens)
-        source.rows += rows
-        source.steps = max(source.steps, steps)
-        source.size += fs.get_file_info(path).size or 0
-    return list(runs.values())
-
-
-def _run_files(fs: pafs.FileSystem, folder: str) -> list[str]:
-    """A folder's run files (not hidden ones: temporary files of a write in progress), sorted."""
-    infos = fs.get_file_info(pafs.FileSelector(folder))
-    return sorted(
-        i.path
-        for i in infos
-        if i.type == pafs.FileType.File
-        and i.base_name.endswith(PARQUET_SUFFIXES + IPC_SUFFIXES)
-        and not i.base_name.startswith((".", "_"))
-    )
-
-
-def _marked_parts(fs: pafs.FileSystem, folder: str) -> list[str]:
-    """The parts a complete run's marker lists (a part written after its marker, or left by a failed write,
-    is not the run's)."""
-    with fs.open_input_stream(f"{folder}/{COMPLETE}") as f:
-        raw = f.read()
-    try:
-        return [f"{folder}/{name}" for name in read_marker(raw)["parts"]]
-    except ValueError as exc:
-        raise RunFileError(f"{folder}/{COMPLETE}", f"a damaged completion marker: {exc}") from exc
-
-
-def find_sources(location: str | os.PathLike[str]) -> list[_Source]:
-    """Every run at ``location`` (see the module docstring), sorted by run id; NoRunError when none is there.
-
-    In a dataset only complete runs count (a ``run_id=...`` folder holding its completion marker, read for
-    the parts it lists, as :func:`tracker.format.dataset.list_runs` lists them): a run still being written is left out.
-    """
-    fs, path = resolve(location)
-    info = fs.get_file_info(path)
-    if info.type == pafs.FileType.NotFound:
-        raise NoRunError(location, "there is no file or folder at this path")
-    if info.type == pafs.FileType.File:
-        return _sources_of(fs, [path])
-    entries = fs.get_file_info(pafs.FileSelector(path))
-    partitions = [e for e in entries if e.type == pafs.FileType.Directory and e.base_name.startswith("run_id=")]
-    complete = complete_runs(fs, path)
-    files = [f for name in complete for f in _marked_parts(fs, f"{path.rstrip('/')}/{name}")]
-    if not partitions:
-        files = _run_files(fs, path)
-    if not files:
-        reason = (
-            "its run_id=... folders hold no complete run yet (no completion marker)"
-            if partitions
-            else "the folder holds no run files (.parquet, .arrow) and no run_id=... folders"
-        )
-        raise NoRunError(location, reason)
-    return sorted(_sources_of(fs, files), key=lambda s: s.metadata.run_id)
 
 
 _RUNS_SCHEMA = pa.schema(
@@ -271,28 +88,28 @@ _RUNS_SCHEMA = pa.schema(
 )
 
 
-def _run_row(source: _Source) -> dict[str, Any]:
+def _run_row(source: RunSource) -> dict[str, Any]:
     m = source.metadata
     title = m.extra.get("title") if isinstance(m.extra, dict) else None
     return {
         "run_id": m.run_id,
         "title": None if title is None else str(title),
         "model": m.model,
-        "processors": m.processors,
+        "processors": m.processors or "none",
         "sampling": None if m.sampling is None else json.dumps(m.sampling),
         "storage": m.storage,
         "top_k": m.top_k,
         "stages": list(m.stages),
         "vocab_size": m.vocab_size,
         "eos_token_ids": [int(i) for i in m.eos_token_ids if isinstance(i, int)],
-        "generations": len(m.generations),
-        "sequences": sum(int(g.get("batch_size") or 0) for g in m.generations),
+        "generations": source.generations,
+        "sequences": source.sequences,
         "steps": source.steps,
         "rows": source.rows,
         "created_at": m.created_at or None,
         "library_version": m.library_version or None,
         "extra": json.dumps(m.extra),
-        "files": list(source.files),
+        "files": source.names,
         "size_bytes": source.size,
     }
 
@@ -306,7 +123,7 @@ class Dataset:
         connection: the DuckDB connection (the views are registered on it as queries name them).
     """
 
-    def __init__(self, location: str, sources: list[_Source], k: int) -> None:
+    def __init__(self, location: str, sources: list[RunSource], k: int) -> None:
         try:
             import duckdb
         except ImportError as exc:
@@ -316,6 +133,10 @@ class Dataset:
         self.k = k
         self._sources = sources
         self._tables: dict[str, pa.Table] = {}
+        self._texts: list = []  # per sequence of the runs read all at once: its chosen ids (for ``sequences``)
+        self._scanned: list[RunSource] = []  # those runs, in the order the texts refer to
+        self._steps_columns: set[str] | None = None  # the columns of steps made so far (None: all)
+        self._slow_sequences: list[pa.Table] = []
         self._registered: set[str] = set()
         self._vocabularies: dict[bytes, Vocabulary] = {}
         self.connection = duckdb.connect(":memory:", config=dict(_DUCKDB_CONFIG))
@@ -327,10 +148,17 @@ class Dataset:
     def __repr__(self) -> str:
         return f"Dataset({self.location!r}, runs={len(self._sources)}, k={self.k})"
 
-    def table(self, view: str) -> pa.Table:
-        """The whole table of one of :data:`VIEWS`, made on first use and kept."""
+    def table(self, view: str, columns: set[str] | None = None) -> pa.Table:
+        """The table of one of :data:`VIEWS`, made on first use and kept; of ``steps``, with at least
+        ``columns`` (None: all of them; a query reads only those it names)."""
         if view not in VIEWS:
             raise ValueError(f"view must be one of {VIEWS}, got {view!r}")
+        if view == "steps" and view in self._tables and not self._has(columns):
+            columns = None if columns is None or self._steps_columns is None else columns | self._steps_columns
+            del self._tables["steps"]  # made again with more columns
+            if "steps" in self._registered:
+                self.connection.unregister("steps")
+                self._registered.discard("steps")
         if view not in self._tables:
             if view == "runs":
                 self._tables[view] = pa.Table.from_pylist([_run_row(s) for s in self._sources], schema=_RUNS_SCHEMA)
@@ -339,25 +167,90 @@ class Dataset:
 
                 tables = [candidates_table(s.load(self._vocabularies), self.k) for s in self._sources]
                 self._tables[view] = pa.concat_tables(tables)
+            elif view == "steps":
+                self._steps(columns)
             else:
-                self._steps()
+                self._sequences()
             for name, table in self._tables.items():
                 if name not in self._registered:
                     self.connection.register(name, table)
                     self._registered.add(name)
         return self._tables[view]
 
-    def _steps(self) -> None:
-        from tracker.reading.query_views import SEQUENCES_SCHEMA, steps_tables
+    def _fast(self) -> list[RunSource]:
+        """The runs whose views come from their statistics columns, all at once."""
+        return [s for s in self._sources if s.has_stats and not s.metadata.stage_aliases]
 
-        steps, sequences = [], []
+    def _vocabulary(self, sources: Sequence[RunSource]) -> Callable[[int], Vocabulary]:
+        def vocabulary(i: int) -> Vocabulary:
+            found = sources[i].vocabulary(self._vocabularies)
+            return found if found is not None else Vocabulary.placeholder(sources[i].metadata.vocab_size)
+
+        return vocabulary
+
+    def _has(self, columns: set[str] | None) -> bool:
+        return self._steps_columns is None or (columns is not None and columns <= self._steps_columns)
+
+    def _steps(self, columns: set[str] | None = None) -> None:
+        """``steps`` with ``columns`` (None: all): runs with recorded statistics all at once from those
+        columns, the others run by run (:mod:`tracker.reading.query_steps`, :mod:`tracker.reading.query_views`);
+        what ``sequences`` needs of them is kept."""
+        from tracker.reading.query_steps import scan_runs, steps_of_runs
+        from tracker.reading.query_views import steps_tables
+
+        fast = self._fast()
+        steps = []
+        if fast:
+            scanned = scan_runs(fast, columns)
+            self._scanned = list(scanned.sources)  # what the texts refer to
+            table, self._texts = steps_of_runs(scanned, self._vocabularies, columns)
+            steps.append(table)
+        self._steps_columns = None if columns is None else set(columns)
+        self._slow_sequences = []
         for source in self._sources:
-            columns = source.stats_columns() if source.has_stats else None
-            s, q = steps_tables(source.load(self._vocabularies, columns))
+            if source.has_stats and not source.metadata.stage_aliases:
+                continue
+            s, q = steps_tables(source.load(self._vocabularies))
             steps.append(s)
-            sequences.append(q)
+            self._slow_sequences.append(q)
         self._tables["steps"] = pa.concat_tables(steps, promote_options="permissive")
-        self._tables["sequences"] = pa.concat_tables(sequences) if sequences else SEQUENCES_SCHEMA.empty_table()
+
+    def _sequences(self) -> None:
+        from tracker.reading.query_steps import sequences_of_runs
+        from tracker.reading.query_views import SEQUENCES_SCHEMA
+
+        if "steps" not in self._tables:
+            self._steps()
+        fast = self._scanned
+        tables = [sequences_of_runs(fast, self._vocabulary(fast), self._texts)] if fast else []
+        tables += self._slow_sequences
+        self._tables["sequences"] = pa.concat_tables(tables) if tables else SEQUENCES_SCHEMA.empty_table()
+
+    def _named(self, query: str) -> set[str] | None:
+        """The columns ``query`` names (DuckDB's parse of it), so that ``steps`` reads only those; None (all)
+        for a ``*``, or a statement DuckDB does not describe."""
+        import duckdb
+
+        try:
+            tree = json.loads(self.connection.execute("SELECT json_serialize_sql($q)", {"q": query}).fetchall()[0][0])
+        except (duckdb.Error, ValueError, TypeError):
+            return None
+        if not isinstance(tree, dict) or tree.get("error") is not False:
+            return None
+        names: set[str] = set()
+        stack: list[Any] = [tree]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                kind = node.get("class")
+                if kind in ("STAR", "COLUMNS"):
+                    return None
+                if kind == "COLUMN_REF" and node.get("column_names"):
+                    names.add(str(node["column_names"][-1]).lower())
+                stack.extend(node.values())
+            elif isinstance(node, list):
+                stack.extend(node)
+        return names
 
     def sql(self, query: str) -> pa.Table:
         """The answer to ``query`` (DuckDB's SQL over :data:`VIEWS`) as an Arrow table (``.to_pandas()`` for a
@@ -366,6 +259,9 @@ class Dataset:
 
         if not isinstance(query, str) or not query.strip():
             raise ValueError(f"query must be SQL text, got {query!r}")
+        named = self._named(query)
+        if "steps" in self._registered and not self._has(named):
+            self.table("steps", named)  # the columns this query reads that steps does not hold yet
         while True:  # a view's table is made when DuckDB first misses it
             try:
                 result = self.connection.sql(query)
@@ -377,7 +273,7 @@ class Dataset:
                 view = missing.group(1).lower() if missing else None
                 if view not in VIEWS or view in self._registered:
                     raise QueryError(f"{_one_line(exc)} (the views are {', '.join(VIEWS)})") from exc
-                self.table(view)
+                self.table(view, named)
             except duckdb.Error as exc:
                 raise QueryError(_one_line(exc)) from exc
 

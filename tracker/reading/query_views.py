@@ -15,16 +15,20 @@ here. Needs pyarrow, numpy and pandas; no torch.
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from tracker.format.schema import RunMetadata
 from tracker.reading.block import Block
 from tracker.reading.rows import NEG_INF, probabilities, topk_rows
 from tracker.reading.run import Run
 from tracker.reading.selection import sequence_end
 
-__all__ = ["steps_tables", "candidates_table", "INT_PREFIXES", "SEQUENCES_SCHEMA", "CANDIDATES_SCHEMA"]
+__all__ = ["steps_tables", "candidates_table", "sampling_of", "INT_PREFIXES", "SEQUENCES_SCHEMA", "CANDIDATES_SCHEMA"]
 
 #: Statistics columns that count something (ranks, NaN entries, allowed tokens): integers in SQL.
 INT_PREFIXES = ("rank_chosen_", "nan_", "allowed")
@@ -38,6 +42,7 @@ SEQUENCES_SCHEMA = pa.schema(
         ("prompt", pa.string()),
         ("text", pa.string()),
         ("steps", pa.int64()),
+        ("sampling", pa.string()),
     ]
 )
 
@@ -57,6 +62,15 @@ CANDIDATES_SCHEMA = pa.schema(
         ("chosen", pa.bool_()),
     ]
 )
+
+
+def sampling_of(metadata: RunMetadata, entry: dict, sequence: int) -> Any:
+    """The sampling settings of one sequence: its generation's, per row, where the host told them (its
+    seed included), else the run's."""
+    rows = entry.get("sampling")
+    if isinstance(rows, list) and 0 <= sequence < len(rows):
+        return rows[sequence]
+    return metadata.sampling
 
 
 def _nulls_for_nan(column: pa.ChunkedArray | pa.Array, name: str) -> pa.ChunkedArray | pa.Array:
@@ -135,13 +149,15 @@ def steps_tables(run: Run) -> tuple[pa.Table, pa.Table]:
         steps, texts = recorded
     else:
         steps, texts = _computed_steps(run)
-    prompts = {g.get("generation"): g.get("prompt_ids") or [] for g in run.metadata.generations}
+    entries = {g.get("generation"): g for g in run.metadata.generations}
     sequences = []
     for generation, sequence, chosen in texts:
-        ids = prompts.get(generation, [])
+        entry = entries.get(generation, {})
+        ids = entry.get("prompt_ids") or []
         prompt = ids[sequence] if sequence < len(ids) and isinstance(ids[sequence], list) else []
         unknown = np.nonzero(chosen < 0)[0]
         known = chosen[: int(unknown[0]) if unknown.size else chosen.size]
+        sampling = sampling_of(run.metadata, entry, sequence)
         sequences.append(
             {
                 "run_id": run.run_id,
@@ -150,6 +166,7 @@ def steps_tables(run: Run) -> tuple[pa.Table, pa.Table]:
                 "prompt": run.vocab.decode(prompt) if prompt else None,
                 "text": run.vocab.decode(known.tolist()),
                 "steps": int(chosen.size),
+                "sampling": None if sampling is None else json.dumps(sampling),
             }
         )
     return steps, pa.Table.from_pylist(sequences, schema=SEQUENCES_SCHEMA)
@@ -183,14 +200,40 @@ def _best(block: Block, k: int) -> tuple[np.ndarray, np.ndarray]:
     return np.take_along_axis(block.values, order, axis=1), np.take_along_axis(ids, order, axis=1)
 
 
+def _margin(run: Run, sel: Any, stage: str, con_stage: str) -> np.ndarray | None:
+    """The constrained stage's recorded ``margin`` over ``sel`` where it tells the natural stage's favourite
+    apart (top-k storage with recorded statistics), else None."""
+    if stage != "natural" or con_stage == "natural" or run.metadata.storage != "topk" or not run._has_stats(sel):
+        return None
+    return run._column(f"{con_stage}_margin", sel)
+
+
+def _favourite_masked(values: np.ndarray, at: np.ndarray, margin: np.ndarray) -> np.ndarray:
+    """``at`` (the constrained stage's values at the natural best tokens ``values`` ``[t, k]``, best first)
+    with the favourite's answered where it was unknown: -inf where ``margin`` > 0 (every natural best is
+    masked), its own value where ``margin`` is 0 and no other token ties with it (it is allowed)."""
+    first = values[:, 0]
+    tied = (values[:, 1] == first) if values.shape[1] > 1 else np.zeros(first.shape, bool)
+    unknown = np.isnan(at[:, 0]) & np.isfinite(first)
+    out = at.copy()
+    out[unknown & (margin > 0), 0] = NEG_INF
+    allowed = unknown & (margin == 0) & ~tied
+    out[allowed, 0] = first[allowed]
+    return out
+
+
 def candidates_table(run: Run, k: int) -> pa.Table:
     """The ``k`` best tokens of every step and stage of one run, in long form (``k`` at most the stored
     ``top_k`` in top-k storage). Tokens of probability 0 and entries not stored are left out.
 
     ``masked``: the run's constrained stage gives the token ``-inf`` (the one
-    :meth:`~tracker.reading.analysis.Analysis.stats` compares with natural); null
-    where top-k storage does not tell (the token is not among its stored ids
-    and more tokens than those were allowed).
+    :meth:`~tracker.reading.analysis.Analysis.stats` compares with natural). In
+    top-k storage a token the constrained stage did not keep is masked where the
+    stage allowed no more tokens than it kept; the model's favourite (the natural
+    stage's best token) is told by the constrained stage's ``margin``, recorded
+    from the whole row (positive: every natural best is masked; 0: one is
+    allowed, which is the favourite unless another token ties with it); null
+    where the stored data cannot tell.
     """
     parts: list[pa.Table] = []
     display = run.vocab.display_array
@@ -199,10 +242,13 @@ def candidates_table(run: Run, k: int) -> pa.Table:
         for sequence in run.sequences(generation):
             sel = run._select(generation, sequence)
             for stage in run.stages:
+                margin = _margin(run, sel, stage, con_stage)
 
-                def best(start: int, blocks: dict[str, Block], stage: str = stage) -> tuple:
+                def best(start: int, blocks: dict[str, Block], stage: str = stage, margin: Any = margin) -> tuple:
                     values, ids = _best(blocks[stage], k)
                     at = blocks[con_stage].at(ids)
+                    if margin is not None:  # the favourite, where top-k storage did not keep it
+                        at = _favourite_masked(values, at, margin[start : start + values.shape[0]])
                     prob = probabilities(values, blocks[stage].lse[:, None])
                     rows = np.broadcast_to(np.arange(start, start + values.shape[0])[:, None], values.shape)
                     return rows, ids, values, prob, at

@@ -35,6 +35,7 @@ import pyarrow as pa
 
 from processors.vocab import Vocabulary
 from tracker.format.checks import check_stats, check_topk
+from tracker.format.columns import restore
 from tracker.format.dataset import write_run
 from tracker.format.layout import (
     PartialRunWarning,
@@ -212,7 +213,8 @@ class Run(Insight, Analysis):
 
     @classmethod
     def from_arrow(cls, table: pa.Table) -> Run:
-        """A run from a table written by :meth:`to_arrow` or read from :meth:`to_parquet`'s file.
+        """A run from a table written by :meth:`to_arrow`, or read from :meth:`to_parquet`'s file by any Parquet
+        reader (the columns are given the run schema back: :mod:`tracker.format.columns`).
 
         ValueError saying what is wrong when the metadata, the vocabulary or
         a column's type is damaged.
@@ -220,6 +222,7 @@ class Run(Insight, Analysis):
         meta = table.schema.metadata or {}
         try:
             metadata = metadata_from(meta.get(META_RUN))
+            table = restore(table, metadata, "table", arrow_schema=True)  # a file's layout: the run schema back
             if GENERATIONS_COLUMN in table.schema.names:
                 entries = generations_from_column(table.column(GENERATIONS_COLUMN))
                 check_generations(entries, metadata.vocab_size)

@@ -1,0 +1,371 @@
+"""The ``steps`` and ``sequences`` views of many runs at once, from their statistics columns.
+
+A run that recorded its statistics with its rows answers :meth:`tracker.Run.stats`
+from those columns; so do the views, for every such run at once: the id and
+statistics columns of every file are read in one scan
+(:mod:`tracker.format.scan`: local files through DuckDB's reader; others part
+by part through :mod:`tracker.format.parts`), checked as
+:mod:`tracker.format.checks` checks one run (on failure, run by run, to name
+the run at fault), cut where each sequence ends
+(:func:`tracker.reading.selection.sequence_end`'s rule, vectorised) and turned
+into the views' columns in a few whole-array operations. The numbers are those
+of :func:`tracker.reading.query_views.steps_tables` run by run
+(``tests/test_query_table.py`` compares them). ``sequences`` (prompts and
+texts) is made only when a query names it: the prompts are in each part's
+``generation_meta`` column, read then. Runs without recorded statistics, or
+with a stage per processor, take the run-by-run path. Needs pyarrow and numpy.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from processors.vocab import Vocabulary
+from tracker.format.checks import RunFileError, arrow_reason, check_ids, check_stats, stats_damage
+from tracker.format.scan import ScanUnavailable, scan_columns
+from tracker.format.schema import GENERATIONS_COLUMN, STAT_COLUMNS, check_generations, generations_from_column
+from tracker.reading.query_views import INT_PREFIXES, SEQUENCES_SCHEMA, sampling_of
+
+__all__ = ["Scanned", "scan_runs", "steps_of_runs", "sequences_of_runs"]
+
+_IDS = ["generation", "sequence", "step", "chosen", "processor_error"]
+#: The statistics the views show or check (not the chosen token's logit).
+_STATS = [n for n in STAT_COLUMNS if n != "chosen_logit"]
+#: Per statistic, the ``steps`` columns (``<name>_<stage>``) made of it.
+_SHOWN = {
+    "entropy": ("entropy",),
+    "p_chosen": ("p_chosen", "surprisal"),
+    "rank_chosen": ("rank_chosen",),
+    "p_eos": ("p_eos",),
+    "nan": ("nan",),
+}
+#: The ``steps`` columns every table of it has.
+ALWAYS = ("run_id", "generation", "sequence", "step")
+
+
+@dataclass
+class Scanned:
+    """The id and statistics columns of several runs (``src``: each row's run, an index into ``sources``)."""
+
+    sources: Sequence[Any]
+    table: pa.Table
+    src: np.ndarray
+
+    def run_table(self, i: int) -> pa.Table:
+        return self.table.filter(pa.array(self.src == i))
+
+
+def _wanted(source: Any, names: list[str]) -> list[str]:
+    return [c for c in names if all(c in cols for cols in source.columns)]
+
+
+def _read(sources: Sequence[Any], wanted: list[list[str]], threads: int) -> tuple[pa.Table, np.ndarray]:
+    """``wanted[i]`` of every file of ``sources[i]`` as one table, and each row's source: local files in one
+    scan per set of columns, the rest (and whatever the scan cannot read) part by part, ``threads`` files at
+    a time."""
+    tables: list[pa.Table] = []
+    owners: list[np.ndarray] = []
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, source in enumerate(sources):
+        if isinstance(source.fs, pafs.LocalFileSystem) and len(source.file_rows) == len(source.files):
+            groups.setdefault(tuple(wanted[i]), []).append(i)
+    scanned: set[int] = set()
+    for columns, members in groups.items():
+        files = [f for i in members for f in sources[i].files]
+        owner = np.array([i for i in members for _ in sources[i].files], dtype=np.int64)
+        try:
+            table, index = scan_columns(files, list(columns), [n for i in members for n in sources[i].file_rows])
+        except ScanUnavailable:
+            continue
+        tables.append(table)
+        owners.append(owner[index])
+        scanned.update(members)
+    jobs = [(i, part) for i, s in enumerate(sources) if i not in scanned for part in s.parts()]
+
+    def read(job: tuple[int, Any]) -> pa.Table:
+        i, part = job
+        try:
+            return part.read_columns(wanted[i])
+        except (pa.ArrowException, OSError) as exc:
+            raise RunFileError(part.path, arrow_reason(exc)) from exc
+
+    if len(jobs) > 1 and threads > 1:
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="logitscope-read") as pool:
+            done = list(pool.map(read, jobs))
+    else:
+        done = [read(j) for j in jobs]
+    for (i, _), table in zip(jobs, done):
+        tables.append(table)
+        owners.append(np.full(table.num_rows, i, dtype=np.int64))
+    if not tables:
+        return pa.table({}), np.zeros(0, np.int64)
+    return pa.concat_tables(tables, promote_options="permissive"), np.concatenate(owners)
+
+
+def _statistics(columns: set[str] | None, stage: str) -> list[str]:
+    """The statistics columns of ``stage`` that the ``steps`` columns ``columns`` (None: all) are made of, and
+    those their checks read (a stage's log-sum-exp, allowed count and largest logit, whenever any is read)."""
+    if columns is None:
+        return [f"{stage}_{n}" for n in _STATS]
+    wanted = {n for n, shown in _SHOWN.items() if any(f"{v}_{stage}" in columns for v in shown)}
+    wanted |= {n for n in ("allowed", "removed_mass", "margin") if n in columns}
+    if "nonfinite" in columns:
+        wanted |= {"nan", "lse", "max"}  # the log-sum-exp is checked against the largest logit
+    if wanted & {"entropy", "allowed"}:
+        wanted |= {"lse", "allowed"}  # which rows hold a distribution, and how many tokens it spreads over
+    return [f"{stage}_{n}" for n in _STATS if n in wanted]
+
+
+def scan_runs(sources: Sequence[Any], columns: set[str] | None = None, threads: int = 8) -> Scanned:
+    """The id and statistics columns of ``sources`` (:class:`~tracker.reading.query_sources.RunSource`) that
+    the ``steps`` columns ``columns`` need (None: all), the runs in the order they were read
+    (:attr:`Scanned.sources`). RunFileError naming a file that cannot be read."""
+    ids = _IDS if columns is None or "processor_error" in columns else _IDS[:4]
+    names = [ids + [c for s in source.metadata.stages for c in _statistics(columns, s)] for source in sources]
+    table, src = _read(sources, [_wanted(s, n) for s, n in zip(sources, names)], threads)
+    return Scanned(sources, table, src)
+
+
+def _check(scanned: Scanned, src: np.ndarray, vocab: np.ndarray, keys: np.ndarray) -> None:
+    """The checks of one run's ids and statistics over every run at once; on a failure, run by run, so that
+    the error names the run at fault (and says what :mod:`tracker.format.checks` says of it)."""
+    table = scanned.table
+    bad = any(
+        table.column(n).null_count > 0
+        for n in ("generation", "sequence", "step", "processor_error")
+        if n in table.column_names
+    )
+    if not bad and table.num_rows:
+        chosen = table.column("chosen").fill_null(-1).to_numpy()
+        bad = bool((keys[:, 1:] < 0).any() or (chosen < -1).any() or (chosen >= np.maximum(vocab[src], 1)).any())
+        bad = bad or bool(np.all(keys[1:] == keys[:-1], axis=1).any())
+    sources = scanned.sources
+    if not bad:
+        union = list(dict.fromkeys(s for r in sources for s in r.metadata.stages))
+        proxy = replace(sources[0].metadata, stages=union, vocab_size=int(vocab.max(initial=0)))
+        bad = stats_damage(table, proxy) is not None
+        for stage in union:  # each row's allowed count within its own run's vocabulary
+            if not bad and f"{stage}_allowed" in table.column_names:
+                allowed = table.column(f"{stage}_allowed").to_numpy(zero_copy_only=False).astype(np.float64)
+                bad = bool((allowed > vocab[src]).any())
+    if bad:
+        for i, source in enumerate(sources):
+            rows = scanned.run_table(i)
+            if "processor_error" not in rows.column_names:  # not read: nothing to check of it
+                rows = rows.append_column("processor_error", pa.array(np.zeros(rows.num_rows, bool)))
+            check_ids(source.names[0], rows, source.metadata.vocab_size)
+            check_stats(source.names[0], rows, source.metadata)
+
+
+def _float(table: pa.Table, name: str, rows: pa.Array) -> np.ndarray:
+    if name not in table.column_names:
+        return np.full(len(rows), np.nan)
+    return table.column(name).take(rows).to_numpy(zero_copy_only=False).astype(np.float64)
+
+
+def _nullable(values: np.ndarray, name: str) -> pa.Array:
+    """A float column with NaN as null (counts as int64, like :func:`query_views._nulls_for_nan`)."""
+    array = pa.array(values, mask=np.isnan(values))
+    return array.cast(pa.int64()) if name.startswith(INT_PREFIXES) else array
+
+
+def _limits(sources: Sequence[Any], first: np.ndarray, src: np.ndarray, gen: np.ndarray, seq: np.ndarray) -> np.ndarray:
+    """Per sequence (its first row ``first``): the step it ends before, where its host told its length; -1
+    where its end is its first end-of-sequence token."""
+    out = np.full(first.size, -1, dtype=np.int64)
+    if not any(s.lengths for s in sources):
+        return out
+    for k, row in enumerate(first.tolist()):
+        found = sources[int(src[row])].lengths.get(int(gen[row]))
+        s = int(seq[row])
+        if found is not None and 0 <= s < len(found):
+            out[k] = int(found[s])
+    return out
+
+
+Texts = list[tuple[int, int, int, np.ndarray]]
+
+
+def steps_of_runs(scanned: Scanned, shared: dict, columns: set[str] | None = None) -> tuple[pa.Table, Texts]:
+    """The ``steps`` rows of the scanned runs (those with recorded statistics and no stage per processor),
+    with the columns ``columns`` (None: all; :data:`ALWAYS` always), and, per sequence, ``(run index,
+    generation, sequence, chosen ids)``; ``shared``: vocabularies read, by their bytes (kept for the next
+    view)."""
+    sources, table, src = scanned.sources, scanned.table, scanned.src
+    vocab = np.array([s.metadata.vocab_size for s in sources], dtype=np.int64)
+    gen, seq, step = (
+        table.column(n).fill_null(0).to_numpy().astype(np.int64) for n in ("generation", "sequence", "step")
+    )
+    chosen = table.column("chosen").fill_null(-1).to_numpy()
+    order = np.lexsort((step, seq, gen, src))
+    keys = np.stack([src[order], gen[order], seq[order], step[order]], axis=1)
+    _check(scanned, src, vocab, keys)
+    # where each sequence ends: its host's length, else its first end-of-sequence token (sequence_end)
+    new = np.r_[True, np.any(keys[1:, :3] != keys[:-1, :3], axis=1)] if order.size else np.zeros(0, bool)
+    starts, group = np.flatnonzero(new), np.cumsum(new) - 1
+    limit = _limits(sources, order[starts], src, gen, seq)
+    eos = np.zeros(order.size, dtype=bool)
+    for ids in {tuple(s.metadata.eos_token_ids) for s in sources if s.metadata.eos_token_ids}:
+        mine = np.array([tuple(s.metadata.eos_token_ids) == ids for s in sources])
+        eos |= mine[src[order]] & np.isin(chosen[order], ids)
+    before = np.cumsum(eos) - eos
+    if order.size:
+        before = before - before[starts][group]
+    keep = np.where(limit[group] >= 0, step[order] < limit[group], before == 0) if order.size else eos
+    rows = order[keep]
+    bounds = np.searchsorted(group[keep], np.arange(starts.size + 1))  # each sequence's kept rows, even none
+    texts = [
+        (int(src[f]), int(gen[f]), int(seq[f]), chosen[rows[a:b]])
+        for f, a, b in zip(order[starts].tolist(), bounds[:-1].tolist(), bounds[1:].tolist())
+    ]
+    out = _columns(scanned, shared, rows, src, gen, seq, step, chosen, columns)
+    return pa.table(out), texts
+
+
+def _columns(
+    scanned: Scanned,
+    shared: dict,
+    rows: np.ndarray,
+    src: np.ndarray,
+    gen: np.ndarray,
+    seq: np.ndarray,
+    step: np.ndarray,
+    chosen: np.ndarray,
+    wanted: set[str] | None,
+) -> dict[str, pa.Array]:
+    """The ``steps`` columns ``wanted`` (None: all; :data:`ALWAYS` always) of ``rows``."""
+    sources, table = scanned.sources, scanned.table
+
+    def want(name: str) -> bool:
+        return wanted is None or name in wanted
+
+    known = chosen[rows] >= 0
+    at = pa.array(rows)
+    columns: dict[str, pa.Array] = {
+        "run_id": pa.array([s.metadata.run_id for s in sources], pa.string()).take(pa.array(src[rows])),
+        "generation": pa.array(gen[rows].astype(np.int32)),
+        "sequence": pa.array(seq[rows].astype(np.int32)),
+        "step": pa.array(step[rows].astype(np.int32)),
+    }
+    if want("chosen_id"):
+        columns["chosen_id"] = pa.array(chosen[rows], mask=~known)
+    if want("chosen_token"):
+        columns["chosen_token"] = _tokens(sources, shared, src[rows], chosen[rows], known)
+    stages = list(dict.fromkeys(s for r in sources for s in r.metadata.stages))
+    for stage in stages:
+        if want(f"entropy_{stage}"):
+            columns[f"entropy_{stage}"] = _nullable(_float(table, f"{stage}_entropy", at), "")
+        for name in ("p_chosen", "rank_chosen"):
+            if want(f"{name}_{stage}") or (name == "p_chosen" and want(f"surprisal_{stage}")):
+                values = np.where(known, _float(table, f"{stage}_{name}", at), np.nan)
+                columns[f"{name}_{stage}"] = _nullable(values, f"{name}_")
+        if want(f"p_eos_{stage}"):
+            columns[f"p_eos_{stage}"] = _nullable(_float(table, f"{stage}_p_eos", at), "")
+    constrained = np.array(["constrained" in s.metadata.stages for s in sources])[src[rows]]
+    for name in ("allowed", "removed_mass", "margin"):
+        if want(name):
+            mine = _float(table, f"constrained_{name}", at)
+            other = _float(table, f"natural_{name}", at) if name == "allowed" else np.zeros(rows.size)
+            columns[name] = _nullable(np.where(constrained, mine, other), name)
+    nonfinite = np.zeros(rows.size, dtype=bool)
+    for stage in stages:
+        nan = _float(table, f"{stage}_nan", at) if want(f"nan_{stage}") or want("nonfinite") else None
+        if want(f"nan_{stage}"):
+            columns[f"nan_{stage}"] = _nullable(nan, "nan_")
+        if want("nonfinite"):
+            nonfinite |= (nan > 0) | (_float(table, f"{stage}_lse", at) == np.inf)
+    if want("processor_error"):
+        columns["processor_error"] = table.column("processor_error").take(at).combine_chunks()
+    if want("nonfinite"):
+        columns["nonfinite"] = pa.array(nonfinite)
+    for stage in stages:
+        if want(f"surprisal_{stage}"):
+            p = columns[f"p_chosen_{stage}"].to_numpy(zero_copy_only=False)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                columns[f"surprisal_{stage}"] = _nullable(-np.log(p), "")
+    if wanted is not None:  # p_chosen made for a surprisal only
+        columns = {n: c for n, c in columns.items() if n in wanted or n in ALWAYS}
+    return columns
+
+
+def _tokens(sources: Sequence[Any], shared: dict, src: np.ndarray, chosen: np.ndarray, known: np.ndarray) -> pa.Array:
+    """Each row's chosen token as its run's vocabulary shows it (null where unknown); the runs sharing a
+    vocabulary are looked up together."""
+    by_vocab: dict[object, list[int]] = {}
+    for i in np.unique(src).tolist():
+        by_vocab.setdefault(sources[i].vocab_identity(), []).append(i)
+    pieces, positions = [], []
+    for members in by_vocab.values():
+        where = np.flatnonzero(np.isin(src, members) & known)
+        if where.size:
+            pieces.append(sources[members[0]].token_display(shared, chosen[where]))
+            positions.append(where)
+    if not pieces:
+        return pa.nulls(src.size, pa.string())
+    filled = np.concatenate(positions)
+    order = np.full(src.size, filled.size, dtype=np.int64)  # past the end: null
+    order[filled] = np.arange(filled.size)
+    joined = pa.concat_arrays([*pieces, pa.nulls(1, pa.string())])
+    return joined.take(pa.array(order))
+
+
+def _entries(sources: Sequence[Any], threads: int) -> list[dict[int, dict]]:
+    """Per source, its generations' metadata entries by generation (the prompts and per-row sampling)."""
+    need = [i for i, s in enumerate(sources) if s.metadata.generations == [] and s.generations]
+    found: dict[int, list[dict]] = {i: list(s.metadata.generations) for i, s in enumerate(sources) if i not in need}
+    chosen = [sources[i] for i in need]
+    table, src = _read(chosen, [[GENERATIONS_COLUMN] for _ in need], threads)
+    if need and GENERATIONS_COLUMN in table.column_names:
+        column = table.column(GENERATIONS_COLUMN)
+        column = column if pa.types.is_string(column.type) else column.cast(pa.string())
+        at = np.flatnonzero(column.is_valid().to_numpy(zero_copy_only=False))  # a generation's first row
+        texts = column.take(pa.array(at)).to_pylist()
+        for m, source in enumerate(chosen):
+            mine = pa.array([t for t, i in zip(texts, src[at].tolist()) if i == m], pa.string())
+            try:
+                entries = generations_from_column(mine)
+                check_generations(entries, source.metadata.vocab_size)
+            except ValueError as exc:
+                raise RunFileError(source.names[0], str(exc)) from exc
+            found[need[m]] = entries
+    for i in need:
+        found.setdefault(i, [])
+    return [{e.get("generation"): e for e in found[i]} for i in range(len(sources))]
+
+
+def sequences_of_runs(
+    sources: Sequence[Any], vocabulary: Callable[[int], Vocabulary], texts: Texts, threads: int = 8
+) -> pa.Table:
+    """The ``sequences`` rows: per run, generation and sequence, its prompt, generated text, step count and
+    sampling settings (JSON)."""
+    entries = _entries(sources, threads)
+    rows = []
+    for i, generation, sequence, chosen in texts:
+        source = sources[i]
+        entry = entries[i].get(generation, {})
+        prompts = entry.get("prompt_ids") or []
+        prompt = prompts[sequence] if sequence < len(prompts) and isinstance(prompts[sequence], list) else []
+        unknown = np.flatnonzero(chosen < 0)
+        kept = chosen[: int(unknown[0]) if unknown.size else chosen.size]
+        vocab = vocabulary(i)
+        sampling = sampling_of(source.metadata, entry, sequence)
+        rows.append(
+            {
+                "run_id": source.metadata.run_id,
+                "generation": generation,
+                "sequence": sequence,
+                "prompt": vocab.decode(prompt) if prompt else None,
+                "text": vocab.decode(kept.tolist()),
+                "steps": int(chosen.size),
+                "sampling": None if sampling is None else json.dumps(sampling),
+            }
+        )
+    return pa.Table.from_pylist(rows, schema=SEQUENCES_SCHEMA)
