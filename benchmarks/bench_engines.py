@@ -12,8 +12,8 @@ tokens each, ``ignore_eos``), each mode runs once, in an order that rotates from
 - ``installed``: the engine with the processor, no request tracked;
 - ``float32`` / ``float16`` / ``bfloat16`` / ``topk``: every request tracked in that storage (top-k 20).
 
-A tracked mode's time runs until every request's part is written (the writer works on the engine's core,
-so its cost is counted). Printed per shape and mode: the median tokens per second and the median ratio to
+A tracked mode's time runs until every request is committed to the table (the writers work on the engine's
+core, so their cost is counted). Printed per shape and mode: the median tokens per second and the median ratio to
 ``none`` in the same round, with the range. ``--model wide`` builds a GPT-2 with random weights over a
 128,256-token vocabulary (``benchmarks/wide_model.py``) in a temporary folder.
 """
@@ -41,8 +41,12 @@ TRACKED = ("float32", "float16", "bfloat16", "topk")
 
 
 def _parts(root: Path) -> int:
-    """Requests written so far: distinct (run, generation) among the part files (a request may have several)."""
-    return len({(p.parent.name, p.name.split(".")[0].split("-")[1]) for p in root.rglob("part-*.parquet")})
+    """Requests committed to the table so far (generations of every run, from the table's log)."""
+    from tracker.format.dataset import list_runs
+
+    if not (root / "_delta_log").is_dir():
+        return 0
+    return sum(int(entry.summary.get("generations") or 0) for entry in list_runs(root, cache=False))
 
 
 def _wait_for_parts(root: Path, expected: int, timeout: float = 600.0) -> None:

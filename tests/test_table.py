@@ -283,18 +283,23 @@ def _part(run: Run, generation: int, run_id: str) -> tuple[pa.Table, object]:
 
 
 def test_the_table_writer_commits_parts_in_groups_and_they_read_back_as_one_run(tmp_path):
+    from dataclasses import replace
+
     from tracker.format.table_writer import TableWriter
 
     run = recorded(steps=3, seed=90).run
     with TableWriter(tmp_path, commit_every_s=30, max_parts=1000) as writer:
         for g in range(40):
             writer.add(*_part(run, g, "server-1"))
-        with pytest.raises(ValueError, match="already has generation"):
-            writer.add(*_part(run, 3, "server-1"))
+        later, meta = _part(run, 3, "server-1")  # generation 3's later steps, in a part of their own
+        later = later.set_column(2, "step", pa.array(later.column("step").to_numpy() + 3))
+        writer.add(later, replace(meta, generations=[dict(meta.generations[0], lengths=[6], ended_at="~")]))
         writer.flush()
-        assert (writer.commits, writer.parts_committed) == (1, 40)
+        assert (writer.commits, writer.parts_committed) == (1, 41)
     loaded = Run.load(tmp_path)
-    assert loaded.generations() == list(range(40)) and loaded.num_rows == 40 * run.num_rows
+    assert loaded.generations() == list(range(40)) and loaded.num_rows == 41 * run.num_rows
+    assert loaded.stats(generation=3, sequence=0)["position"].tolist() == list(range(6))
+    assert next(g for g in loaded.metadata.generations if g["generation"] == 3)["lengths"] == [6]
     assert len(list(tmp_path.glob("run_id=server-1/*.parquet"))) == 1  # one file for the 40 parts
     with pytest.raises(ValueError, match="is closed"):
         writer.add(*_part(run, 41, "server-1"))

@@ -10,7 +10,10 @@ one commit. A part is visible to readers once its commit is made; a process
 killed before that leaves files no reader sees (``logitscope vacuum``
 removes them). Parts of one run may come from several writers, in several
 processes: they read back as one run, provided their generation numbers
-differ. Needs pyarrow and ``deltalake``.
+differ. One generation may come in several parts (a server writes a request's
+rows early past its memory bound, or when it goes idle): their rows read back
+as one generation, its metadata that of the part that ended last. Needs
+pyarrow and ``deltalake``.
 """
 
 from __future__ import annotations
@@ -77,7 +80,6 @@ class TableWriter:
         self._first_at = 0.0
         self._failure: BaseException | None = None
         self._closing = self._closed = False
-        self._generations: dict[str, set[int]] = {}
         self._thread = threading.Thread(target=self._loop, name="logitscope-table-writer", daemon=True)
         self._thread.start()
         atexit.register(self.close)
@@ -88,7 +90,8 @@ class TableWriter:
     def add(self, table: pa.Table, metadata: RunMetadata) -> None:
         """Add one part of run ``metadata.run_id``: ``table`` holds its rows in the run schema as
         :meth:`tracker.Run.to_arrow` gives them (the vocabulary in its schema metadata), ``metadata`` the
-        run's metadata with this part's generations. Returns at once, unless the queue is full."""
+        run's metadata with this part's generations (a later part of a generation already added holds its later
+        steps). Returns at once, unless the queue is full."""
         if not isinstance(table, pa.Table):
             raise TypeError(f"table must be a pyarrow.Table (Run.to_arrow()), got {type(table).__name__}")
         if not isinstance(metadata, RunMetadata):
@@ -97,23 +100,14 @@ class TableWriter:
         lacking = [n for n in ID_SCHEMA.names if n not in table.schema.names]
         if lacking:
             raise ValueError(f"table must have the run schema's id columns; it lacks {lacking}")
-        numbers = {int(e["generation"]) for e in metadata.generations if isinstance(e.get("generation"), int)}
         size = int(table.nbytes)
         with self._cond:
             if self._closing:
                 raise ValueError(f"this TableWriter of '{self.table.location}' is closed")
-            seen = self._generations.setdefault(metadata.run_id, set())
-            again = sorted(numbers & seen)
-            if again:
-                raise ValueError(
-                    f"run {metadata.run_id!r} already has generation(s) {again[:5]} from this writer; each part "
-                    "holds generations of its own"
-                )
             while self._queue and (
                 len(self._queue) >= 2 * self.max_parts or self._pending_bytes + size > self.max_pending_bytes
             ):
                 self._cond.wait()
-            seen |= numbers
             if not self._queue:
                 self._first_at = time.monotonic()
             self._queue.append((table, metadata, size))

@@ -7,9 +7,9 @@ engine's batch are recorded in one call per storage (:meth:`EngineRecording.reco
 storage mode's batched work, one copy), into one :class:`~tracker.recording.recorder.Recorder` per storage
 the requests ask for, all under one :class:`~tracker.recording.memory.MemoryBound`, whatever the number of
 requests. A request is a generation of its run, and a few ids on the host while it runs; when it ends, its
-rows are taken out of the recorder and written as a part of its run by the one writer thread
-(:mod:`tracker.recording.engines.parts`), never on the engine's step. Past the bound, the oldest rows go to
-their requests' parts early (one more part each); nothing is written twice.
+rows are taken out of the recorder and written as a part of its run in a table, off the engine's step
+(:mod:`tracker.recording.engines.parts`). Past the bound, the oldest rows go to their requests early, as further
+parts; nothing is written twice.
 """
 
 from __future__ import annotations
@@ -168,9 +168,9 @@ class EngineRecording:
                 self.writer.checkpoint(self._recorders[request.options.key], request)
             return True
 
-    def flush(self) -> list[Path]:
-        """Wait until every ended request's part is written (their paths); raises a write that failed."""
-        return self.writer.flush()
+    def flush(self) -> None:
+        """Wait until every ended request's part is committed; raises a write that failed."""
+        self.writer.flush()
 
     def close(self) -> None:
         """Write every request's part (those still running as far as they got), mark the runs complete (no

@@ -15,8 +15,9 @@ nothing per step; an engine tracking nothing costs one check per step.
 Where runs land is the server's configuration, read from the environment of the engine process when the
 processor is built:
 
-- ``LOGITSCOPE_RUNS``: the dataset folder (default ``logitscope-runs`` in the server's working directory);
-  each ended request becomes ``run_id=<run>/part-<generation>.parquet`` there, its run listed as it grows.
+- ``LOGITSCOPE_RUNS``: the table runs are written to, a folder or a URL (default ``logitscope-runs`` in the
+  server's working directory); each ended request is committed as a part of its run within about a second,
+  many requests per commit, and the run grows while the server runs.
 - ``LOGITSCOPE_STORAGE`` (default ``float32``) and ``LOGITSCOPE_TOP_K`` (default 20): what a request that
   names none gets.
 - ``LOGITSCOPE_MEMORY_LIMIT``: bytes of host memory for the rows of every tracked request of the engine
@@ -224,9 +225,9 @@ class LogitscopeLogitsProcessor(_VLLMBase):  # type: ignore[misc,valid-type]
 
     # ---------------------------------------------------------------- requests
 
-    def flush(self) -> list[Any]:
-        """Wait until every ended request's part is written (the paths); raises a failed write."""
-        return self.recording.flush()
+    def flush(self) -> None:
+        """Wait until every ended request's part is committed to the table; raises a failed write."""
+        self.recording.flush()
 
     def close(self) -> None:
         """Write what was recorded (requests still running as far as they got), mark the runs complete, and stop
