@@ -19,12 +19,12 @@ import pyarrow as pa
 import torch
 
 from tracker.format.schema import STAT_COLUMNS, column_stages
-from tracker.recording.memory import HostBuffer, HostPool, Layout, carve, layout_bytes, ring_for
+from tracker.recording.memory import HostBuffer, HostPool, Layout, PinnedRing, carve, layout_bytes, ring_for
 from tracker.recording.modes import Storage
-from tracker.recording.record_stats import CHOSEN_STATS, ROW_STATS
+from tracker.recording.record_stats import CHOSEN_STATS, ROW_STATS, chosen_stats, row_stats
 
 __all__ = ["IN_FLIGHT", "Chunk", "ChunkMemory", "CudaStaging", "StepRows", "chunk_rows", "conform", "numpy_view"]
-__all__ += ["to_batch"]
+__all__ += ["fill_stats", "to_batch"]
 
 #: Chunks in memory beside the rows kept and the spill queue's: the one filling, the one being written, one
 #: written but not yet mapped back, and a spare whose buffers wait for the next chunk.
@@ -106,6 +106,7 @@ class Chunk:
         self.superseded = np.zeros(capacity, dtype=bool)  # recorded again later (its row of the step is the last)
         self.taken = np.zeros(capacity, dtype=bool)  # handed to their generation's part: no longer the recorder's
         self.written = {stage: np.zeros(capacity, dtype=bool) for stage in stages}
+        self.stats_known = {stage: np.zeros(capacity, dtype=bool) for stage in stages}  # row statistics computed
         self.chosen_known = {stage: np.zeros(capacity, dtype=bool) for stage in stages}  # chosen statistics
         self.buffers = buffers
         self.arrays = {name: numpy_view(t) for name, t in buffers.items()}  # numpy views (pinned memory too)
@@ -164,12 +165,14 @@ class ChunkMemory:
     def __init__(self, pool: HostPool, ring_slots: int) -> None:
         self.pool, self.ring_slots = pool, ring_slots
         self.owned: list[HostBuffer] = []
-        weakref.finalize(self, pool.give_all, self.owned)
+        self.slots: list[tuple[PinnedRing, torch.Tensor, Chunk]] = []  # pinned slots of chunks still staging
+        weakref.finalize(self, _give_back, pool, self.owned, self.slots)
 
     def host(self, layout: Layout) -> tuple[dict[str, torch.Tensor], HostBuffer]:
         buf = self.pool.take(layout_bytes(layout))
         self.owned.append(buf)
-        return carve(torch.from_numpy(buf.owner), layout), buf
+        with torch.inference_mode(False):  # ordinary tensors, written later whether in inference mode or not
+            return carve(torch.from_numpy(buf.owner), layout), buf
 
     def chunk(
         self,
@@ -188,12 +191,15 @@ class ChunkMemory:
             tensors, buf = self.host(layout)
             return Chunk(index, capacity, stages, tensors, [buf], device)
         ring = ring_for(device, self.ring_slots, layout_bytes(layout))
-        slot = ring.take(transfer.empty)
-        if slot is None and drain_one():
+        with torch.inference_mode(False):  # ordinary tensors, written later whether in inference mode or not
             slot = ring.take(transfer.empty)
-        if slot is None:
-            slot = transfer.empty(layout_bytes(layout))
-        return Chunk(index, capacity, stages, carve(slot, layout), None, device, transfer, slot)
+            if slot is None and drain_one():
+                slot = ring.take(transfer.empty)
+            if slot is None:
+                slot = transfer.empty(layout_bytes(layout))
+            chunk = Chunk(index, capacity, stages, carve(slot, layout), None, device, transfer, slot)
+        self.slots.append((ring, slot, chunk))
+        return chunk
 
     def to_host(self, chunk: Chunk) -> None:
         """Move a staging chunk's rows into host memory and give its slot back. Synchronises with the chunk's
@@ -202,7 +208,7 @@ class ChunkMemory:
         tensors, buf = self.host({name: (tuple(t.shape), t.dtype) for name, t in chunk.buffers.items()})
         for name, tensor in tensors.items():
             tensor[: chunk.n].copy_(chunk.buffers[name][: chunk.n])
-        ring_for(chunk.device, self.ring_slots, 0).give(chunk.slot)
+        self._give_slot(chunk.slot)
         chunk.slot, chunk.buffers, chunk.host = None, tensors, [buf]
         chunk.arrays = {name: numpy_view(t) for name, t in tensors.items()}
         chunk.events.clear()
@@ -212,12 +218,66 @@ class ChunkMemory:
         """Give a chunk's buffers back: host memory to the pool, a staging slot to its ring (after its copies)."""
         if chunk.staging:
             chunk.wait()
-            ring_for(chunk.device, self.ring_slots, 0).give(chunk.slot)
+            self._give_slot(chunk.slot)
         for buf in chunk.host or ():
             self.owned.remove(buf)
             self.pool.give(buf)
         chunk.slot, chunk.buffers, chunk.arrays, chunk.host, chunk.cached = None, {}, {}, [], None
         chunk.events.clear()
+
+    def _give_slot(self, slot: torch.Tensor) -> None:
+        for i, (ring, held, _) in enumerate(self.slots):
+            if held is slot:
+                del self.slots[i]
+                ring.give(slot)
+                return
+
+
+def fill_stats(chunk: Chunk, stages: Sequence[str], eos: torch.Tensor | None) -> bool:
+    """Compute the statistics its float32 host rows lack (written without them: statistics when read), for all
+    of them at once: each stage's row statistics (against the natural row of the same step for the removed mass
+    and margin), and the chosen token's where it is known. True if anything was computed. Host arrays only."""
+    n, changed = chunk.n, False
+    if chunk.host is None or chunk.buffers["natural:logits"].dtype != torch.float32:
+        return False
+    for stage in stages:
+        written = chunk.written.get(stage)
+        if written is None:
+            continue
+        values = chunk.buffers[f"{stage}:logits"]
+        todo = _rows(written[:n] & ~chunk.stats_known[stage][:n])
+        if todo is not None:
+            natural = None if stage == "natural" else chunk.buffers["natural:logits"][todo]
+            chunk.arrays[f"{stage}:stats"][todo] = row_stats(values[todo], eos, natural).numpy()
+            chunk.stats_known[stage][todo] = changed = True
+        todo = _rows(written[:n] & chunk.stats_known[stage][:n] & chunk.chosen_set[:n] & ~chunk.chosen_known[stage][:n])
+        if todo is not None:
+            found = chosen_stats(values[todo], chunk.buffers["chosen"][todo], chunk.buffers[f"{stage}:stats"][todo])
+            chunk.arrays[f"{stage}:cstats"][todo] = found.numpy()
+            chunk.chosen_known[stage][todo] = changed = True
+    if changed:
+        chunk.version += 1
+    return changed
+
+
+def _give_back(pool: HostPool, owned: list[HostBuffer], slots: list[tuple[PinnedRing, torch.Tensor, Chunk]]) -> None:
+    """A collected recorder's buffers back to the pool, and its staging slots to their rings once their copies have
+    landed (waits for them). Takes no lock (a finalizer may run inside any code)."""
+    pool.give_all(owned)
+    for ring, slot, chunk in slots:
+        chunk.wait()
+        ring.give(slot)
+    slots.clear()
+
+
+def _rows(mask: np.ndarray) -> slice | np.ndarray | None:
+    """The rows ``mask`` selects: a slice where they are consecutive (views, no copy of the rows), else their
+    indices; None when there are none."""
+    picked = np.flatnonzero(mask)
+    if not picked.size:
+        return None
+    first, last = int(picked[0]), int(picked[-1])
+    return slice(first, last + 1) if last - first + 1 == picked.size else picked
 
 
 def conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:

@@ -22,7 +22,7 @@ import sys
 import threading
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -152,35 +152,35 @@ class MemoryBound:
         return sum(r.host_bytes for r in list(self._members))
 
 
-@dataclass
 class PinnedRing:
-    """Pinned staging slots of ``slot_bytes`` each for one CUDA device, at most ``slots`` of them in flight,
-    reused round-robin; a recorder carves a chunk's columns out of a slot (:func:`carve`)."""
+    """Pinned staging slots of ``slot_bytes`` each for one CUDA device, at most ``slots`` of them made, reused
+    round-robin; a recorder carves a chunk's columns out of a slot (:func:`carve`). Giving a slot back takes no
+    lock (a collected recorder's slots come back from its finalizer)."""
 
-    slots: int = 3
-    slot_bytes: int = 32 << 20
-    free: list[torch.Tensor] = field(default_factory=list)
-    outstanding: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    def __init__(self, slots: int = 3, slot_bytes: int = 32 << 20) -> None:
+        self.slots, self.slot_bytes = slots, slot_bytes
+        self.free: list[torch.Tensor] = []
+        self.made = 0
+        self._returned: deque[torch.Tensor] = deque()
+        self._lock = threading.Lock()
 
     def take(self, make: Any) -> torch.Tensor | None:
         """A free slot (made with ``make(slot_bytes)`` while fewer than ``slots`` exist), or None when every
         slot is in flight. Host bookkeeping only (no synchronisation)."""
-        with self.lock:
+        with self._lock:
+            while self._returned:
+                self.free.append(self._returned.popleft())
             if self.free:
-                self.outstanding += 1
                 return self.free.pop()
-            if self.outstanding < self.slots:
-                self.outstanding += 1
+            if self.made < self.slots:
+                self.made += 1
                 return make(self.slot_bytes)
         return None
 
     def give(self, slot: torch.Tensor) -> None:
-        """Take a slot back (its copies have landed). Host bookkeeping only."""
-        with self.lock:
-            if slot.numel() == self.slot_bytes:
-                self.outstanding -= 1
-                self.free.append(slot)
+        """Take a slot back (its copies have landed): one of this ring's; another (made beyond it) is let go."""
+        if slot.numel() == self.slot_bytes:
+            self._returned.append(slot)
 
 
 _RINGS: dict[Any, PinnedRing] = {}

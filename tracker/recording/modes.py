@@ -29,9 +29,10 @@ __all__ = ["AUTO_STEPS", "STATISTICS", "FullRows", "Storage", "Stored", "TopK", 
 
 #: When rows get their statistics (entropy, the chosen token's probability and rank, removed mass, margin...):
 #: ``"record"``, as they are recorded (batched kernels on the rows' device); ``"read"``, from the stored rows
-#: when a query needs them (float32 storage only: the other modes do not keep the row the statistics need, so
-#: they always record them); ``"auto"``: ``"read"`` for float32 rows on a CPU (the stored row is exact, and a
-#: pass over every row costs more than its copy), ``"record"`` otherwise.
+#: when they are first read (built into a run, exported, taken out by an engine: every row of a chunk in one
+#: batched pass; float32 storage only, since the other modes do not keep the row the statistics need, so they
+#: always record them); ``"auto"``: ``"read"`` for float32 rows on a CPU (the stored row is exact, and a pass
+#: over every row costs more than its copy), ``"record"`` otherwise.
 STATISTICS = ("auto", "record", "read")
 #: Steps of a batch that ``storage="auto"`` keeps within the memory bound.
 AUTO_STEPS = 500
@@ -99,9 +100,9 @@ class Storage:
                 return FullRows(kind)
         return TopK("topk", self.top_k)
 
-    def layout(self, stage: str, vocab_size: int, stats: bool = True) -> Layout:
+    def layout(self, stage: str, vocab_size: int) -> Layout:
         """Buffer name -> (shape of one row, dtype) for one stage: its values, then its statistics (the row's,
-        and the chosen token's) when ``stats``."""
+        and the chosen token's)."""
         raise ValueError(f"storage {self.kind!r} has no layout until resolved (call resolve() first)")
 
     def _stats_layout(self, stage: str) -> Layout:
@@ -110,11 +111,11 @@ class Storage:
             f"{stage}:cstats": ((len(CHOSEN_STATS),), torch.float32),
         }
 
-    def row_bytes(self, stages: Sequence[str], vocab_size: int, stats: bool = True) -> int:
+    def row_bytes(self, stages: Sequence[str], vocab_size: int) -> int:
         """Bytes one row takes in host memory (about as many on disk) for these stages, its ids included."""
         total = 20  # generation, sequence, step (int32) and chosen (int64)
         for stage in stages:
-            for shape, dtype in self.layout(stage, vocab_size, stats).values():
+            for shape, dtype in self.layout(stage, vocab_size).values():
                 total += math.prod(shape) * dtype.itemsize
         return total
 
@@ -133,11 +134,8 @@ class Storage:
 class FullRows(Storage):
     """The whole row, as float32, float16 or bfloat16 (the two last minus the row's largest logit)."""
 
-    def layout(self, stage: str, vocab_size: int, stats: bool = True) -> Layout:
-        out: Layout = {f"{stage}:logits": ((vocab_size,), _DTYPES[self.kind])}
-        if stats or self.kind != "float32":
-            out.update(self._stats_layout(stage))
-        return out
+    def layout(self, stage: str, vocab_size: int) -> Layout:
+        return {f"{stage}:logits": ((vocab_size,), _DTYPES[self.kind]), **self._stats_layout(stage)}
 
     def store(self, x: torch.Tensor, natural: torch.Tensor | None, eos: torch.Tensor | None, stats: bool) -> Stored:
         if self.kind == "float32":
@@ -157,7 +155,7 @@ class FullRows(Storage):
 class TopK(Storage):
     """The ``top_k`` largest logits of each row with their ids (and the natural logits at those ids)."""
 
-    def layout(self, stage: str, vocab_size: int, stats: bool = True) -> Layout:
+    def layout(self, stage: str, vocab_size: int) -> Layout:
         k = self.k_for(vocab_size)
         out: Layout = {f"{stage}:ids": ((k,), torch.int32), f"{stage}:logits": ((k,), torch.float32)}
         if stage != "natural":

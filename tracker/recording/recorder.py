@@ -32,16 +32,27 @@ import pyarrow as pa
 import torch
 
 from tracker.format.schema import run_schema
-from tracker.recording.chunks import IN_FLIGHT, Chunk, ChunkMemory, CudaStaging, StepRows, chunk_rows, conform, to_batch
+from tracker.recording.chunks import (
+    IN_FLIGHT,
+    Chunk,
+    ChunkMemory,
+    CudaStaging,
+    StepRows,
+    chunk_rows,
+    conform,
+    fill_stats,
+    to_batch,
+)
 from tracker.recording.memory import SHARED_POOL, HostPool, MemoryBound
 from tracker.recording.modes import Storage, stats_when_recorded
 from tracker.recording.record_stats import chosen_stats, eos_on
+from tracker.recording.rows_out import RowsOut
 from tracker.recording.spill_handoff import Describe, SpillHandoff, SpillWarning
 
 __all__ = ["Recorder", "SpillWarning", "StepRows", "Storage"]
 
 
-class Recorder:
+class Recorder(RowsOut):
     """Rows of logits from any device into Arrow record batches.
 
     Args:
@@ -139,7 +150,7 @@ class Recorder:
         """The Arrow schema of the recorded rows (statistics included when recorded; no run metadata, no flags)."""
         vocab = self.vocab_size or 0
         k = self.storage.k_for(vocab) if vocab else 0
-        return run_schema(self.storage_kind, self.stages, vocab, k, flags=False, stats=self.record_stats)
+        return run_schema(self.storage_kind, self.stages, vocab, k, flags=False, stats=True)
 
     @property
     def storage_kind(self) -> str:
@@ -270,6 +281,7 @@ class Recorder:
             if self._retained is not rows:
                 self._retained, self._retained_rows = rows, {}
             self._retained_rows[stage] = (x, stored.stats)
+            chunk.stats_known[stage][start:end] = True
 
     def mark_error(self, rows: StepRows) -> None:
         """Flag the rows: the wrapped processor failed at this step (host flags only; no synchronisation)."""
@@ -349,43 +361,6 @@ class Recorder:
             schema = self.schema()
             return [self._batch_of(chunk, schema) for chunk in self._chunks if chunk.n]
 
-    def take_generation(self, generation: int) -> list[pa.RecordBatch]:
-        """Take ``generation``'s rows out of memory (copied, in order; superseded rows left out): the recorder
-        forgets them, and chunks left with no row of their own are given back. For an engine, whose requests are
-        written as they end. Drains staging chunks holding them (synchronises with their copies)."""
-        with self._lock:
-            self._ended.add(generation)
-            out = []
-            for chunk in [c for c in self._chunks if c.n and not c.on_disk]:
-                out += self._take(chunk, chunk.generation[: chunk.n] == generation).get(generation, [])
-            return out
-
-    def take_oldest(self) -> dict[int, list[pa.RecordBatch]] | None:
-        """Take every row of the oldest complete chunk out of memory (copied), by generation, and give its buffers
-        back; None when no chunk but the one filling is complete. For an engine over its memory bound: the rows go
-        to their generations' parts now, the rest when each generation ends."""
-        with self._lock:
-            for chunk in self._chunks:
-                if chunk is not self._active and chunk.n and not chunk.on_disk and chunk.complete(self._ended):
-                    return self._take(chunk, np.ones(chunk.n, dtype=bool))
-            return None
-
-    def _take(self, chunk: Chunk, mask: np.ndarray) -> dict[int, list[pa.RecordBatch]]:
-        """The rows ``mask`` of ``chunk`` not taken yet, out of memory, by generation (copied; superseded rows
-        left out); the chunk is given back once all its rows are taken."""
-        mask = mask & ~chunk.taken[: chunk.n]
-        out: dict[int, list[pa.RecordBatch]] = {}
-        if mask.any():
-            if chunk.staging:
-                self._memory.to_host(chunk)
-            live, schema = mask & ~chunk.superseded[: chunk.n], self.schema()
-            for generation in np.unique(chunk.generation[: chunk.n][live]).tolist():
-                picked = np.flatnonzero(live & (chunk.generation[: chunk.n] == generation))
-                out[generation] = [to_batch(chunk, schema, self.stages, self.storage, self.vocab_size or 0, picked)]
-            chunk.taken[: chunk.n] |= mask
-            self._release_if_taken(chunk)
-        return out
-
     def flush(self) -> None:
         """Wait until chunks queued for the disk are written and mapped back."""
         with self._lock:
@@ -417,12 +392,12 @@ class Recorder:
     def _layout(self, capacity: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         layout: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"chosen": ((capacity,), torch.int64)}
         for stage in self.stages:
-            for name, (shape, dtype) in self.storage.layout(stage, self.vocab_size or 0, self.record_stats).items():
+            for name, (shape, dtype) in self.storage.layout(stage, self.vocab_size or 0).items():
                 layout[name] = ((capacity, *shape), dtype)
         return layout
 
     def _new_chunk(self, batch: int, device: torch.device) -> Chunk:
-        per_row = self.storage.row_bytes(self.stages, self.vocab_size or 0, self.record_stats)
+        per_row = self.storage.row_bytes(self.stages, self.vocab_size or 0)
         capacity = chunk_rows(batch, per_row, self.chunk_bytes, self.memory_limit, self._spill_queue)
         index, self._next_index = self._next_index, self._next_index + 1
         transfer = self.staging_for(device)
@@ -430,16 +405,6 @@ class Recorder:
         chunk = self._memory.chunk(index, capacity, self.stages, self._layout(capacity), device, transfer, drain_one)
         self._chunks.append(chunk)
         return chunk
-
-    def _release_if_taken(self, chunk: Chunk) -> None:
-        """Give back a chunk whose rows were all taken out (the active one too, unless its rows await tokens)."""
-        if not chunk.taken[: chunk.n].all() or (self._retained is not None and self._retained.chunk is chunk):
-            return
-        if chunk is self._active:
-            self._active = None
-        self._memory.release(chunk)
-        self._chunks.remove(chunk)
-        self.version += 1
 
     def _seal_active(self) -> None:
         """The active chunk takes no more rows; spill old chunks if over the memory bound."""
@@ -476,7 +441,7 @@ class Recorder:
                 break
             if chunk is self._active or chunk.on_disk or chunk.host is None or not chunk.complete(self._ended):
                 continue
-            batch = to_batch(chunk, self.schema(), self.stages, self.storage, self.vocab_size or 0)
+            batch = self._to_batch(chunk, self.schema())
             if self._handoff.send(chunk, batch, self.schema(), self.run_id, self.describe):
                 excess -= chunk.nbytes
 
@@ -495,6 +460,12 @@ class Recorder:
             return chunk.cached[2]
         gone = chunk.superseded[: chunk.n] | chunk.taken[: chunk.n]
         rows = np.flatnonzero(~gone) if gone.any() else None
-        batch = to_batch(chunk, schema, self.stages, self.storage, self.vocab_size or 0, rows)
-        chunk.cached = (*key, batch)
+        batch = self._to_batch(chunk, schema, rows)
+        chunk.cached = (chunk.version, tuple(self.stages), batch)  # the version after the statistics were filled
         return batch
+
+    def _to_batch(self, chunk: Chunk, schema: pa.Schema, rows: np.ndarray | None = None) -> pa.RecordBatch:
+        """The chunk's rows as a record batch, with the statistics of rows recorded without them computed first."""
+        if not self.record_stats:
+            fill_stats(chunk, self.stages, eos_on(self._eos, self.eos_token_ids, self.vocab_size or 0, chunk.device))
+        return to_batch(chunk, schema, self.stages, self.storage, self.vocab_size or 0, rows)

@@ -1,0 +1,82 @@
+"""Taking rows out of a recorder whole, by generation: how an engine writes each request as it ends.
+
+A serving engine's recorder holds the rows of every request it tracks in shared chunks.
+:meth:`RowsOut.take_generation` copies one generation's rows out (when its request ends), and
+:meth:`RowsOut.take_oldest` every row of the oldest complete chunk (past the engine's memory bound); rows taken
+are forgotten, and a chunk whose rows were all taken is given back at once, so an idle engine holds no memory
+for rows. A mixin of :class:`~tracker.recording.recorder.Recorder`.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pyarrow as pa
+
+from tracker.recording.chunks import Chunk, ChunkMemory, StepRows
+
+__all__ = ["RowsOut"]
+
+
+class RowsOut:
+    """Generations' rows out of the recorder's chunks (see the module)."""
+
+    _lock: threading.RLock
+    _chunks: list[Chunk]
+    _active: Chunk | None
+    _ended: set[int]
+    _memory: ChunkMemory
+    _retained: StepRows | None
+    version: int
+
+    def schema(self) -> pa.Schema: ...
+
+    def _to_batch(self, chunk: Chunk, schema: pa.Schema, rows: np.ndarray | None = None) -> pa.RecordBatch: ...
+
+    def take_generation(self, generation: int) -> list[pa.RecordBatch]:
+        """Take ``generation``'s rows out of memory (copied, in order; superseded rows left out): the recorder
+        forgets them, and chunks left with no row of their own are given back. For an engine, whose requests are
+        written as they end. Drains staging chunks holding them (synchronises with their copies)."""
+        with self._lock:
+            self._ended.add(generation)
+            out = []
+            for chunk in [c for c in self._chunks if c.n and not c.on_disk]:
+                out += self._take(chunk, chunk.generation[: chunk.n] == generation).get(generation, [])
+            return out
+
+    def take_oldest(self) -> dict[int, list[pa.RecordBatch]] | None:
+        """Take every row of the oldest complete chunk out of memory (copied), by generation, and give its buffers
+        back; None when no chunk but the one filling is complete. For an engine over its memory bound: the rows go
+        to their generations' parts now, the rest when each generation ends."""
+        with self._lock:
+            for chunk in self._chunks:
+                if chunk is not self._active and chunk.n and not chunk.on_disk and chunk.complete(self._ended):
+                    return self._take(chunk, np.ones(chunk.n, dtype=bool))
+            return None
+
+    def _take(self, chunk: Chunk, mask: np.ndarray) -> dict[int, list[pa.RecordBatch]]:
+        """The rows ``mask`` of ``chunk`` not taken yet, out of memory, by generation (copied; superseded rows
+        left out); the chunk is given back once all its rows are taken."""
+        mask = mask & ~chunk.taken[: chunk.n]
+        out: dict[int, list[pa.RecordBatch]] = {}
+        if mask.any():
+            if chunk.staging:
+                self._memory.to_host(chunk)
+            live, schema = mask & ~chunk.superseded[: chunk.n], self.schema()
+            for generation in np.unique(chunk.generation[: chunk.n][live]).tolist():
+                picked = np.flatnonzero(live & (chunk.generation[: chunk.n] == generation))
+                out[generation] = [self._to_batch(chunk, schema, picked)]
+            chunk.taken[: chunk.n] |= mask
+            self._release_if_taken(chunk)
+        return out
+
+    def _release_if_taken(self, chunk: Chunk) -> None:
+        """Give back a chunk whose rows were all taken out (the active one too, unless its rows await tokens)."""
+        if not chunk.taken[: chunk.n].all() or (self._retained is not None and self._retained.chunk is chunk):
+            return
+        if chunk is self._active:
+            self._active = None
+        self._memory.release(chunk)
+        self._chunks.remove(chunk)
+        self.version += 1
