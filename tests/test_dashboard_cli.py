@@ -161,6 +161,8 @@ def test_without_a_port_a_taken_8501_gives_the_next_free_one_and_says_which(
 
     monkeypatch.setattr(cli, "_record_demo", lambda *a: None)  # the runs are not what this test is about
     with socket.socket() as taken:
+        # as the server binds: a connection of an earlier test still in TIME_WAIT on 8501 leaves it free
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             taken.bind(("127.0.0.1", serve.DEFAULT_PORT))
         except OSError:
