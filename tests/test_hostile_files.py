@@ -25,7 +25,7 @@ from dashboard.discover import find_runs, summarize
 from dashboard.paths import APP
 from dashboard.reader import BadRunError, RunReader
 from processors.vocab import Vocabulary
-from tracker import LogitTrackingProcessor, Run
+from tracker import LogitTrackingProcessor, Run, open_dataset
 from tracker.format.layout import RunFileError
 from tracker.format.schema import META_RUN, META_VOCAB
 
@@ -45,6 +45,30 @@ def lying_ipc(path: Path, rows: int = 1_000_000) -> Path:
     # ids and values only: no statistics column whose buffer sizes could hold the numbers the lie replaces
     table = table.select(["generation", "sequence", "step", "chosen", "processor_error", "natural_logits"])
     path.write_bytes(lying_lengths(table, {13: rows, 13 * 50: rows * 50}))  # the batch's, columns', values'
+    return path
+
+
+def lying_offsets(path: Path) -> Path:
+    """An Arrow IPC run whose ``generation_meta`` string offsets say 2^30 while its text is about 100 bytes:
+    read as declared, a string runs a gigabyte past its buffer (SIGSEGV)."""
+    import numpy as np
+
+    from tracker.format.run_file import parquet_table
+
+    run = recorded(steps=3, vocab=40).run
+    table = parquet_table(run.to_arrow(), run.metadata)
+    column = table.column("generation_meta").combine_chunks()
+    offsets = np.frombuffer(column.buffers()[1], dtype=np.int32)[: len(column) + 1]
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    data = bytearray(sink.getvalue().to_pybytes())
+    at = data.find(offsets.tobytes())
+    assert at > 0 and data.find(offsets.tobytes(), at + 1) < 0
+    lie = offsets.copy()
+    lie[1:] = 1 << 30
+    data[at : at + lie.nbytes] = lie.tobytes()
+    path.write_bytes(bytes(data))
     return path
 
 
@@ -82,6 +106,24 @@ def test_an_ipc_file_declaring_more_rows_than_it_holds_is_refused_not_a_crash(tm
     assert done.returncode == 1, f"exit status {done.returncode} (a signal is negative): {done.stderr[-2000:]}"
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "lying.arrow" in lines[0] and "buffers" in lines[0], done.stderr
+
+
+QUERY = "SELECT count(*) FROM runs"
+
+
+@pytest.mark.parametrize("reader", ["load", "reader", "inspect", "query"])
+def test_an_ipc_file_whose_string_offsets_lie_is_refused_by_every_reader(tmp_path, reader):
+    path = lying_offsets(tmp_path / "offsets.arrow")
+    if reader in ("inspect", "query"):
+        done = _subprocess(
+            "-m", "logitscope", reader, str(path), *(["--steps", "all"] if reader == "inspect" else [QUERY])
+        )
+    else:
+        done = _subprocess("-c", READ_ALL, reader, str(path))
+    assert done.returncode in (1, 2), f"exit status {done.returncode} (a signal is negative): {done.stderr[-2000:]}"
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "offsets.arrow" in lines[0] and "offset" in lines[0], done.stderr
+    assert lines[0].count("cannot be read as a logitscope run") <= 1, lines[0]
 
 
 def test_a_served_folder_holding_a_lying_ipc_file_lists_the_others(tmp_path):
@@ -199,6 +241,13 @@ def _cast(name: str, to: pa.DataType):
     return change
 
 
+def _twice(name: str):
+    def change(table: pa.Table) -> pa.Table:
+        return table.append_column(table.schema.field(name), table.column(name))
+
+    return change
+
+
 def _short_vocabulary(table: pa.Table) -> pa.Table:
     return table.replace_schema_metadata({**table.schema.metadata, META_VOCAB: Vocabulary.placeholder(10).serialize()})
 
@@ -229,6 +278,13 @@ CRAFTED = {
     "prompt-ids-past-vocab": (_generation_entry("prompt_ids", [[60]]), r"'prompt_ids' holds token id 60"),
     "generation-entry-float": (_generation_entry("generation", 0.5), "'generation' must be an integer >= 0"),
     "generation-column-null": (_null_generation, "column 'generation' holds 1 null"),
+    "chosen-twice": (_twice("chosen"), r"holds columns \['chosen'\] more than once"),
+    "lse-twice": (_twice("natural_lse"), r"holds columns \['natural_lse'\] more than once"),
+    "stages-natural-twice": (
+        _meta(lambda m: m.__setitem__("stages", ["natural", "natural"])),
+        "'stages' must begin with 'natural', each once",
+    ),
+    "storage-claims-float32": (_meta(lambda m: m.__setitem__("storage", "float32")), "lacks the columns"),
 }
 
 
@@ -255,7 +311,11 @@ def test_crafted_values_are_refused_at_load_with_one_line_naming_the_file(topk_r
                 reader.step(reader.track(0, 0), 1)
         assert f"{case}.parquet" in str(caught.value) and "\n" not in str(caught.value)
     listed = summarize(bad)
-    assert listed.error is not None or case.startswith(("topk-", "entropy", "lse", "max", "p-"))
+    assert listed.error is not None or case.startswith(("topk-", "entropy", "lse-", "max", "p-"))
+    for view in ("steps", "candidates"):  # the query views read through the same checks
+        with pytest.raises(RunFileError, match=message) as caught:
+            open_dataset(bad).sql(f"SELECT count(*) FROM {view}")
+        assert f"{case}.parquet" in str(caught.value) and "\n" not in str(caught.value)
 
 
 def test_a_damaged_top_k_row_is_named_by_the_query_that_reads_it(topk_run):
@@ -330,3 +390,22 @@ def test_the_runs_page_lists_the_good_runs_and_names_the_bad_one(tmp_path):
     errors = [re.sub(r"\\(.)", r"\1", e.value) for e in at.error]
     assert any("bad.parquet" in e and "column 'generation' holds 1 null" in e for e in errors), errors
     assert any("deep.parquet" in e and "nested deeper than 32 levels" in e for e in errors), errors
+
+
+def test_query_of_a_folder_answers_the_good_runs_and_names_the_bad_ones(tmp_path, topk_run, capsys):
+    from logitscope.cli import main
+
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    shutil.copy(topk_run, folder / "good.parquet")
+    for case in ("chosen-twice", "storage-claims-float32"):
+        rewrite(topk_run, folder / f"{case}.parquet", table=CRAFTED[case][0](pq.read_table(topk_run)))
+    steps = Run.load(topk_run).num_rows
+    for view in ("steps", "candidates"):
+        assert main(["query", str(folder), f"SELECT count(DISTINCT step) AS n FROM {view}", "--csv"]) == 1
+        out, err = capsys.readouterr()
+        assert out == f"n\n{steps}\n"
+        lines = err.strip().splitlines()
+        assert len(lines) == 2 and all(line.startswith("logitscope query: left out of the answer: ") for line in lines)
+        assert "chosen-twice.parquet" in lines[0] and "more than once" in lines[0]
+        assert "storage-claims-float32.parquet" in lines[1] and "lacks the columns" in lines[1]

@@ -4,9 +4,10 @@ A crafted file must be refused with one line naming it, never crash the
 process nor answer wrongly. The checks here are those that read values, kept
 cheap and off the recording path:
 
-- :func:`check_batch`: a record batch's declared lengths fit its buffers
-  (``RecordBatch.validate``: sizes only, no pass over the values; once per
-  batch of a memory-mapped IPC file, before any value is touched);
+- :func:`check_batch`: a record batch's declared lengths fit its buffers and
+  its offsets stay inside them (``RecordBatch.validate(full=True)``: a pass
+  over offsets and text, none over fixed-width values, which it only sizes;
+  once per batch of a memory-mapped IPC file, before any value is touched);
 - :func:`check_ids`: the id columns (read whole by every reader anyway): no
   nulls where the schema has none, non-negative generation/sequence/step,
   chosen ids in the vocabulary (null or -1: unknown), each
@@ -30,7 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from processors.vocab import Vocabulary
-from tracker.format.schema import RunMetadata
+from tracker.format.schema import ID_SCHEMA, RunMetadata, check_columns, value_column
 
 __all__ = [
     "RunFileError",
@@ -43,9 +44,13 @@ __all__ = [
     "check_batch",
     "check_ids",
     "check_topk",
+    "check_rows",
+    "check_schemas",
     "damaged_lse",
     "LSE_TOLERANCE",
 ]
+
+ID_COLUMNS: tuple[str, ...] = tuple(ID_SCHEMA.names)
 
 #: How far (nats) a stored log-sum-exp may sit below the row's largest stored logit (float32 rounding).
 LSE_TOLERANCE = 1e-3
@@ -72,16 +77,20 @@ def metadata_from(raw: bytes | None) -> RunMetadata:
     return RunMetadata.from_json(raw)
 
 
-def vocabulary_from(raw: bytes | None) -> Vocabulary | None:
-    """A vocabulary from its serialised form (a schema's :data:`META_VOCAB` value), None when there is none."""
+def vocabulary_from(raw: bytes | None, vocab_size: int = 0) -> Vocabulary | None:
+    """A vocabulary from its serialised form (a schema's :data:`META_VOCAB` value), None when there is none;
+    ValueError when it is damaged or spells fewer than ``vocab_size`` tokens (the rows' width)."""
     if raw is None:
         return None
     try:
-        return Vocabulary.deserialize(raw)
+        vocab = Vocabulary.deserialize(raw)
     except Exception as exc:  # base64, Arrow or layout errors: all mean a damaged vocabulary
         raise ValueError(
             f"its vocabulary (schema key 'logitscope.vocab') is damaged ({type(exc).__name__}: {exc})"
         ) from exc
+    if vocab.size < vocab_size:
+        raise ValueError(f"its vocabulary holds {vocab.size} tokens, fewer than the {vocab_size} its rows have")
+    return vocab
 
 
 class RunFileError(ValueError):
@@ -98,9 +107,10 @@ def _fail(path: str | os.PathLike[str], reason: str) -> None:
 
 
 def check_batch(path: str | os.PathLike[str], batch: pa.RecordBatch, where: str) -> None:
-    """RunFileError naming ``path`` when ``batch``'s declared lengths do not fit its buffers (reads no value)."""
+    """RunFileError naming ``path`` when ``batch``'s declared lengths or offsets do not fit its buffers, or its
+    text is not UTF-8 (reads offsets and text; fixed-width values are only sized)."""
     try:
-        batch.validate()
+        batch.validate(full=True)
     except pa.ArrowException as exc:
         reason = str(exc).strip().splitlines()[0]
         _fail(path, f"{where} declares more values than its buffers hold: the file is damaged ({reason})")
@@ -155,6 +165,31 @@ def check_topk(path: str | os.PathLike[str], batches: list[pa.RecordBatch] | pa.
             if bounds["min"] is not None and (bounds["min"] < 0 or bounds["max"] >= metadata.vocab_size):
                 bad = bounds["min"] if bounds["min"] < 0 else bounds["max"]
                 _fail(path, f"column {name!r} holds token id {bad}, outside the vocabulary [0, {metadata.vocab_size})")
+
+
+def check_schemas(
+    files: list[tuple[str | os.PathLike[str], pa.Schema]], metadata: RunMetadata, *, spill: bool = False
+) -> None:
+    """RunFileError naming the file when the ``(path, schema)`` of a run's files cannot hold the run its
+    ``metadata`` describes: every file has the id columns and the natural stage's values, no column twice,
+    the types the metadata implies; outside a spill folder (whose chunks may predate a stage) every
+    declared column is in some file (``_nonfinite`` flags may be absent)."""
+    present: set[str] = set()
+    for path, schema in files:
+        names = set(schema.names)
+        lacking = [n for n in (*ID_COLUMNS, value_column("natural", metadata.storage)) if n not in names]
+        if lacking:  # the id columns and the natural stage's values: every run, every chunk has them
+            raise RunFileError(path, f"it lacks the columns {lacking} every run has")
+        try:
+            check_columns(schema, metadata, complete=False)
+        except ValueError as exc:
+            raise RunFileError(path, str(exc)) from exc
+        present |= names
+    if not spill and files:
+        try:
+            check_columns(files[0][1], metadata, present=present)
+        except ValueError as exc:
+            raise RunFileError(files[0][0], str(exc)) from exc
 
 
 class DamagedRowError(ValueError):
@@ -217,3 +252,17 @@ def check_stats(path: str | os.PathLike[str], data: pa.RecordBatch | pa.Table, m
     reason = stats_damage(data, metadata)
     if reason is not None:
         _fail(path, reason)
+
+
+def check_rows(path: str | os.PathLike[str], batches: list[pa.RecordBatch], metadata: RunMetadata) -> None:
+    """Every check of a run's rows that reads no vocabulary-wide value, as every reader applies them before
+    answering: :func:`check_ids` over all the rows, :func:`check_topk`, and :func:`check_stats` batch by
+    batch. RunFileError naming ``path``."""
+    if not batches:
+        return
+    names = list(ID_COLUMNS)
+    ids = pa.concat_tables([pa.Table.from_batches([b.select(names)]) for b in batches], promote_options="permissive")
+    check_ids(path, ids, metadata.vocab_size)
+    check_topk(path, batches, metadata)
+    for batch in batches:
+        check_stats(path, batch, metadata)

@@ -28,23 +28,30 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from processors.vocab import Vocabulary
-from tracker.format.checks import RunFileError, arrow_reason, check_batch, check_ids, metadata_from, vocabulary_from
+from tracker.format.checks import (
+    ID_COLUMNS,
+    RunFileError,
+    arrow_reason,
+    check_batch,
+    check_ids,
+    check_schemas,
+    metadata_from,
+    vocabulary_from,
+)
 from tracker.format.fs import is_url, resolve
 from tracker.format.marker import COMPLETE, PARQUET_SUFFIXES, complete_runs, is_partition, read_marker
 from tracker.format.schema import (
     GENERATIONS_COLUMN,
-    ID_SCHEMA,
     META_RUN,
     META_VOCAB,
     RunMetadata,
-    check_columns,
     check_generations,
     generations_from_column,
-    value_column,
 )
 from tracker.format.spill import CHUNK_GLOB, RUN_JSON, VOCAB_FILE
 
@@ -71,7 +78,6 @@ __all__ = [
 ]
 
 IPC_SUFFIXES = (".arrow", ".feather", ".ipc")
-ID_COLUMNS: tuple[str, ...] = tuple(ID_SCHEMA.names)
 
 
 class PartialRunWarning(UserWarning):
@@ -101,7 +107,9 @@ class Part(Protocol):
     def block_sizes(self) -> list[int]: ...
     def read_ids(self) -> pa.Table: ...
     def read_block(self, block: int, columns: tuple[str, ...]) -> tuple[pa.Table, int]: ...
+    def read(self, columns: list[str]) -> pa.Table: ...
     def read_all(self) -> pa.Table: ...
+    def steps(self) -> int: ...
     def generations(self) -> list[dict]: ...
 
 
@@ -137,9 +145,24 @@ class _ParquetPart:
         )
         return table, int(nbytes)
 
+    def read(self, columns: list[str]) -> pa.Table:
+        """Every row of ``columns`` (those the file has)."""
+        return self.file.read(columns=[n for n in columns if n in self.schema.names], use_threads=True)
+
     def read_all(self) -> pa.Table:
         """Every row and column but the generations' metadata."""
-        return self.file.read(columns=[n for n in self.schema.names if n != GENERATIONS_COLUMN], use_threads=True)
+        return self.read([n for n in self.schema.names if n != GENERATIONS_COLUMN])
+
+    def steps(self) -> int:
+        """The highest step + 1, from the row groups' statistics (no value read; 0 without them)."""
+        if "step" not in self.schema.names:
+            return 0
+        meta, index, high = self.file.metadata, self.schema.get_field_index("step"), -1
+        for g in range(meta.num_row_groups):
+            stats = meta.row_group(g).column(index).statistics
+            if stats is not None and stats.has_min_max:
+                high = max(high, int(stats.max))
+        return high + 1
 
     def generations(self) -> list[dict]:
         if GENERATIONS_COLUMN not in self.schema.names:
@@ -172,24 +195,32 @@ class _IpcPart:
         return [self._batch(i).num_rows for i in range(self.reader.num_record_batches)]
 
     def read_ids(self) -> pa.Table:
-        batches = [self._batch(i).select(list(ID_COLUMNS)) for i in range(self.reader.num_record_batches)]
-        return pa.Table.from_batches(batches, schema=pa.schema([self.reader.schema.field(n) for n in ID_COLUMNS]))
+        return self.read(list(ID_COLUMNS))
 
     def read_block(self, block: int, columns: tuple[str, ...]) -> tuple[pa.Table, int]:
         batch = self._batch(block).select(list(columns))
         return pa.Table.from_batches([batch]), int(batch.nbytes)
 
+    def read(self, columns: list[str]) -> pa.Table:
+        """Every row of ``columns`` (those the file has), each batch checked first."""
+        wanted = [n for n in columns if n in self.schema.names]
+        batches = [self._batch(i).select(wanted) for i in range(self.reader.num_record_batches)]
+        return pa.Table.from_batches(batches, schema=pa.schema([self.schema.field(n) for n in wanted]))
+
     def read_all(self) -> pa.Table:
-        table = pa.Table.from_batches(
-            [self._batch(i) for i in range(self.reader.num_record_batches)], schema=self.reader.schema
-        )
-        return table.drop_columns([GENERATIONS_COLUMN]) if GENERATIONS_COLUMN in table.schema.names else table
+        return self.read([n for n in self.schema.names if n != GENERATIONS_COLUMN])
+
+    def steps(self) -> int:
+        """The highest step + 1 (read from the ``step`` column: an IPC file keeps no statistics)."""
+        if "step" not in self.schema.names:
+            return 0
+        high = pc.max(self.read(["step"]).column(0)).as_py()
+        return 0 if high is None else int(high) + 1
 
     def generations(self) -> list[dict]:
         if GENERATIONS_COLUMN not in self.schema.names:
             return []
-        column = [self._batch(i).column(GENERATIONS_COLUMN) for i in range(self.reader.num_record_batches)]
-        return generations_from_column(pa.chunked_array(column, self.schema.field(GENERATIONS_COLUMN).type))
+        return generations_from_column(self.read([GENERATIONS_COLUMN]).column(0))
 
 
 def open_part(path: Path, fs: pafs.FileSystem | None = None, url: str | None = None) -> Part:
@@ -255,15 +286,9 @@ class RunLayout:
     def vocabulary(self) -> Vocabulary | None:
         """The run's vocabulary (None when it carries none); RunFileError when it is damaged."""
         try:
-            vocab = vocabulary_from(self.vocab_raw)
+            return vocabulary_from(self.vocab_raw, self.metadata.vocab_size)
         except ValueError as exc:
             raise RunFileError(self.vocab_path, str(exc)) from exc
-        if vocab is not None and vocab.size < self.metadata.vocab_size:
-            raise RunFileError(
-                self.vocab_path,
-                f"its vocabulary holds {vocab.size} tokens, fewer than the {self.metadata.vocab_size} its rows have",
-            )
-        return vocab
 
     def check_rows(self, ids: pa.Table) -> None:
         """RunFileError naming the run when its id columns ``ids`` (every row's) cannot be a run's
@@ -300,30 +325,15 @@ def _with_generations(metadata: RunMetadata, parts: list[Part]) -> RunMetadata:
             entries += found
         except (pa.ArrowException, OSError) as exc:
             raise RunFileError(part.path, arrow_reason(exc)) from exc
+        except RunFileError:
+            raise
         except ValueError as exc:
             raise RunFileError(part.path, str(exc)) from exc
     return metadata if len(entries) == len(metadata.generations) else replace(metadata, generations=entries)
 
 
 def _check(layout: RunLayout) -> None:
-    """Every part has the id columns and the types the metadata implies; outside a spill folder (whose
-    chunks may predate a stage) every declared column is in some part (``_nonfinite`` flags may be absent)."""
-    present: set[str] = set()
-    for part in layout.parts:
-        names = set(part.schema.names)
-        lacking = [n for n in (*ID_COLUMNS, value_column("natural", layout.metadata.storage)) if n not in names]
-        if lacking:  # the id columns and the natural stage's values: every run, every chunk has them
-            raise RunFileError(part.path, f"it lacks the columns {lacking} every run has")
-        try:
-            check_columns(part.schema, layout.metadata, complete=False)
-        except ValueError as exc:
-            raise RunFileError(part.path, str(exc)) from exc
-        present |= names
-    if layout.kind != "spill" and layout.parts:
-        try:
-            check_columns(layout.parts[0].schema, layout.metadata, present=present)
-        except ValueError as exc:
-            raise RunFileError(layout.parts[0].path, str(exc)) from exc
+    check_schemas([(p.path, p.schema) for p in layout.parts], layout.metadata, spill=layout.kind == "spill")
 
 
 def _parts_of_one_run(
@@ -480,6 +490,5 @@ def open_layout(path: str | os.PathLike[str], run_id: str | None = None) -> RunL
 def _checked(layout: RunLayout, run_id: str | None) -> RunLayout:
     if run_id is not None and layout.metadata.run_id != run_id:
         raise ValueError(f"run_id={run_id!r} is not in '{layout.path}': it holds run {layout.metadata.run_id!r}")
-    layout = replace(layout, metadata=_with_generations(layout.metadata, layout.parts))
-    _check(layout)
-    return layout
+    _check(layout)  # the columns first: the generations are read from one of them
+    return replace(layout, metadata=_with_generations(layout.metadata, layout.parts))

@@ -28,16 +28,17 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 
 from processors.vocab import Vocabulary
+from tracker.format.checks import check_rows, check_schemas
 from tracker.format.fs import resolve
 from tracker.format.layout import (
     ID_COLUMNS,
@@ -47,11 +48,11 @@ from tracker.format.layout import (
     RunFileError,
     arrow_reason,
     metadata_from,
+    open_part,
     vocabulary_from,
 )
 from tracker.format.marker import COMPLETE, complete_runs, read_marker
-from tracker.format.schema import GENERATIONS_COLUMN, META_RUN, META_VOCAB, STAT_COLUMNS, RunMetadata, check_columns
-from tracker.format.schema import generations_from_column as _generations
+from tracker.format.schema import GENERATIONS_COLUMN, META_RUN, META_VOCAB, STAT_COLUMNS, RunMetadata, check_generations
 from tracker.reading.run import Run
 from tracker.reading.selection import count_arg
 
@@ -96,12 +97,9 @@ class _Source:
         return all("natural_entropy" in s.names for s in self.schemas)
 
     def _read(self, path: str, schema: pa.Schema, columns: list[str] | None) -> pa.Table:
-        wanted = [n for n in (columns or schema.names) if n in schema.names]
+        """``columns`` (default: all) of one file, through the checked reading ``Run.load`` uses."""
         try:
-            with self.fs.open_input_file(path) as f:
-                if path.endswith(IPC_SUFFIXES):
-                    return pa.ipc.open_file(f).read_all().select(wanted)
-                return pq.ParquetFile(f, page_checksum_verification=True).read(columns=wanted)
+            return open_part(path, self.fs, path).read(columns or schema.names)  # type: ignore[arg-type]
         except (pa.ArrowException, OSError) as exc:
             raise RunFileError(path, arrow_reason(exc)) from exc
 
@@ -118,69 +116,59 @@ class _Source:
         if raw is not None:
             if raw not in vocabularies:
                 try:
-                    vocabularies[raw] = vocabulary_from(raw)  # type: ignore[assignment]
+                    vocabularies[raw] = vocabulary_from(raw, self.metadata.vocab_size)  # type: ignore[assignment]
                 except ValueError as exc:
                     raise RunFileError(self.files[0], str(exc)) from exc
             vocab = vocabularies[raw]
+        check_rows(self.files[0] if len(self.files) == 1 else posixpath.dirname(self.files[0]), batches, self.metadata)
         return Run(batches, self.metadata, vocab)
 
     def stats_columns(self) -> list[str]:
-        """The columns :meth:`tracker.Run.stats` reads in a run with recorded statistics."""
-        return [f"{stage}_{name}" for stage in self.metadata.stages for name in STAT_COLUMNS]
+        """The columns :meth:`tracker.Run.stats` reads in a run with recorded statistics (and, in top-k
+        storage, the ``k``-wide ids, checked as every reader checks them)."""
+        ids = [f"{stage}_topk_ids" for stage in self.metadata.stages] if self.metadata.storage == "topk" else []
+        return [f"{stage}_{name}" for stage in self.metadata.stages for name in STAT_COLUMNS] + ids
 
 
 def _footer(fs: pafs.FileSystem, path: str) -> tuple[pa.Schema, int, int, list[dict]]:
-    """``(schema, rows, steps, generations)`` of one run file, from its footer (Parquet; the small
-    ``generation_meta`` column too) or, for an Arrow IPC file, from reading it."""
+    """``(schema, rows, steps, generations)`` of one run file, read as ``Run.load`` reads it (every IPC record
+    batch checked against its buffers before a value is touched): a Parquet file from its footer (and the
+    small ``generation_meta`` column), an Arrow IPC file from its ids."""
     try:
-        with fs.open_input_file(path) as f:
-            if path.endswith(IPC_SUFFIXES):
-                table = pa.ipc.open_file(f).read_all()
-                steps = table.column("step") if "step" in table.schema.names else pa.array([], pa.int32())
-                high = pc.max(steps).as_py()
-                gens = (
-                    _generations(table.column(GENERATIONS_COLUMN)) if GENERATIONS_COLUMN in table.schema.names else []
-                )
-                return table.schema, table.num_rows, 0 if high is None else high + 1, gens
-            file = pq.ParquetFile(f, page_checksum_verification=True)
-            meta, schema = file.metadata, file.schema_arrow
-            high = -1
-            if "step" in schema.names:
-                index = schema.get_field_index("step")
-                for g in range(meta.num_row_groups):
-                    stats = meta.row_group(g).column(index).statistics
-                    if stats is not None and stats.has_min_max:
-                        high = max(high, int(stats.max))
-            gens = (
-                _generations(file.read(columns=[GENERATIONS_COLUMN]).column(0))
-                if GENERATIONS_COLUMN in schema.names
-                else []
-            )
-            return schema, meta.num_rows, high + 1, gens
+        part = open_part(path, fs, path)  # type: ignore[arg-type]
+        return part.schema, sum(part.block_sizes()), part.steps(), part.generations()
     except (pa.ArrowException, OSError) as exc:
         if isinstance(exc, (FileNotFoundError, PermissionError)):
             raise
         raise RunFileError(path, arrow_reason(exc)) from exc
+    except RunFileError:
+        raise
     except ValueError as exc:
         raise RunFileError(path, str(exc)) from exc
 
 
-def _sources_of(fs: pafs.FileSystem, files: list[str]) -> list[_Source]:
-    """The runs held by ``files`` (parts of one run share its run id), checked against their metadata.
-    Runs of one model share one copy of their vocabulary's bytes."""
+def _sources_of(fs: pafs.FileSystem, files: list[str], skipped: list[RunFileError] | None = None) -> list[_Source]:
+    """The runs held by ``files`` (parts of one run share its run id), their columns checked against their
+    metadata as ``Run.load`` checks them. Runs of one model share one copy of their vocabulary's bytes.
+    With ``skipped`` (the files of a folder), a run that cannot be read is left out and its error added
+    there; without it, RunFileError."""
     runs: dict[str, _Source] = {}
     vocabularies: dict[bytes, bytes] = {}
     for path in files:
-        schema, rows, steps, gens = _footer(fs, path)
-        meta = schema.metadata or {}
         try:
-            metadata = metadata_from(meta.get(META_RUN))
-            missing = [n for n in ID_COLUMNS if n not in schema.names]
-            if missing:
-                raise ValueError(f"it lacks the id columns {missing} every run has")
-            check_columns(schema, metadata, complete=False)
-        except ValueError as exc:
-            raise RunFileError(path, str(exc)) from exc
+            schema, rows, steps, gens = _footer(fs, path)
+            meta = schema.metadata or {}
+            try:
+                metadata = metadata_from(meta.get(META_RUN))
+                check_generations(gens, metadata.vocab_size)
+            except ValueError as exc:
+                raise RunFileError(path, str(exc)) from exc
+            check_schemas([(path, schema)], metadata, spill=True)  # this file alone; its run's files below
+        except RunFileError as exc:
+            if skipped is None:
+                raise
+            skipped.append(exc)
+            continue
         source = runs.get(metadata.run_id)
         if source is None:
             raw = meta.get(META_VOCAB)
@@ -192,7 +180,16 @@ def _sources_of(fs: pafs.FileSystem, files: list[str]) -> list[_Source]:
         source.rows += rows
         source.steps = max(source.steps, steps)
         source.size += fs.get_file_info(path).size or 0
-    return list(runs.values())
+    kept = []
+    for source in runs.values():
+        try:
+            check_schemas(list(zip(source.files, source.schemas)), source.metadata)
+            kept.append(source)
+        except RunFileError as exc:
+            if skipped is None:
+                raise
+            skipped.append(exc)
+    return kept
 
 
 def _run_files(fs: pafs.FileSystem, folder: str) -> list[str]:
@@ -218,8 +215,11 @@ def _marked_parts(fs: pafs.FileSystem, folder: str) -> list[str]:
         raise RunFileError(f"{folder}/{COMPLETE}", f"a damaged completion marker: {exc}") from exc
 
 
-def find_sources(location: str | os.PathLike[str]) -> list[_Source]:
+def find_sources(location: str | os.PathLike[str], skipped: list[RunFileError] | None = None) -> list[_Source]:
     """Every run at ``location`` (see the module docstring), sorted by run id; NoRunError when none is there.
+
+    A run file given alone that cannot be read raises RunFileError; in a folder, with ``skipped``, such a
+    file is left out and its error added there (the error when no run is left).
 
     In a dataset only complete runs count (a ``run_id=...`` folder holding its completion marker, read for
     the parts it lists, as :func:`tracker.format.dataset.list_runs` lists them): a run still being written is left out.
@@ -243,7 +243,10 @@ def find_sources(location: str | os.PathLike[str]) -> list[_Source]:
             else "the folder holds no run files (.parquet, .arrow) and no run_id=... folders"
         )
         raise NoRunError(location, reason)
-    return sorted(_sources_of(fs, files), key=lambda s: s.metadata.run_id)
+    sources = _sources_of(fs, files, skipped)
+    if not sources and skipped:
+        raise skipped[0]
+    return sorted(sources, key=lambda s: s.metadata.run_id)
 
 
 _RUNS_SCHEMA = pa.schema(
@@ -304,9 +307,14 @@ class Dataset:
         location: the path or URL it was opened on.
         k: tokens per step and stage in the ``candidates`` view.
         connection: the DuckDB connection (the views are registered on it as queries name them).
+        skipped: the runs of a folder left out because they cannot be read (RunFileError naming each file):
+            found when the folder was opened, or when a view first read a run's values (that run is then
+            missing from the views made from then on).
     """
 
-    def __init__(self, location: str, sources: list[_Source], k: int) -> None:
+    def __init__(
+        self, location: str, sources: list[_Source], k: int, skipped: list[RunFileError] | None = None
+    ) -> None:
         try:
             import duckdb
         except ImportError as exc:
@@ -318,6 +326,8 @@ class Dataset:
         self._tables: dict[str, pa.Table] = {}
         self._registered: set[str] = set()
         self._vocabularies: dict[bytes, Vocabulary] = {}
+        self.skipped: list[RunFileError] = list(skipped or [])
+        self._alone = len(sources) == 1 and not self.skipped  # one run: its error is the query's
         self.connection = duckdb.connect(":memory:", config=dict(_DUCKDB_CONFIG))
 
     @property
@@ -337,7 +347,7 @@ class Dataset:
             elif view == "candidates":
                 from tracker.reading.query_views import candidates_table
 
-                tables = [candidates_table(s.load(self._vocabularies), self.k) for s in self._sources]
+                tables = self._each_run(lambda s: candidates_table(s.load(self._vocabularies), self.k))
                 self._tables[view] = pa.concat_tables(tables)
             else:
                 self._steps()
@@ -350,14 +360,28 @@ class Dataset:
     def _steps(self) -> None:
         from tracker.reading.query_views import SEQUENCES_SCHEMA, steps_tables
 
-        steps, sequences = [], []
-        for source in self._sources:
-            columns = source.stats_columns() if source.has_stats else None
-            s, q = steps_tables(source.load(self._vocabularies, columns))
-            steps.append(s)
-            sequences.append(q)
+        def tables(source: _Source) -> tuple[pa.Table, pa.Table]:
+            return steps_tables(source.load(self._vocabularies, source.stats_columns() if source.has_stats else None))
+
+        made = self._each_run(tables)
+        steps, sequences = [s for s, _ in made], [q for _, q in made]
         self._tables["steps"] = pa.concat_tables(steps, promote_options="permissive")
         self._tables["sequences"] = pa.concat_tables(sequences) if sequences else SEQUENCES_SCHEMA.empty_table()
+
+    def _each_run(self, make: Callable[[_Source], Any]) -> list[Any]:
+        """``make(source)`` for every run; a run that cannot be read is left out and named in :attr:`skipped`
+        (raised when the dataset is that one run)."""
+        made, kept = [], []
+        for source in self._sources:
+            try:
+                made.append(make(source))
+                kept.append(source)
+            except RunFileError as exc:
+                if self._alone:
+                    raise
+                self.skipped.append(exc)
+        self._sources = kept
+        return made
 
     def sql(self, query: str) -> pa.Table:
         """The answer to ``query`` (DuckDB's SQL over :data:`VIEWS`) as an Arrow table (``.to_pandas()`` for a
@@ -391,4 +415,5 @@ def open_dataset(location: str | os.PathLike[str], *, k: int = 10) -> Dataset:
     :class:`~tracker.format.layout.RunFileError` naming a file that is not a readable run.
     """
     k = count_arg("k", k)
-    return Dataset(str(location), find_sources(location), k)
+    skipped: list[RunFileError] = []
+    return Dataset(str(location), find_sources(location, skipped), k, skipped)

@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 
 from processors.vocab import Vocabulary
-from tracker.format.checks import check_stats, check_topk
+from tracker.format.checks import check_rows
 from tracker.format.dataset import write_run
 from tracker.format.layout import (
     PartialRunWarning,
@@ -46,7 +46,6 @@ from tracker.format.layout import (
 from tracker.format.run_file import write_parquet
 from tracker.format.schema import (
     GENERATIONS_COLUMN,
-    ID_SCHEMA,
     META_RUN,
     META_VOCAB,
     RunMetadata,
@@ -266,10 +265,5 @@ class Run(Insight, Analysis):
         if layout.note is not None:
             warnings.warn(layout.note, PartialRunWarning, stacklevel=2)
         batches = layout.batches()
-        if batches:
-            ids = [pa.Table.from_batches([b.select(list(ID_SCHEMA.names))]) for b in batches]
-            layout.check_rows(pa.concat_tables(ids, promote_options="permissive"))
-            check_topk(layout.path, batches, layout.metadata)
-            for batch in batches:
-                check_stats(layout.path, batch, layout.metadata)
+        check_rows(layout.path, batches, layout.metadata)
         return cls(batches, layout.metadata, layout.vocabulary())
