@@ -8,7 +8,7 @@
     logitscope compare r.parquet b.parquet  # KL, top-1 agreement, perplexities
 
 Every mistake in the arguments ends in one line naming the argument and what
-is allowed, after the usage of the subcommand concerned (exit status 2).
+is allowed (exit status 2); ``--help`` shows a subcommand's usage.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from logitscope import __version__, cli_rescore, inspect_run, query_cli
+from logitscope.cli_args import OneLineParser
 from logitscope.cli_args import device as _device
 from logitscope.cli_args import fail as _fail
 from logitscope.cli_args import no_loading_bar as _no_loading_bar
 from logitscope.cli_args import positive_int as _positive_int
-from logitscope.cli_args import refuse as _refuse
 from logitscope.cli_args import serving_options as _serving_options
 from logitscope.cli_args import serving_port as _serving_port
 
@@ -111,9 +111,7 @@ def _constraints(args: argparse.Namespace, parser: argparse.ArgumentParser, toke
             argument = "--bad-words"
             made.append(BadWordsLogitsProcessor(args.bad_words, tokenizer))
     except (ValueError, TypeError) as exc:
-        if argument == "--bad-words":
-            _fail(parser, argument, exc)
-        _refuse(parser, argument, exc)  # the engine refuses the pattern, schema or grammar: one line, no usage
+        _fail(parser, argument, exc)
     return made
 
 
@@ -184,13 +182,13 @@ def _check_out_file(parser: argparse.ArgumentParser, out: str, force: bool) -> P
         except (ValueError, OSError) as exc:
             _fail(parser, "--out", str(exc))
         if taken and not force:
-            _refuse(parser, "--out", f"'{out}' exists; give --force to replace it, or another file name")
+            _fail(parser, "--out", f"'{out}' exists; give --force to replace it, or another file name")
         return out
     path = Path(out)
     if path.is_dir():
         _fail(parser, "--out", f"'{path}' is a folder; give a file name such as run.parquet")
     if path.exists() and not force:
-        _refuse(parser, "--out", f"'{path}' exists; give --force to replace it, or another file name")
+        _fail(parser, "--out", f"'{path}' exists; give --force to replace it, or another file name")
     if not path.parent.is_dir():
         _fail(parser, "--out", f"no folder '{path.parent}' to write '{path.name}' into")
     try:  # the folder may exist and still refuse files (permissions, a read-only or virtual file system)
@@ -361,7 +359,7 @@ def cmd_dashboard(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="logitscope",
         description="See what happens to a language model's next-token distribution at every step.",
     )

@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any, TextIO
 
-from logitscope.cli_args import fail, positive_int
+from logitscope.cli_args import fail, json_text, positive_int, terminal_text
 
 __all__ = ["add_parser", "cmd_query"]
 
@@ -93,15 +93,36 @@ def cmd_query(args: argparse.Namespace, parser: argparse.ArgumentParser, out: Te
         except (OSError, ValueError) as exc:
             fail(parser, "--parquet", f"cannot write '{args.parquet}': {exc}")
         print(f"{table.num_rows} rows written to {args.parquet}", file=sys.stderr)
-        return 0
+        return _say_skipped(parser, dataset.skipped)
     frame = table.to_pandas()
-    if args.csv:
-        frame.to_csv(out, index=False)
+    if args.csv:  # data for other tools: escaped only where a terminal shows it
+        (_escaped(frame) if out.isatty() else frame).to_csv(out, index=False)
     elif args.json:
         if len(frame):
-            frame.to_json(out, orient="records", lines=True, force_ascii=False)
+            out.write(json_text(frame.to_json(orient="records", lines=True, force_ascii=False)))
     else:
-        print(frame.to_string(index=False, max_rows=args.max_rows, max_colwidth=60), file=out)
+        print(_escaped(frame).to_string(index=False, max_rows=args.max_rows, max_colwidth=60), file=out)
         if len(frame) > args.max_rows:
             print(f"({len(frame)} rows; --max-rows to show more, --csv or --parquet for all)", file=out)
-    return 0
+    return _say_skipped(parser, dataset.skipped)
+
+
+def _escaped(frame: Any) -> Any:
+    """``frame`` with its text cells through :func:`~logitscope.cli_args.terminal_text` (titles, tokens and
+    prompts come from run files: a terminal shows them, never obeys them)."""
+    from pandas.api.types import is_object_dtype, is_string_dtype
+
+    frame = frame.copy()
+    for i in range(frame.shape[1]):  # by position: an answer may name two columns alike
+        column = frame.iloc[:, i]
+        if is_object_dtype(column) or is_string_dtype(column):
+            frame.isetitem(i, column.map(lambda v: terminal_text(v) if isinstance(v, str) else v))
+    return frame
+
+
+def _say_skipped(parser: argparse.ArgumentParser, skipped: list) -> int:
+    """One line on stderr per run left out of the answer (a file of the folder that cannot be read): exit
+    status 1 then, 0 when every run was read."""
+    for exc in skipped:
+        print(terminal_text(f"{parser.prog}: left out of the answer: {exc}"), file=sys.stderr)
+    return 1 if skipped else 0
