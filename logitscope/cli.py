@@ -28,7 +28,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from logitscope import __version__, cli_rescore, inspect_run, query_cli
-from logitscope.cli_args import OneLineParser
+from logitscope.cli_args import OneLineParser, model_arg, require_torch
 from logitscope.cli_args import device as _device
 from logitscope.cli_args import fail as _fail
 from logitscope.cli_args import no_loading_bar as _no_loading_bar
@@ -37,7 +37,6 @@ from logitscope.cli_args import serving_options as _serving_options
 from logitscope.cli_args import serving_port as _serving_port
 
 STORAGE_MODES = ("float32", "float16", "bfloat16", "topk")
-DEMO_MODEL_NAME = "logitscope demo model"
 CONSTRAINTS = ("--regex", "--json-schema", "--grammar", "--bad-words")
 
 
@@ -119,11 +118,7 @@ def _generator(args: argparse.Namespace, parser: argparse.ArgumentParser):
     from sampling import Generator
     from sampling.generator import load_model, load_tokenizer
 
-    path = args.model
-    if path is None:
-        from logitscope.demo_model import DEMO_MODEL_PATH
-
-        path = str(DEMO_MODEL_PATH)
+    path, _ = model_arg(args.model)
     try:
         # the constraints first, with the tokenizer alone: a bad pattern is said before the model loads
         constraints = _constraints(args, parser, load_tokenizer(path))
@@ -227,6 +222,7 @@ def _save_run(tracker, out: Path | str, args: argparse.Namespace, params, interr
 
 
 def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    require_torch(parser)
     prompts = _prompts(args, parser)
     params = _params(args, parser)
     _check_dependent_options(args, parser)
@@ -236,7 +232,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if out is not None:
         from tracker import add_tracking
 
-        model_name = DEMO_MODEL_NAME if args.model is None else Path(args.model).resolve().name
+        model_name = model_arg(args.model)[1]
         add_tracking(gen, storage=args.storage or "float32", top_k=args.storage_top_k or 20, model=model_name)
     from sampling import DeadRowError
 
@@ -274,6 +270,8 @@ def _demo_text(text: str) -> str:
 
 def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import tempfile
+
+    require_torch(parser)
 
     if args.out is not None:
         out = Path(args.out)
@@ -372,7 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate from a model and print the generations; with --out, record every "
         "step into a run that `logitscope dashboard` opens.",
     )
-    run.add_argument("--model", default=None, help="a local model folder (default: the shipped demo model)")
+    run.add_argument(
+        "--model", default=None, help="a local model folder, or demo: the shipped demo model (default: demo)"
+    )
     run.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     run.add_argument("--prompt-file", default=None, metavar="FILE", help="a text file with one prompt per line")
     run.add_argument(

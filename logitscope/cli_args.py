@@ -12,6 +12,7 @@ import argparse
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, NoReturn
 
 __all__ = [
@@ -19,9 +20,12 @@ __all__ = [
     "fail",
     "terminal_text",
     "json_text",
+    "DEMO_MODEL_NAME",
+    "model_arg",
     "positive_int",
     "port",
     "device",
+    "require_torch",
     "no_loading_bar",
     "serving_options",
     "serving_port",
@@ -66,6 +70,21 @@ def fail(parser: argparse.ArgumentParser, argument: str | None, message: Any) ->
     parser.exit(2, f"{parser.prog}: error: {terminal_text(text)}\n")
 
 
+#: The name ``--model demo`` gives the shipped demo model, in the runs it records or rescores.
+DEMO_MODEL_NAME = "logitscope demo model"
+
+
+def model_arg(text: str | None) -> tuple[str, str]:
+    """``(folder, name)`` of a ``--model`` value: ``demo`` (or none) is the shipped demo model, named
+    :data:`DEMO_MODEL_NAME` (so is its folder given as a path); anything else a local folder, named by its
+    folder's name (``./demo`` is a folder). Imports torch (the demo model's package does)."""
+    from logitscope.demo_model import DEMO_MODEL_PATH
+
+    if text is None or text == "demo" or Path(text).resolve() == DEMO_MODEL_PATH:
+        return str(DEMO_MODEL_PATH), DEMO_MODEL_NAME
+    return text, Path(text).resolve().name
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -86,15 +105,27 @@ def port(text: str) -> int:
     return value
 
 
+def require_torch(parser: argparse.ArgumentParser) -> None:
+    """Exit in one line when torch is not installed (a viewer-only install): the command records."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        fail(
+            parser,
+            None,
+            "recording needs torch, which is not installed (a viewer-only install opens runs with "
+            "`logitscope dashboard`, `logitscope inspect` and `logitscope query`); install torch, then logitscope "
+            "with its dependencies",
+        )
+
+
 def device(text: str) -> str:
-    """``cpu``, ``cuda``, ``cuda:N`` or ``mps``, and only one this torch build can use."""
+    """``cpu``, ``cuda``, ``cuda:N`` or ``mps``, and only one this torch build can use (unchecked without torch:
+    :func:`require_torch` says what is missing, not the default of an option never given)."""
     try:
         import torch
     except ImportError:
-        raise argparse.ArgumentTypeError(
-            "recording needs torch, which is not installed (a viewer-only install opens runs with "
-            "`logitscope dashboard` and `logitscope inspect`); install torch, then logitscope with its dependencies"
-        ) from None
+        return text
 
     allowed = "cpu, cuda, cuda:N or mps"
     try:
