@@ -327,7 +327,7 @@ def test_run_help_says_every_option_s_default(capsys):
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines where it likes
     for option, default in [
         ("--max-new-tokens N", "(default: 64)"),
-        ("--temperature", "(default: greedy)"),
+        ("--temperature TEMPERATURE", "(default: greedy when no sampling option is given, else 1"),
         ("--top-k K", "(default: off)"),
         ("--top-p P", "(default: off)"),
         ("--min-p P", "(default: off)"),
@@ -387,3 +387,14 @@ def test_ctrl_c_during_run_out_keeps_the_steps_recorded_so_far(tmp_path, capsys,
     second = cut.get_logits(generation=1)["unstructured"]
     assert len(second) == 2  # the two steps taken before Ctrl-C
     np.testing.assert_array_equal(second, full.get_logits(generation=1)["unstructured"][:2])
+
+
+def test_top_k_and_top_p_alone_sample_at_temperature_1_as_the_help_says(tmp_path, capsys):
+    out = tmp_path / "r.parquet"
+    argv = ["run", "--prompt", "Alice is", "--max-new-tokens", "3", "--top-k", "50", "--top-p", "0.9", "--seed", "1"]
+    assert main([*argv, "--out", str(out)]) == 0
+    sampling = Run.load(out).metadata.sampling
+    assert sampling["temperature"] is None and sampling["top_k"] == 50 and sampling["greedy"] is False
+    from sampling import SamplingParams
+
+    assert SamplingParams(top_k=50, top_p=0.9).effective[0] == 1.0  # what "else 1" means

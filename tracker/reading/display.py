@@ -134,7 +134,7 @@ def _step_rows(run: Any, position: int, generation: int, sequence: int, k: int, 
     rows, chosen, i = step_probabilities(
         run, position, sequence=sequence, generation=generation, include_finished=include_finished
     )
-    best = np.nanmax(np.stack(list(rows.values())), axis=0)
+    best = np.fmax.reduce(np.stack(list(rows.values())), axis=0)  # NaN (unknown) in every stage: NaN, no warning
     best = np.where(np.isnan(best), -1.0, best)
     ids = np.argsort(-best, kind="stable")[: min(k, best.size)]
     ids = ids[best[ids] > 0]
