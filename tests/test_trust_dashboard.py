@@ -17,7 +17,7 @@ from streamlit.testing.v1 import AppTest
 
 from dashboard import data
 from dashboard.discover import find_runs
-from dashboard.paths import APP, ENV_ANY_PATH, ENV_PATH
+from dashboard.paths import APP, ENV_ANY_PATH, ENV_PATH, inside
 from dashboard.synthetic import hand_made_run
 from dashboard.text import md_shown, md_text, numbers_html
 from tracker.format.schema import META_RUN
@@ -148,6 +148,55 @@ def test_the_path_box_stays_inside_the_served_folder(tmp_path, monkeypatch):
     at = at.text_input(key="root_input").set_value("sub").run()
     _ok(at)
     assert at.dataframe[0].value["file"].tolist() == ["inner.parquet"]
+
+
+def test_the_path_box_compares_places_not_text(tmp_path):
+    """Inside or not is decided on parsed, normalised places: a sibling whose name begins like the served
+    folder's, ``..`` written out or percent-encoded, a symlink out, another bucket, scheme or set of options
+    are all outside; the place kept is the normalised one."""
+    served, outside = tmp_path / "served", tmp_path / "outside"
+    (served / "sub").mkdir(parents=True)
+    outside.mkdir()
+    (tmp_path / "servedX").mkdir()
+    (served / "out").symlink_to(outside)
+    url = served.as_uri()
+    for attempt in (
+        f"{url}/../outside", (tmp_path / "servedX").as_uri(), f"{url}X", str(tmp_path / "servedX"), "../outside",
+        f"{url}/out", str(served / "out"), "out", f"{url}/%2e%2e/outside", "s3://b/served/sub",
+    ):  # fmt: skip
+        for root in (url, str(served)):
+            assert inside(attempt, root) is None, (attempt, root)
+    for attempt in (f"{url}/sub", str(served / "sub"), "sub", f"{url}/sub/../sub/.", f"{url}/sub/"):
+        assert inside(attempt, url) == str(served / "sub") == inside(attempt, str(served))
+    for attempt in (
+        "s3://b/runs-private", "s3://b/run", "s3://b/runs/../secret", "s3://b/runs/%2E%2E/secret",
+        "s3://b/runs/x/../../secret", "s3://other/runs/x", "gs://b/runs/x", "s3://b/runs/x?endpoint_override=h:1",
+        "s3://b/runs/x#f", "file:///b/runs/x", str(tmp_path), "/runs/x",
+    ):  # fmt: skip
+        assert inside(attempt, "s3://b/runs") is None, attempt
+    for attempt, where in (
+        ("s3://b/runs", "s3://b/runs"), ("s3://b/runs/", "s3://b/runs"), ("S3://b/runs/a/./b/", "s3://b/runs/a/b"),
+        ("s3://b/runs//a", "s3://b/runs/a"), ("s3://b/runs/a/../c", "s3://b/runs/c"), ("a b", "s3://b/runs/a%20b"),
+    ):  # fmt: skip
+        assert inside(attempt, "s3://b/runs/") == where, attempt
+    assert inside("s3://b/runs/x?region=eu", "s3://b/runs?region=eu") == "s3://b/runs/x?region=eu"
+
+
+def test_the_path_box_of_a_served_url_stays_inside_it(tmp_path, monkeypatch):
+    served, outside = tmp_path / "served", tmp_path / "servedX"  # datasets: what a URL serves
+    natural = np.zeros((2, 4), np.float32)
+    mine = hand_made_run(natural, [0, 1], list("abcd"), title="mine").to_dataset(served).parent.name
+    hand_made_run(natural, [0, 1], list("abcd"), title="secret").to_dataset(outside)
+    monkeypatch.setenv(ENV_PATH, served.as_uri())
+    monkeypatch.delenv(ENV_ANY_PATH, raising=False)
+    at = _app()
+    _ok(at)
+    for attempt in (f"{served.as_uri()}/../servedX", outside.as_uri(), f"{served.as_uri()}X", str(outside)):
+        at = at.text_input(key="root_input").set_value(attempt).run()
+        _ok(at)
+        assert any("is outside what this dashboard serves" in re.sub(r"\\(.)", r"\1", e.value) for e in at.error)
+        assert at.session_state["root"] == served.as_uri()
+        assert [Path(f).name for f in at.dataframe[0].value["file"]] == [mine]
 
 
 def test_the_path_box_may_leave_the_folder_when_the_server_allows_it(tmp_path, monkeypatch):
