@@ -383,3 +383,49 @@ def test_text_from_run_files_in_an_answer_is_shown_escaped_never_obeyed_by_the_t
         main(["query", str(path), "SELECT CAST(title AS INTEGER) FROM runs"])
     err = capsys.readouterr().err
     assert not OBEYED & set(err) and err.count("\n") == 1 and "\\x1b]0;owned" in err, err
+
+
+def test_a_query_stops_at_its_time_limit_and_the_dataset_still_answers(recorded):
+    from tracker.reading.query import QueryLimitError
+
+    dataset = open_dataset(recorded["root"] / "dataset")
+    with pytest.raises(QueryLimitError, match=r"^the query ran past its time limit of 1 s$") as stopped:
+        dataset.sql("SELECT count(*) FROM range(1000000000000)", timeout=1)
+    assert stopped.value.limit == "timeout"
+    assert dataset.sql("SELECT count(*) AS n FROM range(7)", timeout=60).column("n").to_pylist() == [7]
+    for bad in (0, -1, float("nan"), "1"):
+        with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):
+            dataset.sql("SELECT 1", timeout=bad)
+
+
+def test_the_query_command_says_which_limit_it_hit_in_one_line(recorded, capsys):
+    root = str(recorded["root"] / "dataset")
+    for argv, line in (
+        (
+            ["SELECT count(*) FROM range(1000000000000)", "--timeout", "1"],
+            "argument --timeout: the query ran past its time limit of 1 s; give more with --timeout",
+        ),
+        (
+            [
+                "SELECT max(length(s)) FROM (SELECT string_agg(x::VARCHAR, ',') s FROM range(5000000) t(x))",
+                "--memory",
+                "20MB",
+            ],
+            "argument --memory: the query needed more than its memory limit of 20MB; give more with --memory",
+        ),
+        (["SELECT 1", "--memory", "lots"], "argument --memory: must be a size such as 500MB or 4GB, got 'lots'"),
+        (["SELECT 1", "--timeout", "-1"], "argument --timeout: must be a number of seconds >= 0 (0: no limit)"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(["query", root, *argv])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.startswith(f"logitscope query: error: {line}") and err.count("\n") == 1, (
+            err
+        )
+    assert (
+        main(["query", root, "SELECT count(*) AS n FROM range(3)", "--csv", "--timeout", "0", "--memory", "1GB"]) == 0
+    )
+    assert capsys.readouterr().out == "n\n3\n"
+    with pytest.raises(SystemExit):
+        main(["query", "--help"])
+    assert "(default: 600; 0: no limit)" in " ".join(capsys.readouterr().out.split())
