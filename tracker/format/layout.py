@@ -39,6 +39,7 @@ from tracker.format.checks import (
     arrow_reason,
     check_batch,
     check_ids,
+    check_row_groups,
     check_schemas,
     metadata_from,
     vocabulary_from,
@@ -121,6 +122,7 @@ class _ParquetPart:
         self.file = pq.ParquetFile(
             path if source is None else source, memory_map=source is None, page_checksum_verification=True
         )
+        check_row_groups(path, self.file.metadata)
         self.nbytes = int(os.path.getsize(path) if source is None else source.size())
 
     @property

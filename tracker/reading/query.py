@@ -40,7 +40,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from processors.vocab import Vocabulary
-from tracker.format.checks import check_rows, check_schemas
+from tracker.format.checks import DamagedRowError, check_rows, check_schemas
 from tracker.format.fs import resolve
 from tracker.format.layout import (
     ID_COLUMNS,
@@ -149,8 +149,13 @@ class _Source:
                 except ValueError as exc:
                     raise RunFileError(self.files[0], str(exc)) from exc
             vocab = vocabularies[raw]
-        check_rows(self.files[0] if len(self.files) == 1 else posixpath.dirname(self.files[0]), batches, self.metadata)
+        check_rows(self.where, batches, self.metadata)
         return Run(batches, self.metadata, vocab)
+
+    @property
+    def where(self) -> str:
+        """The run's file, or the folder of its files: what its errors name."""
+        return self.files[0] if len(self.files) == 1 else posixpath.dirname(self.files[0])
 
     def stats_columns(self) -> list[str]:
         """The columns :meth:`tracker.Run.stats` reads in a run with recorded statistics (and, in top-k
@@ -414,7 +419,10 @@ class Dataset:
         for source in self._sources:
             self._check_time()
             try:
-                made.append(make(source))
+                try:
+                    made.append(make(source))
+                except DamagedRowError as exc:  # a row its query found damaged: the file is
+                    raise RunFileError(source.where, str(exc)) from exc
                 kept.append(source)
             except RunFileError as exc:
                 if self._alone:

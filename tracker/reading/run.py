@@ -91,6 +91,8 @@ class Run(Insight, Analysis):
         self.metadata = metadata
         self._vocab_source = vocab
         self._exported: list[pa.RecordBatch] | None = None
+        #: The file or folder the run was loaded from (named by the errors of damaged rows); None in memory.
+        self.source: str | None = None
 
     # ---------------------------------------------------------------- data
 
@@ -266,4 +268,6 @@ class Run(Insight, Analysis):
             warnings.warn(layout.note, PartialRunWarning, stacklevel=2)
         batches = layout.batches()
         check_rows(layout.path, batches, layout.metadata)
-        return cls(batches, layout.metadata, layout.vocabulary())
+        run = cls(batches, layout.metadata, layout.vocabulary())
+        run.source = str(layout.path)
+        return run
