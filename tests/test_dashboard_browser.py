@@ -547,3 +547,29 @@ def test_the_live_chart_fills_the_column_and_follows_the_window(server, browser)
         _wait_for(browser, lambda d: fills(d) and widths(d)[2] < wide[2] - 200)
     finally:
         browser.set_window_size(1400, 1300)
+
+
+def test_a_megabyte_token_neither_stalls_step_replay_nor_is_drawn_whole(browser, tmp_path):
+    """A vocabulary entry a megabyte long, chosen and leading every step: Step replay draws, plays on and shows
+    the token clipped to a hundred characters (drawn whole, it stalled the page past the script timeout)."""
+    from tracker.reading.display import TOKEN_CHARS
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    chosen = np.array([[1, 2, 1, 5]])
+    natural = np.full((1, 4, 6), -3.0, dtype=np.float32)
+    np.put_along_axis(natural, chosen[..., None], 1.0, axis=-1)
+    tokens = ["a", "x" * (1 << 20), "c", "d", "e", "<eos>"]
+    hand_made_run(natural, chosen, tokens, eos_token_id=5, title="Huge").to_parquet(runs / "huge.parquet")
+    with _serving(runs) as base:
+        for page, charts in (("replay", 1), ("overview", 2)):
+            _load(browser, f"{base}/{page}?run=huge.parquet", charts)
+            assert not _errors(browser)
+        _load(browser, f"{base}/replay?run=huge.parquet", 1)
+        ticks = _plotted(browser)["ticks"]
+        assert ticks[0] == f"<b>▶ {'x' * TOKEN_CHARS}…(+{(1 << 20) - TOKEN_CHARS:,} characters)</b>"
+        _button(browser, "Next")
+        _wait_for(browser, lambda d: "Step 1:" in _plotted(d)["title"])
+        longest = browser.execute_script(DOCUMENTS + "return Math.max(...documents.map(d => d.body.innerText.length));")
+        assert longest < 100_000, f"a page holds {longest:,} characters of text"
+        assert not _errors(browser)

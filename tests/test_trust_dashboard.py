@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -284,3 +285,47 @@ def test_the_run_list_refreshes_beside_a_dangling_link(tmp_path):
     at.run()
     _ok(at)
     assert at.dataframe[0].value["file"].tolist() == ["first.parquet", "second.parquet"]
+
+
+#: A vocabulary entry a megabyte long (a file may hold one): drawn whole, Step replay stalled the browser.
+HUGE = "x" * (1 << 20)
+
+
+def _huge_run(folder: Path) -> Path:
+    """Four steps over six tokens; the megabyte token leads and is chosen at steps 0 and 2."""
+    chosen = np.array([[1, 2, 1, 5]])
+    natural = np.full((1, 4, 6), -3.0, dtype=np.float32)
+    np.put_along_axis(natural, chosen[..., None], 1.0, axis=-1)
+    natural[..., 1] = np.maximum(natural[..., 1], 0.5)
+    tokens = ["a", HUGE, "c", "d", "e", "<eos>"]
+    return hand_made_run(natural, chosen, tokens, eos_token_id=5, title="Huge").to_parquet(folder / "huge.parquet")
+
+
+def _sent(node) -> int:
+    """Bytes of what the page sends the browser: every element's message, the tables and figures included."""
+    proto = getattr(node, "proto", None)
+    own = len(proto.SerializeToString()) if proto is not None else 0
+    return own + sum(_sent(child) for child in getattr(node, "children", {}).values())
+
+
+@pytest.mark.parametrize("page", [None, "overview", "replay", "compare"])
+def test_a_megabyte_token_draws_a_hundred_characters_on_every_page(tmp_path, page):
+    from tracker.reading.display import TOKEN_CHARS
+
+    path = _huge_run(tmp_path)
+    st.cache_data.clear()
+    st.cache_resource.clear()
+    at = AppTest.from_file(str(APP), default_timeout=60)
+    at.session_state["root"] = str(tmp_path)
+    at.session_state["run"] = at.session_state["run_b"] = str(path)
+    if page is not None:
+        at.switch_page(f"app_pages/{page}.py")
+    at = at.run()
+    _ok(at)
+    assert _sent(at._tree) < 200_000, f"the page sends {_sent(at._tree):,} bytes"
+    clipped = f"{'x' * TOKEN_CHARS}…(+{len(HUGE) - TOKEN_CHARS:,} characters)"
+    if page == "replay":
+        shown = [json.dumps(json.loads(spec), ensure_ascii=False) for spec in chart_specs(at)]
+        assert any(clipped in spec for spec in shown), "the chart's label is not the clipped token"
+    if page == "overview":
+        assert any(html.escape(clipped) in h.proto.body for h in at.get("html")), "the text shows no clipped token"
