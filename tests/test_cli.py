@@ -82,6 +82,8 @@ def test_run_reads_a_prompt_file_and_prints_json(tmp_path, capsys):
             "argument --storage-top-k: 5 is only used with --storage topk",
         ),
         (["run", "--prompt-file", TESTS], f"argument --prompt-file: '{TESTS}' is a folder"),
+        (["run", "--prompt-file", "no/such/prompts.txt"], "argument --prompt-file: no file at 'no/such/prompts.txt'"),
+        (["run", "--prompt", "a", "--model", "no/such/model"], "argument --model: model: no model folder at"),
         (["run", "--prompt", "a", "--json-schema", TESTS], f"argument --json-schema: '{TESTS}' is a folder"),
         (
             ["run", "--prompt", "Hi", "--regex", "abc", "--bad-words", "a"],
