@@ -296,13 +296,20 @@ class RegexLogitsProcessor(GrammarLogitsProcessor):
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(f"pattern must be a non-empty regular expression string, got {pattern!r}")
         self.pattern = pattern
+        description = f"regex '{pattern}'"  # as typed: a repr would double its backslashes
         try:
-            super().__init__(llguidance.grammar_from("regex", pattern), tokenizer, eos_token_id=eos_token_id)
+            super().__init__(
+                llguidance.grammar_from("regex", pattern),
+                tokenizer,
+                eos_token_id=eos_token_id,
+                argument="pattern",
+                description=description,
+            )
         except ValueError as exc:
-            if not str(exc).startswith("grammar: the grammar cannot be compiled: "):
+            said = f"pattern: the {description} cannot be compiled: "
+            if not str(exc).startswith(said):
                 raise
-            reason = _regex_reason(str(exc).split(": ", 2)[2])
-            raise ValueError(f"pattern: the regex '{pattern}' cannot be compiled: {reason}") from None
+            raise ValueError(said + _regex_reason(str(exc)[len(said) :])) from None
 
     def __repr__(self) -> str:
         return f"RegexLogitsProcessor(pattern={self.pattern!r})"

@@ -132,7 +132,7 @@ class _Source:
         except (pa.ArrowException, OSError) as exc:
             raise RunFileError(path, arrow_reason(exc)) from exc
 
-    def load(self, vocabularies: dict[bytes, Vocabulary], columns: list[str] | None = None) -> Run:
+    def load(self, vocabularies: dict[tuple[bytes, int], Vocabulary], columns: list[str] | None = None) -> Run:
         """The run, with only ``columns`` (and the ids) read when given; vocabularies shared by their bytes."""
         if columns is not None:
             columns = list(ID_COLUMNS) + [c for c in columns if c not in ID_COLUMNS]
@@ -143,12 +143,13 @@ class _Source:
         raw = self.vocab_raw
         vocab = None
         if raw is not None:
-            if raw not in vocabularies:
+            key = (raw, self.metadata.vocab_size)  # one copy per vocabulary, checked against each width
+            if key not in vocabularies:
                 try:
-                    vocabularies[raw] = vocabulary_from(raw, self.metadata.vocab_size)  # type: ignore[assignment]
+                    vocabularies[key] = vocabulary_from(raw, self.metadata.vocab_size)  # type: ignore[assignment]
                 except ValueError as exc:
                     raise RunFileError(self.files[0], str(exc)) from exc
-            vocab = vocabularies[raw]
+            vocab = vocabularies[key]
         check_rows(self.where, batches, self.metadata)
         return Run(batches, self.metadata, vocab)
 
@@ -366,7 +367,7 @@ class Dataset:
         self._sources = sources
         self._tables: dict[str, pa.Table] = {}
         self._registered: set[str] = set()
-        self._vocabularies: dict[bytes, Vocabulary] = {}
+        self._vocabularies: dict[tuple[bytes, int], Vocabulary] = {}
         self.skipped: list[RunFileError] = list(skipped or [])
         self._alone = len(sources) == 1 and not self.skipped  # one run: its error is the query's
         self.memory = memory_size(memory)
