@@ -531,3 +531,19 @@ def test_a_row_group_whose_row_count_was_lowered_is_refused_not_read_short(tmp_p
         assert "short.parquet" in str(caught.value) and "row group 0 says it holds 2 rows" in str(caught.value)
     done = _subprocess("-m", "logitscope", "inspect", str(bad))
     assert done.returncode == 1 and "row group 0 says it holds 2 rows" in done.stderr and done.stderr.count("\n") == 1
+
+
+def test_a_row_a_query_finds_damaged_leaves_its_run_out_named_and_answers_the_rest(tmp_path):
+    """A damaged row found only when a view reads the values (not at the footers): that run is left out of
+    the answer and named with its row, the others answered."""
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    good = _full_run(folder, "float32")
+    change, _ = VALUE_DAMAGE["logit-above-its-log-sum-exp"]
+    source = _full_run(tmp_path, "float16")
+    rewrite(source, folder / "bad.parquet", table=change(pq.read_table(source)))
+    dataset = open_dataset(folder)
+    answer = dataset.sql("SELECT DISTINCT run_id FROM candidates").column("run_id").to_pylist()
+    assert answer == [Run.load(good).run_id]
+    [skipped] = dataset.skipped
+    assert "bad.parquet" in str(skipped) and AT_1 in str(skipped) and "log-sum-exp" in str(skipped)
