@@ -32,7 +32,7 @@ import pyarrow as pa
 
 import tracker
 from processors.vocab import Vocabulary
-from tracker.format.checks import check_topk, damaged_lse, stats_damage
+from tracker.format.checks import check_topk, damaged_lse, row_stats_damage, stats_damage
 from tracker.format.fs import is_url
 from tracker.format.layout import (
     ID_COLUMNS,
@@ -413,6 +413,13 @@ class RunReader:
             offset = row_offsets(table, stage, np.array([local]))
             logits = logits if offset is None else logits + offset[0]  # half precision: kept minus the row's max
             lse, allowed = _row_lse(logits)
+            said = [
+                table.column(f"{stage}_{n}")[local].as_py() if f"{stage}_{n}" in table.column_names else None
+                for n in ("lse", "nan")
+            ]
+            if reason := row_stats_damage(logits, lse, *said, 1e-3 if kind == b"float32" else 5e-2):
+                at = ", ".join(f"{n} {table.column(n)[local].as_py()}" for n in ("generation", "sequence", "step"))
+                raise BadRunError(self.path, f"the row of stage {stage!r} at {at} {reason}; the file is damaged")
             return StageRow(stage, True, logits=logits, lse=lse, allowed=allowed, recorded_stats=stats)
         ids_column = _single(table.column(f"{stage}_topk_ids"))
         if ids_column.is_null()[local].as_py():
@@ -435,7 +442,7 @@ class RunReader:
             raise BadRunError(
                 self.path,
                 f"the row of stage {stage!r} at block row {local} is damaged: token ids outside [0, {m.vocab_size}) "
-                "or a log-sum-exp below its largest stored logit",
+                "or a log-sum-exp its stored logits cannot give (below the largest, or +inf without a +inf)",
             )
         return StageRow(
             stage,

@@ -7,7 +7,8 @@ app imports this copy whatever the current folder.
 
 Streamlit's own first-run behaviour is switched off here rather than left to
 the user's configuration: no e-mail prompt (it blocks a terminal and makes a
-server without one exit), no usage statistics, no welcome text, and so none
+server without one exit), no usage statistics, no welcome text, no lines of
+its own in the terminal (only its warnings and errors), and so none
 of its advertising in the terminal or the "Help agents write better apps"
 pop-up in the page (``logger.hideWelcomeMessage`` gates both; so does
 headless mode). The server always runs headless; logitscope opens the
@@ -61,6 +62,7 @@ QUIET_OPTIONS = {
     "browser.gatherUsageStats": "false",
     "server.showEmailPrompt": "false",
     "logger.hideWelcomeMessage": "true",
+    "logger.level": "warning",  # its warnings and errors, not "Uvicorn server started on ..."
     "client.toolbarMode": "minimal",
 }
 #: Options for speed. Streamlit collects garbage (a full ``gc.collect()``) after every script run, a
@@ -227,7 +229,11 @@ def start(path: str | Path, port: int, *, allow_any_path: bool = False) -> Itera
     box stays inside ``path`` unless ``allow_any_path``.
     """
     command = streamlit_command(port, headless=True)
-    child = subprocess.Popen(command, env=streamlit_env(path, allow_any_path=allow_any_path), stdin=subprocess.DEVNULL)
+    env = streamlit_env(path, allow_any_path=allow_any_path)
+    # Streamlit's own terminal lines go to its stdout ("Stopping...", once for the terminal's Ctrl-C and once
+    # for this process's SIGTERM): logitscope says what the user needs; the server's warnings and errors
+    # (its log, on stderr) still show.
+    child = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
 
     def on_signal(_signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt

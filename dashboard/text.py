@@ -10,6 +10,10 @@ text (a byte that is no character yet as ``⟨F0⟩``, see
 :func:`~dashboard.views.token_label` (``␣`` for spaces), never a ``repr``
 of it. The raw bytes stay in the run's vocabulary.
 
+One token draws at most :data:`~tracker.reading.display.TOKEN_CHARS` characters
+(:func:`~tracker.reading.display.clip_text`): a vocabulary entry may be a
+megabyte long.
+
 Every text that comes from a run file (token text, prompts, titles,
 processor and sampling descriptions, run ids) is shown as text: in HTML
 escaped with :func:`html.escape`, in Markdown with :func:`md_text`, in plotly
@@ -28,6 +32,7 @@ import numpy as np
 import pandas as pd
 
 from dashboard.views import COLOR_METRICS, WindowView, format_probability, token_label
+from tracker.reading.display import clip_text
 
 __all__ = [
     "intensity",
@@ -163,7 +168,7 @@ def token_text_html(
         if current == i:
             style += " outline:2px solid #222;"
         title = f' title="{html.escape(hovers[i])}"' if hovers is not None else ""
-        text = html.escape(piece) if piece else "·"
+        text = html.escape(clip_text(piece)) if piece else "·"
         spans.append(f'<span class="tok" data-step="{i}" style="{style}"{title}>{text}</span>')
     return f'<div class="logitscope-text" style="{_STYLE}">{"".join(spans)}</div>'
 
@@ -190,7 +195,7 @@ def text_so_far_html(prompt: str, before: Sequence[str], current: str | None, *,
     Long texts keep their last ``tail_chars`` characters (a 10,000-step run
     would not fit a page).
     """
-    text = "".join(before)
+    text = "".join(clip_text(piece) for piece in before)
     cut = ""
     if len(prompt) + len(text) > tail_chars:
         keep = max(0, tail_chars - len(prompt))
@@ -199,13 +204,14 @@ def text_so_far_html(prompt: str, before: Sequence[str], current: str | None, *,
     if current is not None:
         parts.append(
             '<span style="background:#FFE9A8; outline:2px solid #F58518; border-radius:3px">'
-            f"{html.escape(current) if current else '·'}</span>"
+            f"{html.escape(clip_text(current)) if current else '·'}</span>"
         )
     return f'<div class="logitscope-text" style="{_STYLE}">{"".join(parts)}</div>'
 
 
 def divergent_text_html(prompt: str, pieces: Sequence[str], divergence: int | None) -> str:
     """A text whose tokens from ``divergence`` on are highlighted (where two runs part ways)."""
+    pieces = [clip_text(piece) for piece in pieces]
     agree = pieces if divergence is None else pieces[:divergence]
     rest = [] if divergence is None else pieces[divergence:]
     parts = [f'<span style="color:#888">{html.escape(prompt)}</span>', html.escape("".join(agree))]

@@ -9,8 +9,8 @@ survive it through :func:`keep`. The address's query string (``?run=``,
 The served folder is the one the server was started on (``streamlit run
 app.py -- PATH``, or ``$LOGITSCOPE_RUNS`` as ``logitscope dashboard PATH``
 sets it); a viewer may move the page to another folder only inside it
-(symlinks resolved), unless the server was started with
-``--allow-any-path``.
+(:func:`dashboard.paths.inside`: places compared, symlinks resolved, never
+text), unless the server was started with ``--allow-any-path``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from dashboard.paths import (
     ENV_ANY_PATH,
     ENV_PATH,
     default_runs_path,
+    inside,
 )
 from dashboard.reader import BadRunError
 from dashboard.text import md_text
@@ -90,35 +91,28 @@ def root_path() -> str:
 def choose_root(candidate: str) -> str | None:
     """Show the runs under ``candidate`` (relative paths are taken inside the served folder).
 
-    Returns None when done, else why not: a path outside the served folder
-    (after resolving symlinks) is refused unless :func:`any_path_allowed`.
+    Returns None when done, else why not: a place outside what is served
+    (:func:`dashboard.paths.inside`: parsed and normalised, symlinks resolved)
+    is refused unless :func:`any_path_allowed`.
     """
     text = candidate.strip()
     if not text:
         return "give a folder or a run file"
-    if is_url(text) or is_url(served_root()):  # a store: inside the served URL's prefix, or anywhere if allowed
-        if not (any_path_allowed() or text.rstrip("/").startswith(served_root().rstrip("/"))):
-            return (
-                f"'{text}' is outside what this dashboard serves ('{served_root()}'); start it with "
-                "`logitscope dashboard PATH --allow-any-path` to browse elsewhere"
-            )
-        st.session_state["root"] = text
+    served = served_root()
+    if any_path_allowed():
+        base = Path(served).expanduser()
+        base = base if base.is_dir() else base.parent
+        local = Path(text).expanduser()
+        st.session_state["root"] = text if is_url(text) or local.is_absolute() else str(base / local)
         return None
-    served = Path(served_root()).expanduser()
-    base = served if served.is_dir() else served.parent
-    path = Path(text).expanduser()
-    path = path if path.is_absolute() else base / path
-    if not any_path_allowed():
-        try:
-            inside = path.resolve().is_relative_to(base.resolve())
-        except (OSError, RuntimeError):
-            inside = False
-        if not inside:
-            return (
-                f"'{text}' is outside the folder this dashboard serves ('{served}'); start it with "
-                f"`logitscope dashboard PATH --allow-any-path` to browse elsewhere"
-            )
-    st.session_state["root"] = str(path)
+    where = inside(text, served)
+    if where is None:
+        what = "what this dashboard serves" if is_url(served) else "the folder this dashboard serves"
+        return (
+            f"'{text}' is outside {what} ('{served}'); start it with "
+            "`logitscope dashboard PATH --allow-any-path` to browse elsewhere"
+        )
+    st.session_state["root"] = where
     return None
 
 

@@ -8,7 +8,7 @@
     logitscope compare r.parquet b.parquet  # KL, top-1 agreement, perplexities
 
 Every mistake in the arguments ends in one line naming the argument and what
-is allowed, after the usage of the subcommand concerned (exit status 2).
+is allowed (exit status 2); ``--help`` shows a subcommand's usage.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -27,17 +26,14 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from logitscope import __version__, cli_rescore, inspect_run, query_cli, table_cli
+from logitscope import __version__, cli_rescore, cli_serve, inspect_run, query_cli, table_cli
+from logitscope.cli_args import OneLineParser, model_arg, require_torch
 from logitscope.cli_args import device as _device
 from logitscope.cli_args import fail as _fail
 from logitscope.cli_args import no_loading_bar as _no_loading_bar
 from logitscope.cli_args import positive_int as _positive_int
-from logitscope.cli_args import refuse as _refuse
-from logitscope.cli_args import serving_options as _serving_options
-from logitscope.cli_args import serving_port as _serving_port
 
 STORAGE_MODES = ("float32", "float16", "bfloat16", "topk")
-DEMO_MODEL_NAME = "logitscope demo model"
 CONSTRAINTS = ("--regex", "--json-schema", "--grammar", "--bad-words")
 
 
@@ -111,9 +107,7 @@ def _constraints(args: argparse.Namespace, parser: argparse.ArgumentParser, toke
             argument = "--bad-words"
             made.append(BadWordsLogitsProcessor(args.bad_words, tokenizer))
     except (ValueError, TypeError) as exc:
-        if argument == "--bad-words":
-            _fail(parser, argument, exc)
-        _refuse(parser, argument, exc)  # the engine refuses the pattern, schema or grammar: one line, no usage
+        _fail(parser, argument, exc)
     return made
 
 
@@ -121,11 +115,7 @@ def _generator(args: argparse.Namespace, parser: argparse.ArgumentParser):
     from sampling import Generator
     from sampling.generator import load_model, load_tokenizer
 
-    path = args.model
-    if path is None:
-        from logitscope.demo_model import DEMO_MODEL_PATH
-
-        path = str(DEMO_MODEL_PATH)
+    path, _ = model_arg(args.model)
     try:
         # the constraints first, with the tokenizer alone: a bad pattern is said before the model loads
         constraints = _constraints(args, parser, load_tokenizer(path))
@@ -184,13 +174,13 @@ def _check_out_file(parser: argparse.ArgumentParser, out: str, force: bool) -> P
         except (ValueError, OSError) as exc:
             _fail(parser, "--out", str(exc))
         if taken and not force:
-            _refuse(parser, "--out", f"'{out}' exists; give --force to replace it, or another file name")
+            _fail(parser, "--out", f"'{out}' exists; give --force to replace it, or another file name")
         return out
     path = Path(out)
     if path.is_dir():
         _fail(parser, "--out", f"'{path}' is a folder; give a file name such as run.parquet")
     if path.exists() and not force:
-        _refuse(parser, "--out", f"'{path}' exists; give --force to replace it, or another file name")
+        _fail(parser, "--out", f"'{path}' exists; give --force to replace it, or another file name")
     if not path.parent.is_dir():
         _fail(parser, "--out", f"no folder '{path.parent}' to write '{path.name}' into")
     try:  # the folder may exist and still refuse files (permissions, a read-only or virtual file system)
@@ -229,6 +219,7 @@ def _save_run(tracker, out: Path | str, args: argparse.Namespace, params, interr
 
 
 def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    require_torch(parser)
     prompts = _prompts(args, parser)
     params = _params(args, parser)
     _check_dependent_options(args, parser)
@@ -238,7 +229,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if out is not None:
         from tracker import add_tracking
 
-        model_name = DEMO_MODEL_NAME if args.model is None else Path(args.model).resolve().name
+        model_name = model_arg(args.model)[1]
         add_tracking(gen, storage=args.storage or "float32", top_k=args.storage_top_k or 20, model=model_name)
     from sampling import DeadRowError
 
@@ -264,104 +255,11 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-# ---------------------------------------------------------------- demo and dashboard
-
-
-def _demo_text(text: str) -> str:
-    """A sample's text for the terminal: the end-of-text marker that starts some prompts is not shown."""
-    from logitscope.samples import EOT
-
-    return text.replace(EOT, "")
-
-
-def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    import tempfile
-
-    if args.out is not None:
-        out = Path(args.out)
-        if out.exists() and not out.is_dir():
-            _fail(parser, "--out", f"'{out}' is a file; give a folder (new, or one to add the runs to)")
-        temporary = False
-    elif args.no_serve:
-        _fail(
-            parser,
-            "--no-serve",
-            "give --out FOLDER to keep the runs (without it they go to a temporary folder "
-            "that is removed when the dashboard stops)",
-        )
-    else:
-        out = Path(tempfile.mkdtemp(prefix="logitscope-demo-"))
-        temporary = True
-    try:
-        return _demo(args, out, parser)
-    finally:
-        if temporary:
-            shutil.rmtree(out, ignore_errors=True)
-
-
-def _demo(args: argparse.Namespace, out: Path, parser: argparse.ArgumentParser) -> int:
-    if args.no_serve:
-        _record_demo(args, out)
-        print(f"Open them with: logitscope dashboard {out}")
-        return 0
-    from dashboard.serve import announce, start
-
-    port = _serving_port(args, parser)
-    try:
-        # the server starts while the runs are recorded (they are written whole, one by one);
-        # the page opens once they are all there
-        with start(out, port) as server:
-            _record_demo(args, out)
-            announce(out, port)
-            if not args.no_browser:
-                server.open_browser()
-            return server.wait()
-    except KeyboardInterrupt:
-        return 0
-
-
-def _record_demo(args: argparse.Namespace, out: Path) -> None:
-    from logitscope.demo_model import load_demo_model
-    from logitscope.samples import record
-
-    model, tokenizer = load_demo_model(device=args.device)
-    print("logitscope demo: the shipped demo model (a small GPT-2) generates a few runs, each recorded")
-    print(f"by the tracker (what the model wanted, what the constraint did, what was sampled) into {out}\n")
-    for done in record(out, model, tokenizer):
-        print(f"--- {done.recipe.title}: {done.recipe.description}")
-        for generation in done.texts:
-            for text in generation:
-                print(f"    {_demo_text(text)!r}")
-    print(flush=True)
-
-
-def cmd_dashboard(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from dashboard.paths import default_runs_path
-    from dashboard.serve import serve
-    from tracker.format.fs import is_url
-
-    if args.path is not None and is_url(args.path):  # a store: s3://bucket/runs (its runs are listed on the page)
-        return serve(args.path, args.port, open_browser=not args.no_browser, allow_any_path=args.allow_any_path)
-    path = Path(args.path) if args.path is not None else default_runs_path()
-    if not path.exists():
-        if args.path is not None:
-            _fail(parser, "PATH", f"no run or folder at '{path}'; give a .parquet run or a folder of runs")
-        _fail(
-            parser,
-            None,
-            f"the shipped sample runs are missing from '{path}'; give a PATH "
-            "(record runs with `logitscope demo --out FOLDER`)",
-        )
-    return serve(
-        path, _serving_port(args, parser), open_browser=not args.no_browser, allow_any_path=args.allow_any_path
-    )
-
-
 # ---------------------------------------------------------------- the parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="logitscope",
         description="See what happens to a language model's next-token distribution at every step.",
     )
@@ -374,13 +272,21 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate from a model and print the generations; with --out, record every "
         "step into a run that `logitscope dashboard` opens.",
     )
-    run.add_argument("--model", default=None, help="a local model folder (default: the shipped demo model)")
+    run.add_argument(
+        "--model", default=None, help="a local model folder, or demo: the shipped demo model (default: demo)"
+    )
     run.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     run.add_argument("--prompt-file", default=None, metavar="FILE", help="a text file with one prompt per line")
     run.add_argument(
         "--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate at most (default: 64)"
     )
-    run.add_argument("--temperature", type=float, default=None, help="0 means greedy (default: greedy)")
+    run.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="divide the logits by it before sampling; 0 means greedy (default: greedy when no sampling option "
+        "is given, else 1: --top-k, --top-p or --min-p alone sample at temperature 1)",
+    )
     run.add_argument(
         "--top-k", type=int, default=None, metavar="K", help="keep the K most likely tokens (default: off)"
     )
@@ -438,36 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--title", default=None, help="the run's title in the dashboard (with --out)")
 
-    demo = sub.add_parser("demo", help="record sample runs with the demo model and open the dashboard on them")
-    demo.add_argument("--device", type=_device, default="cpu", help="cpu (default), cuda, cuda:N or mps")
-    demo.add_argument(
-        "--out",
-        default=None,
-        metavar="FOLDER",
-        help="folder for the runs (default: a temporary folder, removed when the dashboard stops)",
-    )
-    demo.add_argument(
-        "--no-serve", action="store_true", help="record the runs into --out and exit, without starting the dashboard"
-    )
-    _serving_options(demo)
-
-    dashboard = sub.add_parser("dashboard", help="open the dashboard on a run or a folder of runs")
-    dashboard.add_argument(
-        "path",
-        nargs="?",
-        default=None,
-        metavar="PATH",
-        help="a run file or a folder of runs (default: the shipped sample runs)",
-    )
-    dashboard.add_argument(
-        "--allow-any-path",
-        action="store_true",
-        help="let the page's path box open any folder the server can read (default: only inside PATH)",
-    )
-    _serving_options(dashboard)
-
-    for name, command in (("run", run), ("demo", demo), ("dashboard", dashboard)):
-        command.set_defaults(handler=globals()[f"cmd_{name}"], command_parser=command)
+    run.set_defaults(handler=cmd_run, command_parser=run)
+    cli_serve.add_parsers(sub)
     inspect_run.add_parser(sub)
     cli_rescore.add_parsers(sub)
     query_cli.add_parser(sub)

@@ -1,30 +1,88 @@
-"""What the subcommands of the ``logitscope`` command line share: argument types and the one-line failure.
+"""What the subcommands of the ``logitscope`` command line share: argument types, the one-line failure, and
+text made safe for a terminal.
 
 Every mistake in the arguments ends in one line naming the argument and what
-is allowed, after the usage of the subcommand concerned (exit status 2).
+is allowed (exit status 2); ``logitscope CMD --help`` shows the usage.
+Whatever a run file holds is printed through :func:`terminal_text`.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, NoReturn
 
-__all__ = ["fail", "refuse", "positive_int", "port", "device", "no_loading_bar", "serving_options", "serving_port"]
+__all__ = [
+    "OneLineParser",
+    "fail",
+    "terminal_text",
+    "json_text",
+    "DEMO_MODEL_NAME",
+    "model_arg",
+    "positive_int",
+    "port",
+    "device",
+    "require_torch",
+    "no_loading_bar",
+    "serving_options",
+    "serving_port",
+]
+
+#: Characters a terminal acts on instead of showing: C0 and C1 controls and DEL (ESC and CSI start the
+#: sequences that clear the screen, retitle the window or plant links), the bidirectional controls that
+#: reorder what follows them, and the Unicode line and paragraph separators.
+_ABOVE_C0 = "\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+_UNSAFE = re.compile(f"[\x00-\x1f{_ABOVE_C0}]")
+#: Those JSON leaves raw: an encoder writes C0 controls inside strings as escapes (a raw newline stands
+#: between values).
+_UNSAFE_IN_JSON = re.compile(f"[{_ABOVE_C0}]")
+
+
+def terminal_text(text: Any) -> str:
+    """``str(text)`` with every character a terminal would act on written as Python escapes it (``\\x1b``,
+    ``\\n``, ``\\u202e``): text from a run file (titles, token text, names, error messages) is shown, never
+    obeyed, and stays on its line."""
+    return _UNSAFE.sub(lambda m: repr(m.group())[1:-1], str(text))
+
+
+def json_text(text: str) -> str:
+    """JSON text with the characters of :func:`terminal_text` that JSON leaves raw written as ``\\uXXXX``: the
+    same JSON value, safe on a terminal (they can only stand inside its strings)."""
+    return _UNSAFE_IN_JSON.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, ``logitscope CMD: error: ...`` (status 2), without the
+    usage (``--help`` shows it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {terminal_text(' '.join(message.split()))}\n")
 
 
 def fail(parser: argparse.ArgumentParser, argument: str | None, message: Any) -> NoReturn:
-    """Exit with the subcommand's usage and one line: ``argument X: message`` (status 2)."""
-    text = " ".join(str(message).split())  # library messages may span lines (grammar carets): keep one line
-    parser.error(f"argument {argument}: {text}" if argument else text)
-
-
-def refuse(parser: argparse.ArgumentParser, argument: str | None, message: Any) -> NoReturn:
-    """Exit with one line, ``logitscope CMD: error: argument X: message`` (status 2), without the usage:
-    for a well-formed argument the world refuses (a taken port, a pattern the grammar engine rejects)."""
+    """Exit with one line: ``logitscope CMD: error: argument X: message`` (status 2); library messages that
+    span lines (grammar carets) are joined, control characters escaped."""
     text = " ".join(str(message).split())
-    parser.exit(2, f"{parser.prog}: error: {f'argument {argument}: {text}' if argument else text}\n")
+    text = f"argument {argument}: {text}" if argument else text
+    parser.exit(2, f"{parser.prog}: error: {terminal_text(text)}\n")
+
+
+#: The name ``--model demo`` gives the shipped demo model, in the runs it records or rescores.
+DEMO_MODEL_NAME = "logitscope demo model"
+
+
+def model_arg(text: str | None) -> tuple[str, str]:
+    """``(folder, name)`` of a ``--model`` value: ``demo`` (or none) is the shipped demo model, named
+    :data:`DEMO_MODEL_NAME` (so is its folder given as a path); anything else a local folder, named by its
+    folder's name (``./demo`` is a folder). Imports torch (the demo model's package does)."""
+    from logitscope.demo_model import DEMO_MODEL_PATH
+
+    if text is None or text == "demo" or Path(text).resolve() == DEMO_MODEL_PATH:
+        return str(DEMO_MODEL_PATH), DEMO_MODEL_NAME
+    return text, Path(text).resolve().name
 
 
 def positive_int(text: str) -> int:
@@ -47,15 +105,27 @@ def port(text: str) -> int:
     return value
 
 
+def require_torch(parser: argparse.ArgumentParser) -> None:
+    """Exit in one line when torch is not installed (a viewer-only install): the command records."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        fail(
+            parser,
+            None,
+            "recording needs torch, which is not installed (a viewer-only install opens runs with "
+            "`logitscope dashboard`, `logitscope inspect` and `logitscope query`); install torch, then logitscope "
+            "with its dependencies",
+        )
+
+
 def device(text: str) -> str:
-    """``cpu``, ``cuda``, ``cuda:N`` or ``mps``, and only one this torch build can use."""
+    """``cpu``, ``cuda``, ``cuda:N`` or ``mps``, and only one this torch build can use (unchecked without torch:
+    :func:`require_torch` says what is missing, not the default of an option never given)."""
     try:
         import torch
     except ImportError:
-        raise argparse.ArgumentTypeError(
-            "recording needs torch, which is not installed (a viewer-only install opens runs with "
-            "`logitscope dashboard` and `logitscope inspect`); install torch, then logitscope with its dependencies"
-        ) from None
+        return text
 
     allowed = "cpu, cuda, cuda:N or mps"
     try:
@@ -114,6 +184,6 @@ def serving_port(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     try:
         chosen = choose_port(args.port)
     except PortTakenError as exc:
-        refuse(parser, "--port" if args.port is not None else None, exc)
+        fail(parser, "--port" if args.port is not None else None, exc)
     say_port(args.port, chosen)
     return chosen

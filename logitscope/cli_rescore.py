@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from logitscope.cli_args import device as _device
-from logitscope.cli_args import fail, no_loading_bar
+from logitscope.cli_args import fail, model_arg, no_loading_bar, require_torch
 from logitscope.cli_args import positive_int as _positive_int
 
 __all__ = ["add_parsers"]
@@ -44,16 +44,22 @@ def _out_file(parser: argparse.ArgumentParser, out: str, force: bool) -> Path:
 
 
 def cmd_rescore(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    require_torch(parser)
     import torch
 
     from sampling.generator import load_model
 
+    if args.model is None:
+        fail(
+            parser, "--model", "give the model to rescore with: a local model folder, or demo (the shipped demo model)"
+        )
     out = _out_file(parser, args.out, args.force)
     run = _load_run(parser, "RUN", args.run)
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
+    folder, name = model_arg(args.model)
     try:
         with no_loading_bar():
-            model, tokenizer = load_model(args.model, device=args.device, dtype=dtype)
+            model, tokenizer = load_model(folder, device=args.device, dtype=dtype)
     except (FileNotFoundError, OSError, ValueError) as exc:
         fail(parser, "--model", exc)
     try:
@@ -62,7 +68,7 @@ def cmd_rescore(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             tokenizer,
             batch_size=args.batch_size,
             method=args.method,
-            name=Path(args.model).resolve().name,
+            name=name,
         )
     except ValueError as exc:
         fail(parser, "--model", exc)
@@ -97,7 +103,12 @@ def add_parsers(sub: Any) -> None:
         "logits). The model is loaded from a local folder only.",
     )
     rescore.add_argument("run", metavar="RUN", help="a run file (.parquet) or run folder")
-    rescore.add_argument("--model", required=True, metavar="PATH", help="a local model folder (with config.json)")
+    rescore.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH",
+        help="a local model folder (with config.json), or demo: the shipped demo model (a folder named demo: ./demo)",
+    )
     rescore.add_argument(
         "--dtype", choices=DTYPES, default=None, help="load the model in this dtype (default: its own)"
     )

@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from logitscope.cli_args import fail, positive_int
+from logitscope.cli_args import fail, json_text, positive_int, terminal_text
 
 __all__ = ["add_parser", "cmd_inspect", "parse_steps"]
 
@@ -178,6 +178,15 @@ def _sequence_record(reader: Any, generation: int, sequence: int, steps: slice |
 # ---------------------------------------------------------------- printing
 
 
+def _say(out: TextIO, line: str = "") -> None:
+    """Print one line: whatever a run file put in it is shown escaped, never obeyed by the terminal."""
+    print(terminal_text(line), file=out)
+
+
+def _say_json(out: TextIO, value: Any) -> None:
+    out.write(json_text(json.dumps(value, indent=1, ensure_ascii=False)) + "\n")
+
+
 def _size(n: int) -> str:
     size = float(n)
     for unit in ("B", "KiB", "MiB"):
@@ -260,38 +269,38 @@ def _removed(mass: float | None) -> str:
 
 
 def _print_run(out: TextIO, summary: Any, sequences: list[dict[str, Any]], names: dict[str, str]) -> None:
-    print(f"{summary.path}  (run {summary.run_id}, {_size(summary.size_bytes)})", file=out)
+    _say(out, f"{summary.path}  (run {summary.run_id}, {_size(summary.size_bytes)})")
     if any(seq["sampling"] for seq in sequences):  # each sequence says its own: the run's is the latest generation's
         summary = replace(summary, sampling="")
     for line in _summary_lines(summary):
-        print(line, file=out)
+        _say(out, line)
     for seq in sequences:
-        print(file=out)
+        _say(out)
         labels = f" ({seq['labels']})" if seq.get("labels") else ""
-        print(f"generation {seq['generation']}, sequence {seq['sequence']}{labels}: {seq['steps']} step(s)", file=out)
+        _say(out, f"generation {seq['generation']}, sequence {seq['sequence']}{labels}: {seq['steps']} step(s)")
         if seq["sampling"]:
-            print(f"  sampling: {seq['sampling']}", file=out)
-        print(f"  prompt: {seq['prompt']!r}", file=out)
-        print(f"  text:   {seq['text']!r}", file=out)
+            _say(out, f"  sampling: {seq['sampling']}")
+        _say(out, f"  prompt: {seq['prompt']!r}")
+        _say(out, f"  text:   {seq['text']!r}")
         for step in seq.get("step_details", []):
             stages = list(step["p_chosen"])
             for line in _step_lines(step, stages, names):
-                print(line, file=out)
+                _say(out, line)
         if "step_details" in seq and not seq["step_details"]:
-            print("  (no recorded step in the range asked for)", file=out)
+            _say(out, "  (no recorded step in the range asked for)")
 
 
 def _print_listing(out: TextIO, summaries: list[Any]) -> None:
     for s in summaries:
         if s.error:
-            print(f"{s.label}: not a readable run: {s.error}", file=out)
+            _say(out, f"{s.label}: not a readable run: {s.error}")
             continue
         prompt = s.prompt if len(s.prompt) <= 40 else s.prompt[:39] + "…"
         line = (
             f"{s.label}: {s.steps} step(s), {s.generations} generation(s) x {s.sequences} sequence(s), "
             f"{s.storage}, {s.model or 'unknown model'}, prompt {prompt!r}"
         )
-        print(line + (f" ({s.note})" if s.note else ""), file=out)
+        _say(out, line + (f" ({s.note})" if s.note else ""))
 
 
 # ---------------------------------------------------------------- the command
@@ -323,8 +332,7 @@ def cmd_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser, out: 
             )
         summaries = [summarize(p, path) for p in found]
         if args.json:
-            json.dump([vars(s) for s in summaries], out, indent=1, ensure_ascii=False)
-            print(file=out)
+            _say_json(out, [vars(s) for s in summaries])
         else:
             _print_listing(out, summaries)
         return 1 if any(s.error for s in summaries) else 0
@@ -333,14 +341,13 @@ def cmd_inspect(args: argparse.Namespace, parser: argparse.ArgumentParser, out: 
         summary = summary_of(reader, str(path).rstrip("/").rsplit("/", 1)[-1])
         sequences = [_sequence_record(reader, g, s, args.steps, args.top) for g, s in _selected(reader, args, parser)]
     except BadRunError as exc:
-        print(f"logitscope inspect: '{exc.path}' is not a readable run: {exc.reason}", file=sys.stderr)
+        _say(sys.stderr, f"logitscope inspect: '{exc.path}' is not a readable run: {exc.reason}")
         return 1
     except (ValueError, TypeError, KeyError, IndexError, RecursionError, MemoryError, ArrowException) as exc:
-        print(f"logitscope inspect: '{path}' is not a readable run: {unexpected_reason(exc)}", file=sys.stderr)
+        _say(sys.stderr, f"logitscope inspect: '{path}' is not a readable run: {unexpected_reason(exc)}")
         return 1
     if args.json:
-        json.dump({"run": vars(summary), "sequences": sequences}, out, indent=1, ensure_ascii=False)
-        print(file=out)
+        _say_json(out, {"run": vars(summary), "sequences": sequences})
         return 0
     back = {v: k for k, v in reader.metadata.stage_aliases.items()}
     names = {s: back.get(s, s) for s in reader.stages}

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
@@ -295,16 +296,38 @@ class RegexLogitsProcessor(GrammarLogitsProcessor):
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(f"pattern must be a non-empty regular expression string, got {pattern!r}")
         self.pattern = pattern
-        super().__init__(
-            llguidance.grammar_from("regex", pattern),
-            tokenizer,
-            eos_token_id=eos_token_id,
-            argument="pattern",
-            description=f"regex {pattern!r}",
-        )
+        description = f"regex '{pattern}'"  # as typed: a repr would double its backslashes
+        try:
+            super().__init__(
+                llguidance.grammar_from("regex", pattern),
+                tokenizer,
+                eos_token_id=eos_token_id,
+                argument="pattern",
+                description=description,
+            )
+        except ValueError as exc:
+            said = f"pattern: the {description} cannot be compiled: "
+            if not str(exc).startswith(said):
+                raise
+            raise ValueError(said + _regex_reason(str(exc)[len(said) :])) from None
 
     def __repr__(self) -> str:
         return f"RegexLogitsProcessor(pattern={self.pattern!r})"
+
+
+#: The regex engine's error inside llguidance's: the pattern, a line of carets under the fault, the reason.
+_REGEX_ERROR = re.compile(r"regex parse error:\n( *)(.*)\n( *)\^+\nerror: ([^\n]*)")
+
+
+def _regex_reason(engine: str) -> str:
+    """The regex engine's reason and where (``unclosed group (at character 1)``) out of llguidance's error,
+    which repeats the pattern escaped twice and draws carets under it; the engine's text when it says
+    something else."""
+    found = _REGEX_ERROR.search(engine)
+    if found is None:
+        return " ".join(engine.split())
+    indent, _, pad, reason = found.groups()
+    return f"{reason} (at character {len(pad) - len(indent) + 1})"
 
 
 def _schema_text(schema: Any) -> str:

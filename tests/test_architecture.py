@@ -173,3 +173,32 @@ def test_tracker_groups_import_one_way():
         and (name, target) not in AGAINST_THE_DIRECTION
     )
     assert wrong == []
+
+
+HANGS = """
+import time
+
+
+def test_that_hangs():
+    time.sleep(3600)
+"""
+
+
+def test_every_test_has_a_time_limit_and_a_hang_fails_naming_the_test(tmp_path, request):
+    """The suite's configuration gives each test a time limit (pytest-timeout): a hang ends as a failure that
+    names the test, and the run goes on, instead of stalling the suite."""
+    import subprocess
+    import sys
+
+    assert float(request.config.getini("timeout") or 0) > 0, "pyproject.toml sets no per-test timeout"
+    (tmp_path / "test_hang.py").write_text(HANGS)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(ROOT / "pyproject.toml")]
+        + ["--rootdir", str(tmp_path), "-o", "timeout=2", str(tmp_path / "test_hang.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    out = done.stdout[-2000:]
+    assert "Timeout" in out and "FAILED" in out and "test_that_hangs" in out, out

@@ -82,6 +82,8 @@ def test_run_reads_a_prompt_file_and_prints_json(tmp_path, capsys):
             "argument --storage-top-k: 5 is only used with --storage topk",
         ),
         (["run", "--prompt-file", TESTS], f"argument --prompt-file: '{TESTS}' is a folder"),
+        (["run", "--prompt-file", "no/such/prompts.txt"], "argument --prompt-file: no file at 'no/such/prompts.txt'"),
+        (["run", "--prompt", "a", "--model", "no/such/model"], "argument --model: model: no model folder at"),
         (["run", "--prompt", "a", "--json-schema", TESTS], f"argument --json-schema: '{TESTS}' is a folder"),
         (
             ["run", "--prompt", "Hi", "--regex", "abc", "--bad-words", "a"],
@@ -89,14 +91,13 @@ def test_run_reads_a_prompt_file_and_prints_json(tmp_path, capsys):
         ),
     ],
 )
-def test_bad_arguments_exit_with_one_line_after_the_subcommand_usage(args, message, capsys):
+def test_bad_arguments_exit_with_one_line(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(args)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert message in err
-    assert err.startswith("usage: logitscope run") and "Traceback" not in err
-    assert err.strip().splitlines()[-1].startswith("logitscope run: error: argument ")
+    assert message in err and "Traceback" not in err
+    assert err.startswith("logitscope run: error: argument ") and err.count("\n") == 1, err
 
 
 def test_prompt_errors_name_the_prompt_file_for_its_prompts(tmp_path, capsys):
@@ -156,7 +157,16 @@ def test_run_out_refuses_to_replace_a_file_without_force(tmp_path, capsys, monke
 @pytest.mark.parametrize(
     "flag, text, message",
     [
-        ("--regex", "(", "argument --regex: pattern: the regex '(' cannot be compiled: "),
+        (
+            "--regex",
+            "(",
+            "argument --regex: pattern: the regex '(' cannot be compiled: unclosed group (at character 1)",
+        ),
+        (  # the pattern once, as typed; the engine's reason without its drawing
+            "--regex",
+            "\\d{3}-(\\d",
+            "argument --regex: pattern: the regex '\\d{3}-(\\d' cannot be compiled: unclosed group (at character 7)\n",
+        ),
         ("--json-schema", '{"type": "object", "properties": {"a": {"type": "nope"}}}', "argument --json-schema: "),
         ("--grammar", "start: foo", "argument --grammar: grammar: the lark grammar cannot be compiled: "),
     ],
@@ -319,7 +329,7 @@ def test_run_help_says_every_option_s_default(capsys):
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines where it likes
     for option, default in [
         ("--max-new-tokens N", "(default: 64)"),
-        ("--temperature", "(default: greedy)"),
+        ("--temperature TEMPERATURE", "(default: greedy when no sampling option is given, else 1"),
         ("--top-k K", "(default: off)"),
         ("--top-p P", "(default: off)"),
         ("--min-p P", "(default: off)"),
@@ -379,3 +389,14 @@ def test_ctrl_c_during_run_out_keeps_the_steps_recorded_so_far(tmp_path, capsys,
     second = cut.get_logits(generation=1)["unstructured"]
     assert len(second) == 2  # the two steps taken before Ctrl-C
     np.testing.assert_array_equal(second, full.get_logits(generation=1)["unstructured"][:2])
+
+
+def test_top_k_and_top_p_alone_sample_at_temperature_1_as_the_help_says(tmp_path, capsys):
+    out = tmp_path / "r.parquet"
+    argv = ["run", "--prompt", "Alice is", "--max-new-tokens", "3", "--top-k", "50", "--top-p", "0.9", "--seed", "1"]
+    assert main([*argv, "--out", str(out)]) == 0
+    sampling = Run.load(out).metadata.sampling
+    assert sampling["temperature"] is None and sampling["top_k"] == 50 and sampling["greedy"] is False
+    from sampling import SamplingParams
+
+    assert SamplingParams(top_k=50, top_p=0.9).effective[0] == 1.0  # what "else 1" means

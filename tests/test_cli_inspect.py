@@ -194,3 +194,45 @@ def test_output_piped_into_a_reader_that_stops_early_ends_without_a_traceback(tm
     assert proc.wait(timeout=60) == 141, err
     assert first.startswith(str(path).encode())
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+#: Text a crafted run may hold: OSC 0 retitles the window, OSC 8 plants a link, CSI 2J clears the screen (also
+#: as the one-byte C1 CSI), a right-to-left override reorders what follows, a newline forges a line.
+HOSTILE = [
+    "\x1b]0;owned\x07",
+    "\x1b]8;;http://example.invalid/\x1b\\link\x1b]8;;\x1b\\",
+    "\x1b[2J",
+    "\x9b2J",
+    "\u202eab",
+]
+#: What a terminal acts on (the characters shown escaped); a newline only ends a line printed.
+OBEYED = set(map(chr, [*range(0x20), *range(0x7F, 0xA0), 0x202E])) - {"\n"}
+
+
+def hostile_run(folder):
+    """A run whose title, tokens and chosen tokens hold terminal control sequences: (path, the texts)."""
+    rng = np.random.default_rng()
+    tokens = [*HOSTILE, *(f"w{i}" for i in range(len(HOSTILE), V))]
+    natural = rng.normal(size=(3, V)).astype(np.float32)
+    natural[:, : len(HOSTILE)] += 10  # the hostile tokens lead every step
+    title = "title\x1b]0;owned\x07\nforged line"
+    path = hand_made_run(natural, [0, 2, 3], tokens, title=title).to_parquet(folder / "hostile.parquet")
+    return path, [title, *HOSTILE]
+
+
+def test_text_from_a_run_file_is_shown_escaped_never_obeyed_by_the_terminal(tmp_path, capsys):
+    path, texts = hostile_run(tmp_path)
+    (tmp_path / "bad\x1b[2J.parquet").write_bytes(b"not a run")  # a file name that is not a run: named, escaped
+    for argv in ([str(path), "--steps", "all"], [str(tmp_path)], [str(path), "--json"], [str(tmp_path), "--json"]):
+        main(["inspect", *argv])
+        captured = capsys.readouterr()
+        shown = captured.out + captured.err
+        assert not OBEYED & set(shown), (argv, sorted(OBEYED & set(shown)))
+        if "--json" in argv:
+            assert json.loads(captured.out)  # still JSON: the same text once parsed (below)
+        else:
+            assert "\\x1b]0;owned\\x07" in shown and "\\x1b[2J" in shown
+    assert main(["inspect", str(path)]) == 0
+    assert "title\\x1b]0;owned\\x07\\nforged line" in capsys.readouterr().out  # on its line
+    doc = _json(capsys, str(path), "--steps", "0")
+    assert doc["run"]["title"] == texts[0] and doc["sequences"][0]["step_details"][0]["chosen_token"] == HOSTILE[0]

@@ -368,11 +368,13 @@ def _plotted(browser) -> dict:
 
 
 def _watch(browser) -> None:
-    """Mark the live chart's plot and record the title of every figure it draws from now on (``__drawn``)."""
+    """Mark the live chart's plot and record the title of every figure it draws from now on (``__drawn``),
+    after the title it shows now (``__drawn[0]``)."""
     browser.switch_to.frame(browser.find_element(By.CSS_SELECTOR, LIVE_FRAME))
     try:
         browser.execute_script(
-            "const gd = document.querySelector('.js-plotly-plot'); gd.__marked = true; window.__drawn = [];"
+            "const gd = document.querySelector('.js-plotly-plot'); gd.__marked = true;"
+            "window.__drawn = [gd._fullLayout.title.text];"
             "gd.on('plotly_afterplot', () => window.__drawn.push(gd._fullLayout.title.text));"
         )
     finally:
@@ -380,14 +382,16 @@ def _watch(browser) -> None:
 
 
 def _drawn_steps(browser) -> list[int]:
-    """The steps the live chart drew since :func:`_watch`, each once, in order."""
+    """The steps the live chart drew since :func:`_watch`, each once, in order, without the step it showed when
+    watched (drawn again when Streamlit sends the same render message again, or the frame is resized)."""
     browser.switch_to.frame(browser.find_element(By.CSS_SELECTOR, LIVE_FRAME))
     try:
         titles = browser.execute_script("return window.__drawn || [];")
     finally:
         browser.switch_to.default_content()
     steps = [int(t.removeprefix("<b>").removeprefix("Step ").split(":")[0]) for t in titles]
-    return [s for i, s in enumerate(steps) if i == 0 or steps[i - 1] != s]
+    steps = [s for i, s in enumerate(steps) if i == 0 or steps[i - 1] != s]
+    return steps[1:]
 
 
 def _expected(path: Path, step: int, value: str = "prob", log: bool = False) -> dict:
@@ -443,6 +447,9 @@ def test_the_live_chart_shows_each_steps_values_after_next_and_through_play(serv
     shown = _plotted(browser)
     assert shown["marked"], "Next drew a new plot instead of updating the one in the page"
     _assert_shows(shown, _expected(path, 1))
+    drawn = _drawn_steps(browser)
+    assert drawn == [1], f"Next from step 0 drew steps {drawn} (expected: 1, once)"
+    _watch(browser)
     _button(browser, "Play")  # from step 1: steps 2 and 3, then it pauses at the last step
     _wait_for(
         browser,
@@ -453,7 +460,8 @@ def test_the_live_chart_shows_each_steps_values_after_next_and_through_play(serv
     shown = _plotted(browser)
     assert shown["marked"], "Play drew a new plot instead of updating the one in the page"
     _assert_shows(shown, _expected(path, 3))
-    assert _drawn_steps(browser) == [1, 2, 3], "a step of Play was not drawn"
+    drawn = _drawn_steps(browser)
+    assert drawn == [2, 3], f"Play from step 1 drew steps {drawn} (expected: 2 then 3, each once, none skipped)"
     assert not _errors(browser)
 
 
@@ -539,3 +547,29 @@ def test_the_live_chart_fills_the_column_and_follows_the_window(server, browser)
         _wait_for(browser, lambda d: fills(d) and widths(d)[2] < wide[2] - 200)
     finally:
         browser.set_window_size(1400, 1300)
+
+
+def test_a_megabyte_token_neither_stalls_step_replay_nor_is_drawn_whole(browser, tmp_path):
+    """A vocabulary entry a megabyte long, chosen and leading every step: Step replay draws, plays on and shows
+    the token clipped to a hundred characters (drawn whole, it stalled the page past the script timeout)."""
+    from tracker.reading.display import TOKEN_CHARS
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    chosen = np.array([[1, 2, 1, 5]])
+    natural = np.full((1, 4, 6), -3.0, dtype=np.float32)
+    np.put_along_axis(natural, chosen[..., None], 1.0, axis=-1)
+    tokens = ["a", "x" * (1 << 20), "c", "d", "e", "<eos>"]
+    hand_made_run(natural, chosen, tokens, eos_token_id=5, title="Huge").to_parquet(runs / "huge.parquet")
+    with _serving(runs) as base:
+        for page, charts in (("replay", 1), ("overview", 2)):
+            _load(browser, f"{base}/{page}?run=huge.parquet", charts)
+            assert not _errors(browser)
+        _load(browser, f"{base}/replay?run=huge.parquet", 1)
+        ticks = _plotted(browser)["ticks"]
+        assert ticks[0] == f"<b>▶ {'x' * TOKEN_CHARS}…(+{(1 << 20) - TOKEN_CHARS:,} characters)</b>"
+        _button(browser, "Next")
+        _wait_for(browser, lambda d: "Step 1:" in _plotted(d)["title"])
+        longest = browser.execute_script(DOCUMENTS + "return Math.max(...documents.map(d => d.body.innerText.length));")
+        assert longest < 100_000, f"a page holds {longest:,} characters of text"
+        assert not _errors(browser)

@@ -106,6 +106,7 @@ def test_divergence_and_alignment():
     assert views.first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert views.first_divergence([1, 2, 3], [1, 4, 3]) == 1
     assert views.first_divergence([1, 2], [1, 2, 3]) == 2
+    assert views.first_divergence([1, -1, 3], [1, 5, 3]) is None  # an unknown token (-1) is not known to differ
     a = pd.DataFrame({"position": [0, 1, 2], "chosen_id": [1, 2, 3], "chosen_token": ["x", "y", "z"]})
     b = pd.DataFrame({"position": [0, 1], "chosen_id": [1, 5], "chosen_token": ["x", "w"]})
     lined = views.aligned(a, b)

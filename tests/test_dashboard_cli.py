@@ -110,10 +110,7 @@ def test_bad_dashboard_arguments_exit_with_a_clear_message(args, message, starte
         main(args)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err
-    command = args[0]
-    assert err.startswith(f"usage: logitscope {command}") and err.strip().splitlines()[-1].startswith(
-        f"logitscope {command}: error: "
-    )
+    assert err.startswith(f"logitscope {args[0]}: error: ") and err.count("\n") == 1, err
     assert not started
 
 
@@ -125,6 +122,25 @@ def test_demo_refuses_a_file_as_its_folder(tmp_path, started, capsys):
     assert exit_info.value.code == 2
     assert f"argument --out: '{existing}' is a file; give a folder" in capsys.readouterr().err
     assert existing.read_bytes() == b"mine" and not started
+
+
+def test_demo_refuses_to_replace_its_runs_without_force(tmp_path, started, capsys, monkeypatch):
+    import logitscope.cli_serve as cli_serve
+
+    (tmp_path / "greedy.parquet").write_bytes(b"my earlier run")
+    (tmp_path / "mine.parquet").write_bytes(b"not the demo's")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--out", str(tmp_path), "--no-serve"])
+    assert exit_info.value.code == 2 and capsys.readouterr().err == (
+        f"logitscope demo: error: argument --out: '{tmp_path}' holds runs the demo would replace (greedy.parquet); "
+        "give --force to replace them, or another folder\n"
+    )
+    assert (tmp_path / "greedy.parquet").read_bytes() == b"my earlier run" and not started
+    recorded = []
+    monkeypatch.setattr(
+        cli_serve, "_record_demo", lambda args, out: recorded.append(out)
+    )  # the runs are another test's
+    assert main(["demo", "--out", str(tmp_path), "--no-serve", "--force"]) == 0 and recorded == [tmp_path]
 
 
 @pytest.fixture
@@ -140,9 +156,9 @@ def listener():
 def test_a_port_asked_for_and_taken_is_refused_in_one_line_before_anything_runs(
     command, listener, started, tmp_path, capsys, monkeypatch
 ):
-    import logitscope.cli as cli
+    import logitscope.cli_serve as cli_serve
 
-    monkeypatch.setattr(cli, "_record_demo", lambda *a: pytest.fail("the demo recorded runs on a taken port"))
+    monkeypatch.setattr(cli_serve, "_record_demo", lambda *a: pytest.fail("the demo recorded runs on a taken port"))
     with pytest.raises(SystemExit) as exit_info:
         main([*command, "--port", str(listener), "--no-browser"])
     printed = capsys.readouterr()
@@ -157,10 +173,12 @@ def test_a_port_asked_for_and_taken_is_refused_in_one_line_before_anything_runs(
 def test_without_a_port_a_taken_8501_gives_the_next_free_one_and_says_which(
     command, started, tmp_path, capsys, monkeypatch
 ):
-    import logitscope.cli as cli
+    import logitscope.cli_serve as cli_serve
 
-    monkeypatch.setattr(cli, "_record_demo", lambda *a: None)  # the runs are not what this test is about
+    monkeypatch.setattr(cli_serve, "_record_demo", lambda *a: None)  # the runs are not what this test is about
     with socket.socket() as taken:
+        # as the server binds: a connection of an earlier test still in TIME_WAIT on 8501 leaves it free
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             taken.bind(("127.0.0.1", serve.DEFAULT_PORT))
         except OSError:
@@ -294,3 +312,36 @@ def test_sigterm_to_the_dashboard_stops_the_server(tmp_path):
         if process.poll() is None:
             process.kill()
     assert _port_is_free(port), "the Streamlit server outlived `logitscope dashboard`"
+
+
+def test_ctrl_c_leaves_only_logitscopes_own_lines_in_the_terminal(tmp_path):
+    """An empty folder is served with a note saying so; Streamlit's own lines (its server start, "Stopping..."
+    once for the terminal's Ctrl-C and once for logitscope's SIGTERM) do not reach the terminal."""
+    env = {**os.environ, "HOME": str(tmp_path), "DISPLAY": ""}
+    log, empty = tmp_path / "log.txt", tmp_path / "runs"
+    empty.mkdir()
+    command = [sys.executable, "-m", "logitscope", "dashboard", str(empty)]
+    process, port = _started(command, env, log, 60, start_new_session=True)
+    try:
+        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole process group
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert log.read_text().splitlines() == [
+        f"note: '{empty}' holds no runs yet (run files .parquet/.arrow, run folders); the Runs page lists them as "
+        "they are written",
+        f"logitscope dashboard: http://127.0.0.1:{port}  (runs from {empty.resolve()}; Ctrl-C to stop)",
+    ]
+    assert _port_is_free(port)
+
+
+def test_dashboard_on_a_file_that_is_not_a_run_says_why_in_one_line(tmp_path, started, capsys):
+    (tmp_path / "notes.parquet").write_text("my notes")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["dashboard", str(tmp_path / "notes.parquet")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and not started
+    assert err.startswith(
+        f"logitscope dashboard: error: argument PATH: '{tmp_path / 'notes.parquet'}' is not a readable run: "
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -12,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -26,7 +28,7 @@ from dashboard.discover import find_runs, summarize
 from dashboard.paths import APP
 from dashboard.reader import BadRunError, RunReader
 from processors.vocab import Vocabulary
-from tracker import LogitTrackingProcessor, Run
+from tracker import LogitTrackingProcessor, Run, open_dataset
 from tracker.format.layout import RunFileError
 from tracker.format.schema import META_RUN, META_VOCAB
 
@@ -46,6 +48,29 @@ def lying_ipc(path: Path, rows: int = 1_000_000) -> Path:
     # ids and values only: no statistics column whose buffer sizes could hold the numbers the lie replaces
     table = table.select(["generation", "sequence", "step", "chosen", "processor_error", "natural_logits"])
     path.write_bytes(lying_lengths(table, {13: rows, 13 * 50: rows * 50}))  # the batch's, columns', values'
+    return path
+
+
+def lying_offsets(path: Path) -> Path:
+    """An Arrow IPC run whose ``generation_meta`` string offsets say 2^30 while its text is about 100 bytes:
+    read as declared, a string runs a gigabyte past its buffer (SIGSEGV)."""
+
+    from tracker.format.run_file import parquet_table
+
+    run = recorded(steps=3, vocab=40).run
+    table = parquet_table(run.to_arrow(), run.metadata)
+    column = table.column("generation_meta").combine_chunks()
+    offsets = np.frombuffer(column.buffers()[1], dtype=np.int32)[: len(column) + 1]
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    data = bytearray(sink.getvalue().to_pybytes())
+    at = data.find(offsets.tobytes())
+    assert at > 0 and data.find(offsets.tobytes(), at + 1) < 0
+    lie = offsets.copy()
+    lie[1:] = 1 << 30
+    data[at : at + lie.nbytes] = lie.tobytes()
+    path.write_bytes(bytes(data))
     return path
 
 
@@ -83,6 +108,24 @@ def test_an_ipc_file_declaring_more_rows_than_it_holds_is_refused_not_a_crash(tm
     assert done.returncode == 1, f"exit status {done.returncode} (a signal is negative): {done.stderr[-2000:]}"
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "lying.arrow" in lines[0] and "buffers" in lines[0], done.stderr
+
+
+QUERY = "SELECT count(*) FROM runs"
+
+
+@pytest.mark.parametrize("reader", ["load", "reader", "inspect", "query"])
+def test_an_ipc_file_whose_string_offsets_lie_is_refused_by_every_reader(tmp_path, reader):
+    path = lying_offsets(tmp_path / "offsets.arrow")
+    if reader in ("inspect", "query"):
+        done = _subprocess(
+            "-m", "logitscope", reader, str(path), *(["--steps", "all"] if reader == "inspect" else [QUERY])
+        )
+    else:
+        done = _subprocess("-c", READ_ALL, reader, str(path))
+    assert done.returncode in (1, 2), f"exit status {done.returncode} (a signal is negative): {done.stderr[-2000:]}"
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "offsets.arrow" in lines[0] and "offset" in lines[0], done.stderr
+    assert lines[0].count("cannot be read as a logitscope run") <= 1, lines[0]
 
 
 def test_a_served_folder_holding_a_lying_ipc_file_lists_the_others(tmp_path):
@@ -207,6 +250,24 @@ def _cast(name: str, to: pa.DataType):
     return change
 
 
+#: Where the crafted row is named in the refusal.
+AT_1 = "at generation 0, sequence 0, step 1"
+
+
+def _scale(name: str, row: int, factor: float):
+    def change(table: pa.Table) -> pa.Table:
+        return _set(name, row, table.column(name)[row].as_py() * factor)(table)
+
+    return change
+
+
+def _twice(name: str):
+    def change(table: pa.Table) -> pa.Table:
+        return table.append_column(table.schema.field(name), table.column(name))
+
+    return change
+
+
 def _short_vocabulary(table: pa.Table) -> pa.Table:
     return table.replace_schema_metadata({**table.schema.metadata, META_VOCAB: Vocabulary.placeholder(10).serialize()})
 
@@ -237,6 +298,24 @@ CRAFTED = {
     "prompt-ids-past-vocab": (_generation_entry("prompt_ids", [[60]]), r"'prompt_ids' holds token id 60"),
     "generation-entry-float": (_generation_entry("generation", 0.5), "'generation' must be an integer >= 0"),
     "generation-column-null": (_null_generation, "column 'generation' holds 1 null"),
+    "lse-minus-inf": (_set("natural_lse", 1, -math.inf), "'natural_lse' and 'natural_allowed' disagree .*" + AT_1),
+    "lse-plus-inf": (_set("natural_lse", 1, math.inf), "'natural_lse' and 'natural_max' disagree .*" + AT_1),
+    "p-chosen-above-its-rank": (
+        lambda t: _set("natural_p_chosen", 1, 0.99)(_set("natural_rank_chosen", 1, 4)(t)),
+        r"'natural_p_chosen' and 'natural_rank_chosen' disagree \(with r tokens above it, the chosen token's "
+        r"probability is at most 1 / \(r \+ 1\)\), " + AT_1,
+    ),
+    "p-chosen-not-its-logit": (
+        _scale("natural_p_chosen", 1, 0.5),
+        "'natural_chosen_logit' and 'natural_lse' disagree .*" + AT_1,
+    ),
+    "chosen-twice": (_twice("chosen"), r"holds columns \['chosen'\] more than once"),
+    "lse-twice": (_twice("natural_lse"), r"holds columns \['natural_lse'\] more than once"),
+    "stages-natural-twice": (
+        _meta(lambda m: m.__setitem__("stages", ["natural", "natural"])),
+        "'stages' must begin with 'natural', each once",
+    ),
+    "storage-claims-float32": (_meta(lambda m: m.__setitem__("storage", "float32")), "lacks the columns"),
 }
 
 
@@ -263,19 +342,29 @@ def test_crafted_values_are_refused_at_load_with_one_line_naming_the_file(topk_r
                 reader.step(reader.track(0, 0), 1)
         assert f"{case}.parquet" in str(caught.value) and "\n" not in str(caught.value)
     listed = summarize(bad)
-    assert listed.error is not None or case.startswith(("topk-", "entropy", "lse", "max", "p-"))
+    assert listed.error is not None or case.startswith(("topk-", "entropy", "lse-", "max", "p-"))
+    for view in ("steps", "candidates"):  # the query views read through the same checks (every column named)
+        if view == "steps" and case.startswith("topk-id"):
+            continue  # steps reads no top-k id: its answer holds; candidates reads them
+        with pytest.raises(RunFileError, match=message) as caught:
+            open_dataset(bad).sql(f"SELECT * FROM {view}")
+        assert f"{case}.parquet" in str(caught.value) and "\n" not in str(caught.value)
 
 
-def test_a_damaged_top_k_row_is_named_by_the_query_that_reads_it(topk_run):
-    """Where the load does not check a row (a run without statistics columns), the query reading it refuses."""
+@pytest.mark.parametrize("lse", [-50.0, -math.inf, math.inf])
+def test_a_damaged_top_k_row_is_named_by_the_query_that_reads_it(topk_run, tmp_path, lse):
+    """Where the load does not check a row (a run without statistics columns), the query reading it refuses:
+    a log-sum-exp below the row's largest stored logit, or +inf where the row stores no +inf."""
     table = pq.read_table(topk_run)
     keep = [n for n in table.schema.names if not re.match(r"natural_(max|entropy|nan|p_|chosen_|rank_)", n)]
-    table = _set("natural_lse", 1, -50.0)(table.select(keep))
-    run = Run.from_arrow(table)
+    table = _set("natural_lse", 1, lse)(table.select(keep))
     from tracker.format.checks import DamagedRowError
 
-    with pytest.raises(DamagedRowError, match="log-sum-exp .* below their largest stored logit"):
-        run.get_top_tokens(k=3)
+    with pytest.raises(DamagedRowError, match=r"log-sum-exp .* below their largest stored logit, or \+inf where"):
+        Run.from_arrow(table).get_top_tokens(k=3)
+    bad = rewrite(topk_run, tmp_path / "bad.parquet", table=table)  # from a file: refused naming it, at load or read
+    with pytest.raises((DamagedRowError, RunFileError), match=r"^'.*bad\.parquet'"):
+        Run.load(bad).get_top_tokens(k=3)
 
 
 FULL_DISK = """
@@ -338,3 +427,139 @@ def test_the_runs_page_lists_the_good_runs_and_names_the_bad_one(tmp_path):
     errors = [re.sub(r"\\(.)", r"\1", e.value) for e in at.error]
     assert any("bad.parquet" in e and "column 'generation' holds 1 null" in e for e in errors), errors
     assert any("deep.parquet" in e and "nested deeper than 32 levels" in e for e in errors), errors
+
+
+def test_query_of_a_folder_answers_the_good_runs_and_names_the_bad_ones(tmp_path, topk_run, capsys):
+    from logitscope.cli import main
+
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    shutil.copy(topk_run, folder / "good.parquet")
+    for case in ("chosen-twice", "storage-claims-float32"):
+        rewrite(topk_run, folder / f"{case}.parquet", table=CRAFTED[case][0](pq.read_table(topk_run)))
+    steps = Run.load(topk_run).num_rows
+    for view in ("steps", "candidates"):
+        assert main(["query", str(folder), f"SELECT count(DISTINCT step) AS n FROM {view}", "--csv"]) == 1
+        out, err = capsys.readouterr()
+        assert out == f"n\n{steps}\n"
+        lines = err.strip().splitlines()
+        assert len(lines) == 2 and all(line.startswith("logitscope query: left out of the answer: ") for line in lines)
+        assert "chosen-twice.parquet" in lines[0] and "more than once" in lines[0]
+        assert "storage-claims-float32.parquet" in lines[1] and "lacks the columns" in lines[1]
+
+
+def _full_run(folder: Path, storage: str) -> Path:
+    """A run in full storage (its rows' statistics recorded with them), 4 steps of 60 tokens."""
+    tracker = LogitTrackingProcessor(None, storage=storage)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.tensor([[1, 2, 3]])
+    for _ in range(4):
+        out = tracker(ids, torch.randn(1, 60, generator=gen) * 3)
+        ids = torch.cat([ids, out.argmax(1, keepdim=True)], 1)
+    tracker.finish(ids)
+    return tracker.to_parquet(folder / f"{storage}.parquet")
+
+
+def _value(table: pa.Table, row: int, token: int, value: float) -> pa.Table:
+    """``table`` with one stored logit of the natural stage replaced (the statistics left as recorded); in
+    half precision the stored value is the logit minus the row's ``natural_max``."""
+    name = next(n for n in table.schema.names if n.startswith("natural_logits"))  # float16: its bits, as int16
+    index = table.schema.get_field_index(name)
+    column = table.column(index).combine_chunks()  # a list column, fixed-size or not, as the file stores it
+    width = len(column.values) // len(column)
+    stored = column.values.to_numpy(zero_copy_only=False).copy().reshape(-1, width)
+    values = stored.view(np.float16) if stored.dtype == np.int16 else stored
+    offset = table.column("natural_max")[row].as_py() if values.dtype != np.float32 else 0.0
+    values[row, token] = value - offset
+    flat = pa.array(stored.reshape(-1), type=column.type.value_type)
+    if pa.types.is_fixed_size_list(column.type):
+        array = pa.FixedSizeListArray.from_arrays(flat, width)
+    else:
+        array = pa.ListArray.from_arrays(column.offsets, flat)
+    return table.set_column(index, table.schema.field(index), array)
+
+
+VALUE_DAMAGE = {  # a stored row its recorded statistics contradict
+    "nan-where-its-count-says-none": (lambda t: _value(t, 1, t.column("chosen")[1].as_py(), math.nan), "NaN"),
+    "logit-above-its-log-sum-exp": (lambda t: _value(t, 1, 7, t.column("natural_lse")[1].as_py() + 3), "log-sum-exp"),
+}
+
+
+@pytest.mark.parametrize("storage", ["float32", "float16"])
+@pytest.mark.parametrize("damage", list(VALUE_DAMAGE))
+def test_values_their_statistics_contradict_are_refused_naming_the_file_and_row(tmp_path, storage, damage):
+    from dashboard import data
+
+    change, word = VALUE_DAMAGE[damage]
+    good = _full_run(tmp_path, storage)
+    bad = rewrite(good, tmp_path / f"{damage}.parquet", table=change(pq.read_table(good)))
+    reader = RunReader(bad)
+
+    def replay():
+        return [reader.step(reader.track(0, 0), p) for p in range(4)]
+
+    for name, read in (
+        ("get_top_tokens", lambda: Run.load(bad).get_top_tokens(k=3)),
+        ("to_dataframe", lambda: Run.load(bad).to_dataframe()),
+        ("candidates view", lambda: open_dataset(bad).sql("SELECT * FROM candidates")),
+        ("overview window", lambda: data.window(str(bad), 0, 0, 0, 4)),
+        ("step replay", replay),
+    ):
+        with pytest.raises((RunFileError, BadRunError, ValueError)) as caught:
+            read()
+        text = str(caught.value)
+        assert f"{damage}.parquet" in text and AT_1 in text and word in text and "\n" not in text, (name, text)
+    answers = Run.load(good).get_top_tokens(k=3)  # the undamaged run: every probability in [0, 1]
+    assert all(0 <= t["unstructured_prob"] <= 1 for step in answers for t in step["tokens"])
+
+
+def _lower_row_group(src: Path, dst: Path, rows: int) -> Path:
+    """A copy of a one-row-group Parquet file whose footer says the row group holds ``rows`` rows (its pages
+    and the file's own count still say more): read as declared, the rows past ``rows`` are dropped."""
+    import struct
+
+    def varint(n: int) -> bytes:
+        out = bytearray()
+        while True:
+            out.append((n & 0x7F) | (0x80 if n >> 7 else 0))
+            n >>= 7
+            if not n:
+                return bytes(out)
+
+    data = bytearray(src.read_bytes())
+    group = pq.ParquetFile(src).metadata.row_group(0)
+    footer = len(data) - 8 - struct.unpack("<i", data[-8:-4])[0]
+    # thrift compact: RowGroup field 2 (total_byte_size, i64) then field 3 (num_rows, i64), zigzag varints
+    old = b"\x16" + varint(group.total_byte_size << 1) + b"\x16" + varint(group.num_rows << 1)
+    at = data.find(old, footer)
+    assert at > 0 and len(varint(rows << 1)) == len(varint(group.num_rows << 1))
+    data[at : at + len(old)] = old[: -len(varint(rows << 1))] + varint(rows << 1)
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+def test_a_row_group_whose_row_count_was_lowered_is_refused_not_read_short(tmp_path, topk_run):
+    bad = _lower_row_group(topk_run, tmp_path / "short.parquet", 2)
+    assert pq.ParquetFile(bad).read().num_rows == 2  # what a reader trusting the footer would see
+    for read in (Run.load, RunReader, lambda p: open_dataset(p).sql("SELECT * FROM steps")):
+        with pytest.raises((RunFileError, BadRunError)) as caught:
+            read(bad)
+        assert "short.parquet" in str(caught.value) and "row group 0 says it holds 2 rows" in str(caught.value)
+    done = _subprocess("-m", "logitscope", "inspect", str(bad))
+    assert done.returncode == 1 and "row group 0 says it holds 2 rows" in done.stderr and done.stderr.count("\n") == 1
+
+
+def test_a_row_a_query_finds_damaged_leaves_its_run_out_named_and_answers_the_rest(tmp_path):
+    """A damaged row found only when a view reads the values (not at the footers): that run is left out of
+    the answer and named with its row, the others answered."""
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    good = _full_run(folder, "float32")
+    change, _ = VALUE_DAMAGE["logit-above-its-log-sum-exp"]
+    source = _full_run(tmp_path, "float16")
+    rewrite(source, folder / "bad.parquet", table=change(pq.read_table(source)))
+    dataset = open_dataset(folder)
+    answer = dataset.sql("SELECT DISTINCT run_id FROM candidates").column("run_id").to_pylist()
+    assert answer == [Run.load(good).run_id]
+    [skipped] = dataset.skipped
+    assert "bad.parquet" in str(skipped) and AT_1 in str(skipped) and "log-sum-exp" in str(skipped)

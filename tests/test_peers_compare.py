@@ -158,3 +158,38 @@ def test_trackers_compare_as_the_runs_they_recorded_and_anything_else_is_named(t
         compare(a, 3)
     assert a.stages == a.run.stages == ["natural", "sampled"]
     assert a.prompt_logprobs().equals(a.run.prompt_logprobs())
+
+
+def _unfinished(seed: int, finish: bool, diverge_at: int | None = None):
+    """A run of 4 steps (random logits); without ``finish`` its last chosen token is never known, as in a real
+    engine's run that stops before the last token comes back. ``diverge_at``: that step chooses another token."""
+    import torch
+
+    from tracker import LogitTrackingProcessor
+
+    tracker = LogitTrackingProcessor(None)
+    ids, gen = torch.tensor([[1, 2, 3]]), torch.Generator().manual_seed(seed)
+    for step in range(4):
+        out = tracker(ids, torch.randn(1, 50, generator=gen))
+        pick = out.argmax(1, keepdim=True) if step != diverge_at else out.argmin(1, keepdim=True)
+        ids = torch.cat([ids, pick], 1)
+    if finish:
+        tracker.finish(ids)
+    return tracker.run
+
+
+def test_unknown_chosen_tokens_are_said_never_read_as_a_difference_nor_a_crash():
+    known, unknown = _unfinished(3, True), _unfinished(3, False)
+    for a, b, said in (
+        (unknown, known, "A's token at step(s) [3] is not known"),
+        (known, unknown, "B's token at step(s) [3] is not known"),
+        (unknown, unknown, "A's token at step(s) [3] is not known; B's token at step(s) [3] is not known"),
+    ):
+        result = compare(a, b)
+        assert result.divergence is None and result.same
+        assert result.steps["same"].isna().tolist() == [False, False, False, True]
+        assert result.summary() == f"the same tokens at every step both runs know (4 steps); {said}"
+    early = compare(_unfinished(3, False, diverge_at=1), known)
+    assert early.divergence == 1 and early.summary().startswith("the same first 1 tokens; at step 1 A chose <")
+    assert early.summary().endswith("; A's token at step(s) [3] is not known")
+    assert compare(known, known).summary() == "identical: 4 steps with the same tokens"

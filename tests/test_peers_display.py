@@ -98,3 +98,23 @@ def test_the_tracker_answers_like_its_run(tiny_model, char_tokenizer):
     assert tracker._repr_html_() == tracker.run._repr_html_()
     assert tracker.why(1).equals(tracker.run.why(1))
     assert tracker.diff(tracker.run).same
+
+
+def test_a_top_k_runs_step_view_warns_of_nothing_and_shows_its_stored_tokens():
+    """Top-k storage knows k tokens per step: the others are unknown (NaN) in every stage, which is no cause
+    for a warning (numpy's "All-NaN slice")."""
+    import re
+    import warnings
+
+    from dashboard.synthetic import hand_made_run
+    from tracker.reading.display import step_svg
+
+    natural = np.random.default_rng().normal(size=(3, 12)).astype(np.float32)
+    run = hand_made_run(natural, [0, 1, 2], [f"t{i}" for i in range(12)], storage="topk", top_k=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        svg = step_svg(run, 1)
+        run.view()._repr_html_()
+    shown = re.findall(r'font-weight="bold">([^<]*)<|<text x="0" y="\d+">([^<]*)<', svg)
+    best = [f"t{i}" for i in np.argsort(-natural[1], kind="stable")[:4]]
+    assert sorted("".join(t).removesuffix("  ◀ chosen") for t in shown) == sorted(best)

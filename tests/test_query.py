@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import socket
 from pathlib import Path
 
@@ -306,14 +307,15 @@ def test_the_query_command_prints_a_table_csv_json_and_writes_parquet(recorded, 
     [
         (["SELEC 1"], 'argument SQL: Parser Error: syntax error at or near "SELEC"'),
         (["SELECT 1", "--k", "0"], "argument --k: must be >= 1, got 0"),
+        (["SELECT * FROM nope"], "argument SQL: Catalog Error: Table with name nope does not exist"),
     ],
 )
 def test_the_query_command_fails_in_one_line(recorded, capsys, args, message):
     with pytest.raises(SystemExit) as exit_:
         main(["query", str(recorded["root"] / "dataset"), *args])
     assert exit_.value.code == 2
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert message in last
+    err = capsys.readouterr().err
+    assert err.startswith("logitscope query: error: ") and message in err and err.count("\n") == 1, err
 
 
 def test_the_query_command_names_a_missing_dataset(tmp_path, capsys):
@@ -351,8 +353,79 @@ def test_an_arrow_ipc_run_file_gives_the_same_steps(recorded, tmp_path):
     assert from_ipc.equals(open_dataset(recorded["root"] / "files" / f"{run.run_id}.parquet").sql(query))
 
 
-def test_a_file_that_is_not_a_run_is_named(recorded, tmp_path):
+def test_a_file_that_is_not_a_run_is_named_and_the_runs_beside_it_answered(recorded, tmp_path):
     recorded["runs"]["topk"].to_parquet(tmp_path / "run.parquet")
     pq.write_table(pa.table({"a": [1, 2]}), tmp_path / "other.parquet")
+    dataset = open_dataset(tmp_path)
+    assert dataset.sql("SELECT count(*) AS n FROM steps").column("n").to_pylist() == [recorded["runs"]["topk"].num_rows]
+    [skipped] = dataset.skipped
+    assert re.search(r"other\.parquet' cannot be read as a logitscope run: it holds no", str(skipped))
     with pytest.raises(ValueError, match=r"other\.parquet' cannot be read as a logitscope run: it holds no"):
-        open_dataset(tmp_path)
+        open_dataset(tmp_path / "other.parquet")  # alone, it is the answer
+
+
+def test_text_from_run_files_in_an_answer_is_shown_escaped_never_obeyed_by_the_terminal(tmp_path, capsys):
+    from test_cli_inspect import HOSTILE, OBEYED, hostile_run
+
+    path, texts = hostile_run(tmp_path)
+    sql = "SELECT r.title, s.chosen_token FROM runs r JOIN steps s USING (run_id) ORDER BY s.step"
+    assert main(["query", str(path), sql]) == 0
+    shown = capsys.readouterr().out
+    assert not OBEYED & set(shown) and "title\\x1b]0;owned\\x07\\nforged line" in shown and "\\x9b2J" in shown
+    assert main(["query", str(path), sql, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert not OBEYED & set(out)
+    rows = [json.loads(line) for line in out.splitlines()]  # the same text, once parsed
+    assert [r["title"] for r in rows] == [texts[0]] * 3 and [r["chosen_token"] for r in rows] == [
+        HOSTILE[i] for i in (0, 2, 3)
+    ]
+    with pytest.raises(SystemExit):  # an error quoting a value of a run file
+        main(["query", str(path), "SELECT CAST(title AS INTEGER) FROM runs"])
+    err = capsys.readouterr().err
+    assert not OBEYED & set(err) and err.count("\n") == 1 and "\\x1b]0;owned" in err, err
+
+
+def test_a_query_stops_at_its_time_limit_and_the_dataset_still_answers(recorded):
+    from tracker.reading.query import QueryLimitError
+
+    dataset = open_dataset(recorded["root"] / "dataset")
+    with pytest.raises(QueryLimitError, match=r"^the query ran past its time limit of 1 s$") as stopped:
+        dataset.sql("SELECT count(*) FROM range(1000000000000)", timeout=1)
+    assert stopped.value.limit == "timeout"
+    assert dataset.sql("SELECT count(*) AS n FROM range(7)", timeout=60).column("n").to_pylist() == [7]
+    for bad in (0, -1, float("nan"), "1"):
+        with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):
+            dataset.sql("SELECT 1", timeout=bad)
+
+
+def test_the_query_command_says_which_limit_it_hit_in_one_line(recorded, capsys):
+    root = str(recorded["root"] / "dataset")
+    for argv, line in (
+        (
+            ["SELECT count(*) FROM range(1000000000000)", "--timeout", "1"],
+            "argument --timeout: the query ran past its time limit of 1 s; give more with --timeout",
+        ),
+        (
+            [
+                "SELECT max(length(s)) FROM (SELECT string_agg(x::VARCHAR, ',') s FROM range(5000000) t(x))",
+                "--memory",
+                "20MB",
+            ],
+            "argument --memory: the query needed more than its memory limit of 20MB; give more with --memory",
+        ),
+        (["SELECT 1", "--memory", "lots"], "argument --memory: must be a size such as 500MB or 4GB, got 'lots'"),
+        (["SELECT 1", "--timeout", "-1"], "argument --timeout: must be a number of seconds >= 0 (0: no limit)"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(["query", root, *argv])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.startswith(f"logitscope query: error: {line}") and err.count("\n") == 1, (
+            err
+        )
+    assert (
+        main(["query", root, "SELECT count(*) AS n FROM range(3)", "--csv", "--timeout", "0", "--memory", "1GB"]) == 0
+    )
+    assert capsys.readouterr().out == "n\n3\n"
+    with pytest.raises(SystemExit):
+        main(["query", "--help"])
+    assert "(default: 600; 0: no limit)" in " ".join(capsys.readouterr().out.split())

@@ -260,3 +260,39 @@ def test_every_stage_both_runs_recorded_is_compared(demo):
     }
     rescored = compare_runs(runs[0], runs[0].rescore(model, tok, method="stepwise"))
     assert rescored.stages == ["natural"] and rescored.totals["kl"]["natural"]["max"] == 0.0
+
+
+def test_rescore_takes_the_demo_model_by_name_and_names_it_so_in_the_run(recorded, tmp_path, capsys):
+    run = tmp_path / "r.parquet"
+    recorded.to_parquet(run)
+    with pytest.raises(SystemExit):
+        main(["rescore", str(run), "--out", str(tmp_path / "b.parquet")])
+    assert capsys.readouterr().err == (
+        "logitscope rescore: error: argument --model: give the model to rescore with: a local model folder, "
+        "or demo (the shipped demo model)\n"
+    )
+    for model in ("demo", str(DEMO_MODEL_PATH)):
+        assert main(["rescore", str(run), "--model", model, "--out", str(tmp_path / "b.parquet"), "--force"]) == 0
+        assert Run.load(tmp_path / "b.parquet").metadata.model == "logitscope demo model"
+
+
+def test_compare_of_runs_that_chose_other_tokens_says_so_and_what_still_compares(capsys):
+    from pathlib import Path
+
+    samples = Path(__file__).resolve().parent.parent / "sample_runs"
+    a, b = str(samples / "json_record.parquet"), str(samples / "regex_phone.parquet")
+    assert main(["compare", a, b, "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    run_a, run_b = Run.load(a), Run.load(b)
+    chosen_a, chosen_b = _chosen(run_a, 0), _chosen(run_b, 0)
+    n = min(len(chosen_a), len(chosen_b))
+    differ = [i for i in range(n) if chosen_a[i] != chosen_b[i]]
+    assert stats["tokens_differ"] == len(differ) > 0 and stats["same_context"]["steps"] == differ[0] + 1
+    kl = compare_runs(run_a, run_b).steps["kl_natural"].to_numpy()[: differ[0] + 1]
+    assert stats["same_context"]["kl_mean"] == pytest.approx(kl.mean(), rel=1e-12)
+    assert main(["compare", a, b]) == 0
+    note = capsys.readouterr().out.strip().splitlines()[-1]
+    assert note.startswith(f"note: the runs chose different tokens at {len(differ)} of {n} steps: ")
+    assert f"Still comparable: perplexity A, and the {differ[0] + 1} step(s) up to each sequence's first" in note
+    assert main(["compare", a, a]) == 0
+    assert "different tokens" not in capsys.readouterr().out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -17,7 +18,7 @@ from streamlit.testing.v1 import AppTest
 
 from dashboard import data
 from dashboard.discover import find_runs
-from dashboard.paths import APP, ENV_ANY_PATH, ENV_PATH
+from dashboard.paths import APP, ENV_ANY_PATH, ENV_PATH, inside
 from dashboard.synthetic import hand_made_run
 from dashboard.text import md_shown, md_text, numbers_html
 from tracker.format.schema import META_RUN
@@ -150,6 +151,55 @@ def test_the_path_box_stays_inside_the_served_folder(tmp_path, monkeypatch):
     assert at.dataframe[0].value["file"].tolist() == ["inner.parquet"]
 
 
+def test_the_path_box_compares_places_not_text(tmp_path):
+    """Inside or not is decided on parsed, normalised places: a sibling whose name begins like the served
+    folder's, ``..`` written out or percent-encoded, a symlink out, another bucket, scheme or set of options
+    are all outside; the place kept is the normalised one."""
+    served, outside = tmp_path / "served", tmp_path / "outside"
+    (served / "sub").mkdir(parents=True)
+    outside.mkdir()
+    (tmp_path / "servedX").mkdir()
+    (served / "out").symlink_to(outside)
+    url = served.as_uri()
+    for attempt in (
+        f"{url}/../outside", (tmp_path / "servedX").as_uri(), f"{url}X", str(tmp_path / "servedX"), "../outside",
+        f"{url}/out", str(served / "out"), "out", f"{url}/%2e%2e/outside", "s3://b/served/sub",
+    ):  # fmt: skip
+        for root in (url, str(served)):
+            assert inside(attempt, root) is None, (attempt, root)
+    for attempt in (f"{url}/sub", str(served / "sub"), "sub", f"{url}/sub/../sub/.", f"{url}/sub/"):
+        assert inside(attempt, url) == str(served / "sub") == inside(attempt, str(served))
+    for attempt in (
+        "s3://b/runs-private", "s3://b/run", "s3://b/runs/../secret", "s3://b/runs/%2E%2E/secret",
+        "s3://b/runs/x/../../secret", "s3://other/runs/x", "gs://b/runs/x", "s3://b/runs/x?endpoint_override=h:1",
+        "s3://b/runs/x#f", "file:///b/runs/x", str(tmp_path), "/runs/x",
+    ):  # fmt: skip
+        assert inside(attempt, "s3://b/runs") is None, attempt
+    for attempt, where in (
+        ("s3://b/runs", "s3://b/runs"), ("s3://b/runs/", "s3://b/runs"), ("S3://b/runs/a/./b/", "s3://b/runs/a/b"),
+        ("s3://b/runs//a", "s3://b/runs/a"), ("s3://b/runs/a/../c", "s3://b/runs/c"), ("a b", "s3://b/runs/a%20b"),
+    ):  # fmt: skip
+        assert inside(attempt, "s3://b/runs/") == where, attempt
+    assert inside("s3://b/runs/x?region=eu", "s3://b/runs?region=eu") == "s3://b/runs/x?region=eu"
+
+
+def test_the_path_box_of_a_served_url_stays_inside_it(tmp_path, monkeypatch):
+    served, outside = tmp_path / "served", tmp_path / "servedX"  # datasets: what a URL serves
+    natural = np.zeros((2, 4), np.float32)
+    mine = hand_made_run(natural, [0, 1], list("abcd"), title="mine").to_dataset(served).parent.name
+    hand_made_run(natural, [0, 1], list("abcd"), title="secret").to_dataset(outside)
+    monkeypatch.setenv(ENV_PATH, served.as_uri())
+    monkeypatch.delenv(ENV_ANY_PATH, raising=False)
+    at = _app()
+    _ok(at)
+    for attempt in (f"{served.as_uri()}/../servedX", outside.as_uri(), f"{served.as_uri()}X", str(outside)):
+        at = at.text_input(key="root_input").set_value(attempt).run()
+        _ok(at)
+        assert any("is outside what this dashboard serves" in re.sub(r"\\(.)", r"\1", e.value) for e in at.error)
+        assert at.session_state["root"] == served.as_uri()
+        assert [Path(f).name for f in at.dataframe[0].value["file"]] == [mine]
+
+
 def test_the_path_box_may_leave_the_folder_when_the_server_allows_it(tmp_path, monkeypatch):
     served, outside = tmp_path / "served", tmp_path / "outside"
     served.mkdir()
@@ -235,3 +285,47 @@ def test_the_run_list_refreshes_beside_a_dangling_link(tmp_path):
     at.run()
     _ok(at)
     assert at.dataframe[0].value["file"].tolist() == ["first.parquet", "second.parquet"]
+
+
+#: A vocabulary entry a megabyte long (a file may hold one): drawn whole, Step replay stalled the browser.
+HUGE = "x" * (1 << 20)
+
+
+def _huge_run(folder: Path) -> Path:
+    """Four steps over six tokens; the megabyte token leads and is chosen at steps 0 and 2."""
+    chosen = np.array([[1, 2, 1, 5]])
+    natural = np.full((1, 4, 6), -3.0, dtype=np.float32)
+    np.put_along_axis(natural, chosen[..., None], 1.0, axis=-1)
+    natural[..., 1] = np.maximum(natural[..., 1], 0.5)
+    tokens = ["a", HUGE, "c", "d", "e", "<eos>"]
+    return hand_made_run(natural, chosen, tokens, eos_token_id=5, title="Huge").to_parquet(folder / "huge.parquet")
+
+
+def _sent(node) -> int:
+    """Bytes of what the page sends the browser: every element's message, the tables and figures included."""
+    proto = getattr(node, "proto", None)
+    own = len(proto.SerializeToString()) if proto is not None else 0
+    return own + sum(_sent(child) for child in getattr(node, "children", {}).values())
+
+
+@pytest.mark.parametrize("page", [None, "overview", "replay", "compare"])
+def test_a_megabyte_token_draws_a_hundred_characters_on_every_page(tmp_path, page):
+    from tracker.reading.display import TOKEN_CHARS
+
+    path = _huge_run(tmp_path)
+    st.cache_data.clear()
+    st.cache_resource.clear()
+    at = AppTest.from_file(str(APP), default_timeout=60)
+    at.session_state["root"] = str(tmp_path)
+    at.session_state["run"] = at.session_state["run_b"] = str(path)
+    if page is not None:
+        at.switch_page(f"app_pages/{page}.py")
+    at = at.run()
+    _ok(at)
+    assert _sent(at._tree) < 200_000, f"the page sends {_sent(at._tree):,} bytes"
+    clipped = f"{'x' * TOKEN_CHARS}…(+{len(HUGE) - TOKEN_CHARS:,} characters)"
+    if page == "replay":
+        shown = [json.dumps(json.loads(spec), ensure_ascii=False) for spec in chart_specs(at)]
+        assert any(clipped in spec for spec in shown), "the chart's label is not the clipped token"
+    if page == "overview":
+        assert any(html.escape(clipped) in h.proto.body for h in at.get("html")), "the text shows no clipped token"

@@ -73,6 +73,10 @@ printed = io.StringIO()
 with contextlib.redirect_stdout(printed):
     codes = [main(["inspect", str(root)]), main(["inspect", str(root / "topk.parquet"), "--steps", "all", "--json"])]
 results["inspect"] = {"codes": codes, "printed": printed.getvalue()}
+printed = io.StringIO()
+with contextlib.redirect_stdout(printed):
+    code = main(["query", str(root), "SELECT count(*) AS n FROM steps", "--csv"])
+results["query"] = {"code": code, "printed": printed.getvalue()}
 results["loaded"] = sorted({m.split(".")[0] for m in sys.modules} & set(STACK))
 (out / "results.json").write_text(json.dumps(results))
 """
@@ -167,19 +171,22 @@ def test_the_dashboard_and_run_load_work_with_only_the_viewer_install(tmp_path):
         and '"step_details"' in inspect["printed"]
     )
     assert pages["overview"]["charts"] >= 2 and pages["replay"]["charts"] >= 1 and pages["compare"]["charts"] >= 1
+    steps = sum(Run.load(path).num_rows for path in root.glob("*.parquet"))
+    assert results.pop("query") == {"code": 0, "printed": f"n\n{steps}\n"}
     for path in sorted(root.glob("*.parquet")):
         run = Run.load(path)  # here, with torch: the reference
         assert results[path.name] == json.loads(json.dumps(run.get_top_tokens(k=3))), path.name
         pd.testing.assert_frame_equal(pd.read_parquet(out / f"{path.stem}.frame.parquet"), run.to_dataframe())
 
 
-def test_recording_without_torch_says_so_in_one_line():
+@pytest.mark.parametrize(
+    "argv", [["run", "--prompt", "hi"], ["demo"], ["rescore", "r.parquet", "--model", "demo", "--out", "b.parquet"]]
+)
+def test_recording_without_torch_says_so_in_one_line(argv):
     code = (
-        f"REFUSED = {list(STACK)!r}\n"
-        + REFUSE
-        + "from logitscope.cli import main\nraise SystemExit(main(['run', '--prompt', 'hi']))\n"
+        f"REFUSED = {list(STACK)!r}\n" + REFUSE + f"from logitscope.cli import main\nraise SystemExit(main({argv!r}))\n"
     )
     done = _python(code)
     assert done.returncode == 2
-    assert "Traceback" not in done.stderr
-    assert "recording needs torch, which is not installed" in done.stderr
+    assert done.stderr.startswith(f"logitscope {argv[0]}: error: recording needs torch, which is not installed")
+    assert done.stderr.count("\n") == 1 and "--device" not in done.stderr, done.stderr  # an option never given

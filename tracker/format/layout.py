@@ -24,7 +24,14 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from processors.vocab import Vocabulary
-from tracker.format.checks import RunFileError, arrow_reason, check_ids, metadata_from, vocabulary_from
+from tracker.format.checks import (
+    RunFileError,
+    arrow_reason,
+    check_ids,
+    check_schemas,
+    metadata_from,
+    vocabulary_from,
+)
 from tracker.format.discovery import FoundRun, NoRunError, locate, table_of
 from tracker.format.fs import folder_arg, path_arg
 from tracker.format.marker import COMPLETE, PARQUET_SUFFIXES, complete_runs, is_partition, read_marker
@@ -32,9 +39,7 @@ from tracker.format.parts import ID_COLUMNS, IPC_SUFFIXES, Part, open_part
 from tracker.format.schema import (
     META_VOCAB,
     RunMetadata,
-    check_columns,
     check_generations,
-    value_column,
 )
 from tracker.format.spill import CHUNK_GLOB, RUN_JSON, VOCAB_FILE
 from tracker.format.table import RunTable
@@ -115,7 +120,7 @@ class RunLayout:
                 table, key = self.vocab_ref
                 vocab: Vocabulary | None = load_vocab(table.fs, table.where, key, table.location)
             else:
-                vocab = vocabulary_from(self.vocab_raw)
+                vocab = vocabulary_from(self.vocab_raw, self.metadata.vocab_size)
         except (ValueError, OSError) as exc:
             raise RunFileError(self.vocab_path, str(exc)) from exc
         if vocab is not None and vocab.size < self.metadata.vocab_size:
@@ -160,6 +165,8 @@ def _with_generations(metadata: RunMetadata, parts: list[Part]) -> RunMetadata:
             entries += found
         except (pa.ArrowException, OSError) as exc:
             raise RunFileError(part.path, arrow_reason(exc)) from exc
+        except RunFileError:
+            raise
         except ValueError as exc:
             raise RunFileError(part.path, str(exc)) from exc
     if len(entries) == len(metadata.generations):
@@ -173,24 +180,7 @@ def _with_generations(metadata: RunMetadata, parts: list[Part]) -> RunMetadata:
 
 
 def _check(layout: RunLayout) -> None:
-    """Every part has the id columns and the types the metadata implies; outside a spill folder (whose
-    chunks may predate a stage) every declared column is in some part (``_nonfinite`` flags may be absent)."""
-    present: set[str] = set()
-    for part in layout.parts:
-        names = set(part.schema.names)
-        lacking = [n for n in (*ID_COLUMNS, value_column("natural", layout.metadata.storage)) if n not in names]
-        if lacking:  # the id columns and the natural stage's values: every run, every chunk has them
-            raise RunFileError(part.path, f"it lacks the columns {lacking} every run has")
-        try:
-            check_columns(part.schema, layout.metadata, complete=False)
-        except ValueError as exc:
-            raise RunFileError(part.path, str(exc)) from exc
-        present |= names
-    if layout.kind != "spill" and layout.parts:
-        try:
-            check_columns(layout.parts[0].schema, layout.metadata, present=present)
-        except ValueError as exc:
-            raise RunFileError(layout.parts[0].path, str(exc)) from exc
+    check_schemas([(p.path, p.schema) for p in layout.parts], layout.metadata, spill=layout.kind == "spill")
 
 
 def _parts_of_one_run(
@@ -299,6 +289,5 @@ def open_layout(path: str | os.PathLike[str], run_id: str | None = None) -> RunL
 def _checked(layout: RunLayout, run_id: str | None) -> RunLayout:
     if run_id is not None and layout.metadata.run_id != run_id:
         raise ValueError(f"run_id={run_id!r} is not in '{layout.path}': it holds run {layout.metadata.run_id!r}")
-    layout = replace(layout, metadata=_with_generations(layout.metadata, layout.parts))
-    _check(layout)
-    return layout
+    _check(layout)  # the columns first: the generations are read from one of them
+    return replace(layout, metadata=_with_generations(layout.metadata, layout.parts))

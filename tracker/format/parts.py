@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from tracker.format.checks import RunFileError, arrow_reason, check_batch
+from tracker.format.checks import RunFileError, arrow_reason, check_batch, check_row_groups
 from tracker.format.columns import ARROW_SCHEMA_KEY, NOT_ROWS, RUN_META, bits_name, restore, restored_schema
 from tracker.format.schema import (
     GENERATIONS_COLUMN,
@@ -74,6 +74,7 @@ class _ParquetPart:
             page_checksum_verification=True,
             metadata=metadata,
         )
+        check_row_groups(path, self.file.metadata)  # row counts a damaged footer lowered lose no rows silently
         self.nbytes = int(os.path.getsize(path) if source is None else source.size())
         self._run: RunMetadata | None = None
         self._names: dict[str, str] = {}  # run column -> file column, where they differ

@@ -331,10 +331,9 @@ class RunMetadata:
             raise ValueError(
                 f"run metadata: vocab_size and top_k must be >= 0, got {data['vocab_size']} and {data['top_k']}"
             )
-        if not all(isinstance(s, str) for s in data["stages"]):
-            raise ValueError(f"run metadata field 'stages' must be a list of names, got {data['stages']!r:.80}")
-        if not data["stages"] or data["stages"][0] != "natural":
-            raise ValueError(f"run metadata field 'stages' must begin with 'natural', got {data['stages']!r:.80}")
+        stages = data["stages"]
+        if not all(isinstance(s, str) for s in stages) or stages[:1] != ["natural"] or len(set(stages)) < len(stages):
+            raise ValueError(f"run metadata field 'stages' must begin with 'natural', each once, got {stages!r:.80}")
         check_generations(data.get("generations", []), data["vocab_size"])
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in data.get("eos_token_ids", [])):
             raise ValueError(
@@ -437,11 +436,12 @@ def check_columns(
     """Every column the metadata implies is there with its type.
 
     ``_nonfinite`` flags may be absent; with ``complete=False`` (a spill chunk
-    written before a stage was added) any column may be. ``present``: the
-    columns that count as there (default: the schema's; a run of several
-    files passes the union of theirs). ValueError saying which column is
-    missing or of which wrong type.
+    written before a stage was added) any column may be. ``present``: the columns that count as there (default:
+    the schema's; a run of several files passes the union of theirs). ValueError saying which column is
+    missing, of which wrong type, or there twice.
     """
+    if repeated := sorted({n for n in schema.names if schema.names.count(n) > 1}):
+        raise ValueError(f"it holds columns {repeated} more than once; a run file has each column once")
     try:
         expected = run_schema(metadata.storage, metadata.stages, metadata.vocab_size, metadata.top_k)
     except (ValueError, TypeError, OverflowError, pa.ArrowException) as exc:

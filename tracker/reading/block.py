@@ -189,10 +189,12 @@ def topk_columns(batches: list[pa.RecordBatch], blocks: tuple[tuple[int, np.ndar
     lse, allowed = out["lse"], out["allowed"]
     damaged = damaged_lse(out["logits"], lse)
     if damaged.any():  # probabilities above 1: refuse rather than answer them
+        first = out["logits"][damaged][0]
+        largest = np.where(np.isnan(first), -np.inf, first).max(initial=-np.inf)
         raise DamagedRowError(
             f"stage {stage!r}: {int(damaged.sum())} stored row(s) have a log-sum-exp ({stage}_lse) below their "
-            f"largest stored logit (first: {lse[damaged][0]:.4g} < {np.nanmax(out['logits'][damaged][0]):.4g}); "
-            "the run file is damaged"
+            f"largest stored logit, or +inf where they store no +inf (first: {lse[damaged][0]:.4g}, largest "
+            f"{largest:.4g}); the run file is damaged"
         )
     values = one_hot_rows(out["logits"].astype(np.float32), lse)
     natural = None

@@ -86,27 +86,36 @@ class Comparison:
         return self.divergence is None
 
     def summary(self) -> str:
-        """One sentence: identical, or where and how they diverge."""
+        """One sentence: identical, or where and how they diverge; and which steps' tokens are not known (the
+        last of a sequence whose run stopped before its token came back)."""
+        steps = self.steps["step"]
+        unknown = {side: steps[self.steps[f"chosen_{side.lower()}"] < 0].tolist() for side in "AB"}
+        said = "".join(f"; {side}'s token at step(s) {at} is not known" for side, at in unknown.items() if at)
         if self.divergence is None:
+            if said:
+                return f"the same tokens at every step both runs know ({self.length_a} steps){said}"
             return f"identical: {self.length_a} steps with the same tokens"
         d = self.divergence
         if d >= min(self.length_a, self.length_b):
-            return f"the same first {d} tokens; then one sequence ends (A has {self.length_a} steps, B {self.length_b})"
-        row = self.steps.iloc[d]
-        return f"the same first {d} tokens; at step {d} A chose {_label(row['token_a'])} and B chose {_label(row['token_b'])}"
+            ends = f"then one sequence ends (A has {self.length_a} steps, B {self.length_b})"
+            return f"the same first {d} tokens; {ends}{said}"
+        row = self.steps.set_index("step").loc[d]
+        return f"the same first {d} tokens; at step {d} A chose {_label(row['token_a'])} and B chose {_label(row['token_b'])}{said}"
 
     def __repr__(self) -> str:
         return f"Comparison({self.summary()}; stages={self.stages}, exact={self.exact})"
 
 
 def _label(token: str | None) -> str:
-    return "an unknown token" if token is None else token_label(token)
+    return token_label(token) if isinstance(token, str) else "an unknown token"
 
 
 def first_divergence(a: np.ndarray, b: np.ndarray) -> int | None:
-    """The first index where ``a`` and ``b`` differ, or the shorter length when one is a prefix; None when equal."""
+    """The first index where ``a`` and ``b`` (token ids) differ, or the shorter length when one is a prefix; None
+    when equal. An unknown id (< 0) differs from no id: it is not known to."""
     n = min(len(a), len(b))
-    differ = np.nonzero(np.asarray(a[:n]) != np.asarray(b[:n]))[0]
+    x, y = np.asarray(a[:n]), np.asarray(b[:n])
+    differ = np.nonzero((x != y) & (x >= 0) & (y >= 0))[0]
     if differ.size:
         return int(differ[0])
     return None if len(a) == len(b) else n
@@ -329,8 +338,9 @@ def compare(
         "chosen_b": chosen_b[steps],
         "token_a": [display_a[c] if c >= 0 else None for c in chosen_a[steps].tolist()],
         "token_b": [display_b[c] if c >= 0 else None for c in chosen_b[steps].tolist()],
-        "same": chosen_a[steps] == chosen_b[steps],
+        "same": pd.array(chosen_a[steps] == chosen_b[steps], dtype="boolean"),
     }
+    frame["same"][(chosen_a[steps] < 0) | (chosen_b[steps] < 0)] = pd.NA  # not known either way
     options_a = {"sequence": sequence_a, "generation": generation_a, "include_finished": include_finished}
     options_b = {"sequence": sequence_b, "generation": generation_b, "include_finished": include_finished}
     probs_a = _values(run_a, sel_a, index, True, options_a)

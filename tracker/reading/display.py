@@ -22,7 +22,7 @@ import numpy as np
 from tracker.reading.why import step_probabilities
 
 __all__ = ["SequenceView", "StepView", "format_probability", "run_html", "sequence_html", "step_html", "step_svg"]
-__all__ += ["token_label"]
+__all__ += ["token_label", "clip_text", "TOKEN_CHARS"]
 
 _STAGE_COLOURS = ("#4c78a8", "#f58518", "#54a24b", "#b279a2", "#e45756", "#72b7b2", "#9d755d")
 _MAX_TABLE_STEPS = 64
@@ -39,11 +39,23 @@ def _e(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
+#: The most characters one token's text shows (a vocabulary entry from a file may be a megabyte long: drawn
+#: whole, in a chart's labels or a table, it would stall the page); the rest is counted, not shown.
+TOKEN_CHARS = 100
+
+
+def clip_text(text: str, limit: int = TOKEN_CHARS) -> str:
+    """``text``, or its first ``limit`` characters and how many more there are."""
+    return text if len(text) <= limit else f"{text[:limit]}…(+{len(text) - limit:,} characters)"
+
+
 def token_label(text: str) -> str:
-    """A token's text made visible: spaces as ``␣``, newlines as ``↵``, tabs as ``⇥``, empty as ``∅``."""
+    """A token's text made visible: spaces as ``␣``, newlines as ``↵``, tabs as ``⇥``, empty as ``∅``; past
+    :data:`TOKEN_CHARS` characters, clipped (:func:`clip_text`)."""
     if text == "":
         return "∅"
-    return text.replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥").replace("\r", "␍")
+    shown = text[:TOKEN_CHARS].replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥").replace("\r", "␍")
+    return shown + clip_text(text)[TOKEN_CHARS:]  # what is left out, counted
 
 
 def _colour(p: float) -> str:
@@ -134,7 +146,7 @@ def _step_rows(run: Any, position: int, generation: int, sequence: int, k: int, 
     rows, chosen, i = step_probabilities(
         run, position, sequence=sequence, generation=generation, include_finished=include_finished
     )
-    best = np.nanmax(np.stack(list(rows.values())), axis=0)
+    best = np.fmax.reduce(np.stack(list(rows.values())), axis=0)  # NaN (unknown) in every stage: NaN, no warning
     best = np.where(np.isnan(best), -1.0, best)
     ids = np.argsort(-best, kind="stable")[: min(k, best.size)]
     ids = ids[best[ids] > 0]

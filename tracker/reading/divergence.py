@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from tracker.reading.compare import _BLOCK_ELEMENTS, _KEYS, _as_run, _pick_stages, compare
+from tracker.reading.compare import _BLOCK_ELEMENTS, _KEYS, _as_run, _pick_stages, compare, first_divergence
 
 __all__ = ["RunComparison", "compare_runs", "QUANTILES"]
 
@@ -145,6 +145,15 @@ class RunComparison:
             lines.append(f"  {name:<32} {shown}")
         if self.note:
             lines.append(f"note: {self.note}")
+        differ, shared = self.totals["tokens_differ"], self.totals["same_context"]
+        if differ:
+            lines.append(
+                f"note: the runs chose different tokens at {differ} of {self.totals['steps']} steps: after a "
+                "sequence's first different token, B's distributions follow B's own text, so KL, Δp and "
+                "perplexity B compare different contexts (B's probabilities of A's tokens). Still comparable: "
+                f"perplexity A, and the {shared['steps']} step(s) up to each sequence's first difference, read "
+                f"after the same text (KL mean (natural) {shared['kl_mean']:.6g} there)"
+            )
         return "\n".join(lines)
 
     def to_json(self) -> str:
@@ -211,7 +220,9 @@ def _one_sequence(
         "step": sel_a.steps[:n].astype(np.int64),
         "token_id": chosen,
         "token": [run_a.vocab.display[c] if c >= 0 else None for c in chosen.tolist()],
-        "same": chosen == sel_b.chosen[:n],
+        "same": (chosen == sel_b.chosen[:n]) & known,
+        # the steps both runs reached through the same text: their distributions answer the same context
+        "same_context": np.arange(n) <= (n if (d := first_divergence(chosen, sel_b.chosen[:n])) is None else d),
     }
     exact = True
     if full:
@@ -303,6 +314,13 @@ def compare_runs(
     totals: dict[str, Any] = {"steps": len(steps), "sequences": len(pairs)}
     totals["kl"] = {name: _quantiles(steps[f"kl_{name}"].to_numpy(np.float64)) for name in names}
     totals.update(_token_stats(steps))
+    known = steps["token_id"].to_numpy() >= 0
+    totals["tokens_differ"] = int((known & ~steps["same"].to_numpy(bool)).sum())
+    shared = steps[steps["same_context"].to_numpy(bool)]
+    totals["same_context"] = {
+        "steps": len(shared),
+        "kl_mean": _quantiles(shared["kl_natural"].to_numpy(np.float64))["mean"],
+    }
     note = (
         ""
         if exact

@@ -15,11 +15,13 @@ take all of that from their columns and read no row for it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
+from tracker.format.checks import LSE_TOLERANCE, DamagedRowError
 from tracker.format.schema import flag_column
 from tracker.reading.block import Block, full_rows, read_as_recorded, take_rows, topk_columns
 from tracker.reading.rows import (
@@ -113,7 +115,19 @@ class Passes(Selecting):
     def _topk(self, stage: str, sel: Selection) -> Block:
         """Top-k storage of a stage over the selection."""
         key = ("topk", stage, sel.generation, sel.sequence, sel.length, sel.part)
-        return self._cached(key, lambda: topk_columns(self._record_batches(), sel.blocks, stage))
+        with self._naming_the_file():
+            return self._cached(key, lambda: topk_columns(self._record_batches(), sel.blocks, stage))
+
+    @contextmanager
+    def _naming_the_file(self) -> Iterator[None]:
+        """A damaged row's error names the file it came from, when the run knows it (:attr:`source`)."""
+        try:
+            yield
+        except DamagedRowError as exc:
+            source = getattr(self, "source", None)
+            if source is None or str(exc).startswith("'"):
+                raise
+            raise DamagedRowError(f"'{source}': {exc}") from exc
 
     def _map(
         self,
@@ -180,6 +194,9 @@ class Passes(Selecting):
                     [_top(read[s]) for s in others],
                 )
                 lses.update(zip(others, shared))
+            for stage in stages:  # a file's recorded log-sum-exp: a stored logit above it would give p > 1
+                if stage not in todo:
+                    _check_below(batches[b], stage, rows, _top(read[stage]), lses[stage])
             for stage in todo:
                 if stage not in lses:
                     lses[stage] = logsumexp_rows(read[stage][0], _top(read[stage]))
@@ -190,7 +207,8 @@ class Passes(Selecting):
                 blocks[stage] = Block(values, lses[stage], gmax=gmax)
             return found, (None if work is None else work(start, blocks))
 
-        results = map_blocks(one, len(pieces))
+        with self._naming_the_file():
+            results = map_blocks(one, len(pieces))
         for stage in missing:
             parts = [found[stage] for found, _ in results]
             self._cache()[("scan", stage, sel.generation, sel.sequence, sel.length, sel.part)] = {
@@ -221,20 +239,40 @@ def _read(
     gmax = None
     if groupable(values):
         gmax = group_max(values) if maxima is None else take_rows(maxima, rows)
-    top, facts, bad = None, None, nonfinite
+    top, facts, bad = row_max(values, gmax), None, nonfinite
+    held = np.isnan(top) | (top == np.inf)
     if bad is None:
-        top = row_max(values, gmax)
-        bad = np.isnan(top) | (top == np.inf)
+        bad = held
         nan = np.zeros(rows.size)
         if bad.any():
             nan[bad] = np.count_nonzero(np.isnan(values[bad]), axis=1)
         facts = {"nan": nan, "nonfinite": bad}
+    elif (lying := held & ~bad & (True if valid is None else valid)).any():  # a file's statistics may lie
+        raise DamagedRowError(
+            f"stage {stage!r}: the row at {_where(batch, int(rows[np.argmax(lying)]))} holds NaN or +inf though its "
+            f"statistics ({stage}_nan, {stage}_lse) say it holds none; the run file is damaged"
+        )
     fixed = read_as_recorded(values, bad, valid)
     if fixed is not values:
         values = fixed
         gmax = group_max(values) if gmax is not None else None
         top = None
     return (values, gmax, top), facts
+
+
+def _where(batch: Any, row: int) -> str:
+    return ", ".join(f"{n} {batch.column(n)[row].as_py()}" for n in ("generation", "sequence", "step"))
+
+
+def _check_below(batch: Any, stage: str, rows: np.ndarray, top: np.ndarray, lse: np.ndarray) -> None:
+    """DamagedRowError naming the first row whose largest stored logit exceeds its recorded log-sum-exp."""
+    with np.errstate(invalid="ignore"):
+        above = np.isfinite(top) & (top > lse + LSE_TOLERANCE * np.maximum(1.0, np.abs(lse)))
+    if above.any():
+        raise DamagedRowError(
+            f"stage {stage!r}: the row at {_where(batch, int(rows[np.argmax(above)]))} holds a logit above its "
+            f"recorded log-sum-exp ({stage}_lse): its probabilities would exceed 1; the run file is damaged"
+        )
 
 
 def _top(read: tuple[np.ndarray, np.ndarray | None, np.ndarray | None]) -> np.ndarray:

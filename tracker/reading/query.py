@@ -31,16 +31,19 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import pyarrow as pa
 
 from processors.vocab import Vocabulary
+from tracker.format.checks import DamagedRowError, RunFileError
 from tracker.reading.query_sources import RunSource, find_sources
 from tracker.reading.selection import count_arg
 
-__all__ = ["Dataset", "open_dataset", "VIEWS", "QueryError"]
+__all__ = ["Dataset", "open_dataset", "VIEWS", "QueryError", "QueryLimitError"]
 
 #: The views a query can name.
 VIEWS = ("runs", "steps", "sequences", "candidates")
@@ -61,6 +64,33 @@ def _one_line(exc: BaseException) -> str:
 
 class QueryError(ValueError):
     """A query DuckDB refused; the message is DuckDB's, on one line."""
+
+
+class QueryLimitError(QueryError):
+    """A query stopped at a limit it was given: ``limit`` is ``"timeout"`` or ``"memory"``; the message says
+    which, and how much."""
+
+    def __init__(self, limit: str, message: str) -> None:
+        self.limit = limit
+        super().__init__(message)
+
+
+_SIZE = re.compile(r"^\s*\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)\s*$", re.IGNORECASE)
+
+
+def memory_size(memory: str | None) -> str | None:
+    """``memory`` as DuckDB's ``memory_limit`` reads it (``"500MB"``, ``"4GB"``), or None; ValueError else."""
+    if memory is not None and (not isinstance(memory, str) or not _SIZE.match(memory)):
+        raise ValueError(f"memory must be a size such as '500MB' or '4GB', got {memory!r}")
+    return None if memory is None else memory.strip()
+
+
+def _timeout_arg(timeout: float | None) -> float | None:
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf")
+    ):
+        raise ValueError(f"timeout must be a number of seconds > 0, or None for no limit, got {timeout!r}")
+    return timeout
 
 
 _RUNS_SCHEMA = pa.schema(
@@ -121,9 +151,21 @@ class Dataset:
         location: the path or URL it was opened on.
         k: tokens per step and stage in the ``candidates`` view.
         connection: the DuckDB connection (the views are registered on it as queries name them).
+        memory: the most memory DuckDB may use for a query (``"4GB"``; None: DuckDB's default, 80% of the
+            machine's), beyond the views' tables themselves.
+        skipped: the runs of a folder left out because they cannot be read (RunFileError naming each file):
+            found when the folder was opened, or when a view first read a run's values (that run is then
+            missing from the views made from then on).
     """
 
-    def __init__(self, location: str, sources: list[RunSource], k: int) -> None:
+    def __init__(
+        self,
+        location: str,
+        sources: list[RunSource],
+        k: int,
+        skipped: list[RunFileError] | None = None,
+        memory: str | None = None,
+    ) -> None:
         try:
             import duckdb
         except ImportError as exc:
@@ -139,7 +181,12 @@ class Dataset:
         self._slow_sequences: list[pa.Table] = []
         self._registered: set[str] = set()
         self._vocabularies: dict[bytes, Vocabulary] = {}
-        self.connection = duckdb.connect(":memory:", config=dict(_DUCKDB_CONFIG))
+        self.skipped: list[RunFileError] = list(skipped or [])
+        self._alone = len(sources) == 1 and not self.skipped  # one run: its error is the query's
+        self.memory = memory_size(memory)
+        self._deadline: tuple[float, float] | None = None  # (monotonic end, seconds) while a query runs
+        config = dict(_DUCKDB_CONFIG) | ({} if self.memory is None else {"memory_limit": self.memory})
+        self.connection = duckdb.connect(":memory:", config=config)
 
     @property
     def run_ids(self) -> list[str]:
@@ -165,7 +212,7 @@ class Dataset:
             elif view == "candidates":
                 from tracker.reading.query_views import candidates_table
 
-                tables = [candidates_table(s.load(self._vocabularies), self.k) for s in self._sources]
+                tables = self._each_run(lambda s: candidates_table(s.load(self._vocabularies), self.k))
                 self._tables[view] = pa.concat_tables(tables)
             elif view == "steps":
                 self._steps(columns)
@@ -206,14 +253,38 @@ class Dataset:
             table, self._texts = steps_of_runs(scanned, self._vocabularies, columns)
             steps.append(table)
         self._steps_columns = None if columns is None else set(columns)
-        self._slow_sequences = []
-        for source in self._sources:
-            if source.has_stats and not source.metadata.stage_aliases:
-                continue
-            s, q = steps_tables(source.load(self._vocabularies))
-            steps.append(s)
-            self._slow_sequences.append(q)
+        slow = [s for s in self._sources if not (s.has_stats and not s.metadata.stage_aliases)]
+        made = self._each_run(lambda source: steps_tables(source.load(self._vocabularies)), slow)
+        steps += [s for s, _ in made]
+        self._slow_sequences = [q for _, q in made]
         self._tables["steps"] = pa.concat_tables(steps, promote_options="permissive")
+
+    def _each_run(self, make: Callable[[RunSource], Any], sources: list[RunSource] | None = None) -> list[Any]:
+        """``make(source)`` for every run (of ``sources``); a run that cannot be read is left out of the views
+        from then on and named in :attr:`skipped` (raised when the dataset is that one run)."""
+        made, gone = [], []
+        for source in self._sources if sources is None else sources:
+            self._check_time()
+            try:
+                try:
+                    made.append(make(source))
+                except DamagedRowError as exc:  # a row its query found damaged: the file is
+                    raise RunFileError(source.where, str(exc)) from exc
+            except RunFileError as exc:
+                if self._alone:
+                    raise
+                self.skipped.append(exc)
+                gone.append(source)
+        self._sources = [s for s in self._sources if s not in gone]
+        return made
+
+    def _check_time(self) -> None:
+        if self._deadline is not None and time.monotonic() > self._deadline[0]:
+            raise self._timed_out()
+
+    def _timed_out(self) -> QueryLimitError:
+        seconds = self._deadline[1] if self._deadline is not None else 0
+        return QueryLimitError("timeout", f"the query ran past its time limit of {seconds:g} s")
 
     def _sequences(self) -> None:
         from tracker.reading.query_steps import sequences_of_runs
@@ -252,39 +323,62 @@ class Dataset:
                 stack.extend(node)
         return names
 
-    def sql(self, query: str) -> pa.Table:
+    def sql(self, query: str, *, timeout: float | None = None) -> pa.Table:
         """The answer to ``query`` (DuckDB's SQL over :data:`VIEWS`) as an Arrow table (``.to_pandas()`` for a
-        DataFrame). QueryError with DuckDB's message, on one line, when DuckDB refuses it."""
+        DataFrame). QueryError with DuckDB's message, on one line, when DuckDB refuses it; QueryLimitError
+        when it runs past ``timeout`` seconds (making the views it names included; None: no limit) or needs
+        more than :attr:`memory`."""
         import duckdb
 
         if not isinstance(query, str) or not query.strip():
             raise ValueError(f"query must be SQL text, got {query!r}")
-        named = self._named(query)
-        if "steps" in self._registered and not self._has(named):
-            self.table("steps", named)  # the columns this query reads that steps does not hold yet
-        while True:  # a view's table is made when DuckDB first misses it
-            try:
-                result = self.connection.sql(query)
-                if result is None:  # a statement without a result (SET, CREATE VIEW ...)
-                    return pa.table({})
-                return result.to_arrow_table() if hasattr(result, "to_arrow_table") else result.arrow()
-            except duckdb.CatalogException as exc:
-                missing = re.search(r"Table with name (\w+) does not exist", str(exc))
-                view = missing.group(1).lower() if missing else None
-                if view not in VIEWS or view in self._registered:
-                    raise QueryError(f"{_one_line(exc)} (the views are {', '.join(VIEWS)})") from exc
-                self.table(view, named)
-            except duckdb.Error as exc:
-                raise QueryError(_one_line(exc)) from exc
+        timeout = _timeout_arg(timeout)
+        self._deadline = None if timeout is None else (time.monotonic() + timeout, timeout)
+        timer = None if timeout is None else threading.Timer(timeout, self.connection.interrupt)
+        if timer is not None:
+            timer.daemon = True
+            timer.start()
+        try:
+            named = self._named(query)
+            if "steps" in self._registered and not self._has(named):
+                self.table("steps", named)  # the columns this query reads that steps does not hold yet
+            while True:  # a view's table is made when DuckDB first misses it
+                try:
+                    self._check_time()
+                    result = self.connection.sql(query)
+                    if result is None:  # a statement without a result (SET, CREATE VIEW ...)
+                        return pa.table({})
+                    return result.to_arrow_table() if hasattr(result, "to_arrow_table") else result.arrow()
+                except duckdb.CatalogException as exc:
+                    missing = re.search(r"Table with name (\w+) does not exist", str(exc))
+                    view = missing.group(1).lower() if missing else None
+                    if view not in VIEWS or view in self._registered:
+                        raise QueryError(f"{_one_line(exc)} (the views are {', '.join(VIEWS)})") from exc
+                    self.table(view, named)
+                except duckdb.InterruptException as exc:
+                    raise self._timed_out() from exc
+                except duckdb.OutOfMemoryException as exc:
+                    limit = self.memory or "DuckDB's default (80% of this machine's)"
+                    raise QueryLimitError("memory", f"the query needed more than its memory limit of {limit}") from exc
+                except duckdb.Error as exc:
+                    raise QueryError(_one_line(exc)) from exc
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self._deadline = None
 
 
-def open_dataset(location: str | os.PathLike[str], *, k: int = 10) -> Dataset:
+def open_dataset(location: str | os.PathLike[str], *, k: int = 10, memory: str | None = None) -> Dataset:
     """The runs at ``location`` (a run file, a folder of runs, a ``run_id=...`` dataset, or a URL of any of
     them) as DuckDB views; ``k``: tokens per step and stage in ``candidates`` (at most the stored ``top_k``
-    in top-k storage). Reads the runs' footers now and their values only when a query needs them.
+    in top-k storage); ``memory``: the most DuckDB may use for a query (``"4GB"``; default: DuckDB's, 80% of
+    the machine's). Reads the runs' footers now and their values only when a query needs them; a file of a
+    folder that cannot be read is left out and named in :attr:`Dataset.skipped`.
 
     FileNotFoundError (:class:`~tracker.format.layout.NoRunError`) when no run is there;
     :class:`~tracker.format.layout.RunFileError` naming a file that is not a readable run.
     """
     k = count_arg("k", k)
-    return Dataset(str(location), find_sources(location), k)
+    memory = memory_size(memory)
+    skipped: list[RunFileError] = []
+    return Dataset(str(location), find_sources(location, skipped), k, skipped, memory)

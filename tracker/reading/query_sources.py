@@ -13,6 +13,7 @@ so every byte passes the format's checks. Needs pyarrow and numpy.
 from __future__ import annotations
 
 import os
+import posixpath
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -21,10 +22,10 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from processors.vocab import Vocabulary
-from tracker.format.checks import RunFileError, arrow_reason, metadata_from, vocabulary_from
+from tracker.format.checks import RunFileError, arrow_reason, check_rows, check_schemas, metadata_from, vocabulary_from
 from tracker.format.discovery import FoundRun, NoRunError, find_runs
 from tracker.format.parts import ID_COLUMNS, Part, open_part
-from tracker.format.schema import META_VOCAB, RunMetadata, check_columns, check_generations
+from tracker.format.schema import META_VOCAB, RunMetadata, check_generations
 from tracker.format.table import RunTable
 from tracker.format.table_index import footer_of
 from tracker.reading.run import Run
@@ -104,9 +105,10 @@ class RunSource:
                 return load_vocab(table.fs, table.where, key, table.location)
             if self.vocab_raw is None:
                 return None
-            if self.vocab_raw not in shared:
-                shared[self.vocab_raw] = vocabulary_from(self.vocab_raw)  # type: ignore[assignment]
-            return shared[self.vocab_raw]
+            key = (self.vocab_raw, self.metadata.vocab_size)  # one copy per vocabulary, checked against each width
+            if key not in shared:
+                shared[key] = vocabulary_from(self.vocab_raw, self.metadata.vocab_size)  # type: ignore[index]
+            return shared[key]  # type: ignore[index]
         except (ValueError, OSError) as exc:
             raise RunFileError(self.names[0], str(exc)) from exc
 
@@ -145,18 +147,18 @@ class RunSource:
             entries += found
             batches += table.to_batches()
         entries.sort(key=lambda e: e.get("generation", -1))
+        check_rows(self.where, batches, self.metadata)
         return Run(batches, replace(self.metadata, generations=entries), self.vocabulary(shared))
+
+    @property
+    def where(self) -> str:
+        """The run's file, or the folder of its files: what its errors name."""
+        return self.names[0] if len(self.names) == 1 else posixpath.dirname(self.names[0])
 
 
 def _check_part(part: Part, metadata: RunMetadata) -> None:
     part.bind(metadata)
-    missing = [n for n in ID_COLUMNS if n not in part.schema.names]
-    try:
-        if missing:
-            raise ValueError(f"it lacks the id columns {missing} every run has")
-        check_columns(part.schema, metadata, complete=False)
-    except ValueError as exc:
-        raise RunFileError(part.path, str(exc)) from exc
+    check_schemas([(part.path, part.schema)], metadata, spill=True)  # this file alone; the run's all at load
 
 
 def _metadata(path: str, raw: bytes | None) -> RunMetadata:
@@ -191,23 +193,21 @@ def _of_table(found: FoundRun) -> RunSource:
     )
 
 
-def _of_files(found: list[FoundRun]) -> list[RunSource]:
-    """The runs held by these runs' files (files of one run share its run id), from their footers."""
+def _of_files(found: list[FoundRun], skipped: list[RunFileError] | None = None) -> list[RunSource]:
+    """The runs held by these runs' files (files of one run share its run id), from their footers. With
+    ``skipped`` (the files of a folder), a file that cannot be read is left out and its error added there;
+    without it, RunFileError."""
     runs: dict[str, RunSource] = {}
     for run in found:
         for path in run.files:
             name = _url(run.fs, path)
-            part = open_part(Path(path)) if isinstance(run.fs, pafs.LocalFileSystem) else open_part(path, run.fs, name)
-            raw, ref = part.described()
-            metadata = _metadata(name, raw)
-            _check_part(part, metadata)
             try:
-                entries = part.generations()
-                check_generations(entries, metadata.vocab_size)
-            except (pa.ArrowException, OSError) as exc:
-                raise RunFileError(name, arrow_reason(exc)) from exc
-            except ValueError as exc:
-                raise RunFileError(name, str(exc)) from exc
+                part, metadata, ref, entries = _read_footer(run, path, name)
+            except RunFileError as exc:
+                if skipped is None:
+                    raise
+                skipped.append(exc)
+                continue
             source = runs.get(metadata.run_id)
             if source is None:
                 vocab_ref = (run.table, ref) if ref is not None and run.table is not None else None
@@ -231,6 +231,24 @@ def _of_files(found: list[FoundRun]) -> list[RunSource]:
     return list(runs.values())
 
 
+def _read_footer(run: FoundRun, path: str, name: str) -> tuple[Part, RunMetadata, str | None, list[dict]]:
+    """One file's part, run metadata, vocabulary reference and generation entries, checked; RunFileError."""
+    part = open_part(Path(path)) if isinstance(run.fs, pafs.LocalFileSystem) else open_part(path, run.fs, name)
+    raw, ref = part.described()
+    metadata = _metadata(name, raw)
+    _check_part(part, metadata)
+    try:
+        entries = part.generations()
+        check_generations(entries, metadata.vocab_size)
+    except (pa.ArrowException, OSError) as exc:
+        raise RunFileError(name, arrow_reason(exc)) from exc
+    except RunFileError:
+        raise
+    except ValueError as exc:
+        raise RunFileError(name, str(exc)) from exc
+    return part, metadata, ref, entries
+
+
 def _steps(part: Part) -> int:
     """The largest step of a Parquet part + 1, from its footer's statistics (an IPC part: from its ids)."""
     meta = getattr(getattr(part, "file", None), "metadata", None)
@@ -248,9 +266,11 @@ def _steps(part: Part) -> int:
     return high + 1
 
 
-def find_sources(location: str | os.PathLike[str]) -> list[RunSource]:
+def find_sources(location: str | os.PathLike[str], skipped: list[RunFileError] | None = None) -> list[RunSource]:
     """Every complete run at ``location`` (a run file, a folder of run files, a table or a folder of
-    completion markers, or a URL of one), sorted by run id; NoRunError when none is there."""
+    completion markers, or a URL of one), sorted by run id; NoRunError when none is there. With ``skipped``,
+    a file of a folder that cannot be read is left out and its error added there (raised when no run is left);
+    a run file given alone that cannot be read raises RunFileError."""
     found = [r for r in find_runs(location, depth=1) if r.kind != "spill"]
     if not found:
         raise NoRunError(
@@ -258,5 +278,8 @@ def find_sources(location: str | os.PathLike[str]) -> list[RunSource]:
             "the folder holds no run files (.parquet, .arrow), no table and no complete run_id=... folders",
         )
     sources = [_of_table(r) for r in found if r.kind == "table"]
-    sources += _of_files([r for r in found if r.kind != "table"])
+    alone = len(found) == 1 and len(found[0].files) == 1 and found[0].kind != "table"
+    sources += _of_files([r for r in found if r.kind != "table"], None if alone else skipped)
+    if not sources and skipped:
+        raise skipped[0]
     return sorted(sources, key=lambda s: s.metadata.run_id)

@@ -37,8 +37,8 @@ from tracker.reading.query_views import INT_PREFIXES, SEQUENCES_SCHEMA, sampling
 __all__ = ["Scanned", "scan_runs", "steps_of_runs", "sequences_of_runs"]
 
 _IDS = ["generation", "sequence", "step", "chosen", "processor_error"]
-#: The statistics the views show or check (not the chosen token's logit).
-_STATS = [n for n in STAT_COLUMNS if n != "chosen_logit"]
+#: The statistics the views show or check.
+_STATS = list(STAT_COLUMNS)
 #: Per statistic, the ``steps`` columns (``<name>_<stage>``) made of it.
 _SHOWN = {
     "entropy": ("entropy",),
@@ -121,6 +121,8 @@ def _statistics(columns: set[str] | None, stage: str) -> list[str]:
         wanted |= {"nan", "lse", "max"}  # the log-sum-exp is checked against the largest logit
     if wanted & {"entropy", "allowed"}:
         wanted |= {"lse", "allowed"}  # which rows hold a distribution, and how many tokens it spreads over
+    if "p_chosen" in wanted:
+        wanted |= {"chosen_logit", "lse", "rank_chosen"}  # the chosen token's probability is checked against them
     return [f"{stage}_{n}" for n in _STATS if n in wanted]
 
 

@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 
 from processors.vocab import Vocabulary
-from tracker.format.checks import check_stats, check_topk
+from tracker.format.checks import check_rows
 from tracker.format.columns import restore
 from tracker.format.dataset import write_run
 from tracker.format.layout import (
@@ -47,7 +47,6 @@ from tracker.format.layout import (
 from tracker.format.run_file import write_parquet
 from tracker.format.schema import (
     GENERATIONS_COLUMN,
-    ID_SCHEMA,
     META_RUN,
     META_VOCAB,
     RunMetadata,
@@ -83,6 +82,8 @@ class Run(Insight, Analysis):
         self.metadata = metadata
         self._vocab_source = vocab
         self._exported: list[pa.RecordBatch] | None = None
+        #: The file or folder the run was loaded from (named by the errors of damaged rows); None in memory.
+        self.source: str | None = None
 
     # ---------------------------------------------------------------- data
 
@@ -256,10 +257,7 @@ class Run(Insight, Analysis):
         if layout.note is not None:
             warnings.warn(layout.note, PartialRunWarning, stacklevel=2)
         batches = layout.batches()
-        if batches:
-            ids = [pa.Table.from_batches([b.select(list(ID_SCHEMA.names))]) for b in batches]
-            layout.check_rows(pa.concat_tables(ids, promote_options="permissive"))
-            check_topk(layout.path, batches, layout.metadata)
-            for batch in batches:
-                check_stats(layout.path, batch, layout.metadata)
-        return cls(batches, layout.metadata, layout.vocabulary())
+        check_rows(layout.path, batches, layout.metadata)
+        run = cls(batches, layout.metadata, layout.vocabulary())
+        run.source = str(layout.path)
+        return run
