@@ -59,7 +59,7 @@ def _slid() -> None:
     st.session_state["step"] = st.session_state["step_slider"]
 
 
-run_stages = picked.summary.stages.split(", ")
+run_stages = data.stages(picked.path)
 stages = run_stages
 names = charts.stage_names(stages, data.stage_aliases(picked.path))
 if len(stages) > 3:  # a stage per processor: pick the ones to draw

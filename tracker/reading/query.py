@@ -52,6 +52,7 @@ from tracker.format.layout import (
 from tracker.format.marker import COMPLETE, complete_runs, read_marker
 from tracker.format.schema import GENERATIONS_COLUMN, META_RUN, META_VOCAB, STAT_COLUMNS, RunMetadata, check_columns
 from tracker.format.schema import generations_from_column as _generations
+from tracker.reading.engine_stages import applies as _engine_stages
 from tracker.reading.run import Run
 from tracker.reading.selection import count_arg
 
@@ -68,6 +69,15 @@ _DUCKDB_CONFIG = {
     "python_enable_replacements": False,  # a Python variable named like a view is not a table
     "lock_configuration": True,
 }
+
+
+def _computes_stages(metadata: RunMetadata) -> bool:
+    """Whether a run gets stages computed from its rows when read (vLLM's sampler): then its rows are read too.
+    Damaged sampling parameters count as yes: loading the run says what is wrong, naming its file."""
+    try:
+        return _engine_stages(metadata)
+    except ValueError:
+        return True
 
 
 def _one_line(exc: BaseException) -> str:
@@ -122,7 +132,10 @@ class _Source:
                 except ValueError as exc:
                     raise RunFileError(self.files[0], str(exc)) from exc
             vocab = vocabularies[raw]
-        return Run(batches, self.metadata, vocab)
+        try:  # a run vLLM sampled: its sampler's stages, computed from its rows
+            return Run(batches, self.metadata, vocab).with_engine_stages()
+        except ValueError as exc:
+            raise RunFileError(self.files[0], str(exc)) from exc
 
     def stats_columns(self) -> list[str]:
         """The columns :meth:`tracker.Run.stats` reads in a run with recorded statistics."""
@@ -352,7 +365,7 @@ class Dataset:
 
         steps, sequences = [], []
         for source in self._sources:
-            columns = source.stats_columns() if source.has_stats else None
+            columns = source.stats_columns() if source.has_stats and not _computes_stages(source.metadata) else None
             s, q = steps_tables(source.load(self._vocabularies, columns))
             steps.append(s)
             sequences.append(q)

@@ -77,9 +77,11 @@ def _is_swap(direction: Any) -> bool:
 
 
 def _sampling_summary(params: Any) -> dict[str, Any]:
-    """The request's sampling parameters that say how its tokens were drawn (JSON-ready)."""
-    out = {}
-    for key in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "repetition_penalty"):
+    """The request's sampling parameters that say how its tokens were drawn (JSON-ready), and ``"sampler":
+    "vllm"``: the run's reader computes vLLM's sampling stages from them (:mod:`tracker.reading.engine_stages`)."""
+    out: dict[str, Any] = {"sampler": "vllm"}
+    keys = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens")
+    for key in (*keys, "repetition_penalty", "frequency_penalty", "presence_penalty"):
         value = getattr(params, key, None)
         if value is not None:
             out[key] = value

@@ -1,0 +1,159 @@
+"""What a vLLM run says about its requests: which generations vLLM sampled, with which parameters, and
+which tokens each had output before each step (the inputs of :mod:`tracker.reading.vllm_sampler`).
+
+logitscope's vLLM processor (:mod:`tracker.recording.engines.vllm`) records each tracked request as a
+generation whose metadata holds ``prompt_ids`` (one list) and ``sampling`` (one dict per row) with the
+request's ``temperature, top_p, top_k, min_p, repetition_penalty, frequency_penalty, presence_penalty``
+and ``"sampler": "vllm"``. A run file may come from anyone: every value is checked before use, and a
+bad one is a ValueError naming the generation, the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tracker.format.schema import RunMetadata
+from tracker.reading.vllm_sampler import SAMPLING_EPS, RowParams
+
+__all__ = ["SAMPLER_KEY", "VLLM", "Request", "vllm_requests", "History", "row_params"]
+
+#: The key of a generation's sampling dict naming whose sampler its parameters follow.
+SAMPLER_KEY = "sampler"
+VLLM = "vllm"
+
+#: (key, default, check, what is allowed)
+_PARAMS: tuple[tuple[str, float, Any, str], ...] = (
+    ("temperature", 1.0, lambda v: v >= 0, "a number >= 0"),
+    ("top_p", 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    ("top_k", 0, lambda v: v >= -1 and float(v).is_integer(), "an integer >= -1 (0 or -1: none)"),
+    ("min_p", 0.0, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    ("repetition_penalty", 1.0, lambda v: v > 0, "a number > 0"),
+    ("frequency_penalty", 0.0, lambda v: True, "a finite number"),
+    ("presence_penalty", 0.0, lambda v: True, "a finite number"),
+)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One row of a vLLM generation: its parameters and its prompt's token ids."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    prompt_ids: tuple[int, ...]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the penalties change anything (then they need the output so far)."""
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+
+def _engine_says_vllm(metadata: RunMetadata) -> bool:
+    engine = getattr(metadata, "engine", None)
+    return isinstance(engine, str) and VLLM in engine.lower()
+
+
+def _parse(row: Mapping[str, Any], prompt: Any, where: str) -> Request:
+    values: dict[str, Any] = {}
+    for key, default, check, allowed in _PARAMS:
+        value = row.get(key, default)
+        if value is None:
+            value = default
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ValueError(f"{where}['{key}'] must be {allowed}, got {value!r:.80}")
+        if not check(value):
+            raise ValueError(f"{where}['{key}'] must be {allowed}, got {value!r:.80}")
+        values[key] = int(value) if key == "top_k" else float(value)
+    return Request(**values, prompt_ids=tuple(prompt) if isinstance(prompt, list) else ())
+
+
+def vllm_requests(metadata: RunMetadata) -> dict[tuple[int, int], Request]:
+    """``(generation, sequence) -> Request`` for every row vLLM sampled: rows whose sampling dict says
+    ``"sampler": "vllm"``, or every row with a sampling dict when the run's ``engine`` says vLLM. ValueError
+    naming the generation and the key when a parameter is not one vLLM takes."""
+    whole = _engine_says_vllm(metadata)
+    out: dict[tuple[int, int], Request] = {}
+    for entry in metadata.generations:
+        rows = entry.get("sampling")
+        if not isinstance(rows, list):
+            continue
+        prompts = entry.get("prompt_ids") or []
+        generation = int(entry["generation"])
+        for sequence, row in enumerate(rows):
+            if not isinstance(row, Mapping) or not (whole or row.get(SAMPLER_KEY) == VLLM):
+                continue
+            prompt = prompts[sequence] if sequence < len(prompts) else []
+            out[(generation, sequence)] = _parse(row, prompt, f"generation {generation}, sequence {sequence}: sampling")
+    return out
+
+
+def row_params(requests: list[Request], vocab_size: int) -> RowParams:
+    """The parameters of rows belonging to ``requests`` (one per row), as vLLM's input batch holds them."""
+
+    def column(name: str, dtype: Any) -> np.ndarray:
+        return np.array([getattr(r, name) for r in requests], dtype=dtype)
+
+    top_k = column("top_k", np.int64)
+    return RowParams(
+        temperature=column("temperature", np.float32),
+        top_k=np.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size),
+        top_p=column("top_p", np.float32),
+        min_p=column("min_p", np.float32),
+        repetition=column("repetition_penalty", np.float32),
+        frequency=column("frequency_penalty", np.float32),
+        presence=column("presence_penalty", np.float32),
+        greedy=np.array([r.greedy for r in requests], dtype=bool),
+    )
+
+
+class History:
+    """The token chosen at each recorded step of each sequence (from the id columns of the whole run), to
+    count what a request had output before a step."""
+
+    def __init__(self, generation: np.ndarray, sequence: np.ndarray, step: np.ndarray, chosen: np.ndarray) -> None:
+        order = np.lexsort((step, sequence, generation))
+        gen, seq, st, ch = generation[order], sequence[order], step[order], chosen[order]
+        self._rows: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        if not gen.size:
+            return
+        cuts = np.nonzero((np.diff(gen) != 0) | (np.diff(seq) != 0))[0] + 1
+        for a, b in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [gen.size]])):
+            self._rows[(int(gen[a]), int(seq[a]))] = (st[a:b].astype(np.int64), ch[a:b].astype(np.int64))
+
+    def counts(self, key: tuple[int, int], steps: np.ndarray, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(counts [n, V] int32, known [n])``: how often each token was chosen at steps ``0 .. s - 1``
+        before each of ``steps`` (one sequence's), and whether all those tokens are known (every step before
+        was recorded with its chosen token: not so after a preemption resumed the request mid-way)."""
+        rec_steps, tokens = self._rows.get(key, (np.zeros(0, np.int64), np.zeros(0, np.int64)))
+        steps = np.asarray(steps, dtype=np.int64)
+        n = steps.size
+        before = np.searchsorted(rec_steps, steps, side="left")  # recorded steps below each step
+        unknown = np.concatenate([[0], np.cumsum((tokens < 0) | (tokens >= vocab))])
+        known = (before == steps) & (unknown[before] == 0)  # steps 0 .. s - 1 all recorded, all chosen known
+        order = np.argsort(steps, kind="stable")
+        ends = before[order]
+        counts = np.zeros((n, vocab), dtype=np.int32)
+        used = int(ends.max()) if n else 0
+        if used:
+            owner = np.searchsorted(ends, np.arange(used), side="right")  # the first row that counts entry e
+            ok = (tokens[:used] >= 0) & (tokens[:used] < vocab)
+            flat = owner[ok] * vocab + tokens[:used][ok]
+            counts.reshape(-1)[:] = np.bincount(flat, minlength=n * vocab)
+            np.cumsum(counts, axis=0, out=counts)
+        out = np.empty_like(counts)
+        out[order] = counts
+        return out, known
