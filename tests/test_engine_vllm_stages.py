@@ -11,6 +11,8 @@ sampled stage's support. Needs ``pip install --no-deps -r .ci/engines.txt``.
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute  # noqa: F401 - pa.compute
 import pytest
 import torch
 from engines_support import import_or_skip
@@ -41,7 +43,7 @@ def vllm():
 
 class _Config:
     class scheduler_config:  # noqa: N801 - the attribute name vLLM reads
-        max_num_seqs = 8
+        max_num_seqs = 16
 
     model_config = None
 
@@ -66,9 +68,10 @@ REQUESTS = {
 }
 
 
-def _serve(vllm, root, mode: str, *, ties: bool) -> tuple[dict, dict, object]:
+def _serve(vllm, root, mode: str, *, ties: bool, twins: int = 0) -> tuple[dict, dict, object]:
     """Every request for :data:`STEPS` steps through vLLM's batch and sampler (``logprobs_mode=mode``,
-    ``logprobs=-1``: whole rows); what vLLM returned per request and step, and the tracker."""
+    ``logprobs=-1``: whole rows); what vLLM returned per request and step, and the tracker. ``twins``: each
+    request also has a twin recorded in top-k storage (``top_k=twins``), with the same seed and logits."""
     from tracker.recording.engines.vllm import LogitscopeLogitsProcessor
 
     class Tracked(LogitscopeLogitsProcessor):
@@ -79,7 +82,7 @@ def _serve(vllm, root, mode: str, *, ties: bool) -> tuple[dict, dict, object]:
     tracker = Tracked(_Config(), cpu, False)
     builtins = [cls(_Config(), cpu, False) for cls in lp.BUILTIN_LOGITS_PROCESSORS]
     batch = vllm["batch"].InputBatch(
-        max_num_reqs=8,
+        max_num_reqs=16,
         max_model_len=64,
         max_num_batched_tokens=512,
         device=cpu,
@@ -90,9 +93,14 @@ def _serve(vllm, root, mode: str, *, ties: bool) -> tuple[dict, dict, object]:
         logitsprocs_need_output_token_ids=True,
     )
     states = {}
-    for i, (name, kw) in enumerate(REQUESTS.items()):
-        params = vllm["params"](max_tokens=STEPS, logprobs=-1, extra_args={"logitscope": {"request_id": name}}, **kw)
-        prompt = [3 + i, 17, 3 + i, 250 + i]
+    names = [(name, name, {}) for name in REQUESTS]
+    if twins:
+        names += [(f"{name}:topk", name, {"storage": "topk", "top_k": twins}) for name in REQUESTS]
+    for i, (name, base, storage) in enumerate(names):
+        kw = REQUESTS[base]
+        options = {"logitscope": {"request_id": name, **storage}}
+        params = vllm["params"](max_tokens=STEPS, logprobs=-1, extra_args=options, **kw)
+        prompt = [3 + i % len(REQUESTS), 17, 3 + i % len(REQUESTS), 250 + i % len(REQUESTS)]
         generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         states[name] = vllm["batch"].CachedRequestState(
             req_id=name,
@@ -109,9 +117,10 @@ def _serve(vllm, root, mode: str, *, ties: bool) -> tuple[dict, dict, object]:
     batch.refresh_metadata()
     sampler = vllm["sampler"](logprobs_mode=mode)
     rng = torch.Generator().manual_seed(7)
-    returned = {name: [] for name in REQUESTS}
+    returned = {name: [] for name, _, _ in names}
     for _ in range(STEPS):
-        logits = torch.randn(batch.num_reqs, VOCAB, generator=rng) * 3
+        rows = dict(zip(REQUESTS, torch.randn(len(REQUESTS), VOCAB, generator=rng) * 3))
+        logits = torch.stack([rows[name.split(":")[0]] for name in batch.req_ids])  # a twin gets its request's
         if ties:  # many equal logits: the tie rules of top-k and top-p decide
             logits = logits.round(decimals=0) + (torch.arange(VOCAB) < 4).float() * 20
         out = sampler(logits, batch.sampling_metadata)
@@ -122,7 +131,7 @@ def _serve(vllm, root, mode: str, *, ties: bool) -> tuple[dict, dict, object]:
             returned[name].append((rows[index].numpy().copy(), sampled[index]))
             states[name].output_token_ids.append(sampled[index])
             batch.num_tokens_no_spec[index] += 1
-    for name in REQUESTS:
+    for name, _, _ in names:
         batch.remove_request(name)
     batch.condense()
     batch.refresh_metadata()
@@ -176,3 +185,38 @@ def test_vllms_processed_logprobs_are_the_sampled_stage_within_float32_rounding(
         assert np.array_equal(np.isneginf(mine), np.isneginf(theirs)), name
         finite = np.isfinite(theirs)
         assert np.abs(mine[finite] - theirs[finite]).max() <= 2e-6 * max(1.0, np.abs(theirs[finite]).max()), name
+
+
+def test_top_k_storage_gives_the_stages_it_can_know_equal_to_full_storage_and_no_others(vllm, tmp_path):
+    """Each request has a twin recorded in top-k storage (k=20) with the same logits and seed: where the twin's
+    run gives a stage's row, it is the full run's row at the kept tokens, with its whole row's statistics."""
+    returned, _, tracker = _serve(vllm, tmp_path, "processed_logits", ties=False, twins=20)
+    full = Run.load(tmp_path, run_id=tracker.run_id)
+    top = Run.load(tmp_path, run_id=f"{tracker.run_id}-topk20")
+    assert top.metadata.stages == ["natural", *ENGINE_STAGES]
+    expected = _stages(full)
+    table = top.to_arrow()
+    ids = {g["request_id"]: g["generation"] for g in top.metadata.generations}
+    full_table = full.to_arrow()
+    full_ids = {g["request_id"]: g["generation"] for g in full.metadata.generations}
+    shown = {}
+    for name in REQUESTS:
+        assert [t for _, t in returned[f"{name}:topk"]] == [t for _, t in returned[name]]  # the twins agree
+        mine = table.filter(pa.compute.equal(table["generation"], ids[f"{name}:topk"])).sort_by("step")
+        theirs = full_table.filter(pa.compute.equal(full_table["generation"], full_ids[name])).sort_by("step")
+        for stage in ENGINE_STAGES:
+            given = mine[f"{stage}_topk_ids"].is_valid().to_numpy(zero_copy_only=False)
+            shown[(name, stage)] = int(given.sum())
+            kept = np.array(mine[f"{stage}_topk_ids"].to_pylist(), dtype=object)
+            for step in np.nonzero(given)[0]:
+                at = np.array(kept[step], dtype=np.int64)
+                values = np.array(mine[f"{stage}_topk_logits"][step].as_py(), dtype=np.float32)
+                assert np.array_equal(values, expected[name][stage][step, at]), (name, stage, step)
+                for stat in ("lse", "allowed", "entropy", "p_chosen", "removed_mass"):
+                    a, b = mine[f"{stage}_{stat}"][step].as_py(), theirs[f"{stage}_{stat}"][step].as_py()
+                    assert a == pytest.approx(b, rel=1e-5, abs=1e-5), (name, stage, step, stat)
+    # what top-k storage can know: a greedy request's token, a top-k below the stored k, min-p that cuts the rest
+    assert shown[("greedy", "sampled")] == STEPS and shown[("top_k", "sampled")] == STEPS
+    assert shown[("top_k", "penalties")] == STEPS and shown[("top_k", "temperature")] == 0  # its rest rescaled
+    assert shown[("min_p", "min_p")] > 0 and shown[("everything", "top_p")] > 0
+    assert shown[("plain", "sampled")] == 0 and shown[("top_p", "sampled")] == 0  # the whole row is needed

@@ -157,3 +157,24 @@ class History:
         out = np.empty_like(counts)
         out[order] = counts
         return out, known
+
+    def counts_at(
+        self, key: tuple[int, int], steps: np.ndarray, ids: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """What :meth:`counts` gives, at token ``ids`` ``[n, k]`` (distinct per row) only: ``(counts [n, k],
+        outside [n], known [n])``, ``outside`` the distinct tokens output before each step that are not
+        among its ``ids``. Never a ``[n, V]`` array (top-k storage of a large vocabulary)."""
+        rec_steps, tokens = self._rows.get(key, (np.zeros(0, np.int64), np.zeros(0, np.int64)))
+        steps = np.asarray(steps, dtype=np.int64)
+        before = np.searchsorted(rec_steps, steps, side="left")
+        unknown = np.concatenate([[0], np.cumsum(tokens < 0)])
+        known = (before == steps) & (unknown[before] == 0)
+        span = tokens.size + 1
+        keys = np.sort(np.where(tokens >= 0, tokens, -1) * span + np.arange(tokens.size))
+        ids = np.asarray(ids, dtype=np.int64)
+        counts = np.searchsorted(keys, ids * span + before[:, None]) - np.searchsorted(keys, ids * span)
+        seen = tokens >= 0
+        _, first = np.unique(tokens[seen], return_index=True)
+        firsts = np.sort(np.nonzero(seen)[0][first])  # where each distinct token is first output
+        distinct = np.searchsorted(firsts, before)
+        return counts.astype(np.int32), distinct - (counts > 0).sum(axis=1), known
