@@ -1,7 +1,7 @@
 """vLLM's sampling stages computed when a run is read (:mod:`tracker.reading.engine_stages`), without vLLM.
 
 The maths against straightforward references on fresh random rows (vLLM's own sampler is the reference in
-``tests/test_engine_vllm_stages.py`` and in the real engine, ``tests/test_engine_vllm_real.py``); then runs
+``tests/test_engine_vllm_stages.py`` and in the real engine, ``tests/test_engine_vllm_served.py``); then runs
 recorded by the real tracker with vLLM's request metadata, read back through ``Run.load``, the dashboard's
 reader, SQL and the Step replay page.
 """

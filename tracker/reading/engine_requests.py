@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from tracker.format.schema import RunMetadata
 from tracker.reading.vllm_sampler import SAMPLING_EPS, RowParams
 
-__all__ = ["SAMPLER_KEY", "VLLM", "Request", "vllm_requests", "History", "row_params"]
+__all__ = ["SAMPLER_KEY", "VLLM", "Request", "vllm_requests", "History", "row_params", "rows_by_sequence"]
 
 #: The key of a generation's sampling dict naming whose sampler its parameters follow.
 SAMPLER_KEY = "sampler"
@@ -178,3 +179,12 @@ class History:
         firsts = np.sort(np.nonzero(seen)[0][first])  # where each distinct token is first output
         distinct = np.searchsorted(firsts, before)
         return counts.astype(np.int32), distinct - (counts > 0).sum(axis=1), known
+
+
+def rows_by_sequence(batch: pa.RecordBatch) -> dict[tuple[int, int], np.ndarray]:
+    """The rows of ``batch`` by ``(generation, sequence)``."""
+    gen = batch.column("generation").to_numpy(zero_copy_only=False)
+    seq = batch.column("sequence").to_numpy(zero_copy_only=False)
+    keys = gen.astype(np.int64) << 32 | seq.astype(np.int64)
+    unique, inverse = np.unique(keys, return_inverse=True)
+    return {(int(k >> 32), int(k & 0xFFFFFFFF)): np.nonzero(inverse == i)[0] for i, k in enumerate(unique)}

@@ -42,14 +42,14 @@ import pyarrow as pa
 from tracker.format.schema import FIELD_OFFSET, STAT_COLUMNS, RunMetadata, stage_fields, stat_names
 from tracker.reading import metrics
 from tracker.reading.block import Block, full_rows
-from tracker.reading.engine_requests import History, Request, row_params, vllm_requests
+from tracker.reading.engine_requests import History, Request, row_params, rows_by_sequence, vllm_requests
 from tracker.reading.rows import logsumexp_rows, nonfinite_rows
-from tracker.reading.vllm_sampler import min_p, penalties, sampled, temperature, top_k, top_p
+from tracker.reading.vllm_sampler import STAGES, min_p, penalties, sampled, temperature, top_k, top_p
 
 __all__ = ["ENGINE_STAGES", "applies", "engine_metadata", "history_of", "derive", "derive_batch"]
 
 #: The stages computed for a vLLM run, in vLLM's order.
-ENGINE_STAGES = ("penalties", "temperature", "min_p", "top_k", "top_p", "sampled")
+ENGINE_STAGES = STAGES
 _BLOCK_BYTES = 8 << 20  # rows worked on at once: each stage holds a block of float32 rows this size
 
 
@@ -95,7 +95,7 @@ def derive_batch(
     ok = ~nonfinite_rows(natural) if valid is None else valid & ~nonfinite_rows(np.where(valid[:, None], natural, 0))
     stages = {stage: np.zeros((n, vocab), np.float32) for stage in ENGINE_STAGES}
     done = np.zeros(n, dtype=bool)
-    for key, rows in _by_sequence(batch).items():
+    for key, rows in rows_by_sequence(batch).items():
         request = requests.get(key)
         if request is None:
             continue
@@ -114,14 +114,6 @@ def derive_batch(
                 stages[stage][part] = values
         done[rows] = True
     return _with_columns(batch, metadata, natural, done, stages)
-
-
-def _by_sequence(batch: pa.RecordBatch) -> dict[tuple[int, int], np.ndarray]:
-    gen = batch.column("generation").to_numpy(zero_copy_only=False)
-    seq = batch.column("sequence").to_numpy(zero_copy_only=False)
-    keys = gen.astype(np.int64) << 32 | seq.astype(np.int64)
-    unique, inverse = np.unique(keys, return_inverse=True)
-    return {(int(k >> 32), int(k & 0xFFFFFFFF)): np.nonzero(inverse == i)[0] for i, k in enumerate(unique)}
 
 
 def _prompt_mask(request: Request, vocab: int) -> np.ndarray:

@@ -30,12 +30,11 @@ import numpy as np
 import pyarrow as pa
 
 from tracker.format.schema import STAT_COLUMNS, RunMetadata, stage_fields, stat_names
-from tracker.reading.engine_requests import History, Request, row_params
-from tracker.reading.vllm_sampler import RowParams, min_p, penalties, sampled, temperature, top_k, top_p
+from tracker.reading.engine_requests import History, Request, row_params, rows_by_sequence
+from tracker.reading.vllm_sampler import STAGES, RowParams, min_p, penalties, sampled, temperature, top_k, top_p
 
 __all__ = ["derive_topk_batch"]
 
-_STAGES = ("penalties", "temperature", "min_p", "top_k", "top_p", "sampled")
 _NEG_INF = np.float32(-np.inf)
 
 
@@ -56,8 +55,6 @@ def derive_topk_batch(
     batch: pa.RecordBatch, metadata: RunMetadata, requests: dict[tuple[int, int], Request], history: History
 ) -> pa.RecordBatch:
     """One top-k record batch with the columns of the engine stages added (see the module docstring)."""
-    from tracker.reading.engine_stages import _by_sequence
-
     ids, valid = _column(batch, "natural_topk_ids", np.int64, 0)
     natural, _ = _column(batch, "natural_topk_logits", np.float32, np.nan)
     order = np.argsort(ids, axis=1, kind="stable")  # kept tokens by id: vLLM's order among equal logits
@@ -68,11 +65,11 @@ def derive_topk_batch(
         ok = valid & np.isfinite(lse) & ~np.isnan(natural).any(axis=1) & (natural < np.inf).all(axis=1)
         kept = (natural > -np.inf).sum(axis=1)
         floor = np.where(allowed > kept, natural.min(axis=1), -np.inf).astype(np.float32)  # the others lie below
-    values = {stage: np.full((n, width), _NEG_INF) for stage in _STAGES}
-    given = {stage: np.zeros(n, dtype=bool) for stage in _STAGES}
-    whole = {stage: np.zeros(n, dtype=bool) for stage in _STAGES}
+    values = {stage: np.full((n, width), _NEG_INF) for stage in STAGES}
+    given = {stage: np.zeros(n, dtype=bool) for stage in STAGES}
+    whole = {stage: np.zeros(n, dtype=bool) for stage in STAGES}
     steps = batch.column("step").to_numpy(zero_copy_only=False)
-    for key, rows in _by_sequence(batch).items():
+    for key, rows in rows_by_sequence(batch).items():
         request = requests.get(key)
         rows = rows[ok[rows]]
         if request is None or not rows.size:
@@ -89,7 +86,7 @@ def derive_topk_batch(
         out, shown, complete = _stages(
             natural[rows], floor[rows], request, counts, prompt, outside, metadata.vocab_size
         )
-        for stage in _STAGES:
+        for stage in STAGES:
             values[stage][rows], given[stage][rows], whole[stage][rows] = out[stage], shown[stage], complete[stage]
     return _with_columns(batch, metadata, ids, natural, lse, values, given, whole)
 
@@ -182,7 +179,7 @@ def _with_columns(
     chosen = batch.column("chosen").fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
     eos = np.array(metadata.eos_token_ids, dtype=np.int64)
     fields, arrays = list(batch.schema), list(batch.columns)
-    for stage in _STAGES:
+    for stage in STAGES:
         missing = ~given[stage]
         rows = np.where(given[stage][:, None], values[stage], _NEG_INF)
         columns = {

@@ -47,8 +47,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["SAMPLING_EPS", "RowParams", "penalties", "temperature", "min_p", "top_k", "top_p", "sampled"]
+__all__ = ["STAGES", "SAMPLING_EPS", "RowParams", "penalties", "temperature", "min_p", "top_k", "top_p", "sampled"]
 
+#: The stages, in vLLM's order (``sampled``: the distribution drawn from, as log-probabilities).
+STAGES = ("penalties", "temperature", "min_p", "top_k", "top_p", "sampled")
 #: vLLM's ``_SAMPLING_EPS``: a temperature below it means greedy sampling.
 SAMPLING_EPS = 1e-5
 
