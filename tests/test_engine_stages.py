@@ -325,3 +325,22 @@ def test_top_k_storage_of_a_small_row_knows_every_stage():
     p = np.exp(row - row.max())
     np.testing.assert_allclose(probs["temperature"], p / p.sum(axis=1, keepdims=True), rtol=1e-5, atol=1e-8)
     assert math.isclose(float(probs["sampled"].sum(axis=1).max()), 1, rel_tol=1e-5)
+
+
+def test_top_p_over_a_large_vocabulary_sorts_only_the_best_tokens_and_cuts_the_same(monkeypatch):
+    """Rows whose best :data:`CANDIDATES` tokens hold the mass top-p keeps are decided from them alone; flat rows
+    and rows with a tie across that cut are sorted whole: the same tokens cut either way."""
+    from tracker.reading import vllm_sampler
+
+    rng = np.random.default_rng(6)
+    candidates = vllm_sampler.CANDIDATES
+    vocab = 3 * candidates
+    rows = (rng.standard_normal((6, vocab)) * 3).astype(np.float32)
+    rows[1] = rng.standard_normal(vocab).astype(np.float32) * 0.01  # flat: its best tokens hold too little
+    rows[2] = np.round(rows[2])  # ties across the cut
+    params = row_params([_parse_one(top_p=0.8)] * 6, vocab)
+    cut = top_p(rows, params)
+    monkeypatch.setattr(vllm_sampler, "CANDIDATES", 10 * vocab)
+    assert np.array_equal(cut, top_p(rows, params))
+    kept = (cut > -np.inf).sum(axis=1)
+    assert kept[1] > candidates > kept[0] > 1

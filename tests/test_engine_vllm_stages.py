@@ -22,7 +22,7 @@ from tracker.reading.engine_stages import ENGINE_STAGES
 
 pytestmark = pytest.mark.engines
 
-VOCAB = 1000
+VOCAB = 4096  # above vllm_sampler.CANDIDATES: top-p sorts only the best tokens where their mass allows
 STEPS = 10
 
 

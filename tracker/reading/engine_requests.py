@@ -135,36 +135,19 @@ class History:
         for a, b in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [gen.size]])):
             self._rows[(int(gen[a]), int(seq[a]))] = (st[a:b].astype(np.int64), ch[a:b].astype(np.int64))
 
-    def counts(self, key: tuple[int, int], steps: np.ndarray, vocab: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(counts [n, V] int32, known [n])``: how often each token was chosen at steps ``0 .. s - 1``
-        before each of ``steps`` (one sequence's), and whether all those tokens are known (every step before
-        was recorded with its chosen token: not so after a preemption resumed the request mid-way)."""
-        rec_steps, tokens = self._rows.get(key, (np.zeros(0, np.int64), np.zeros(0, np.int64)))
-        steps = np.asarray(steps, dtype=np.int64)
-        n = steps.size
-        before = np.searchsorted(rec_steps, steps, side="left")  # recorded steps below each step
-        unknown = np.concatenate([[0], np.cumsum((tokens < 0) | (tokens >= vocab))])
-        known = (before == steps) & (unknown[before] == 0)  # steps 0 .. s - 1 all recorded, all chosen known
-        order = np.argsort(steps, kind="stable")
-        ends = before[order]
-        counts = np.zeros((n, vocab), dtype=np.int32)
-        used = int(ends.max()) if n else 0
-        if used:
-            owner = np.searchsorted(ends, np.arange(used), side="right")  # the first row that counts entry e
-            ok = (tokens[:used] >= 0) & (tokens[:used] < vocab)
-            flat = owner[ok] * vocab + tokens[:used][ok]
-            counts.reshape(-1)[:] = np.bincount(flat, minlength=n * vocab)
-            np.cumsum(counts, axis=0, out=counts)
-        out = np.empty_like(counts)
-        out[order] = counts
-        return out, known
+    def tokens(self, key: tuple[int, int], vocab: int) -> np.ndarray:
+        """The distinct token ids the sequence output at its recorded steps."""
+        tokens = self._rows.get(key, (None, np.zeros(0, np.int64)))[1]
+        return np.unique(tokens[(tokens >= 0) & (tokens < vocab)])
 
     def counts_at(
         self, key: tuple[int, int], steps: np.ndarray, ids: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """What :meth:`counts` gives, at token ``ids`` ``[n, k]`` (distinct per row) only: ``(counts [n, k],
-        outside [n], known [n])``, ``outside`` the distinct tokens output before each step that are not
-        among its ``ids``. Never a ``[n, V]`` array (top-k storage of a large vocabulary)."""
+        """How often each of token ``ids`` ``[n, k]`` (distinct per row) was chosen at steps ``0 .. s - 1``
+        before each of ``steps`` (one sequence's): ``(counts [n, k], outside [n], known [n])``. ``outside``:
+        the distinct tokens output before each step that are not among its ``ids``; ``known``: all those tokens
+        are known (every step before was recorded with its chosen token: not so after a preemption resumed
+        the request mid-way). Never a ``[n, V]`` array."""
         rec_steps, tokens = self._rows.get(key, (np.zeros(0, np.int64), np.zeros(0, np.int64)))
         steps = np.asarray(steps, dtype=np.int64)
         before = np.searchsorted(rec_steps, steps, side="left")

@@ -43,7 +43,7 @@ from tracker.format.schema import FIELD_OFFSET, STAT_COLUMNS, RunMetadata, stage
 from tracker.reading import metrics
 from tracker.reading.block import Block, full_rows
 from tracker.reading.engine_requests import History, Request, row_params, rows_by_sequence, vllm_requests
-from tracker.reading.rows import logsumexp_rows, nonfinite_rows
+from tracker.reading.rows import NEG_INF, logsumexp_rows, masked, nonfinite_rows, probabilities
 from tracker.reading.vllm_sampler import STAGES, min_p, penalties, sampled, temperature, top_k, top_p
 
 __all__ = ["ENGINE_STAGES", "applies", "engine_metadata", "history_of", "derive", "derive_batch"]
@@ -93,44 +93,47 @@ def derive_batch(
     vocab, n = metadata.vocab_size, batch.num_rows
     natural, valid = full_rows(batch, "natural", np.arange(n), vocab)
     ok = ~nonfinite_rows(natural) if valid is None else valid & ~nonfinite_rows(np.where(valid[:, None], natural, 0))
-    stages = {stage: np.zeros((n, vocab), np.float32) for stage in ENGINE_STAGES}
+    stages: dict[str, np.ndarray] = {}
     done = np.zeros(n, dtype=bool)
     for key, rows in rows_by_sequence(batch).items():
         request = requests.get(key)
         if request is None:
             continue
         rows = rows[ok[rows]]
-        counts, known = (None, np.ones(rows.size, bool))
-        if request.penalised and rows.size:
-            counts, known = history.counts(key, batch.column("step").to_numpy()[rows], vocab)
-            counts = counts[known]
-        rows = rows[known]
+        columns = counts = prompt = None
+        if request.penalised and rows.size:  # the tokens penalties reach: the prompt's and the output's
+            prompt_ids = np.array([t for t in set(request.prompt_ids) if 0 <= t < vocab], dtype=np.int64)
+            columns = np.union1d(prompt_ids, history.tokens(key, vocab))
+            wanted = np.broadcast_to(columns, (rows.size, columns.size))
+            counts, _, known = history.counts_at(key, batch.column("step").to_numpy()[rows], wanted)
+            rows, counts = rows[known], counts[known]
+            prompt = np.isin(columns, prompt_ids)[None, :]
         per = max(1, _BLOCK_BYTES // (4 * max(vocab, 1)))
-        prompt = _prompt_mask(request, vocab) if request.penalised else None
         for a in range(0, rows.size, per):
             part = rows[a : a + per]
-            out = _stage_rows(natural[part], request, None if counts is None else counts[a : a + per], prompt)
+            used = None if counts is None else (columns, counts[a : a + per], prompt)
+            out = _stage_rows(natural[part], request, used)
+            if part.size == n:  # the whole batch in one block (a request's part of a run): no copy
+                stages = out
+                continue
             for stage, values in out.items():
-                stages[stage][part] = values
+                stages.setdefault(stage, np.zeros((n, vocab), np.float32))[part] = values
         done[rows] = True
     return _with_columns(batch, metadata, natural, done, stages)
 
 
-def _prompt_mask(request: Request, vocab: int) -> np.ndarray:
-    mask = np.zeros((1, vocab), dtype=bool)
-    ids = np.array([t for t in request.prompt_ids if 0 <= t < vocab], dtype=np.int64)
-    mask[0, ids] = True
-    return mask
-
-
 def _stage_rows(
-    natural: np.ndarray, request: Request, counts: np.ndarray | None, prompt: np.ndarray | None
+    natural: np.ndarray, request: Request, penalised: tuple[np.ndarray, np.ndarray, np.ndarray] | None
 ) -> dict[str, np.ndarray]:
-    """The rows of every engine stage for rows ``natural`` of one request, in vLLM's order."""
+    """The rows of every engine stage for rows ``natural`` of one request, in vLLM's order. ``penalised``:
+    the token ids penalties may reach, their counts in the output before each row and whether the prompt
+    holds them (penalties change no other token: ``x * 1`` and ``x - 0``)."""
     params = row_params([request] * natural.shape[0], natural.shape[1])
-    if prompt is not None:
-        prompt = np.broadcast_to(prompt, natural.shape)
-    out = {"penalties": penalties(natural, prompt, counts, params)}
+    out = {"penalties": natural.copy()}
+    if penalised is not None and penalised[0].size:
+        columns, counts, prompt = penalised
+        prompt = np.broadcast_to(prompt, counts.shape)
+        out["penalties"][:, columns] = penalties(natural[:, columns], prompt, counts, params)
     out["temperature"] = temperature(out["penalties"], params)
     out["min_p"] = min_p(out["temperature"], params)
     out["top_k"] = top_k(out["min_p"], params)
@@ -168,22 +171,30 @@ def stat_arrays(
 ) -> dict[str, pa.Array]:
     """The statistics columns (:data:`~tracker.format.schema.STAT_COLUMNS`) of full rows ``values`` of a
     stage after ``natural`` (rows ``missing`` null; the chosen token's columns null where it is unknown)."""
-    lse = logsumexp_rows(values)
+    n = values.shape[0]
+    top = values.max(axis=1) if values.shape[1] else np.full(n, -np.inf, np.float32)
+    allowed = np.count_nonzero(values > NEG_INF, axis=1)
+    lse, entropy = _lse_entropy(values, top, allowed)
     block = Block(values, lse)
-    p_chosen, rank = metrics.chosen(block, chosen)
     at = np.take_along_axis(values, np.maximum(chosen, 0)[:, None], axis=1)[:, 0]
+    removed, margin = np.zeros(n), np.zeros(n)
+    cut = np.nonzero(allowed != natural.allowed)[0]  # a stage that masks no more than natural removed nothing
+    if cut.size:
+        part, nat = Block(values[cut], lse[cut]), Block(natural.values[cut], natural.lse[cut])
+        kept = masked(nat.values, part.values)
+        removed[cut], margin[cut] = metrics.removed_mass(nat, part, kept), metrics.margin(nat, part, kept)
     found: dict[str, Any] = {
         "lse": lse,
-        "allowed": metrics.allowed(block),
-        "max": values.max(axis=1) if values.shape[1] else np.full(values.shape[0], -np.inf),
-        "entropy": metrics.entropy(block),
-        "nan": np.zeros(values.shape[0]),
+        "allowed": allowed,
+        "max": top,
+        "entropy": entropy,
+        "nan": np.zeros(n),
         "p_eos": metrics.p_eos(block, eos),
-        "removed_mass": metrics.removed_mass(natural, block),
-        "margin": metrics.margin(natural, block),
+        "removed_mass": removed,
+        "margin": margin,
         "chosen_logit": at,
-        "p_chosen": p_chosen,
-        "rank_chosen": rank,
+        "p_chosen": probabilities(at, lse),
+        "rank_chosen": (values > at[:, None]).sum(axis=1),
     }
     unknown = missing | (chosen < 0)
     out = {}
@@ -197,6 +208,25 @@ def stat_arrays(
     return out
 
 
+def _lse_entropy(values: np.ndarray, top: np.ndarray, allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's log-sum-exp (float32, as the record's) and entropy; over the allowed entries alone where
+    every row allows few (a filtered stage), else over the whole rows (:mod:`tracker.reading.metrics`)."""
+    n, vocab = values.shape
+    if not n or int(allowed.max()) > vocab // 16:
+        lse = logsumexp_rows(values, top)
+        return lse, metrics.entropy(Block(values, lse))
+    row, col = np.nonzero(values > NEG_INF)
+    shift = np.where(np.isfinite(top), top, np.float32(0))
+    terms = np.exp((values[row, col] - shift[row]).astype(np.float32))
+    sums = np.bincount(row, weights=terms, minlength=n).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        lse = (np.log(sums) + shift).astype(np.float32)
+    lse[allowed == 0] = NEG_INF
+    logp = values[row, col].astype(np.float64) - lse[row]
+    entropy = -np.bincount(row, weights=np.exp(logp) * logp, minlength=n)
+    return lse, np.where(allowed > 0, entropy, np.nan)
+
+
 def _with_columns(
     batch: pa.RecordBatch, metadata: RunMetadata, natural: np.ndarray, done: np.ndarray, stages: dict[str, np.ndarray]
 ) -> pa.RecordBatch:
@@ -208,14 +238,17 @@ def _with_columns(
     missing = ~done
     chosen = batch.column("chosen").fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
     chosen = np.where(chosen < vocab, chosen, -1)
-    plain = np.where(done[:, None], natural, np.float32(0))
-    natural_block = Block(plain, logsumexp_rows(plain))
+    plain = natural if done.all() else np.where(done[:, None], natural, np.float32(0))
+    natural_block = Block(plain, logsumexp_rows(plain), allowed=np.count_nonzero(plain > NEG_INF, axis=1))
     # the previous stage: its rows, its null rows and its columns by suffix ("logits", a statistic, "nonfinite")
     recorded = batch.column("natural_logits").is_null().to_numpy(zero_copy_only=False)
     previous = (plain, recorded, {n[len("natural_") :]: batch.column(n) for n in names if n.startswith("natural_")})
     fields, arrays = list(batch.schema), list(batch.columns)
     for stage in ENGINE_STAGES:
-        values = np.where(done[:, None], stages.pop(stage), np.float32(0))
+        values = stages.pop(stage, None)
+        if values is None:  # no row of the batch is known
+            values = np.zeros((batch.num_rows, vocab), np.float32)
+        values[missing] = 0
         schema = stage_fields(stage, storage, vocab, metadata.top_k, flags=flags, stats=with_stats)
         same = np.array_equal(missing, previous[1]) and np.array_equal(
             values.view(np.int32), previous[0].view(np.int32)

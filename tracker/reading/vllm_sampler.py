@@ -47,10 +47,25 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["STAGES", "SAMPLING_EPS", "RowParams", "penalties", "temperature", "min_p", "top_k", "top_p", "sampled"]
+from tracker.reading.rows import compact, logsumexp_rows, topk_rows
+
+__all__ = [
+    "STAGES",
+    "CANDIDATES",
+    "SAMPLING_EPS",
+    "RowParams",
+    "penalties",
+    "temperature",
+    "min_p",
+    "top_k",
+    "top_p",
+    "sampled",
+]
 
 #: The stages, in vLLM's order (``sampled``: the distribution drawn from, as log-probabilities).
 STAGES = ("penalties", "temperature", "min_p", "top_k", "top_p", "sampled")
+#: Top-p sorts a row's this many largest logits when they hold all but ``1 - top_p`` of its mass (else all).
+CANDIDATES = 1024
 #: vLLM's ``_SAMPLING_EPS``: a temperature below it means greedy sampling.
 SAMPLING_EPS = 1e-5
 
@@ -114,7 +129,7 @@ def _softmax32(rows: np.ndarray) -> np.ndarray:
     top = np.where(np.isfinite(top), top, _F32(0))
     with np.errstate(invalid="ignore", over="ignore"):
         terms = np.exp(rows - top)
-        scale = _F32(1) / terms.sum(axis=1, dtype=np.float64).astype(_F32)
+        scale = _F32(1) / terms.sum(axis=1)
     return terms * scale[:, None]
 
 
@@ -137,39 +152,77 @@ def top_k(rows: np.ndarray, params: RowParams) -> np.ndarray:
     vocab = rows.shape[1]
     k = params.top_k.astype(np.int64)
     which = np.nonzero((k > 0) & (k < vocab) & ~params.greedy)[0]
-    for size in np.unique(k[which]):  # one partition per distinct k (requests rarely differ)
+    allowed = np.count_nonzero(rows[which] > _NEG_INF, axis=1)
+    which = which[allowed > k[which]]  # a row allowing at most k tokens keeps them all
+    for size in np.unique(k[which]):  # one search per distinct k (requests rarely differ)
         part = which[k[which] == size]
-        floor = np.partition(rows[part], vocab - size, axis=1)[:, vocab - size]
+        floor = topk_rows(rows[part], int(size))[0][:, -1]  # the k-th largest logit
         out[part] = np.where(rows[part] < floor[:, None], _NEG_INF, rows[part])
     return out
 
 
 def top_p(rows: np.ndarray, params: RowParams) -> np.ndarray:
-    """Top-p over each row (after top-k), with vLLM's sorted running sum (see the module docstring)."""
+    """Top-p over each row (after top-k), with vLLM's sorted running sum (see the module docstring).
+
+    A row whose :data:`CANDIDATES` largest logits hold all but at most ``1 - top_p`` of its mass (and no
+    token outside them ties with the smallest) has every other token cut, since their running sums are
+    at most that rest: only the candidates are sorted, their running sums the rest plus theirs (in
+    float64, as vLLM's). Other rows are sorted whole."""
     out = rows.copy()
     which = np.nonzero((params.top_p < 1) & ~params.greedy)[0]
     if not which.size:
         return out
     block = rows[which]
-    order = np.argsort(block, axis=1, kind="stable")
-    ordered = np.take_along_axis(block, order, axis=1)
-    running = np.cumsum(_softmax32(ordered), axis=1, dtype=np.float64).astype(_F32)
-    drop = running <= (_F32(1) - params.top_p[which].astype(_F32))[:, None]
-    drop[:, -1] = False
-    np.put_along_axis(block, order, np.where(drop, _NEG_INF, ordered), axis=1)
+    limit = (_F32(1) - params.top_p[which].astype(_F32))[:, None]
+    probs = _softmax32(block)
+    vocab = block.shape[1]
+    fast = np.zeros(which.size, dtype=bool)
+    if vocab > CANDIDATES:
+        allowed = np.count_nonzero(block > _NEG_INF, axis=1)
+        if int(allowed.max()) <= CANDIDATES:  # after top-k or min-p: the allowed tokens are the candidates
+            owner, cols = np.nonzero(block > _NEG_INF)
+            values, ids, _ = compact(owner, cols, block[owner, cols], which.size, np.float32(_NEG_INF))
+            closed = np.ones(which.size, dtype=bool)
+        else:
+            ids = np.sort(topk_rows(block, CANDIDATES)[1], axis=1)
+            values = np.take_along_axis(block, ids, axis=1)
+            floor = values.min(axis=1, keepdims=True)  # no other token may tie with it (unless masked: all cut)
+            closed = (floor[:, 0] == _NEG_INF) | ((block >= floor).sum(axis=1) == CANDIDATES)
+        mass = np.where(values > _NEG_INF, np.take_along_axis(probs, ids, axis=1), 0).astype(np.float64)
+        rest = probs.sum(axis=1, dtype=np.float64) - mass.sum(axis=1)
+        fast = closed & (rest.astype(_F32) <= limit[:, 0])
+        if fast.any():
+            order = np.argsort(values[fast], axis=1, kind="stable")  # ascending; equal logits by id (ids sorted)
+            running = rest[fast, None] + np.cumsum(np.take_along_axis(mass[fast], order, axis=1), axis=1)
+            drop = running.astype(_F32) <= limit[fast]
+            drop[:, -1] = False
+            ordered = np.take_along_axis(values[fast], order, axis=1)
+            keep = ~drop & (ordered > _NEG_INF)  # padding (compacted rows) and masked tokens stay cut
+            at = np.take_along_axis(ids[fast], order, axis=1)
+            kept = np.full((int(fast.sum()), vocab), _NEG_INF, dtype=_F32)
+            r, c = np.nonzero(keep)
+            kept[r, at[r, c]] = ordered[r, c]
+            block[fast] = kept
+    slow = ~fast
+    if slow.any():
+        rest_rows = block[slow]
+        order = np.argsort(rest_rows, axis=1, kind="stable")
+        ordered = np.take_along_axis(rest_rows, order, axis=1)
+        running = np.cumsum(np.take_along_axis(probs[slow], order, axis=1), axis=1, dtype=np.float64).astype(_F32)
+        drop = running <= limit[slow]
+        drop[:, -1] = False
+        np.put_along_axis(rest_rows, order, np.where(drop, _NEG_INF, ordered), axis=1)
+        block[slow] = rest_rows
     out[which] = block
     return out
 
 
 def sampled(rows: np.ndarray, penalised: np.ndarray, params: RowParams) -> np.ndarray:
-    """The distribution drawn from, as log-probabilities: ``log_softmax(rows)`` (float32, computed in
-    float64); for greedy rows a one-hot on the argmax of ``penalised`` (0 there, ``-inf`` elsewhere)."""
-    wide = rows.astype(np.float64)
-    top = wide.max(axis=1, keepdims=True)
-    top = np.where(np.isfinite(top), top, 0.0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        lse = np.log(np.exp(wide - top).sum(axis=1, keepdims=True)) + top
-        out = (wide - lse).astype(_F32)
+    """The distribution drawn from, as log-probabilities: ``log_softmax(rows)`` (float32, as torch's); for
+    greedy rows a one-hot on the argmax of ``penalised`` (0 there, ``-inf`` elsewhere)."""
+    lse = logsumexp_rows(rows)
+    with np.errstate(invalid="ignore"):  # a row with nothing allowed: -inf - -inf
+        out = rows - np.where(np.isfinite(lse), lse, _F32(0))[:, None]
     greedy = np.nonzero(params.greedy)[0]
     if greedy.size:
         one_hot = np.full((greedy.size, rows.shape[1]), _NEG_INF, dtype=_F32)
