@@ -240,6 +240,9 @@ def test_the_step_replay_draws_each_stage_of_the_sampler(vllm_file):
     stats = Run.load(vllm_file).stats(generation=shown)
     assert stats["allowed_sampled"][0] < V  # the first generation's filters cut
     assert numbers["Allowed tokens"] == f"{int(stats['allowed_sampled'][0])} / {V}"  # what the sampler left
+    for page in ("overview", "compare"):  # the other pages take the run's stages too
+        at.switch_page(f"app_pages/{page}.py").run()
+        assert not at.exception, (page, at.exception[0].message if at.exception else "")
 
 
 def test_rows_that_cannot_be_known_are_null_never_guessed(tmp_path):
@@ -309,7 +312,7 @@ def test_half_precision_runs_get_their_stages_in_their_storage(storage):
             np.testing.assert_allclose(p.sum(axis=1), 1, rtol=1e-5)  # the stored lse is the stored row's
 
 
-def test_top_k_storage_of_a_small_row_knows_every_stage():
+def test_top_k_storage_of_a_small_row_knows_every_stage(tmp_path):
     """A row that allowed no more tokens than top-k storage kept is known whole: every stage follows."""
     rng = np.random.default_rng(5)
     natural = np.full((1, 1, 5, V), -np.inf, np.float32)
@@ -325,6 +328,16 @@ def test_top_k_storage_of_a_small_row_knows_every_stage():
     p = np.exp(row - row.max())
     np.testing.assert_allclose(probs["temperature"], p / p.sum(axis=1, keepdims=True), rtol=1e-5, atol=1e-8)
     assert math.isclose(float(probs["sampled"].sum(axis=1).max()), 1, rel_tol=1e-5)
+    Run(run._record_batches(), replace(run.metadata, generations=generations), run.vocab).to_parquet(
+        tmp_path / "t.parquet"
+    )
+    reader = RunReader(tmp_path / "t.parquet")
+    row = reader.step(reader.track(0, 0), 2)
+    shown = row.stages["temperature"]
+    assert shown.recorded and set(shown.ids[np.isfinite(shown.values)]) == set(range(6))
+    np.testing.assert_allclose(
+        np.exp(shown.values[shown.ids < 6] - shown.lse), probs["temperature"][2, shown.ids[shown.ids < 6]], rtol=1e-5
+    )
 
 
 def test_top_p_over_a_large_vocabulary_sorts_only_the_best_tokens_and_cuts_the_same(monkeypatch):
