@@ -20,7 +20,7 @@ from dashboard.reader import BadRunError, RunReader
 from dashboard.synthetic import hand_made_run
 from tracker import Run, open_dataset
 from tracker.format.layout import RunFileError
-from tracker.reading.engine_requests import row_params, vllm_requests
+from tracker.reading.engine_requests import request_from, row_params, vllm_requests
 from tracker.reading.engine_stages import ENGINE_STAGES
 from tracker.reading.vllm_sampler import min_p, penalties, sampled, temperature, top_k, top_p
 
@@ -35,10 +35,7 @@ PROMPT = (5, 6, 5, 40)
 
 
 def _params(request: dict, rows: int):
-    metadata_like = {"sampler": "vllm", **request}
-    from tracker.reading.engine_requests import _parse
-
-    return row_params([_parse(metadata_like, list(PROMPT), "test")] * rows, V)
+    return row_params([request_from({"sampler": "vllm", **request}, PROMPT)] * rows, V)
 
 
 # ---------------------------------------------------------------- the maths, against plain definitions
@@ -87,16 +84,14 @@ def test_ties_follow_vllms_rules():
     """Top-k keeps every token tied with the k-th; at a top-p boundary inside equal logits the lower ids go
     (vLLM sorts ascending, equal values by id, and cuts from the start)."""
     rows = np.array([[1.0, 3.0, 2.0, 2.0, 2.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]], np.float32)
-    params = row_params([replace(_parse_one(top_k=2, top_p=0.5))] * 2, 6)
+    params = row_params([replace(_request(top_k=2, top_p=0.5))] * 2, 6)
     assert (top_k(rows[:1], params.take(np.array([0]))) > -np.inf).tolist() == [[0, 1, 1, 1, 1, 0]]
     uniform = top_p(rows[1:], params.take(np.array([1])))
     assert (uniform > -np.inf).tolist() == [[0, 0, 0, 1, 1, 1]]  # 3/6 of the mass cut: ids 0, 1, 2
 
 
-def _parse_one(**request):
-    from tracker.reading.engine_requests import _parse
-
-    return _parse(request, [], "test")
+def _request(**request):
+    return request_from(request)
 
 
 def test_off_values_change_nothing_and_greedy_samples_one_token():
@@ -105,14 +100,14 @@ def test_off_values_change_nothing_and_greedy_samples_one_token():
     rows[1, 3] = rows[1].max() + 1
     rows[1, 9] = rows[1, 3]  # two equal maxima: the first id wins
     for off in (dict(top_k=-1), dict(top_k=0), dict(top_k=V), dict(top_p=1.0), dict(min_p=0.0)):
-        params = row_params([_parse_one(**off)] * 3, V)
+        params = row_params([_request(**off)] * 3, V)
         for stage in (min_p, top_k, top_p):
             assert np.array_equal(stage(rows, params), rows), off
-    greedy = row_params([_parse_one(temperature=0.0, top_k=2)] * 3, V)
+    greedy = row_params([_request(temperature=0.0, top_k=2)] * 3, V)
     assert np.array_equal(temperature(rows, greedy), rows)
     one_hot = sampled(rows, rows, greedy)
     assert ((one_hot == 0).sum(axis=1) == 1).all() and np.argmax(one_hot[1]) == 3
-    logp = sampled(rows, rows, row_params([_parse_one()] * 3, V))
+    logp = sampled(rows, rows, row_params([_request()] * 3, V))
     np.testing.assert_allclose(np.exp(logp.astype(np.float64)).sum(axis=1), 1, rtol=1e-6)
 
 
@@ -351,7 +346,7 @@ def test_top_p_over_a_large_vocabulary_sorts_only_the_best_tokens_and_cuts_the_s
     rows = (rng.standard_normal((6, vocab)) * 3).astype(np.float32)
     rows[1] = rng.standard_normal(vocab).astype(np.float32) * 0.01  # flat: its best tokens hold too little
     rows[2] = np.round(rows[2])  # ties across the cut
-    params = row_params([_parse_one(top_p=0.8)] * 6, vocab)
+    params = row_params([_request(top_p=0.8)] * 6, vocab)
     cut = top_p(rows, params)
     monkeypatch.setattr(vllm_sampler, "CANDIDATES", 10 * vocab)
     assert np.array_equal(cut, top_p(rows, params))

@@ -22,7 +22,16 @@ import pyarrow as pa
 from tracker.format.schema import RunMetadata
 from tracker.reading.vllm_sampler import SAMPLING_EPS, RowParams
 
-__all__ = ["SAMPLER_KEY", "VLLM", "Request", "vllm_requests", "History", "row_params", "rows_by_sequence"]
+__all__ = [
+    "SAMPLER_KEY",
+    "VLLM",
+    "Request",
+    "request_from",
+    "vllm_requests",
+    "History",
+    "row_params",
+    "rows_by_sequence",
+]
 
 #: The key of a generation's sampling dict naming whose sampler its parameters follow.
 SAMPLER_KEY = "sampler"
@@ -68,7 +77,9 @@ def _engine_says_vllm(metadata: RunMetadata) -> bool:
     return isinstance(engine, str) and VLLM in engine.lower()
 
 
-def _parse(row: Mapping[str, Any], prompt: Any, where: str) -> Request:
+def request_from(row: Mapping[str, Any], prompt: Any = (), where: str = "sampling") -> Request:
+    """One request's :class:`Request` from its sampling dict (vLLM's defaults for keys it lacks) and prompt ids;
+    ValueError naming ``where``, the key, the value and what is allowed."""
     values: dict[str, Any] = {}
     for key, default, check, allowed in _PARAMS:
         value = row.get(key, default)
@@ -79,7 +90,7 @@ def _parse(row: Mapping[str, Any], prompt: Any, where: str) -> Request:
         if not check(value):
             raise ValueError(f"{where}['{key}'] must be {allowed}, got {value!r:.80}")
         values[key] = int(value) if key == "top_k" else float(value)
-    return Request(**values, prompt_ids=tuple(prompt) if isinstance(prompt, list) else ())
+    return Request(**values, prompt_ids=tuple(prompt) if isinstance(prompt, (list, tuple)) else ())
 
 
 def vllm_requests(metadata: RunMetadata) -> dict[tuple[int, int], Request]:
@@ -98,7 +109,9 @@ def vllm_requests(metadata: RunMetadata) -> dict[tuple[int, int], Request]:
             if not isinstance(row, Mapping) or not (whole or row.get(SAMPLER_KEY) == VLLM):
                 continue
             prompt = prompts[sequence] if sequence < len(prompts) else []
-            out[(generation, sequence)] = _parse(row, prompt, f"generation {generation}, sequence {sequence}: sampling")
+            out[(generation, sequence)] = request_from(
+                row, prompt, f"generation {generation}, sequence {sequence}: sampling"
+            )
     return out
 
 
