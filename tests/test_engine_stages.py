@@ -280,6 +280,23 @@ def test_damaged_sampling_parameters_are_refused_naming_the_request_and_the_key(
     assert Run.load(path, engine_stages=False).metadata.stages == ["natural"]
 
 
+def test_a_run_whose_metadata_names_vllm_as_its_engine_gets_the_stages():
+    """The run-level marker (``extra["engine"]``, as the vLLM processor names the engine) serves as well as a
+    request's ``"sampler"``."""
+    served = _vllm_run()
+    plain = [
+        dict(g, sampling=[{k: v for k, v in g["sampling"][0].items() if k != "sampler"}])
+        for g in served.metadata.generations
+    ]
+    named = replace(served.metadata, generations=plain, extra={"engine": {"name": "vllm", "version": "0.32.0"}})
+    run = Run(served._record_batches(), named, served.vocab).with_engine_stages()
+    assert run.metadata.stages == ["natural", *ENGINE_STAGES]
+    expected = served.with_engine_stages().get_logits(generation=0)
+    assert np.array_equal(run.get_logits(generation=0)["sampled"], expected["sampled"])
+    other = replace(named, extra={"engine": {"name": "sglang"}})
+    assert Run(served._record_batches(), other, served.vocab).with_engine_stages().metadata.stages == ["natural"]
+
+
 def test_runs_vllm_did_not_sample_are_read_as_recorded():
     plain = hand_made_run(np.zeros((3, V), np.float32), [1, 2, 3], [f"t{i}" for i in range(V)])
     assert plain.with_engine_stages() is plain and not vllm_requests(plain.metadata)

@@ -73,8 +73,11 @@ class Request:
 
 
 def _engine_says_vllm(metadata: RunMetadata) -> bool:
-    engine = getattr(metadata, "engine", None)
-    return isinstance(engine, str) and VLLM in engine.lower()
+    """Whether the run's metadata names vLLM as its engine: ``extra["engine"]`` as the vLLM processor writes it
+    (``{"name": "vllm", "version": ...}``) or a plain name."""
+    engine = metadata.extra.get("engine") if isinstance(metadata.extra, dict) else None
+    name = engine.get("name") if isinstance(engine, dict) else engine
+    return isinstance(name, str) and name.lower() == VLLM
 
 
 def request_from(row: Mapping[str, Any], prompt: Any = (), where: str = "sampling") -> Request:
@@ -95,7 +98,7 @@ def request_from(row: Mapping[str, Any], prompt: Any = (), where: str = "samplin
 
 def vllm_requests(metadata: RunMetadata) -> dict[tuple[int, int], Request]:
     """``(generation, sequence) -> Request`` for every row vLLM sampled: rows whose sampling dict says
-    ``"sampler": "vllm"``, or every row with a sampling dict when the run's ``engine`` says vLLM. ValueError
+    ``"sampler": "vllm"``, or every row with a sampling dict when the run's ``extra["engine"]`` names vLLM. ValueError
     naming the generation and the key when a parameter is not one vLLM takes."""
     whole = _engine_says_vllm(metadata)
     out: dict[tuple[int, int], Request] = {}

@@ -25,9 +25,9 @@ batch shares the previous stage's column (no copy).
 
 A stage's row is null (not known) where it cannot be computed exactly: the
 natural row holds NaN or ``+inf`` (vLLM would sample from NaN), or
-penalties need output tokens the run does not hold (a request preempted and
-resumed continues as a new generation without its earlier tokens; a chosen
-token not recorded). :mod:`tracker.reading.engine_topk` says what top-k
+penalties need output tokens the run does not hold (a generation whose rows
+start mid-request, as a request resumed after preemption may; a chosen token
+not recorded). :mod:`tracker.reading.engine_topk` says what top-k
 storage allows.
 """
 
