@@ -231,6 +231,7 @@ def measure(
     from processors import JSONLogitsProcessor, RegexLogitsProcessor
     from sampling import Generator, SamplingParams
     from tracker import add_tracking
+    from tracker.recording.memory import pinned_bytes
 
     short, long, tracked_long = steps
 
@@ -298,6 +299,7 @@ def measure(
         free = generator_run(lambda: [], batch)
         for mode in STORAGE_MODES:
             add(f"tracked {mode}", batch, generator_run(lambda: [], batch, tracking=mode), free, tracked_long)
+        log(f"  pinned staging after the tracked sections at B={batch}: {pinned_bytes()} bytes by device")
     return rows
 
 

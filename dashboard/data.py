@@ -174,6 +174,12 @@ def pieces(path: str, generation: int, sequence: int) -> list[str]:
     return _pieces(path, stamp(path), generation, sequence)
 
 
+def stages(path: str) -> list[str]:
+    """The run's stages as it is read: the recorded ones and, for a run vLLM sampled, its sampler's
+    (computed when read; a dataset's marker lists the recorded ones only)."""
+    return list(reader(path).stages)
+
+
 def stage_aliases(path: str) -> dict[str, str]:
     """The run's other names for its stages (``after:<last processor>`` -> ``constrained``)."""
     return dict(reader(path).metadata.stage_aliases)

@@ -46,17 +46,11 @@ from tracker.format.layout import (
     open_layout,
 )
 from tracker.format.schema import FIELD_DTYPE, ID_SCHEMA, META_RUN, RunMetadata, as_float32, row_offsets, run_schema
+from tracker.reading import engine_stages
+from tracker.reading.engine_requests import History, vllm_requests
 from tracker.reading.selection import sequence_end
 
-__all__ = [
-    "BadRunError",
-    "RunReader",
-    "StageRow",
-    "StepRow",
-    "Track",
-    "IPC_SUFFIXES",
-    "PARQUET_SUFFIXES",
-]
+__all__ = ["BadRunError", "RunReader", "StageRow", "StepRow", "Track", "IPC_SUFFIXES", "PARQUET_SUFFIXES"]
 
 _CACHE_BYTES = 256 << 20
 
@@ -168,6 +162,7 @@ class RunReader:
         self.metadata: RunMetadata = self._layout.metadata
         self.note: str | None = self._layout.note  # e.g. a spill folder holds only the spilled rows
         self._index = self._read_index()
+        self._engine = self._engine_stages()
         if not self._index["step"].size:  # nothing to pick or show (a filtered or sliced table written as a run)
             raise BadRunError(self.path, "it holds no recorded steps (0 rows)")
         _ = self.vocab  # read (and checked against the rows' width) at open: every page shows tokens
@@ -218,6 +213,19 @@ class RunReader:
                 np.concatenate([np.arange(n, dtype=np.int64) for n in sizes]) if sizes else np.zeros(0, np.int64)
             )
         return {k: np.concatenate(v) if v else np.zeros(0, np.int64) for k, v in parts.items()}
+
+    def _engine_stages(self) -> tuple[dict, History] | None:
+        """A run vLLM sampled gets its sampler's stages, computed block by block as they are read
+        (:mod:`tracker.reading.engine_stages`): its requests and every step's chosen token, or None."""
+        try:
+            if not engine_stages.applies(self.metadata):
+                return None
+            requests = vllm_requests(self.metadata)
+        except ValueError as exc:  # a request's sampling parameters, damaged
+            raise BadRunError(self.path, str(exc)) from exc
+        index = self._index
+        self.metadata = engine_stages.engine_metadata(self.metadata)
+        return requests, History(index["generation"], index["sequence"], index["step"], index["chosen"])
 
     # ---------------------------------------------------------------- what the run holds
 
@@ -306,10 +314,15 @@ class RunReader:
             except (pa.ArrowException, OSError) as exc:
                 raise BadRunError(source.path, f"block {block} could not be read: {arrow_reason(exc)}") from exc
             if key not in self._checked:  # the block's scalar statistics, once per reader
-                damage = stats_damage(table, self.metadata)
+                damage = stats_damage(table, self._layout.metadata)
                 if damage is not None:
                     raise BadRunError(source.path, f"block {block}: {damage}")
                 self._checked.add(key)
+            if self._engine is not None:
+                batch = table.combine_chunks().to_batches()[0] if table.num_rows else None
+                if batch is not None:
+                    derived = engine_stages.derive_batch(batch, self._layout.metadata, *self._engine)
+                    table = pa.Table.from_batches([derived])
             self.blocks_read += 1
             self.bytes_read += nbytes
             size = int(table.nbytes)

@@ -32,6 +32,7 @@ from tracker.reading import metrics
 from tracker.reading.block import Block, one_hot_rows, read_as_recorded
 from tracker.reading.compare import first_divergence  # one definition, shared with tracker.compare
 from tracker.reading.display import format_probability, token_label  # one definition, shared with the notebook display
+from tracker.reading.engine_stages import ENGINE_STAGES
 from tracker.reading.rows import nonfinite_rows, probabilities
 
 __all__ = [
@@ -215,6 +216,7 @@ class StepSummary:
     entropy: dict[str, float] = field(default_factory=dict)
     p_chosen: dict[str, float] = field(default_factory=dict)
     processor_error: bool = False
+    masked_by: str = "constrained"
 
 
 def _block(stage: StageRow) -> Block:
@@ -252,20 +254,22 @@ def step_summary(row: StepRow, vocab: Vocabulary) -> StepSummary:
         for name in row.stages
     }
     natural = row.stages.get("natural")
-    constrained = row.stages.get("constrained")
+    # what the step's headline compares with natural: the constraint, or for a run vLLM sampled its sampler's cut
+    by = "sampled" if "constrained" not in row.stages and set(ENGINE_STAGES) <= set(row.stages) else "constrained"
+    constrained = row.stages.get(by)
     removed = float("nan")
     allowed = natural.allowed if natural is not None else 0
     if constrained is not None and constrained.recorded:
         allowed = constrained.allowed
         if natural is not None:
             removed = constrained.recorded_stats.get(
-                "removed_mass", float(metrics.removed_mass(blocks["natural"], blocks["constrained"])[0])
+                "removed_mass", float(metrics.removed_mass(blocks["natural"], blocks[by])[0])
             )
     elif constrained is None:
         removed = 0.0
     token = vocab.display[row.chosen] if row.chosen >= 0 else ""
     return StepSummary(
-        row.step, row.chosen, token, int(allowed), vocab.size, removed, entropy, p_chosen, row.processor_error
+        row.step, row.chosen, token, int(allowed), vocab.size, removed, entropy, p_chosen, row.processor_error, by
     )
 
 

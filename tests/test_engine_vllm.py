@@ -385,6 +385,38 @@ def test_a_request_asking_for_topk_gets_its_own_run_and_an_unwritten_last_token_
     assert whole.column("chosen").to_pylist() == full
 
 
+def test_an_idle_checkpoint_whose_part_is_written_after_the_engine_stepped_again_loses_no_chosen_token(vllm, tmp_path):
+    """The idle watch asks for a running request's rows to be written; the writer's thread takes them a moment
+    later, when the engine may already have recorded its next step, whose token is not sampled yet. That row
+    waits for its token and goes into a later part; every step reads back with the token vLLM sampled."""
+    lp, params = vllm["lp"], vllm["params"]
+    tracker = _processor_class(tmp_path)(_Config(), torch.device("cpu"), False)
+    recording = tracker.recording
+    builder, rng = lp.BatchUpdateBuilder(), torch.Generator().manual_seed(8)
+    outputs: list[int] = []
+    builder.added.append((0, params(extra_args={"logitscope": {"request_id": "paused"}}), [1, 2], outputs))
+    received = []
+    for step in range(6):
+        tracker.update_state(builder.get_and_reset(1))
+        logits = torch.randn(1, VOCAB, generator=rng)
+        received.append(logits.numpy().copy())
+        sampled = tracker.apply(logits).argmax(dim=1).tolist()
+        if step in (1, 3):  # the engine stepped again before the writer took the idle checkpoint's rows
+            for request in recording.writer.live():
+                recording.writer.checkpoint(recording._recorders[request.options.key], request)
+            recording.writer.flush()
+        outputs.append(sampled[0])
+    builder.removed_append(0)
+    tracker.update_state(builder.get_and_reset(0))
+    tracker.flush()
+    assert recording.writer.table.parts_committed >= 3  # the two checkpoints' parts and the end's
+    steps, chosen, natural = _by_request(Run.load(tmp_path, run_id=tracker.run_id))["paused"]
+    assert steps.tolist() == list(range(6))
+    assert chosen.tolist() == outputs
+    assert np.array_equal(natural, np.concatenate(received))
+    tracker.close()
+
+
 def _wave(tracker, builder, params_cls, rows: int, steps: int, rng, extra=True):
     """``rows`` tracked requests join, run ``steps`` steps and leave; their sampled ids, by request."""
     outputs = [[] for _ in range(rows)]

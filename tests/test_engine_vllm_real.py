@@ -257,7 +257,11 @@ def test_a_client_that_disconnects_leaves_a_recorded_part_and_the_server_keeps_s
             + f"Content-Length: {len(payload)}\r\n\r\n".encode()
             + payload
         )
-        conn.recv(256)  # the stream started
+        received = b""
+        while b"data:" not in received:  # the first token streamed: its row was recorded
+            chunk = conn.recv(4096)
+            assert chunk, received
+            received += chunk
     status, _ = _completion(server, PROMPTS[2], {"request_id": "after"}, max_tokens=4)
     assert status == 200
     deadline = time.monotonic() + 60

@@ -77,6 +77,38 @@ def test_topk_storage_keeps_ids_values_lse_and_allowed_count():
     assert table.column("natural_allowed").to_pylist() == [30] * 10
 
 
+@pytest.mark.parametrize("kind", ["float32", "topk"])
+def test_chosen_tokens_that_come_steps_late_get_their_statistics_where_the_storage_can_know_them(kind):
+    """An engine may tell the chosen tokens after later steps were recorded (the rows no longer kept): full rows
+    give every chosen token's probability and rank; top-k rows give them where the token is among the kept ones
+    (or the rows are still kept) and leave the rest unknown (null), never a wrong number."""
+    vocab, batch, steps = 500, 4, 3
+    recorder = Recorder(Storage.parse(kind, 8), ["natural"])
+    rows_of, logits = [], torch.randn(steps, batch, vocab, generator=torch.Generator().manual_seed(5)) * 3
+    for t in range(steps):
+        rows_of.append(recorder.begin_step(np.arange(batch), np.full(batch, t), batch, vocab, CPU, sequence=0))
+        recorder.write(rows_of[-1], "natural", logits[t])
+    order = logits.argsort(dim=2, descending=True)
+    chosen = torch.stack([order[:, 0, 0], order[:, 1, 3], order[:, 2, 100], order[:, 3, 499]], dim=1)  # ranks
+    for t in range(steps):
+        recorder.set_chosen(rows_of[t], chosen[t])
+    table = pa.Table.from_batches(recorder.batches()).sort_by([("step", "ascending"), ("generation", "ascending")])
+    wide = logits.double().reshape(-1, vocab)
+    ids = chosen.reshape(-1, 1)
+    expected_p = torch.softmax(wide, dim=1).gather(1, ids)[:, 0].numpy()
+    rank = np.tile([0, 3, 100, 499], steps)
+    known = rank < 8 if kind == "topk" else np.ones(rank.size, dtype=bool)
+    known[-batch:] = True  # the last step's rows are still kept when its tokens come: the whole row is known
+    p = table.column("natural_p_chosen")
+    assert p.is_valid().to_numpy(zero_copy_only=False).tolist() == known.tolist()
+    got = p.to_numpy(zero_copy_only=False)[known].astype(np.float64)
+    np.testing.assert_allclose(got, expected_p[known], rtol=1e-5)
+    assert table.column("natural_rank_chosen").to_numpy(zero_copy_only=False)[known].tolist() == rank[known].tolist()
+    assert table.column("natural_chosen_logit").to_numpy(zero_copy_only=False)[known].tolist() == (
+        wide.gather(1, ids)[:, 0].float().numpy()[known].tolist()
+    )
+
+
 def test_past_the_memory_bound_finished_chunks_spill_to_ipc_and_read_back(tmp_path):
     recorder = Recorder(
         Storage.parse("float32"),

@@ -129,7 +129,7 @@ if view_a is None and view_b is None:
     st.stop()
 stats_a = view_a.stats if view_a is not None else view_b.stats.iloc[0:0]  # type: ignore[union-attr]
 stats_b = view_b.stats if view_b is not None else stats_a.iloc[0:0]
-common = [s for s in picked.summary.stages.split(", ") if s in summary_b.stages.split(", ")]
+common = [s for s in data.stages(picked.path) if s in data.stages(other)]
 names = charts.stage_names(common, data.stage_aliases(picked.path))
 widgets.keep("compare_stage", common[0], common)
 stage = widgets.pick_stage("Distribution", common, key="compare_stage", names=names)

@@ -36,7 +36,7 @@ except BadRunError as exc:
     widgets.show_bad_run(picked.summary.label, exc.reason)
     st.stop()
 
-stages = picked.summary.stages.split(", ")
+stages = data.stages(picked.path)
 names = charts.stage_names(stages, data.stage_aliases(picked.path))
 options = [
     label

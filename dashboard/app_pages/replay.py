@@ -59,7 +59,7 @@ def _slid() -> None:
     st.session_state["step"] = st.session_state["step_slider"]
 
 
-run_stages = picked.summary.stages.split(", ")
+run_stages = data.stages(picked.path)
 stages = run_stages
 names = charts.stage_names(stages, data.stage_aliases(picked.path))
 if len(stages) > 3:  # a stage per processor: pick the ones to draw
@@ -136,11 +136,18 @@ def _stepper() -> None:
             None if summary.chosen_id >= 0 else "Not recorded: the host never said which token came last",
         ),
         *((f"p, {text.md_text(names[s])}", views.format_probability(summary.p_chosen[s]), None) for s in shown),
-        ("Allowed tokens", f"{summary.allowed:,} / {summary.vocab_size:,}", None),
+        (
+            "Allowed tokens",
+            f"{summary.allowed:,} / {summary.vocab_size:,}",
+            "The tokens vLLM's sampler left to draw from" if summary.masked_by == "sampled" else None,
+        ),
         (
             "Removed mass",
             "—" if removed != removed else f"{removed:.1%}",
-            "The model's probability mass on tokens the constraint masked",
+            "The model's probability mass on tokens vLLM's sampler cut (penalties, temperature, min-p, top-k, "
+            "top-p; each stage's share in the overview's statistics)"
+            if summary.masked_by == "sampled"
+            else "The model's probability mass on tokens the constraint masked",
         ),
     ]
     # each number as wide as its text (or its label, in smaller type) needs: a long token is not cut short

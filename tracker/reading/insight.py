@@ -17,6 +17,7 @@ import pandas as pd
 
 from tracker.format.stages import display_stages
 from tracker.reading import metrics
+from tracker.reading.engine_stages import ENGINE_STAGES
 from tracker.reading.prompt import perplexity as _perplexity
 from tracker.reading.selection import count_arg, index_arg
 from tracker.reading.why import why
@@ -62,7 +63,30 @@ class Insight:
             )
             for name, values in removed.items():
                 frame[f"removed_mass_{name}"] = values
+        engine = self._engine_stages()
+        if engine:  # vLLM's sampling stages: what each one let through and cut
+            sel, _ = self._at(self._select(generation, sequence, include_finished), positions)  # type: ignore[attr-defined]
+            key = ("engine_masks", sel.generation, sel.sequence, sel.length, sel.part)
+            allowed, removed = self._cached(key, lambda: self._masks(sel, engine))  # type: ignore[attr-defined]
+            for stage in engine:
+                frame[f"allowed_{stage}"] = allowed[stage]
+                frame[f"removed_mass_{stage}"] = removed[stage]
         return frame
+
+    def _engine_stages(self) -> list[str]:
+        """The stages computed from a serving engine's sampler (:data:`tracker.reading.engine_stages.ENGINE_STAGES`),
+        when the run has them."""
+        stages = list(self.metadata.stages)  # type: ignore[attr-defined]
+        return list(ENGINE_STAGES) if set(ENGINE_STAGES) <= set(stages) else []
+
+    def _masks(self, sel: Any, stages: list[str]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Per stage: its allowed count, and the natural mass it removed beyond the stage before it."""
+        if self._has_stats(sel):  # type: ignore[attr-defined]
+            allowed = {stage: self._column(f"{stage}_allowed", sel) for stage in stages}  # type: ignore[attr-defined]
+        else:
+            parts = self._map(sel, stages, lambda start, b: [metrics.allowed(b[stage]) for stage in stages])  # type: ignore[attr-defined]
+            allowed = {s: np.concatenate([p[j] for p in parts]) if parts else np.zeros(0) for j, s in enumerate(stages)}
+        return allowed, self._removed_by(sel, stages, stages)
 
     def _processor_stages(self) -> list[str]:
         stages = list(self.metadata.stages)  # type: ignore[attr-defined]
@@ -72,7 +96,10 @@ class Insight:
 
     def _removed_by_processor(self, sel: Any) -> dict[str, np.ndarray]:
         stages = self._processor_stages()
-        names = display_stages(stages, self.metadata.stage_aliases)  # type: ignore[attr-defined]
+        return self._removed_by(sel, stages, display_stages(stages, self.metadata.stage_aliases))  # type: ignore[attr-defined]
+
+    def _removed_by(self, sel: Any, stages: list[str], names: list[str]) -> dict[str, np.ndarray]:
+        """Per stage (under ``names``): the natural mass it masked beyond the stage before it."""
         if self._has_stats(sel):  # type: ignore[attr-defined]
             # each stage's removed mass against the natural row, recorded from the whole rows: exact in every storage
             cumulative = [self._column(f"{stage}_removed_mass", sel) for stage in stages]  # type: ignore[attr-defined]

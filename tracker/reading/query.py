@@ -40,6 +40,7 @@ import pyarrow as pa
 
 from processors.vocab import Vocabulary
 from tracker.format.checks import DamagedRowError, RunFileError
+from tracker.reading.engine_stages import applies as _engine_stages
 from tracker.reading.query_sources import RunSource, find_sources
 from tracker.reading.selection import count_arg
 
@@ -56,6 +57,15 @@ _DUCKDB_CONFIG = {
     "python_enable_replacements": False,  # a Python variable named like a view is not a table
     "lock_configuration": True,
 }
+
+
+def _computes_stages(metadata: Any) -> bool:
+    """Whether a run gets stages computed from its rows when read (vLLM's sampler): then its rows are read too.
+    Damaged sampling parameters count as yes: loading the run says what is wrong, naming its file."""
+    try:
+        return _engine_stages(metadata)
+    except ValueError:
+        return True
 
 
 def _one_line(exc: BaseException) -> str:
@@ -225,8 +235,13 @@ class Dataset:
         return self._tables[view]
 
     def _fast(self) -> list[RunSource]:
-        """The runs whose views come from their statistics columns, all at once."""
-        return [s for s in self._sources if s.has_stats and not s.metadata.stage_aliases]
+        """The runs whose views come from their statistics columns, all at once (not those read with stages
+        computed from their rows, such as a vLLM run's sampler stages, nor those with a stage per processor)."""
+        return [s for s in self._sources if self._scannable(s)]
+
+    @staticmethod
+    def _scannable(source: RunSource) -> bool:
+        return source.has_stats and not source.metadata.stage_aliases and not _computes_stages(source.metadata)
 
     def _vocabulary(self, sources: Sequence[RunSource]) -> Callable[[int], Vocabulary]:
         def vocabulary(i: int) -> Vocabulary:
@@ -253,7 +268,7 @@ class Dataset:
             table, self._texts = steps_of_runs(scanned, self._vocabularies, columns)
             steps.append(table)
         self._steps_columns = None if columns is None else set(columns)
-        slow = [s for s in self._sources if not (s.has_stats and not s.metadata.stage_aliases)]
+        slow = [s for s in self._sources if not self._scannable(s)]
         made = self._each_run(lambda source: steps_tables(source.load(self._vocabularies)), slow)
         steps += [s for s, _ in made]
         self._slow_sequences = [q for _, q in made]

@@ -148,7 +148,11 @@ class RunSource:
             batches += table.to_batches()
         entries.sort(key=lambda e: e.get("generation", -1))
         check_rows(self.where, batches, self.metadata)
-        return Run(batches, replace(self.metadata, generations=entries), self.vocabulary(shared))
+        run = Run(batches, replace(self.metadata, generations=entries), self.vocabulary(shared))
+        try:  # a run vLLM sampled: its sampler's stages, computed from its rows
+            return run.with_engine_stages()
+        except ValueError as exc:
+            raise RunFileError(self.where, str(exc)) from exc
 
     @property
     def where(self) -> str:

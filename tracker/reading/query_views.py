@@ -136,6 +136,12 @@ def _recorded_steps(run: Run) -> tuple[pa.Table, list[tuple[int, int, np.ndarray
         p = columns[f"p_chosen_{stage}"].to_numpy(zero_copy_only=False)
         with np.errstate(divide="ignore", invalid="ignore"):
             columns[f"surprisal_{stage}"] = _nulls_for_nan(pa.array(-np.log(p)), "surprisal_")
+    before = np.zeros(rows.size)
+    for stage in run._engine_stages():  # vLLM's sampling stages: each one's allowed count and the mass it cut
+        columns[f"allowed_{stage}"] = _float(table, f"{stage}_allowed", rows)
+        now = table.column(f"{stage}_removed_mass").take(rows).to_numpy(zero_copy_only=False).astype(np.float64)
+        columns[f"removed_mass_{stage}"] = _nulls_for_nan(pa.array(now - before), "")
+        before = now
     ints = {n: c.cast(pa.int64()) for n, c in columns.items() if n.startswith(INT_PREFIXES)}
     return pa.table({**columns, **ints}), texts
 

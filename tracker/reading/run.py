@@ -235,8 +235,19 @@ class Run(Insight, Analysis):
             raise ValueError(f"table: {exc}") from exc
         return cls(table.to_batches(), metadata, vocab)
 
+    def with_engine_stages(self) -> Run:
+        """This run with the stages vLLM's sampler applied after ``natural`` (penalties, temperature, min-p,
+        top-k, top-p and the distribution sampled from), computed from the recorded rows, the requests'
+        parameters and their output tokens (:mod:`tracker.reading.engine_stages`); the run itself when vLLM
+        did not sample it or it has them already. The recorded columns are shared, not copied."""
+        from tracker.reading.engine_stages import applies, derive, engine_metadata
+
+        if not applies(self.metadata):
+            return self
+        return Run(derive(self._batches, self.metadata), engine_metadata(self.metadata), self._vocab_source)
+
     @classmethod
-    def load(cls, path: str | os.PathLike[str], run_id: str | None = None) -> Run:
+    def load(cls, path: str | os.PathLike[str], run_id: str | None = None, *, engine_stages: bool = True) -> Run:
         """Load a run: a Parquet or Arrow IPC file, a run folder, a dataset root, or a spill folder; any
         but a spill folder may be a URL (``s3://bucket/runs``, see :mod:`tracker.format.fs`).
 
@@ -249,6 +260,9 @@ class Run(Insight, Analysis):
         written so far: loading either warns
         (:class:`~tracker.format.layout.PartialRunWarning`). A dataset root shows only
         its complete runs.
+        A run recorded inside vLLM gets the stages of vLLM's sampler computed
+        from its rows (:meth:`with_engine_stages`; ``engine_stages=False``: the
+        recorded stages alone).
         FileNotFoundError when nothing is at ``path``; :class:`RunFileError`
         naming the file and the fault when it is not a readable run (see
         :mod:`tracker.format.layout`).
@@ -260,4 +274,11 @@ class Run(Insight, Analysis):
         check_rows(layout.path, batches, layout.metadata)
         run = cls(batches, layout.metadata, layout.vocabulary())
         run.source = str(layout.path)
-        return run
+        if not engine_stages:
+            return run
+        try:
+            staged = run.with_engine_stages()
+        except ValueError as exc:  # a request's sampling parameters, damaged
+            raise RunFileError(layout.path, str(exc)) from exc
+        staged.source = run.source
+        return staged

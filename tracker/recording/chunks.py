@@ -236,7 +236,8 @@ class ChunkMemory:
 def fill_stats(chunk: Chunk, stages: Sequence[str], eos: torch.Tensor | None) -> bool:
     """Compute the statistics its float32 host rows lack (written without them: statistics when read), for all
     of them at once: each stage's row statistics (against the natural row of the same step for the removed mass
-    and margin), and the chosen token's where it is known. True if anything was computed. Host arrays only."""
+    and margin), and the chosen token's where it is known (in top-k rows, where it is among the kept tokens).
+    True if anything was computed. Host arrays only."""
     n, changed = chunk.n, False
     if chunk.host is None or chunk.buffers["natural:logits"].dtype != torch.float32:
         return False
@@ -251,10 +252,19 @@ def fill_stats(chunk: Chunk, stages: Sequence[str], eos: torch.Tensor | None) ->
             chunk.arrays[f"{stage}:stats"][todo] = row_stats(values[todo], eos, natural).numpy()
             chunk.stats_known[stage][todo] = changed = True
         todo = _rows(written[:n] & chunk.stats_known[stage][:n] & chunk.chosen_set[:n] & ~chunk.chosen_known[stage][:n])
-        if todo is not None:
-            found = chosen_stats(values[todo], chunk.buffers["chosen"][todo], chunk.buffers[f"{stage}:stats"][todo])
-            chunk.arrays[f"{stage}:cstats"][todo] = found.numpy()
-            chunk.chosen_known[stage][todo] = changed = True
+        if todo is None:
+            continue
+        tokens, ids = chunk.buffers["chosen"][todo], chunk.buffers.get(f"{stage}:ids")
+        if ids is not None:  # top-k rows: the chosen token's statistics where it is among the kept tokens
+            todo = np.arange(n)[todo]
+            hit = ids[todo] == tokens[:, None]
+            kept = hit.any(dim=1).numpy()
+            todo, tokens = todo[kept], hit[kept].int().argmax(dim=1)  # its place among the kept (the row's rank)
+            if not todo.size:
+                continue
+        found = chosen_stats(values[todo], tokens, chunk.buffers[f"{stage}:stats"][todo])
+        chunk.arrays[f"{stage}:cstats"][todo] = found.numpy()
+        chunk.chosen_known[stage][todo] = changed = True
     if changed:
         chunk.version += 1
     return changed

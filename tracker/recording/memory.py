@@ -197,6 +197,13 @@ def ring_for(device: torch.device, slots: int, slot_bytes: int) -> PinnedRing:
         return ring
 
 
+def pinned_bytes() -> dict[str, int]:
+    """Pinned staging bytes this process holds, by device: one ring per device, whatever the number of tracked
+    requests or recorders (what the GPU proof reports after tracking 64 rows)."""
+    with _RINGS_LOCK:
+        return {str(device): ring.made * ring.slot_bytes for device, ring in _RINGS.items()}
+
+
 def _malloc_trim() -> Any:
     try:
         return ctypes.CDLL(None).malloc_trim

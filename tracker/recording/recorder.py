@@ -465,7 +465,8 @@ class Recorder(RowsOut):
         return batch
 
     def _to_batch(self, chunk: Chunk, schema: pa.Schema, rows: np.ndarray | None = None) -> pa.RecordBatch:
-        """The chunk's rows as a record batch, with the statistics of rows recorded without them computed first."""
-        if not self.record_stats:
+        """The chunk's rows as a record batch, with the statistics of rows recorded without them (and chosen
+        tokens' that came after their rows were let go) computed first."""
+        if chunk.host is not None:
             fill_stats(chunk, self.stages, eos_on(self._eos, self.eos_token_ids, self.vocab_size or 0, chunk.device))
         return to_batch(chunk, schema, self.stages, self.storage, self.vocab_size or 0, rows)

@@ -34,15 +34,21 @@ class RowsOut:
 
     def _to_batch(self, chunk: Chunk, schema: pa.Schema, rows: np.ndarray | None = None) -> pa.RecordBatch: ...
 
-    def take_generation(self, generation: int) -> list[pa.RecordBatch]:
+    def take_generation(self, generation: int, running: bool = False) -> list[pa.RecordBatch]:
         """Take ``generation``'s rows out of memory (copied, in order; superseded rows left out): the recorder
         forgets them, and chunks left with no row of their own are given back. For an engine, whose requests are
-        written as they end. Drains staging chunks holding them (synchronises with their copies)."""
+        written as they end; ``running``: the request goes on (an idle engine's checkpoint), so only its rows
+        whose chosen token is known are taken, the rest wait for their tokens and a later part. Drains staging
+        chunks holding them (synchronises with their copies)."""
         with self._lock:
-            self._ended.add(generation)
+            if not running:
+                self._ended.add(generation)
             out = []
             for chunk in [c for c in self._chunks if c.n and not c.on_disk]:
-                out += self._take(chunk, chunk.generation[: chunk.n] == generation).get(generation, [])
+                mask = chunk.generation[: chunk.n] == generation
+                if running:
+                    mask &= chunk.chosen_set[: chunk.n] | chunk.superseded[: chunk.n]
+                out += self._take(chunk, mask).get(generation, [])
             return out
 
     def take_oldest(self) -> dict[int, list[pa.RecordBatch]] | None:

@@ -121,7 +121,8 @@ class PartWriter:
 
     def _write_checkpoint(self, recorder: Recorder, request: Request) -> None:
         if request.generation in self._live:  # not ended meanwhile (its part took its rows)
-            self._write(recorder, request, recorder.take_generation(request.generation), ended=True)
+            # the engine may have stepped since the checkpoint was asked for: rows awaiting their tokens stay
+            self._write(recorder, request, recorder.take_generation(request.generation, running=True), ended=True)
 
     def _write_spill(self, recorders: list[Recorder]) -> bool:
         """The oldest complete rows of each recorder as early parts of their generations; False when no recorder

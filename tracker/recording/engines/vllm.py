@@ -84,8 +84,9 @@ def _is_swap(direction: Any) -> bool:
 
 
 def _sampling_summary(params: Any) -> dict[str, Any]:
-    """The request's sampling parameters that say how its tokens were drawn (JSON-ready)."""
-    out = {}
+    """The request's sampling parameters that say how its tokens were drawn (JSON-ready), and ``"sampler":
+    "vllm"``: the run's reader computes vLLM's sampling stages from them (:mod:`tracker.reading.engine_stages`)."""
+    out: dict[str, Any] = {"sampler": "vllm"}
     for key in SAMPLING_KEYS:
         value = getattr(params, key, None)
         if value is None:
