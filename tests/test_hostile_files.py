@@ -22,7 +22,7 @@ import torch
 from marker_support import marker_run
 from streamlit.testing.v1 import AppTest
 from test_fuzz_files import lying_lengths
-from test_trust_files import recorded, rewrite
+from test_run_files import recorded, rewrite
 
 from dashboard.discover import find_runs, summarize
 from dashboard.paths import APP
@@ -370,7 +370,7 @@ def test_a_damaged_top_k_row_is_named_by_the_query_that_reads_it(topk_run, tmp_p
 FULL_DISK = """
 import resource, signal, sys
 sys.path.insert(0, {tests!r})
-from test_trust_files import recorded
+from test_run_files import recorded
 run = recorded(steps=40, vocab=2000).run
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit, write() fails with EFBIG, as a full disk fails it
 resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))

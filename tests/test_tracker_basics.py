@@ -1,4 +1,6 @@
-"""One test per known defect of the logits tracker users had before, proving it is gone here.
+"""The tracker's basics every user relies on first: ``clear()``, the chosen token at the last position, top
+tokens and ``min_value``, bfloat16 logits, batches, the vocabulary; each once a defect of the logits trackers
+users had before.
 
 Each test's number is the defect's; its name says what the defect was, e.g.
 ``test_1_clear_resets_everything...``: ``clear()`` used to leave the next
