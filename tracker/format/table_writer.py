@@ -29,6 +29,7 @@ import pyarrow as pa
 from tracker.format.dataset import open_table
 from tracker.format.schema import ID_SCHEMA, META_VOCAB, RunMetadata
 from tracker.format.table import Staged, check_run_id
+from tracker.format.worker import name_os_thread
 
 __all__ = ["TableWriter"]
 
@@ -163,6 +164,7 @@ class TableWriter:
         )
 
     def _loop(self) -> None:
+        name_os_thread()
         while True:
             with self._cond:
                 while not self._due() and not (self._closing and not self._queue):

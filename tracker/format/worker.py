@@ -9,14 +9,16 @@ then stops and joins the thread; a worker still open when the interpreter exits 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import queue
+import sys
 import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-__all__ = ["Worker"]
+__all__ = ["Worker", "name_os_thread"]
 
 _STOP = object()
 #: Seconds an idle worker thread waits before checking that its owner still exists.
@@ -75,9 +77,23 @@ class Worker:
             thread.join()
 
 
+def name_os_thread() -> None:
+    """Give the calling thread its Python name in the operating system too (Linux ``prctl``, 15 bytes), so that
+    ``top -H``, ``py-spy`` and ``/proc/PID/task/*/comm`` tell logitscope's threads from the engine's. Elsewhere
+    nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, threading.current_thread().name.encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME
+    except (AttributeError, OSError):
+        pass
+
+
 def _run(owner: weakref.ref[Worker], jobs: queue.Queue[Any], initializer: Callable[[], None] | None) -> None:
     """The worker's thread. It holds its owner weakly: once the owner is collected (without ``close()``), the
     thread ends within :data:`_IDLE` seconds of its queue running dry."""
+    name_os_thread()
     if initializer is not None:
         initializer()
     while True:

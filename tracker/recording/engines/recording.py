@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tracker.format.worker import name_os_thread
 from tracker.recording.chunks import StepRows
 from tracker.recording.engines.parts import PartWriter
 from tracker.recording.engines.requests import Request, RequestOptions
@@ -216,6 +217,7 @@ class _IdleWatch:
             self._thread.join()
 
     def _watch(self) -> None:
+        name_os_thread()
         while not self._stop.wait(self.min_idle / 2):
             recording = self._recording()
             if recording is None:
