@@ -207,6 +207,10 @@ def _of_files(found: list[FoundRun], skipped: list[RunFileError] | None = None) 
             name = _url(run.fs, path)
             try:
                 part, metadata, ref, entries = _read_footer(run, path, name)
+                try:  # an Arrow IPC file's batches are read here: their lengths may lie
+                    sizes, steps = part.block_sizes(), _steps(part)
+                except (pa.ArrowException, OSError) as exc:
+                    raise RunFileError(name, arrow_reason(exc)) from exc
             except RunFileError as exc:
                 if skipped is None:
                     raise
@@ -224,10 +228,9 @@ def _of_files(found: list[FoundRun], skipped: list[RunFileError] | None = None) 
             source.metadata = replace(source.metadata, generations=source.metadata.generations + entries)
             source.generations += len(entries)
             source.sequences += sum(int(e.get("batch_size") or 0) for e in entries)
-            sizes = part.block_sizes()
             source.rows += sum(sizes)
             source.file_rows.append(sum(sizes))
-            source.steps = max(source.steps, _steps(part))
+            source.steps = max(source.steps, steps)
             source.size += int(part.nbytes)
     for source in runs.values():  # where the host told each sequence's length (it ends there)
         told = [e for e in source.metadata.generations if isinstance(e.get("lengths"), list)]
