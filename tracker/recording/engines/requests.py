@@ -14,6 +14,7 @@ the server's, followed by the storage when it is not the server's default.
 
 from __future__ import annotations
 
+import importlib
 import json
 import numbers
 from collections.abc import Mapping
@@ -22,7 +23,7 @@ from typing import Any
 
 from tracker.recording.run_metadata import now
 
-__all__ = ["OPTION_KEYS", "Request", "RequestOptions", "STORAGES"]
+__all__ = ["OPTION_KEYS", "Request", "RequestOptions", "STORAGES", "tensor_parallel_rank"]
 
 OPTION_KEYS = ("storage", "top_k", "title", "request_id")
 STORAGES = ("float32", "float16", "bfloat16", "topk")
@@ -106,3 +107,17 @@ class Request:
             if getattr(self.options, key) is not None:
                 entry[key] = getattr(self.options, key)
         return entry
+
+
+def tensor_parallel_rank(parallel_state: str) -> int:
+    """This process's tensor-parallel rank in the engine whose parallel-state module is ``parallel_state``
+    (vLLM's ``vllm.distributed.parallel_state``, SGLang's ``sglang.srt.distributed.parallel_state``); 0
+    outside a parallel group, or where the engine cannot say. Every rank builds processors; only rank 0
+    records."""
+    try:
+        state = importlib.import_module(parallel_state)
+        if state.model_parallel_is_initialized():
+            return int(state.get_tensor_model_parallel_rank())
+    except Exception:  # noqa: BLE001 - no such engine, or no parallel state: a single process
+        pass
+    return 0

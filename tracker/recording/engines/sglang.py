@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from tracker.recording.engines.recording import EngineRecording
-from tracker.recording.engines.requests import Request, RequestOptions
+from tracker.recording.engines.requests import Request, RequestOptions, tensor_parallel_rank
 
 __all__ = ["LogitscopeLogitProcessor", "PARAMS_KEY", "SGLANG_IMPORT_ERROR"]
 
@@ -99,7 +99,7 @@ class _Recorder:
             owner.memory_limit or _env_int("LOGITSCOPE_MEMORY_LIMIT", 1 << 30),
         )
         self.tracked: dict[str, tuple[Request, Any]] = {}  # SGLang's request id -> (our request, SGLang's)
-        self.writes = _tensor_parallel_rank() == 0
+        self.writes = tensor_parallel_rank("sglang.srt.distributed.parallel_state") == 0
 
     def record(self, logits: torch.Tensor, params: Sequence[Any] | None) -> None:
         """Record each asking row of ``logits`` at its request's step (one batched call per storage); end the
@@ -190,18 +190,6 @@ def _version() -> str | None:
 
 _RECORDERS: dict[type, _Recorder] = {}
 _RECORDERS_LOCK = threading.Lock()
-
-
-def _tensor_parallel_rank() -> int:
-    """This process's tensor-parallel rank in SGLang (0 outside a parallel group): only rank 0 records."""
-    try:
-        from sglang.srt.distributed import parallel_state
-
-        if parallel_state.model_parallel_is_initialized():
-            return int(parallel_state.get_tensor_model_parallel_rank())
-    except Exception:  # noqa: BLE001 - no SGLang, or no parallel state: a single process
-        pass
-    return 0
 
 
 def _env_int(name: str, default: int) -> int:

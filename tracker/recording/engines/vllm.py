@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from tracker.recording.engines.recording import EngineRecording
-from tracker.recording.engines.requests import Request, RequestOptions
+from tracker.recording.engines.requests import Request, RequestOptions, tensor_parallel_rank
 
 __all__ = ["LogitscopeLogitsProcessor", "EXTRA_ARGS_KEY", "VLLM_IMPORT_ERROR"]
 
@@ -99,17 +99,6 @@ def _sampling_summary(params: Any) -> dict[str, Any]:
     return out
 
 
-def _tensor_parallel_rank() -> int:
-    try:
-        from vllm.distributed import parallel_state
-
-        if parallel_state.model_parallel_is_initialized():
-            return int(parallel_state.get_tensor_model_parallel_rank())
-    except Exception:  # noqa: BLE001 - no vLLM, or no distributed state: a single process
-        pass
-    return 0
-
-
 def engine_facts(vllm_config: Any) -> dict[str, Any]:
     """What a run's metadata says of the engine: the model's served name, and the engine, its version, the
     model's path, revision and dtype."""
@@ -150,7 +139,7 @@ class LogitscopeLogitsProcessor(_VLLMBase):  # type: ignore[misc,valid-type]
         self.default_storage = self.storage or os.environ.get("LOGITSCOPE_STORAGE") or "float32"
         self.default_top_k = self.top_k or _env_int("LOGITSCOPE_TOP_K", 20)
         RequestOptions.parse({}, self.default_storage, self.default_top_k, "LOGITSCOPE_STORAGE/LOGITSCOPE_TOP_K")
-        self.writes = _tensor_parallel_rank() == 0
+        self.writes = tensor_parallel_rank("vllm.distributed.parallel_state") == 0
         self._config = vllm_config
         self._tokenizer = self.tokenizer
         self.recording = EngineRecording(
