@@ -146,16 +146,11 @@ class LogitTrackingProcessor(TransformersHost, RunQueries, LogitsProcessor):
             synchronisation), ``"read"`` when a query needs them (float32
             storage only; other modes record them, as only the full row gives
             them exactly), ``"auto"``: when recorded, except for float32 rows on a
-            CPU, which keep the whole row exactly: there they are computed on a
-            background thread as each chunk of rows is sealed, the rest when
-            read (the same values; on the decoding thread the passes over every
-            row would cost more than the step's copy). On a CPU, float16,
-            bfloat16 and top-k rows (with any value but ``"record"``) are
-            copied as float32 and converted, selected and summed up on a
-            background thread, within a bounded staging area (a quarter of
-            ``memory_limit``, 512 MiB without one); when it is full, or a
-            query comes, the waiting rows are stored on the calling thread
-            (bit for bit what ``"record"`` stores).
+            CPU, which keep the whole row exactly: there they are computed when
+            the rows are first read or written, a chunk of rows at once (the
+            same values; as rows are recorded the passes over every row would
+            cost more than the step's copy). float16, bfloat16 and top-k rows
+            are converted or selected, and summed up, as they are recorded.
     """
 
     def __init__(
