@@ -17,13 +17,14 @@ from __future__ import annotations
 import importlib
 import json
 import numbers
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from tracker.recording.run_metadata import now
 
-__all__ = ["OPTION_KEYS", "Request", "RequestOptions", "STORAGES", "tensor_parallel_rank"]
+__all__ = ["OPTION_KEYS", "Request", "RequestOptions", "STORAGES", "env_int", "tensor_parallel_rank"]
 
 OPTION_KEYS = ("storage", "top_k", "title", "request_id")
 STORAGES = ("float32", "float16", "bfloat16", "topk")
@@ -107,6 +108,18 @@ class Request:
             if getattr(self.options, key) is not None:
                 entry[key] = getattr(self.options, key)
         return entry
+
+
+def env_int(name: str, default: int) -> int:
+    """The integer in environment variable ``name`` (``default`` when unset or empty); ValueError naming it
+    otherwise. The engines' settings (``LOGITSCOPE_TOP_K``, ``LOGITSCOPE_MEMORY_LIMIT``) come this way."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
 
 
 def tensor_parallel_rank(parallel_state: str) -> int:

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from tracker.recording.engines.recording import EngineRecording
-from tracker.recording.engines.requests import Request, RequestOptions, tensor_parallel_rank
+from tracker.recording.engines.requests import Request, RequestOptions, env_int, tensor_parallel_rank
 
 __all__ = ["LogitscopeLogitProcessor", "PARAMS_KEY", "SGLANG_IMPORT_ERROR"]
 
@@ -88,7 +88,7 @@ class _Recorder:
 
     def __init__(self, owner: type[LogitscopeLogitProcessor]) -> None:
         storage = owner.storage or os.environ.get("LOGITSCOPE_STORAGE") or "float32"
-        top_k = owner.top_k or _env_int("LOGITSCOPE_TOP_K", 20)
+        top_k = owner.top_k or env_int("LOGITSCOPE_TOP_K", 20)
         self.tokenizer = owner.tokenizer
         self.recording = EngineRecording(
             owner.runs or os.environ.get("LOGITSCOPE_RUNS") or "logitscope-runs",
@@ -96,7 +96,7 @@ class _Recorder:
             lambda: self.tokenizer,
             storage,
             top_k,
-            owner.memory_limit or _env_int("LOGITSCOPE_MEMORY_LIMIT", 1 << 30),
+            owner.memory_limit or env_int("LOGITSCOPE_MEMORY_LIMIT", 1 << 30),
         )
         self.tracked: dict[str, tuple[Request, Any]] = {}  # SGLang's request id -> (our request, SGLang's)
         self.writes = tensor_parallel_rank("sglang.srt.distributed.parallel_state") == 0
@@ -190,16 +190,6 @@ def _version() -> str | None:
 
 _RECORDERS: dict[type, _Recorder] = {}
 _RECORDERS_LOCK = threading.Lock()
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
 
 
 class LogitscopeLogitProcessor(_SGLangBase):  # type: ignore[misc,valid-type]

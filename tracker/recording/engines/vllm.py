@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from tracker.recording.engines.recording import EngineRecording
-from tracker.recording.engines.requests import Request, RequestOptions, tensor_parallel_rank
+from tracker.recording.engines.requests import Request, RequestOptions, env_int, tensor_parallel_rank
 
 __all__ = ["LogitscopeLogitsProcessor", "EXTRA_ARGS_KEY", "VLLM_IMPORT_ERROR"]
 
@@ -67,16 +67,6 @@ SAMPLING_KEYS = (
     "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
     "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "bad_words", "n",
 )  # fmt: skip
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
 
 
 def _is_swap(direction: Any) -> bool:
@@ -137,7 +127,7 @@ class LogitscopeLogitsProcessor(_VLLMBase):  # type: ignore[misc,valid-type]
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.default_storage = self.storage or os.environ.get("LOGITSCOPE_STORAGE") or "float32"
-        self.default_top_k = self.top_k or _env_int("LOGITSCOPE_TOP_K", 20)
+        self.default_top_k = self.top_k or env_int("LOGITSCOPE_TOP_K", 20)
         RequestOptions.parse({}, self.default_storage, self.default_top_k, "LOGITSCOPE_STORAGE/LOGITSCOPE_TOP_K")
         self.writes = tensor_parallel_rank("vllm.distributed.parallel_state") == 0
         self._config = vllm_config
@@ -148,7 +138,7 @@ class LogitscopeLogitsProcessor(_VLLMBase):  # type: ignore[misc,valid-type]
             self._load_tokenizer,
             self.default_storage,
             self.default_top_k,
-            self.memory_limit or _env_int("LOGITSCOPE_MEMORY_LIMIT", 1 << 30),
+            self.memory_limit or env_int("LOGITSCOPE_MEMORY_LIMIT", 1 << 30),
             _eos_ids(vllm_config),
         )
         self._rows: dict[int, Request] = {}  # batch index -> the tracked request there
