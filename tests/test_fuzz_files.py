@@ -2,7 +2,8 @@
 its file; never a crash of the process, never a different answer.
 
 Sources are real runs in every layout: shipped sample runs (Parquet, float16, three stages) and runs recorded
-here (top-k Parquet, a float32 Arrow IPC file, a bfloat16 dataset, a spill folder). Each is damaged
+here (top-k Parquet, a float32 Arrow IPC file, a bfloat16 table, a float16 run in the completion-marker
+layout before tables, a spill folder). Each is damaged
 systematically (truncated, bytes flipped, lengths lied about, columns of the wrong type, out-of-range ids,
 NaN and infinite statistics, missing and extra columns, deep and huge metadata, a run and its copy side by
 side), then read by ``Run.load`` and its main queries, by the dashboard's ``RunReader`` step by step, by
@@ -36,6 +37,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from marker_support import marker_run
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.fuzz
@@ -82,6 +84,8 @@ def make_sources(folder: Path) -> dict[str, Path]:
     run = _record("bfloat16").run
     run.to_dataset(folder / "dataset")
     sources["bf16-dataset"] = folder / "dataset"
+    marker_run(_record("float16").run, folder / "markers")  # the layout before tables: engines wrote it so
+    sources["f16-markers"] = folder / "markers"
     spill = _record("float32", memory_limit=0, chunk_bytes=64, spill_dir=folder / "spill")
     spill.recorder.flush()  # chunks go to disk on a background writer: wait for it
     sources["spill"] = folder / "spill" / spill.run.run_id
