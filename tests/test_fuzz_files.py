@@ -501,25 +501,19 @@ QUERY = (
 
 
 def answers_of_query(path: str) -> str:
-    """``logitscope query PATH SQL --json`` over the ``steps`` and ``sequences`` views: every step's chosen token
-    and natural entropy, every sequence's text. A run left out of the answer, or a refused dataset, is its
-    lines on stderr (judged as any refusal: one line naming the file)."""
-    import contextlib
-    import io
-
-    from logitscope.cli import build_parser
-
-    args = build_parser().parse_args(["query", path, QUERY, "--json"])
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stderr(err):
-        try:
-            status = args.handler(args, args.command_parser, out)
-        except SystemExit as exc:
-            status = exc.code
-    if status != 0:
-        lines = err.getvalue().strip().splitlines()
-        raise _InspectRefused(lines[0] if len(lines) == 1 else f"{len(lines)} lines: {err.getvalue()!r}")
-    return _digest([json.loads(line) for line in out.getvalue().splitlines() if line.strip()])
+    """``logitscope query PATH SQL --json`` over the ``steps`` and ``sequences`` views, as a user runs it (a
+    process of its own: DuckDB's threads and the probe's readers stay apart): every step's chosen token and
+    natural entropy, every sequence's text. A run left out of the answer, or a refused dataset, is its lines on
+    stderr (judged as any refusal: one line naming the file)."""
+    command = [sys.executable, "-m", "logitscope.cli", "query", path, QUERY, "--json"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    if done.returncode < 0:
+        raise RuntimeError(f"logitscope query died of signal {-done.returncode}: {done.stderr[-500:]!r}")
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
+        raise _InspectRefused(lines[0] if len(lines) == 1 else f"{len(lines)} lines: {done.stderr!r}")
+    return _digest([json.loads(line) for line in done.stdout.splitlines() if line.strip()])
 
 
 #: (source, reader) pairs refused by design: ``query`` reads run files, folders of them and tables, not a
