@@ -1,10 +1,10 @@
 """Record-time row statistics and top-k selection (``tracker.recording.record_stats``) against float64 and
 ``torch.topk`` references.
 
-CPU rows take numpy passes; accelerators take torch kernels (run here on CPU tensors). Both must give what a
-straightforward float64 computation gives, on ordinary, masked and edge rows (NaN, ``+inf``, nothing allowed,
-one token allowed), at every row length. The CPU's top-k (through the rows' group maxima) must keep the same
-values as ``torch.topk``.
+CPU rows take the ``_rowstats`` extension's passes; accelerators (and a CPU without the extension) take torch
+kernels (run here on CPU tensors). Both must give what a straightforward float64 computation gives, on
+ordinary, masked and edge rows (NaN, ``+inf``, nothing allowed, one token allowed), at every row length. The
+CPU's top-k must keep the same values as ``torch.topk``.
 """
 
 from __future__ import annotations
@@ -20,16 +20,14 @@ from tracker.recording.record_stats import CHOSEN_STATS, ROW_STATS, chosen_stats
 NEG = -np.inf
 
 
-@pytest.fixture(params=["extension", "numpy", "torch"])
+@pytest.fixture(params=["extension", "torch"])
 def path(request, monkeypatch):
-    """Each test runs through the CPU's C extension (where built), its numpy passes, and the torch kernels an
-    accelerator runs."""
+    """Each test runs through the CPU's C extension (where built) and the torch kernels an accelerator (or a
+    CPU without the extension) runs."""
     if request.param == "extension" and record_stats._rowstats is None:
         pytest.skip("the _rowstats extension is not built here")
-    if request.param != "extension":
-        monkeypatch.setattr(record_stats, "_rowstats", None)
     if request.param == "torch":
-        monkeypatch.setattr(record_stats, "_row_stats_cpu", record_stats._row_stats_general)
+        monkeypatch.setattr(record_stats, "_rowstats", None)
     return request.param
 
 
@@ -42,7 +40,7 @@ def test_the_extension_is_built_where_a_compiler_is():
     if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64", "aarch64"):
         pytest.skip("built and checked on Linux")
     if shutil.which("cc") is None and shutil.which("gcc") is None:
-        pytest.skip("no C compiler: the statistics are numpy's")
+        pytest.skip("no C compiler: the statistics are torch's")
     assert record_stats._rowstats is not None, "tracker.recording._rowstats was not built: `pip install -e .`"
 
 
@@ -202,10 +200,12 @@ def test_stored_log_sum_exp_and_chosen_token_statistics_of_half_precision_rows(p
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_the_chosen_token_statistics_of_the_cpu_path_equal_the_device_path(path, dtype):
-    """The CPU's numpy spelling of the chosen token's statistics and the torch kernels an accelerator runs
-    (here on CPU tensors) agree on ordinary, masked, NaN, +inf and empty rows, and on ids outside the
-    vocabulary (NaN)."""
+def test_the_chosen_token_statistics_of_the_cpu_path_equal_the_device_path(dtype):
+    """The CPU's spelling of the chosen token's statistics (the extension's count) and the torch kernels an
+    accelerator runs (here on CPU tensors) agree on ordinary, masked, NaN, +inf and empty rows, and on ids
+    outside the vocabulary (NaN)."""
+    if record_stats._rowstats is None:
+        pytest.skip("the _rowstats extension is not built here")
     rng = np.random.default_rng()
     x = torch.from_numpy(edge_rows(rng, 999)).to(dtype)
     stats = row_stats(x, None, None)

@@ -12,8 +12,8 @@ probabilities are read with; its statistics are the full row's.
 
 These run once per recorded stage and step, over the batch's rows at once. None
 of them synchronises with an accelerator: batched kernels whose small results
-are copied to the host with the rows (on a CPU, numpy passes on the rows
-themselves, where numpy is the faster of the two). The read side
+are copied to the host with the rows (on a CPU, the ``_rowstats`` extension's
+two passes a row, where it is built). The read side
 (:mod:`tracker.reading.block`, :mod:`tracker.reading.analysis`) reads the packed values
 by the names in :data:`ROW_STATS` and :data:`CHOSEN_STATS`.
 """
@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from tracker.reading.rows import EXP_FLOOR, GROUP, NEG_INF, exp_floor, logsumexp_rows, masked, probabilities
+from tracker.reading.rows import EXP_FLOOR, NEG_INF, probabilities
 
 try:
     from tracker.recording import _rowstats
-except ImportError:  # built without a C compiler: numpy passes (the same statistics within float32 rounding)
+except ImportError:  # built without a C compiler: torch's kernels (the same statistics within float32 rounding)
     _rowstats = None
 
 __all__ = ["CHOSEN_STATS", "ROW_STATS", "chosen_stats", "eos_on", "offset_rows", "pair_stats", "probability"]
@@ -78,7 +78,7 @@ def row_stats(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Tensor |
     masked of them; without, they are NaN. Whole-row kernels only: no host
     read, no synchronisation.
     """
-    if x.device.type == "cpu":
+    if x.device.type == "cpu" and _rowstats is not None and x.shape[1]:
         return _row_stats_cpu(x, eos, natural)
     return _row_stats_general(x, eos, natural)
 
@@ -114,80 +114,36 @@ def _row_stats_general(x: torch.Tensor, eos: torch.Tensor | None, natural: torch
 
 
 def _row_stats_cpu(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Tensor | None) -> torch.Tensor:
-    """:func:`row_stats` of CPU rows in numpy passes on one thread (torch's CPU kernels cost a dispatch per
-    small operation, and its boolean reductions are several times slower than numpy's here); rows holding
-    NaN or ``+inf`` take the general kernels."""
-    rows = x.detach().float().numpy()
-    fused = _fused_row_stats(rows)
-    if fused is not None:
-        top, lse, entropy, allowed, plain = fused
-    else:
-        top = rows.max(axis=1)  # NaN where a row holds NaN, +inf where it holds +inf: both special
-        plain = np.isfinite(top) | (top == NEG_INF)
+    """:func:`row_stats` of CPU rows through the ``_rowstats`` extension (two passes a row, on one thread: torch's
+    CPU kernels cost a pass per statistic); rows holding NaN or ``+inf`` take the general kernels."""
+    rows = np.ascontiguousarray(x.detach().float().numpy())
+    out = np.empty((rows.shape[0], 5), dtype=np.float32)
+    _rowstats.row_stats(rows, out)
+    top, lse, entropy, allowed, plain = out[:, 0], out[:, 1], out[:, 2], out[:, 3], out[:, 4] == 0
     if not plain.all():
-        out = torch.empty(rows.shape[0], len(ROW_STATS))
+        packed = torch.empty(rows.shape[0], len(ROW_STATS))
         special = torch.from_numpy(np.nonzero(~plain)[0])
-        out[special] = _row_stats_general(x[special], eos, None if natural is None else natural[special])
+        packed[special] = _row_stats_general(x[special], eos, None if natural is None else natural[special])
         if plain.any():
             keep = torch.from_numpy(np.nonzero(plain)[0])
-            out[keep] = _row_stats_cpu(x[keep], eos, None if natural is None else natural[keep])
-        return out
-    if fused is None:
-        nothing = top == NEG_INF
-        shift = np.where(nothing, 0.0, top).astype(np.float32)
-        z = rows - shift[:, None]
-        np.maximum(z, exp_floor(z.shape[1]), out=z)
-        e = np.exp(z)
-        total = e.sum(axis=1, dtype=np.float32)
-        log_total = np.log(total)
-        entropy = log_total - np.einsum("ij,ij->i", e, z) / total
-        allowed = rows.shape[1] - np.count_nonzero(rows == NEG_INF, axis=1)
-        lse = np.where(nothing, NEG_INF, shift + log_total)
-        entropy = np.where(nothing, np.nan, entropy)
+            packed[keep] = _row_stats_cpu(x[keep], eos, None if natural is None else natural[keep])
+        return packed
     if eos is not None and eos.numel():
         p_eos = probabilities(rows[:, eos.numpy()], lse[:, None]).sum(axis=1)  # a masked EOS weighs 0
     else:
         p_eos = np.full(rows.shape[0], np.nan)
+    removed = margin = np.full(rows.shape[0], np.nan)
     if natural is not None:
-        removed, margin = _pair_stats_cpu(natural, x)
-    else:
-        removed = margin = np.full(rows.shape[0], np.nan)
+        nat = np.ascontiguousarray(natural.detach().float().numpy())
+        pair = np.empty((nat.shape[0], 3), dtype=np.float32)
+        _rowstats.pair_stats(nat, rows, pair)
+        if pair[:, 2].any():  # a natural row holding NaN or +inf
+            removed, margin = (t.numpy() for t in pair_stats(natural, x))
+        else:
+            removed, margin = pair[:, 0], pair[:, 1]
     nan = np.zeros(rows.shape[0])
     packed = np.stack([lse, allowed, top, entropy, nan, p_eos, removed, margin], axis=1).astype(np.float32)
     return torch.from_numpy(packed)
-
-
-def _fused_row_stats(rows: np.ndarray) -> tuple[np.ndarray, ...] | None:
-    """``(max, lse, entropy, allowed, plain)`` of float32 ``rows [B, V]`` from the ``_rowstats`` extension (two
-    passes a row), or None where it was not built. ``plain`` is False for a row holding NaN or ``+inf``, whose
-    other values are then unset. Host arrays: no device involved."""
-    if _rowstats is None or rows.ndim != 2 or rows.shape[1] == 0:
-        return None
-    out = np.empty((rows.shape[0], 5), dtype=np.float32)
-    _rowstats.row_stats(np.ascontiguousarray(rows), out)
-    return out[:, 0], out[:, 1], out[:, 2], out[:, 3], out[:, 4] == 0
-
-
-def _pair_stats_cpu(natural: torch.Tensor, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`pair_stats` of CPU rows when the natural rows hold no NaN or ``+inf``: two passes a row pair in the
-    ``_rowstats`` extension, else numpy passes; the general kernels for the other rows."""
-    nat = natural.detach().float().numpy()
-    if _rowstats is not None and nat.ndim == 2 and nat.shape[1]:
-        out = np.empty((nat.shape[0], 3), dtype=np.float32)
-        _rowstats.pair_stats(np.ascontiguousarray(nat), np.ascontiguousarray(x.detach().float().numpy()), out)
-        if not out[:, 2].any():
-            return out[:, 0], out[:, 1]
-    with np.errstate(invalid="ignore", over="ignore"):
-        sums = nat.sum(axis=1)
-    if not (np.isfinite(sums) | (sums == NEG_INF)).all():
-        removed, margin = pair_stats(natural, x)
-        return removed.numpy(), margin.numpy()
-    kept = masked(nat, x.detach().float().numpy())  # natural where x allows the token, -inf where it masked it
-    gone = np.where(kept == NEG_INF, nat, NEG_INF)  # natural where x masked the token: summed directly, not 1 - kept
-    with np.errstate(invalid="ignore"):  # a natural row with nothing allowed: -inf - -inf, as pair_stats gives
-        removed = np.clip(np.exp(logsumexp_rows(gone) - logsumexp_rows(nat)), 0.0, 1.0)
-        margin = nat.max(axis=1) - kept.max(axis=1)
-    return np.nan_to_num(removed, nan=0.0), margin
 
 
 def pair_stats(natural: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,18 +178,14 @@ def stored_lse(kept: torch.Tensor, exact: torch.Tensor, nan_free: bool = False) 
     same values). Kernels on the rows' device; no synchronisation.
     """
     rounded = kept.to(device=exact.device, dtype=torch.float32)
-    if rounded.device.type == "cpu":  # numpy passes on one thread
-        values = rounded.numpy()
-        if not nan_free:
-            values = np.where(np.isnan(values), NEG_INF, values)
-        fused = _fused_row_stats(values)
-        if fused is not None and fused[4].all():
-            lse = torch.from_numpy(fused[1].copy())
-        else:
-            lse = torch.from_numpy(logsumexp_rows(values))
-    else:
-        if not nan_free:
-            rounded = rounded.masked_fill(torch.isnan(rounded), NEG_INF)
+    if not nan_free:
+        rounded = rounded.masked_fill(torch.isnan(rounded), NEG_INF)
+    lse = None
+    if rounded.device.type == "cpu" and _rowstats is not None and rounded.shape[1]:  # one thread, two passes
+        out = np.empty((rounded.shape[0], 5), dtype=np.float32)
+        _rowstats.row_stats(np.ascontiguousarray(rounded.numpy()), out)
+        lse = torch.from_numpy(out[:, 1].copy()) if not out[:, 4].any() else None
+    if lse is None:
         lse = torch.logsumexp(rounded, dim=1)
     return torch.where(torch.isfinite(lse) & torch.isfinite(exact), lse, exact)
 
@@ -256,7 +208,8 @@ def chosen_stats(x: torch.Tensor, chosen: torch.Tensor, stats: torch.Tensor) -> 
     ``stats`` are the rows' :func:`row_stats`; ``chosen`` holds one id per
     row (out-of-range ids give NaN). Same device as ``x``, no synchronisation.
     """
-    if x.device.type == "cpu" and stats.device.type == "cpu" and chosen.device.type == "cpu":
+    cpu = x.device.type == "cpu" and stats.device.type == "cpu" and chosen.device.type == "cpu"
+    if cpu and _rowstats is not None and x.shape[1]:
         return _chosen_stats_cpu(x, chosen, stats)
     return _chosen_stats_general(x, chosen, stats)
 
@@ -281,19 +234,16 @@ def _chosen_stats_general(x: torch.Tensor, chosen: torch.Tensor, stats: torch.Te
 def _chosen_stats_cpu(x: torch.Tensor, chosen: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
     """:func:`chosen_stats` of CPU rows in a few numpy operations on one thread (the torch spelling costs
     a dispatch per small operation, more than the row's one counting pass at 32k tokens)."""
-    rows = x.detach().numpy() if x.dtype in (torch.float32, torch.float16) else x.detach().float().numpy()
+    rows = x.detach().float().numpy()
     ids = chosen.detach().reshape(-1).to(torch.int64).numpy()
     packed = stats.detach().numpy()
     b, vocab = rows.shape
     valid = (ids >= 0) & (ids < vocab)
     value = rows[np.arange(b), np.clip(ids, 0, vocab - 1)].astype(np.float32)
     value[np.isnan(value)] = NEG_INF  # a NaN entry weighs 0: it ranks after every allowed token
-    if _rowstats is not None and rows.dtype == np.float32:
-        rank = np.empty((b, 1), dtype=np.float32)
-        _rowstats.count_above(np.ascontiguousarray(rows), np.ascontiguousarray(value[:, None]), rank)
-        rank = rank[:, 0]
-    else:
-        rank = np.count_nonzero(rows > value.astype(rows.dtype)[:, None], axis=1).astype(np.float32)
+    rank = np.empty((b, 1), dtype=np.float32)
+    _rowstats.count_above(np.ascontiguousarray(rows), np.ascontiguousarray(value[:, None]), rank)
+    rank = rank[:, 0]
     lse, allowed = packed[:, 0], packed[:, 1]
     one_hot = lse == math.inf  # a row holding +inf: a one-hot on its +inf tokens, every other token after them
     rank = np.where(one_hot, np.where(value == math.inf, 0.0, allowed), rank)
@@ -308,39 +258,18 @@ def _chosen_stats_cpu(x: torch.Tensor, chosen: torch.Tensor, stats: torch.Tensor
 def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, ids)``: the ``k`` largest entries of each row of ``x [n, V]`` (float32, int64), NaN never chosen.
 
-    On a CPU the ``_rowstats`` extension keeps each row's best ``k`` in a sorted buffer in one pass (ties: the
-    lower id first). Without it a row's top ``k`` are found among the entries of its ``k`` groups with the largest maxima (the
-    ``k``-th largest entry is at least the ``k``-th largest group maximum, so no group outside them holds one of
-    the ``k``): one pass over the row for the group maxima, then a top-k over ``16 k`` candidates, several
-    times faster than ``torch.topk`` over the row there. Rows holding NaN or ``+inf`` (the group maxima tell),
-    and other devices, take ``torch.topk`` of the row with NaN as ``-inf``. The values are exact; among tied values the ids kept may differ from
+    On a CPU the ``_rowstats`` extension keeps each row's best ``k`` in a sorted buffer in one pass after a
+    pass for a floor (ties: the lower id first); elsewhere (and without the extension) ``torch.topk`` of the
+    row with NaN as ``-inf``. The values are exact; among tied values the ids kept may differ from
     ``torch.topk``'s. Kernels on the rows' device; on a CPU it reads host values (no device to wait for).
     """
     x = x.float()
-    n, vocab = x.shape
+    n = x.shape[0]
     if x.device.type == "cpu" and _rowstats is not None and n:
         values, ids = np.empty((n, k), dtype=np.float32), np.empty((n, k), dtype=np.int64)
         _rowstats.top_k(np.ascontiguousarray(x.numpy()), values, ids)
         return torch.from_numpy(values), torch.from_numpy(ids)
-    groups = vocab // GROUP
-    if x.device.type != "cpu" or groups < 4 * k:
-        return _top_k_general(x, k)
-    body = x[:, : groups * GROUP].reshape(n, GROUP, groups)  # group j: columns j + groups * r, r < 16
-    maxima = body.amax(dim=1)  # NaN where a group holds NaN
-    tail = x[:, groups * GROUP :]
-    special = torch.isnan(maxima).any(dim=1) | torch.isposinf(maxima).any(dim=1)
-    if tail.shape[1]:
-        special |= ~(torch.isfinite(tail) | torch.isneginf(tail)).all(dim=1)
-    best = torch.topk(maxima, k, dim=1).indices  # [n, k]
-    ids = (best[:, :, None] + groups * torch.arange(GROUP)).reshape(n, k * GROUP)
-    if tail.shape[1]:
-        ids = torch.cat([ids, torch.arange(groups * GROUP, vocab).expand(n, -1)], dim=1)
-    values, where = torch.topk(x.gather(1, ids), k, dim=1)
-    ids = ids.gather(1, where)
-    if bool(special.any()):
-        rows = special.nonzero().reshape(-1)
-        values[rows], ids[rows] = _top_k_general(x[rows], k)
-    return values, ids
+    return _top_k_general(x, k)
 
 
 def _top_k_general(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
