@@ -8,9 +8,9 @@ in ``pyproject.toml``.
 
 It also builds one optional extension, ``tracker.recording._rowstats`` (``tracker/recording/_rowstats.c``): the
 statistics and top k of the rows a CPU run keeps in float16, bfloat16 or top-k storage, in two passes over each
-row instead of a numpy pass per statistic (inside a serving engine, every tracked row at every step). Without a
-C compiler the install goes on and the recorder uses numpy and torch (the same values, the statistics within
-float32 rounding).
+row instead of a torch pass per statistic (inside a serving engine, every tracked row at every step). Without a
+C compiler the install goes on and the recorder uses torch's kernels, as on an accelerator (the same values, the
+statistics within float32 rounding).
 """
 
 import sys
