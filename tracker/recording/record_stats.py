@@ -115,34 +115,33 @@ def _row_stats_general(x: torch.Tensor, eos: torch.Tensor | None, natural: torch
 
 def _row_stats_cpu(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Tensor | None) -> torch.Tensor:
     """:func:`row_stats` of CPU rows through the ``_rowstats`` extension (two passes a row, on one thread: torch's
-    CPU kernels cost a pass per statistic); rows holding NaN or ``+inf`` take the general kernels."""
+    CPU kernels cost a pass per statistic, and a dispatch per small operation); rows holding NaN or ``+inf``
+    take the general kernels."""
     rows = np.ascontiguousarray(x.detach().float().numpy())
-    out = np.empty((rows.shape[0], 5), dtype=np.float32)
+    out = np.empty((rows.shape[0], 5), dtype=np.float32)  # max, lse, entropy, allowed, special
     _rowstats.row_stats(rows, out)
-    top, lse, entropy, allowed, plain = out[:, 0], out[:, 1], out[:, 2], out[:, 3], out[:, 4] == 0
+    plain = out[:, 4] == 0
     if not plain.all():
         packed = torch.empty(rows.shape[0], len(ROW_STATS))
-        special = torch.from_numpy(np.nonzero(~plain)[0])
+        special = torch.from_numpy(np.flatnonzero(~plain))
         packed[special] = _row_stats_general(x[special], eos, None if natural is None else natural[special])
         if plain.any():
-            keep = torch.from_numpy(np.nonzero(plain)[0])
+            keep = torch.from_numpy(np.flatnonzero(plain))
             packed[keep] = _row_stats_cpu(x[keep], eos, None if natural is None else natural[keep])
         return packed
+    packed = np.full((rows.shape[0], len(ROW_STATS)), np.nan, dtype=np.float32)  # in ROW_STATS order
+    packed[:, 0], packed[:, 1], packed[:, 2], packed[:, 3], packed[:, 4] = out[:, 1], out[:, 3], out[:, 0], out[:, 2], 0
     if eos is not None and eos.numel():
-        p_eos = probabilities(rows[:, eos.numpy()], lse[:, None]).sum(axis=1)  # a masked EOS weighs 0
-    else:
-        p_eos = np.full(rows.shape[0], np.nan)
-    removed = margin = np.full(rows.shape[0], np.nan)
+        packed[:, 5] = probabilities(rows[:, eos.numpy()], out[:, 1:2]).sum(axis=1)  # a masked EOS weighs 0
     if natural is not None:
         nat = np.ascontiguousarray(natural.detach().float().numpy())
         pair = np.empty((nat.shape[0], 3), dtype=np.float32)
         _rowstats.pair_stats(nat, rows, pair)
         if pair[:, 2].any():  # a natural row holding NaN or +inf
-            removed, margin = (t.numpy() for t in pair_stats(natural, x))
+            removed, margin = pair_stats(natural, x)
+            packed[:, 6], packed[:, 7] = removed.numpy(), margin.numpy()
         else:
-            removed, margin = pair[:, 0], pair[:, 1]
-    nan = np.zeros(rows.shape[0])
-    packed = np.stack([lse, allowed, top, entropy, nan, p_eos, removed, margin], axis=1).astype(np.float32)
+            packed[:, 6:8] = pair[:, :2]
     return torch.from_numpy(packed)
 
 
@@ -177,16 +176,17 @@ def stored_lse(kept: torch.Tensor, exact: torch.Tensor, nan_free: bool = False) 
     range) it is ``exact``. ``nan_free``: the rows hold no NaN (known on the host: two passes fewer, the
     same values). Kernels on the rows' device; no synchronisation.
     """
+    if kept.device.type == "cpu" and exact.device.type == "cpu" and _rowstats is not None and kept.shape[1]:
+        rounded = np.ascontiguousarray(kept.float().numpy())
+        out = np.empty((rounded.shape[0], 5), dtype=np.float32)
+        _rowstats.row_stats(rounded, out)  # two passes a row, on one thread
+        if not out[:, 4].any():  # no NaN or +inf among the rounded values
+            lse, full = out[:, 1], exact.numpy()
+            return torch.from_numpy(np.where(np.isfinite(lse) & np.isfinite(full), lse, full))
     rounded = kept.to(device=exact.device, dtype=torch.float32)
     if not nan_free:
         rounded = rounded.masked_fill(torch.isnan(rounded), NEG_INF)
-    lse = None
-    if rounded.device.type == "cpu" and _rowstats is not None and rounded.shape[1]:  # one thread, two passes
-        out = np.empty((rounded.shape[0], 5), dtype=np.float32)
-        _rowstats.row_stats(np.ascontiguousarray(rounded.numpy()), out)
-        lse = torch.from_numpy(out[:, 1].copy()) if not out[:, 4].any() else None
-    if lse is None:
-        lse = torch.logsumexp(rounded, dim=1)
+    lse = torch.logsumexp(rounded, dim=1)
     return torch.where(torch.isfinite(lse) & torch.isfinite(exact), lse, exact)
 
 
@@ -198,6 +198,9 @@ def offset_rows(
     the best logits lie near 0, where float16 and bfloat16 are finest; the run's ``{stage}_max`` column
     gives the offset back (:data:`tracker.format.schema.FIELD_OFFSET`). No synchronisation."""
     stats = row_stats(x, eos, natural)
+    if stats.device.type == "cpu":  # numpy: a dispatch per small operation fewer
+        top = stats[:, 2].numpy()
+        return stats, torch.from_numpy(np.where(np.isfinite(top), top, np.float32(0)))
     top = stats[:, 2]
     return stats, torch.where(torch.isfinite(top), top, torch.zeros_like(top))
 
@@ -232,25 +235,27 @@ def _chosen_stats_general(x: torch.Tensor, chosen: torch.Tensor, stats: torch.Te
 
 
 def _chosen_stats_cpu(x: torch.Tensor, chosen: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
-    """:func:`chosen_stats` of CPU rows in a few numpy operations on one thread (the torch spelling costs
-    a dispatch per small operation, more than the row's one counting pass at 32k tokens)."""
-    rows = x.detach().float().numpy()
+    """:func:`chosen_stats` of CPU rows: the extension's counting pass and a few numpy operations on one thread
+    (the torch spelling costs a dispatch per small operation, more than the whole row's pass at 1k tokens)."""
+    rows = np.ascontiguousarray(x.detach().float().numpy())
     ids = chosen.detach().reshape(-1).to(torch.int64).numpy()
-    packed = stats.detach().numpy()
+    lse, allowed = stats[:, 0].numpy(), stats[:, 1].numpy()
     b, vocab = rows.shape
     valid = (ids >= 0) & (ids < vocab)
-    value = rows[np.arange(b), np.clip(ids, 0, vocab - 1)].astype(np.float32)
+    value = rows[np.arange(b), np.where(valid, ids, 0)].reshape(b, 1)  # a copy, [B, 1] as count_above wants
     value[np.isnan(value)] = NEG_INF  # a NaN entry weighs 0: it ranks after every allowed token
     rank = np.empty((b, 1), dtype=np.float32)
-    _rowstats.count_above(np.ascontiguousarray(rows), np.ascontiguousarray(value[:, None]), rank)
-    rank = rank[:, 0]
-    lse, allowed = packed[:, 0], packed[:, 1]
-    one_hot = lse == math.inf  # a row holding +inf: a one-hot on its +inf tokens, every other token after them
-    rank = np.where(one_hot, np.where(value == math.inf, 0.0, allowed), rank)
+    _rowstats.count_above(rows, value, rank)
+    out = np.empty((b, 3), dtype=np.float32)
+    out[:, 0], out[:, 2] = value[:, 0], rank[:, 0]
     with np.errstate(invalid="ignore", over="ignore"):
-        prob = np.exp(value - lse)
-        prob = np.where(one_hot, (value == math.inf) / np.maximum(allowed, 1), prob)
-    out = np.stack([value, np.nan_to_num(prob, nan=0.0), rank], axis=1).astype(np.float32)
+        np.exp(value[:, 0] - lse, out=out[:, 1])
+    one_hot = lse == math.inf  # a row holding +inf: a one-hot on its +inf tokens, every other token after them
+    if one_hot.any():
+        top = value[:, 0] == math.inf
+        out[:, 2] = np.where(one_hot, np.where(top, 0.0, allowed), out[:, 2])
+        out[:, 1] = np.where(one_hot, top / np.maximum(allowed, 1), out[:, 1])
+    out[np.isnan(out[:, 1]), 1] = 0.0  # nothing allowed: a masked token's probability is 0
     out[~valid] = math.nan
     return torch.from_numpy(out)
 
