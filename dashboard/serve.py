@@ -19,6 +19,7 @@ it cost more than the rest of a click.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
@@ -219,13 +220,31 @@ class Server:
         return int(self.child.wait())
 
 
+def _dies_with_parent() -> Any:
+    """For the server's process (Linux): have the kernel send it SIGTERM when this process dies, even by SIGKILL
+    or a crash, where no ``finally`` runs (``prctl(PR_SET_PDEATHSIG)``); elsewhere None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (AttributeError, OSError):
+        return None
+
+    def set_signal() -> None:  # runs in the child, between fork and exec
+        prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+
+    return set_signal
+
+
 @contextmanager
 def start(path: str | Path, port: int, *, allow_any_path: bool = False) -> Iterator[Server]:
     """Start the (headless) server on ``path`` at ``127.0.0.1:port``; it is stopped when the block ends.
 
     Within the block, SIGTERM is turned into ``KeyboardInterrupt`` like
     Ctrl-C, so that stopping this process (a service manager, ``kill``) also
-    stops the server instead of leaving it holding the port. The page's path
+    stops the server instead of leaving it holding the port; on Linux the
+    server also gets SIGTERM when this process dies without running its
+    ``finally`` (SIGKILL, a crash). The page's path
     box stays inside ``path`` unless ``allow_any_path``.
     """
     command = streamlit_command(port, headless=True)
@@ -233,7 +252,9 @@ def start(path: str | Path, port: int, *, allow_any_path: bool = False) -> Itera
     # Streamlit's own terminal lines go to its stdout ("Stopping...", once for the terminal's Ctrl-C and once
     # for this process's SIGTERM): logitscope says what the user needs; the server's warnings and errors
     # (its log, on stderr) still show.
-    child = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    child = subprocess.Popen(
+        command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=_dies_with_parent()
+    )
 
     def on_signal(_signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt

@@ -284,13 +284,21 @@ def test_demo_without_a_terminal_serves_then_stops_its_server_and_removes_its_fo
     temp = tmp_path / "tmp"
     temp.mkdir()
     env = {**os.environ, "TMPDIR": str(temp), "HOME": str(tmp_path), "DISPLAY": ""}  # a fresh user, no display
+    env["PYTHONFAULTHANDLER"] = "1"  # a process that does not stop says where it is (SIGABRT below)
     log = tmp_path / "log.txt"
-    # recording the runs comes first
+    # the server answers while the runs are still being recorded: the signal may come at any point of that
     process, port = _started([sys.executable, "-m", "logitscope", "demo"], env, log, 240, cwd=tmp_path)
     try:
         assert [p.name for p in temp.iterdir()][0].startswith("logitscope-demo-")
         process.send_signal(signal.SIGTERM)
-        assert process.wait(30) == 0
+        try:
+            status = process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGABRT)  # faulthandler writes every thread's stack to the log
+            process.wait(30)
+            said = log.read_text(errors="replace")[-8000:]
+            raise AssertionError(f"`logitscope demo` did not stop on SIGTERM:\n{said}") from None
+        assert status == 0
     finally:
         if process.poll() is None:
             process.kill()
@@ -299,6 +307,18 @@ def test_demo_without_a_terminal_serves_then_stops_its_server_and_removes_its_fo
     assert "<|endoftext|>" not in text
     assert _port_is_free(port), "the Streamlit server still holds the port"
     assert list(temp.iterdir()) == [], "the demo left its temporary folder behind"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_dashboard_killed_outright_takes_its_server_with_it(tmp_path):
+    """SIGKILL (the OOM killer, ``kill -9``, a test's cleanup) runs no ``finally``: the server must not live on
+    holding the port."""
+    env = {**os.environ, "HOME": str(tmp_path), "DISPLAY": ""}
+    log = tmp_path / "log.txt"
+    process, port = _started([sys.executable, "-m", "logitscope", "dashboard", str(default_runs_path())], env, log, 60)
+    process.kill()
+    process.wait(30)
+    assert _port_is_free(port, 20), "the Streamlit server outlived a killed `logitscope dashboard`"
 
 
 def test_sigterm_to_the_dashboard_stops_the_server(tmp_path):
