@@ -213,11 +213,35 @@ def test_the_chosen_token_statistics_of_the_cpu_path_equal_the_device_path(dtype
     ids[5] = int(torch.nonzero(torch.isnan(x[5].float()))[0])  # a NaN entry chosen
     ids[6] = 3  # a +inf token of the one-hot row
     ids[0], ids[7] = -1, 999  # outside the vocabulary
-    cpu = record_stats._chosen_stats_cpu(x, ids, stats).numpy()
+    cpu = record_stats._chosen_stats_cpu(x, ids, stats, None).numpy()
     general = record_stats._chosen_stats_general(x, ids, stats).numpy()
     np.testing.assert_allclose(cpu, general, rtol=1e-6, equal_nan=True)
     assert np.isnan(cpu[[0, 7]]).all()
     assert cpu[6].tolist() == [np.inf, pytest.approx(1 / (x[6].float() == np.inf).sum().item()), 0.0]
+
+
+@pytest.mark.parametrize("k", [1, 5, 20])
+def test_a_chosen_rank_counted_among_the_kept_top_k_equals_the_count_over_the_row(k):
+    """Top-k storage counts a chosen token's rank among the kept values when the token is one of them (or ties
+    the last): the same rank as counting over the whole row, for tokens inside, tied with the last kept value,
+    far below it, NaN, masked and out of range, on ordinary, tied, masked and edge rows."""
+    rng = np.random.default_rng()
+    x = np.concatenate([edge_rows(rng, 999), rng.integers(-3, 3, size=(4, 999)).astype(np.float32)])  # ties
+    t = torch.from_numpy(x)
+    stats = row_stats(t, None, None)
+    values, ids = top_k(t, k)
+    chosen = ids[:, rng.integers(k)].clone()  # a kept token
+    chosen[[1, 8]] = ids[[1, 8], -1]  # the last kept value (row 8: tied with tokens outside the top k)
+    chosen[[0, 9]] = torch.from_numpy(np.argsort(x[[0, 9]], axis=1)[:, 10])  # far below the top k
+    chosen[5] = int(np.flatnonzero(np.isnan(x[5]))[0])  # a NaN entry
+    chosen[2] = int(np.flatnonzero(x[2] == NEG)[0])  # a masked token
+    chosen[10] = -1  # unknown
+    got = chosen_stats(t, chosen, stats, values).numpy()
+    want = record_stats._chosen_stats_general(t, chosen, stats).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-6, equal_nan=True)
+    rows = [r for r in range(x.shape[0]) if r != 10 and not np.isinf(x[r]).any() and not np.isnan(x[r]).any()]
+    for r in rows:  # the rank is the count of entries above the chosen one
+        assert got[r, 2] == (x[r] > x[r, int(chosen[r])]).sum(), f"row {r}"
 
 
 @pytest.mark.parametrize("vocab", [50, 1079, 4099, 32768, 131072])

@@ -205,15 +205,19 @@ def offset_rows(
     return stats, torch.where(torch.isfinite(top), top, torch.zeros_like(top))
 
 
-def chosen_stats(x: torch.Tensor, chosen: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+def chosen_stats(
+    x: torch.Tensor, chosen: torch.Tensor, stats: torch.Tensor, kept: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[B, 3]`` float32: the chosen token's logit, probability and rank (0 = best) in rows ``x``.
 
     ``stats`` are the rows' :func:`row_stats`; ``chosen`` holds one id per
-    row (out-of-range ids give NaN). Same device as ``x``, no synchronisation.
+    row (out-of-range ids give NaN). ``kept``: the rows' largest values, largest first (top-k storage's): where
+    the chosen token's value is at least the last of them, its rank is counted among them, not over the row
+    (no entry outside them is larger). Same device as ``x``, no synchronisation.
     """
     cpu = x.device.type == "cpu" and stats.device.type == "cpu" and chosen.device.type == "cpu"
     if cpu and _rowstats is not None and x.shape[1]:
-        return _chosen_stats_cpu(x, chosen, stats)
+        return _chosen_stats_cpu(x, chosen, stats, kept)
     return _chosen_stats_general(x, chosen, stats)
 
 
@@ -234,7 +238,9 @@ def _chosen_stats_general(x: torch.Tensor, chosen: torch.Tensor, stats: torch.Te
     return out.masked_fill(~valid[:, None], math.nan)
 
 
-def _chosen_stats_cpu(x: torch.Tensor, chosen: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+def _chosen_stats_cpu(
+    x: torch.Tensor, chosen: torch.Tensor, stats: torch.Tensor, kept: torch.Tensor | None
+) -> torch.Tensor:
     """:func:`chosen_stats` of CPU rows: the extension's counting pass and a few numpy operations on one thread
     (the torch spelling costs a dispatch per small operation, more than the whole row's pass at 1k tokens)."""
     rows = np.ascontiguousarray(x.detach().float().numpy())
@@ -245,7 +251,16 @@ def _chosen_stats_cpu(x: torch.Tensor, chosen: torch.Tensor, stats: torch.Tensor
     value = rows[np.arange(b), np.where(valid, ids, 0)].reshape(b, 1)  # a copy, [B, 1] as count_above wants
     value[np.isnan(value)] = NEG_INF  # a NaN entry weighs 0: it ranks after every allowed token
     rank = np.empty((b, 1), dtype=np.float32)
-    _rowstats.count_above(rows, value, rank)
+    if kept is not None and kept.shape[0] == b and kept.shape[1]:
+        top = kept.numpy()
+        inside = value[:, 0] >= top[:, -1]
+        rank[inside, 0] = (top[inside] > value[inside]).sum(axis=1)
+        if not inside.all():
+            outside = np.empty((int((~inside).sum()), 1), dtype=np.float32)
+            _rowstats.count_above(np.ascontiguousarray(rows[~inside]), value[~inside], outside)
+            rank[~inside] = outside
+    else:
+        _rowstats.count_above(rows, value, rank)
     out = np.empty((b, 3), dtype=np.float32)
     out[:, 0], out[:, 2] = value[:, 0], rank[:, 0]
     with np.errstate(invalid="ignore", over="ignore"):

@@ -118,7 +118,7 @@ class Recorder(RowsOut):
         self._arange = np.arange(64, dtype=np.int32)
         self._eos: dict[Any, torch.Tensor] = {}
         self._retained: StepRows | None = None  # the last step's rows, kept until their chosen tokens come
-        self._retained_rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._retained_rows: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
 
     # ---------------------------------------------------------------- state
 
@@ -280,7 +280,11 @@ class Recorder(RowsOut):
                 x = chunk.buffers[f"{stage}:logits"][start:end] if exact else x.clone()
             if self._retained is not rows:
                 self._retained, self._retained_rows = rows, {}
-            self._retained_rows[stage] = (x, stored.stats)
+            self._retained_rows[stage] = (
+                x,
+                stored.stats,
+                stored.columns.get("logits") if not self.storage.full else None,
+            )
             chunk.stats_known[stage][start:end] = True
 
     def mark_error(self, rows: StepRows) -> None:
@@ -324,9 +328,9 @@ class Recorder(RowsOut):
             else:
                 chunk.buffers["chosen"][start:end].copy_(src.to(torch.int64), non_blocking=staging)
             if self._retained is rows:
-                for stage, (values, stats) in self._retained_rows.items():
+                for stage, (values, stats, kept) in self._retained_rows.items():
                     tokens_here = src if src.device == values.device else src.to(values.device, non_blocking=True)
-                    found = chosen_stats(values, tokens_here, stats)
+                    found = chosen_stats(values, tokens_here, stats, kept)
                     chunk.buffers[f"{stage}:cstats"][start:end].copy_(found, non_blocking=chunk.host is None)
                     chunk.chosen_known[stage][start:end] = True
             if chunk.host is None:
