@@ -1,6 +1,7 @@
 """The tracker in a real model loop, against the model untracked and a straightforward tracker, in one process.
 
     python benchmarks/bench_tracker.py [--vocab 128256] [--batch 1 16] [--tokens 128] [--rounds 5]
+                                       [--host-memory as-built | no-pool | faulted | neither]
     python benchmarks/bench_tracker.py --analysis-only [--vocab 32768 131072] [--steps 512]
     python benchmarks/bench_tracker.py --long [--steps 10000] [--vocab 131072]
 
@@ -316,6 +317,16 @@ def long_run(vocab: int, steps: int) -> None:
     tracker.clear()
 
 
+def host_memory(variant: str) -> None:
+    """Replace the recorder's host-memory machinery for this process (``--host-memory``)."""
+    from tracker.recording import memory
+
+    if variant in ("faulted", "neither"):
+        memory._allocate = lambda nbytes: np.empty(nbytes, dtype=np.uint8)
+    if variant in ("no-pool", "neither"):
+        memory.HostPool.take = lambda self, nbytes: memory.HostBuffer(memory._allocate(nbytes), nbytes)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab", type=int, nargs="+", default=None, help="vocabulary sizes (default 128256)")
@@ -330,7 +341,15 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (one: no barrier waits on a busy machine)"
     )
+    parser.add_argument(
+        "--host-memory",
+        choices=["as-built", "no-pool", "faulted", "neither"],
+        default="as-built",
+        help="switch off the recorder's buffer pool (no-pool), its populated mappings (faulted: pages faulted in "
+        "as rows are written), or both, to measure what each is worth",
+    )
     args = parser.parse_args()
+    host_memory(args.host_memory)
     torch.set_num_threads(args.threads)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs, load average {load:.1f}")
