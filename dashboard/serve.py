@@ -209,6 +209,7 @@ class Server:
         self.child = child
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
+        self.stopping = threading.Event()  # set by SIGTERM or Ctrl-C: the server is being stopped
 
     def open_browser(self) -> None:
         """Open the page in a browser, once the server answers, where a browser can be opened."""
@@ -216,8 +217,9 @@ class Server:
             webbrowser.open(self.url)
 
     def wait(self) -> int:
-        """Block until the server exits; its exit status."""
-        return int(self.child.wait())
+        """Block until the server exits; its exit status (0 when this process was asked to stop)."""
+        status = int(self.child.wait())
+        return 0 if self.stopping.is_set() else status
 
 
 def _dies_with_parent() -> Any:
@@ -256,13 +258,21 @@ def start(path: str | Path, port: int, *, allow_any_path: bool = False) -> Itera
         command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=_dies_with_parent()
     )
 
+    server = Server(child, port)
+
     def on_signal(_signum: int, _frame: Any) -> None:
+        # The server is told to stop here, not only in the ``finally`` below: a KeyboardInterrupt raised while
+        # the interpreter runs a finalizer (``__del__``, a weakref callback: any code may be inside one when the
+        # signal comes) is printed and dropped, and the block would go on as if no signal had come.
+        server.stopping.set()
+        if child.poll() is None:
+            child.terminate()
         raise KeyboardInterrupt
 
     main_thread = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
     try:
-        yield Server(child, port)
+        yield server
     finally:
         _stop(child)  # on a signal, an error or the normal end alike: never leave the server behind
         for sig, handler in previous.items():

@@ -84,7 +84,9 @@ def _demo(args: argparse.Namespace, out: Path, parser: argparse.ArgumentParser) 
         # the server starts while the runs are recorded (they are written whole, one by one);
         # the page opens once they are all there
         with start(out, port) as server:
-            _record_demo(args, out)
+            _record_demo(args, out, server.stopping)
+            if server.stopping.is_set():  # a signal came while recording (and its KeyboardInterrupt was lost)
+                return 0
             announce(out, port)
             if not args.no_browser:
                 server.open_browser()
@@ -93,7 +95,7 @@ def _demo(args: argparse.Namespace, out: Path, parser: argparse.ArgumentParser) 
         return 0
 
 
-def _record_demo(args: argparse.Namespace, out: Path) -> None:
+def _record_demo(args: argparse.Namespace, out: Path, stopping: Any = None) -> None:
     from logitscope.demo_model import load_demo_model
     from logitscope.samples import record
 
@@ -101,6 +103,8 @@ def _record_demo(args: argparse.Namespace, out: Path) -> None:
     print("logitscope demo: the shipped demo model (a small GPT-2) generates a few runs, each recorded")
     print(f"by the tracker (what the model wanted, what the constraint did, what was sampled) into {out}\n")
     for done in record(out, model, tokenizer):
+        if stopping is not None and stopping.is_set():  # asked to stop: the next recipe is not recorded
+            return
         print(f"--- {done.recipe.title}: {done.recipe.description}")
         for generation in done.texts:
             for text in generation:

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -319,6 +320,30 @@ def test_a_dashboard_killed_outright_takes_its_server_with_it(tmp_path):
     process.kill()
     process.wait(30)
     assert _port_is_free(port, 20), "the Streamlit server outlived a killed `logitscope dashboard`"
+
+
+def test_a_stop_signal_that_lands_in_a_finalizer_still_stops_the_server(tmp_path):
+    """The interpreter drops an exception raised while a finalizer runs (``__del__``, a weakref callback), and a
+    signal's KeyboardInterrupt can land there: the server must stop all the same, and the block know it."""
+    from dashboard.serve import _wait_until_up, start
+
+    port = _free_port()
+    with start(tmp_path, port) as server:
+        assert _wait_until_up(server.child, port), "the server did not start"
+
+        class Busy:
+            def __del__(self) -> None:  # the signal comes while this runs: its KeyboardInterrupt is dropped
+                deadline = time.monotonic() + 20
+                while time.monotonic() < deadline and server.child.poll() is None:
+                    time.sleep(0.05)
+
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        busy = Busy()
+        del busy
+        assert server.stopping.is_set(), "the signal went unnoticed"
+        assert server.child.wait(15) is not None
+        assert server.wait() == 0
+    assert _port_is_free(port)
 
 
 def test_sigterm_to_the_dashboard_stops_the_server(tmp_path):
