@@ -242,11 +242,11 @@ def _dies_with_parent() -> Any:
 def start(path: str | Path, port: int, *, allow_any_path: bool = False) -> Iterator[Server]:
     """Start the (headless) server on ``path`` at ``127.0.0.1:port``; it is stopped when the block ends.
 
-    Within the block, SIGTERM is turned into ``KeyboardInterrupt`` like
-    Ctrl-C, so that stopping this process (a service manager, ``kill``) also
-    stops the server instead of leaving it holding the port; on Linux the
-    server also gets SIGTERM when this process dies without running its
-    ``finally`` (SIGKILL, a crash). The page's path
+    Within the block, SIGTERM and Ctrl-C stop the server and set
+    ``server.stopping`` (no exception is raised), so that stopping this
+    process (a service manager, ``kill``) also stops the server instead of
+    leaving it holding the port; on Linux the server also gets SIGTERM when
+    this process dies without running its ``finally`` (SIGKILL, a crash). The page's path
     box stays inside ``path`` unless ``allow_any_path``.
     """
     command = streamlit_command(port, headless=True)
@@ -261,13 +261,14 @@ def start(path: str | Path, port: int, *, allow_any_path: bool = False) -> Itera
     server = Server(child, port)
 
     def on_signal(_signum: int, _frame: Any) -> None:
-        # The server is told to stop here, not only in the ``finally`` below: a KeyboardInterrupt raised while
-        # the interpreter runs a finalizer (``__del__``, a weakref callback: any code may be inside one when the
-        # signal comes) is printed and dropped, and the block would go on as if no signal had come.
+        # Stop the server and say so; raise nothing. An exception raised from a signal handler lands wherever
+        # the main thread is: inside a finalizer (``__del__``, a weakref callback) the interpreter prints and
+        # drops it and the block goes on as if no signal had come; elsewhere it may escape a cleanup. The block
+        # ends by itself: :meth:`Server.wait` returns once the server has stopped, and work done beside the
+        # server checks ``stopping``.
         server.stopping.set()
         if child.poll() is None:
             child.terminate()
-        raise KeyboardInterrupt
 
     main_thread = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}

@@ -85,7 +85,7 @@ def _demo(args: argparse.Namespace, out: Path, parser: argparse.ArgumentParser) 
         # the page opens once they are all there
         with start(out, port) as server:
             _record_demo(args, out, server.stopping)
-            if server.stopping.is_set():  # a signal came while recording (and its KeyboardInterrupt was lost)
+            if server.stopping.is_set():  # SIGTERM or Ctrl-C while recording: the server is stopped already
                 return 0
             announce(out, port)
             if not args.no_browser:

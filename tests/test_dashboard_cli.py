@@ -323,8 +323,8 @@ def test_a_dashboard_killed_outright_takes_its_server_with_it(tmp_path):
 
 
 def test_a_stop_signal_that_lands_in_a_finalizer_still_stops_the_server(tmp_path):
-    """The interpreter drops an exception raised while a finalizer runs (``__del__``, a weakref callback), and a
-    signal's KeyboardInterrupt can land there: the server must stop all the same, and the block know it."""
+    """A signal may come while a finalizer runs (``__del__``, a weakref callback), where the interpreter drops any
+    exception raised: the server must stop all the same, and the block know it."""
     from dashboard.serve import _wait_until_up, start
 
     port = _free_port()
@@ -332,7 +332,7 @@ def test_a_stop_signal_that_lands_in_a_finalizer_still_stops_the_server(tmp_path
         assert _wait_until_up(server.child, port), "the server did not start"
 
         class Busy:
-            def __del__(self) -> None:  # the signal comes while this runs: its KeyboardInterrupt is dropped
+            def __del__(self) -> None:  # the signal comes while this runs
                 deadline = time.monotonic() + 20
                 while time.monotonic() < deadline and server.child.poll() is None:
                     time.sleep(0.05)
