@@ -13,13 +13,16 @@
  *   pair_stats(nat, x, out)      nat, x [B, V] float32; out [B, 3] float32: removed mass, margin, special
  *   top_k(x, values, ids)        x [B, V] float32; values [B, k] float32, ids [B, k] int64: each row's k largest
  *                                entries, largest first, NaN never chosen while k others remain
- *   count_above(x, values, out)  x [B, V] float32, values [B, 1] float32; out [B, 1] float32: entries of each
- *                                row greater than its value (NaN never greater): the chosen token's rank
+ *   chosen_stats(x, ids, stats, kept, out)  x [B, V] float32, ids [B, 1] int64, stats [B, >= 2] float32 (each
+ *                                row's log-sum-exp and allowed count), kept [B, k] float32 (each row's largest
+ *                                values, largest first) or None; out [B, 3] float32: the chosen token's logit,
+ *                                probability and rank (NaN never greater; counted among the kept values when
+ *                                it is at least their last); an id outside the row gives NaN
  * A row is "special" (1.0, its other values left unset) when it holds NaN or +inf: the caller computes
  * those rows another way. -inf tokens are masked: they weigh nothing and are not allowed.
  *
  * Built by setup.py as an optional extension: where it cannot be built, record_stats computes the same
- * values with numpy and torch (the statistics equal within float32 rounding, the top k's values exactly).
+ * values with torch's kernels (the statistics equal within float32 rounding, the top k's values exactly).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -515,40 +518,82 @@ static PyObject *top_k(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     Py_RETURN_NONE;
 }
 
-static PyObject *count_above(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *chosen_stats(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "count_above(x, values, out) takes 3 arguments, got %zd", nargs);
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "chosen_stats(x, ids, stats, kept, out) takes 5 arguments, got %zd", nargs);
         return NULL;
     }
-    Py_buffer xb, vb, ob;
+    Py_buffer xb, ib, sb, kb = {0}, ob;
+    int has_kept = args[3] != Py_None;
     if (get_rows(args[0], &xb, 0, "x") < 0)
         return NULL;
-    if (get_rows(args[1], &vb, 0, "values") < 0) {
+    if (get_typed(args[1], &ib, 0, "ids", "l", 8) < 0 && get_typed(args[1], &ib, 0, "ids", "q", 8) < 0) {
         PyBuffer_Release(&xb);
         return NULL;
     }
-    if (get_rows(args[2], &ob, 1, "out") < 0) {
+    PyErr_Clear();
+    if (get_rows(args[2], &sb, 0, "stats") < 0) {
         PyBuffer_Release(&xb);
-        PyBuffer_Release(&vb);
+        PyBuffer_Release(&ib);
         return NULL;
     }
-    Py_ssize_t b = xb.shape[0], v = xb.shape[1];
-    if (vb.shape[0] != b || vb.shape[1] != 1 || ob.shape[0] != b || ob.shape[1] != 1) {
-        PyErr_Format(PyExc_ValueError, "count_above: values and out must have shape (%zd, 1)", b);
+    if ((has_kept && get_rows(args[3], &kb, 0, "kept") < 0) || get_rows(args[4], &ob, 1, "out") < 0) {
+        if (has_kept && kb.obj != NULL)
+            PyBuffer_Release(&kb);
         PyBuffer_Release(&xb);
-        PyBuffer_Release(&vb);
+        PyBuffer_Release(&ib);
+        PyBuffer_Release(&sb);
+        return NULL;
+    }
+    Py_ssize_t b = xb.shape[0], v = xb.shape[1], k = has_kept ? kb.shape[1] : 0, s = sb.shape[1];
+    if (ib.shape[0] != b || ib.shape[1] != 1 || sb.shape[0] != b || s < 2 || ob.shape[0] != b || ob.shape[1] != 3 ||
+        (has_kept && (kb.shape[0] != b || k < 1))) {
+        PyErr_Format(PyExc_ValueError,
+                     "chosen_stats: ids (%zd, 1), stats (%zd, >= 2), kept (%zd, >= 1) or None, out (%zd, 3) needed", b,
+                     b, b, b);
+        PyBuffer_Release(&xb);
+        PyBuffer_Release(&ib);
+        PyBuffer_Release(&sb);
+        if (has_kept)
+            PyBuffer_Release(&kb);
         PyBuffer_Release(&ob);
         return NULL;
     }
-    const float *x = (const float *)xb.buf, *values = (const float *)vb.buf;
+    const float *x = (const float *)xb.buf, *stats = (const float *)sb.buf, *kept = has_kept ? kb.buf : NULL;
+    const int64_t *ids = (const int64_t *)ib.buf;
     float *out = (float *)ob.buf;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t r = 0; r < b; r++)
-        out[r] = (float)row_count_above(x + r * v, v, values[r]);
+    for (Py_ssize_t r = 0; r < b; r++) {
+        float *o = out + r * 3, lse = stats[r * s], allowed = stats[r * s + 1];
+        if (ids[r] < 0 || ids[r] >= v) {
+            o[0] = o[1] = o[2] = NAN;
+            continue;
+        }
+        float value = x[r * v + ids[r]];
+        if (isnan(value))
+            value = -INFINITY; /* a NaN entry weighs 0: it ranks after every allowed token */
+        Py_ssize_t rank = 0;
+        if (kept != NULL && value >= kept[r * k + k - 1]) /* among the kept values: none outside is larger */
+            for (Py_ssize_t j = 0; j < k; j++)
+                rank += kept[r * k + j] > value;
+        else
+            rank = row_count_above(x + r * v, v, value);
+        float p = (float)exp((double)value - (double)lse);
+        if (lse == INFINITY) { /* a row holding +inf: a one-hot on its +inf tokens, every other token after them */
+            rank = value == INFINITY ? 0 : (Py_ssize_t)allowed;
+            p = value == INFINITY ? 1.0f / (allowed > 1.0f ? allowed : 1.0f) : 0.0f;
+        }
+        o[0] = value;
+        o[1] = isnan(p) ? 0.0f : p; /* nothing allowed: a masked token's probability is 0 */
+        o[2] = (float)rank;
+    }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&xb);
-    PyBuffer_Release(&vb);
+    PyBuffer_Release(&ib);
+    PyBuffer_Release(&sb);
+    if (has_kept)
+        PyBuffer_Release(&kb);
     PyBuffer_Release(&ob);
     Py_RETURN_NONE;
 }
@@ -560,8 +605,8 @@ static PyMethodDef methods[] = {
      "pair_stats(nat, x, out): removed natural mass, margin and a special flag of each row pair"},
     {"top_k", (PyCFunction)(void (*)(void))top_k, METH_FASTCALL,
      "top_k(x, values, ids): the k largest entries of each float32 row, largest first, NaN never chosen"},
-    {"count_above", (PyCFunction)(void (*)(void))count_above, METH_FASTCALL,
-     "count_above(x, values, out): entries of each float32 row greater than its value"},
+    {"chosen_stats", (PyCFunction)(void (*)(void))chosen_stats, METH_FASTCALL,
+     "chosen_stats(x, ids, stats, kept, out): each row's chosen token's logit, probability and rank"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -241,37 +241,16 @@ def _chosen_stats_general(x: torch.Tensor, chosen: torch.Tensor, stats: torch.Te
 def _chosen_stats_cpu(
     x: torch.Tensor, chosen: torch.Tensor, stats: torch.Tensor, kept: torch.Tensor | None
 ) -> torch.Tensor:
-    """:func:`chosen_stats` of CPU rows: the extension's counting pass and a few numpy operations on one thread
-    (the torch spelling costs a dispatch per small operation, more than the whole row's pass at 1k tokens)."""
+    """:func:`chosen_stats` of CPU rows in one call of the extension (a counting pass where the rank is not
+    found among ``kept``): in an engine's step the torch or numpy spelling cost a dispatch per small operation,
+    more than the whole row's pass at 1k tokens."""
     rows = np.ascontiguousarray(x.detach().float().numpy())
-    ids = chosen.detach().reshape(-1).to(torch.int64).numpy()
-    lse, allowed = stats[:, 0].numpy(), stats[:, 1].numpy()
-    b, vocab = rows.shape
-    valid = (ids >= 0) & (ids < vocab)
-    value = rows[np.arange(b), np.where(valid, ids, 0)].reshape(b, 1)  # a copy, [B, 1] as count_above wants
-    value[np.isnan(value)] = NEG_INF  # a NaN entry weighs 0: it ranks after every allowed token
-    rank = np.empty((b, 1), dtype=np.float32)
-    if kept is not None and kept.shape[0] == b and kept.shape[1]:
-        top = kept.numpy()
-        inside = value[:, 0] >= top[:, -1]
-        rank[inside, 0] = (top[inside] > value[inside]).sum(axis=1)
-        if not inside.all():
-            outside = np.empty((int((~inside).sum()), 1), dtype=np.float32)
-            _rowstats.count_above(np.ascontiguousarray(rows[~inside]), value[~inside], outside)
-            rank[~inside] = outside
-    else:
-        _rowstats.count_above(rows, value, rank)
-    out = np.empty((b, 3), dtype=np.float32)
-    out[:, 0], out[:, 2] = value[:, 0], rank[:, 0]
-    with np.errstate(invalid="ignore", over="ignore"):
-        np.exp(value[:, 0] - lse, out=out[:, 1])
-    one_hot = lse == math.inf  # a row holding +inf: a one-hot on its +inf tokens, every other token after them
-    if one_hot.any():
-        top = value[:, 0] == math.inf
-        out[:, 2] = np.where(one_hot, np.where(top, 0.0, allowed), out[:, 2])
-        out[:, 1] = np.where(one_hot, top / np.maximum(allowed, 1), out[:, 1])
-    out[np.isnan(out[:, 1]), 1] = 0.0  # nothing allowed: a masked token's probability is 0
-    out[~valid] = math.nan
+    ids = np.ascontiguousarray(chosen.detach().reshape(-1, 1).to(torch.int64).numpy())
+    top = None
+    if kept is not None and kept.shape[0] == rows.shape[0] and kept.shape[1]:
+        top = np.ascontiguousarray(kept.detach().float().numpy())
+    out = np.empty((rows.shape[0], 3), dtype=np.float32)
+    _rowstats.chosen_stats(rows, ids, np.ascontiguousarray(stats.detach().float().numpy()), top, out)
     return torch.from_numpy(out)
 
 

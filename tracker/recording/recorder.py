@@ -157,6 +157,12 @@ class Recorder(RowsOut):
         """The storage rows are kept in (before the first step ``"auto"`` is undecided: an empty run says float32)."""
         return "float32" if self.storage.kind == "auto" else self.storage.kind
 
+    def has_room(self, batch: int) -> bool:
+        """Whether the next :meth:`begin_step` of ``batch`` rows fits in the chunk being filled (no new chunk,
+        no more host memory). Host bookkeeping only."""
+        chunk = self._active
+        return chunk is not None and chunk.capacity - chunk.n >= batch
+
     # ---------------------------------------------------------------- writing
 
     def begin_step(

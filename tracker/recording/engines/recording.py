@@ -131,7 +131,8 @@ class EngineRecording:
         group; reads no device value (does not synchronise). Waits for the writer only when the rows held
         exceed the memory bound."""
         self._idle.stepped()
-        self._hold_bound()
+        if not all(self._recorders[requests[0].options.key].has_room(len(requests)) for _, requests in groups):
+            self._hold_bound()  # only a new chunk adds host memory
         vocab = int(logits.shape[1])
         for index, requests in groups:
             recorder = self._recorders[requests[0].options.key]
@@ -142,7 +143,7 @@ class EngineRecording:
             self._last.append((recorder, rows, requests, steps))
 
     def _hold_bound(self) -> None:
-        """Before a step: keep room for one more chunk of each recorder under the bound, by having the writer take
+        """Before a step that starts a new chunk: keep room for one more chunk of each recorder under the bound, by having the writer take
         the oldest complete rows out (parts written early); wait for it only when there is no room."""
         limit = self.bound.limit
         if limit is None:
