@@ -57,17 +57,26 @@ def test_the_extension_is_built_where_a_compiler_is():
         lambda ext: ext.top_k(np.zeros((2, 8), np.float32), np.zeros((2, 9), np.float32), np.zeros((2, 9), np.int64)),
         lambda ext: ext.top_k(np.zeros((2, 8), np.float32), np.zeros((2, 3), np.float32), np.zeros((2, 3), np.int32)),
         lambda ext: ext.chosen_stats(
-            np.zeros((2, 8), np.float32), np.zeros((3, 1), np.int64), np.zeros((2, 8), np.float32), None,
+            np.zeros((2, 8), np.float32),
+            np.zeros((3, 1), np.int64),
+            np.zeros((2, 8), np.float32),
+            None,
             np.zeros((2, 3), np.float32),
-        ),  # fmt: skip
+        ),
         lambda ext: ext.chosen_stats(
-            np.zeros((2, 8), np.float32), np.zeros((2, 1), np.int64), np.zeros((2, 8), np.float32),
-            np.zeros((3, 4), np.float32), np.zeros((2, 3), np.float32),
-        ),  # fmt: skip
-        lambda ext: ext.chosen_stats(
-            np.zeros((2, 8), np.float32), np.zeros((2, 1), np.int32), np.zeros((2, 8), np.float32), None,
+            np.zeros((2, 8), np.float32),
+            np.zeros((2, 1), np.int64),
+            np.zeros((2, 8), np.float32),
+            np.zeros((3, 4), np.float32),
             np.zeros((2, 3), np.float32),
-        ),  # fmt: skip
+        ),
+        lambda ext: ext.chosen_stats(
+            np.zeros((2, 8), np.float32),
+            np.zeros((2, 1), np.int32),
+            np.zeros((2, 8), np.float32),
+            None,
+            np.zeros((2, 3), np.float32),
+        ),
     ],
 )
 def test_the_extension_refuses_buffers_it_cannot_read(call):
