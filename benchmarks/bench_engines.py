@@ -15,7 +15,9 @@ tokens each, ``ignore_eos``), each mode runs once, in an order that rotates from
 Throughput is tokens over the time ``generate`` takes (the writers' work during it, on the engine's cores, is
 counted); a tracked mode then waits, before the next run, until every request is committed to the table, and
 that time (from the start of ``generate``; the table commits within ``commit_every_s`` = 1 s of a part waiting)
-is printed too. Printed per shape and mode: the median tokens per second, the median ratio to ``none`` in the
+is printed too, and the CPU time logitscope's writer threads spent on the run's parts (as a share of its
+``generate`` time: every request here ends with the run, so the writing is not inside the throughput; a
+server streaming requests would pay it on the engine's cores). Printed per shape and mode: the median tokens per second, the median ratio to ``none`` in the
 same round with the range, and the median seconds until committed. ``--model wide`` builds a GPT-2 with random weights over a
 128,256-token vocabulary (``benchmarks/wide_model.py``) in a temporary folder; its float32 rows do not compress,
 so its runs take about 25 GB of disk there at the default shapes and rounds (the folder is removed at the end).
@@ -59,6 +61,21 @@ def _wait_for_parts(root: Path, expected: int, timeout: float = 600.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"only {_parts(root)} of {expected} parts written under {root} after {timeout:.0f} s")
         time.sleep(0.02)
+
+
+def writers_cpu() -> float:
+    """CPU seconds used so far by logitscope's threads (the part and table writers, the idle watch) in every
+    process of this machine that has them (Linux /proc; 0 elsewhere)."""
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total = 0.0
+    for task in Path("/proc").glob("[0-9]*/task/[0-9]*"):
+        try:
+            if (task / "comm").read_text().startswith("logitscope"):
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / ticks
+        except OSError:
+            continue
+    return total
 
 
 def threads_report() -> list[str]:
@@ -138,6 +155,7 @@ def main() -> None:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(rows)]
         engine = engines["none" if mode == "none" else "tracked"]
         before = _parts(runs) if runs.exists() else 0
+        cpu = writers_cpu()
         start = time.perf_counter()
         outs = engine.generate(prompts, params, use_tqdm=False)
         generated = time.perf_counter() - start
@@ -147,23 +165,27 @@ def main() -> None:
         produced = sum(len(o.outputs[0].token_ids) for o in outs)
         if produced != rows * tokens:
             raise RuntimeError(f"{mode}: {produced} tokens generated, expected {rows * tokens}")
-        return produced / generated, committed
+        return produced / generated, committed, (writers_cpu() - cpu) / generated
 
     for rows, tokens in shapes:  # warm-up: each engine and mode once
         for mode in args.modes:
             run(mode, rows, tokens)
     results: dict[tuple, list[float]] = {}
     until: dict[tuple, list[float]] = {}  # seconds from the start of generate until every part is committed
+    writers: dict[tuple, list[float]] = {}  # the writer threads' CPU seconds for a run, over its generate time
     for r in range(args.rounds):
         for rows, tokens in shapes:
             order = args.modes[r % len(args.modes) :] + args.modes[: r % len(args.modes)]
             for mode in order:
-                speed, committed = run(mode, rows, tokens)
+                speed, committed, writing = run(mode, rows, tokens)
                 results.setdefault((rows, tokens, mode), []).append(speed)
                 until.setdefault((rows, tokens, mode), []).append(committed)
+                writers.setdefault((rows, tokens, mode), []).append(writing)
 
     print(f"model {args.model}, {args.rounds} rounds, medians (ratio: against 'none' of the same round)")
-    print(f"{'shape':>8} {'mode':>10} {'tokens/s':>9} {'ratio':>6} {'range':>13} {'committed after':>16}")
+    print(
+        f"{'shape':>8} {'mode':>10} {'tokens/s':>9} {'ratio':>6} {'range':>13} {'committed after':>16} {'writers':>8}"
+    )
     for rows, tokens in shapes:
         base = results.get((rows, tokens, "none"))
         for mode in args.modes:
@@ -174,7 +196,13 @@ def main() -> None:
                 line += f" {statistics.median(ratios):>6.2f} {min(ratios):>6.2f}-{max(ratios):.2f}"
             if mode in TRACKED:
                 line += f" {statistics.median(until[(rows, tokens, mode)]):>14.2f} s"
+                line += f" {statistics.median(writers[(rows, tokens, mode)]):>8.0%}"
             print(line)
+    print(
+        "writers: CPU time of logitscope's writer threads for a run's requests (their parts built, encoded and "
+        "committed, after generate returned), as a share of the run's generate time: what a server streaming "
+        "requests without pause would also give up on the engine's cores (on a CPU engine they share its core)"
+    )
     print("\nthreads of the recording engine's process (name, cores allowed, CPU time over the whole run):")
     print("\n".join(threads_report()) or "  (no process with logitscope's writer thread found: not Linux?)")
     shutil.rmtree(scratch, ignore_errors=True)  # the wide model's runs: about 25 GB at the default shapes
