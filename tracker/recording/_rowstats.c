@@ -579,7 +579,7 @@ static PyObject *chosen_stats(PyObject *self, PyObject *const *args, Py_ssize_t 
                 rank += kept[r * k + j] > value;
         else
             rank = row_count_above(x + r * v, v, value);
-        float p = (float)exp((double)value - (double)lse);
+        float p = expf(value - lse); /* in float32, as the torch kernels of an accelerator compute it */
         if (lse == INFINITY) { /* a row holding +inf: a one-hot on its +inf tokens, every other token after them */
             rank = value == INFINITY ? 0 : (Py_ssize_t)allowed;
             p = value == INFINITY ? 1.0f / (allowed > 1.0f ? allowed : 1.0f) : 0.0f;
