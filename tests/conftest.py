@@ -12,6 +12,14 @@ from transformers import GPT2LMHeadModel
 
 EOS = 0
 
+# torch's CPU unary kernels (MKL VML) may return low-precision values on their first call in a process when two
+# threads share the call (pytorch/pytorch#188792; torch 2.13 here: torch.exp of 4 x 5,000 floats, 2 fresh processes
+# of 16, half the values 6e-5 off float64, the next call exact; never with one thread). Each is called once here,
+# so that no test's first call, compared with a float64 reference, is the one that races.
+_WARM = torch.zeros(1 << 16)
+for _op in (torch.exp, torch.log, torch.log1p, torch.expm1, torch.tanh, torch.sigmoid, torch.sqrt):
+    _op(_WARM)
+
 
 class CharTokenizer:
     """One token per character (code points 1..V-1); token 0 is end-of-text.
