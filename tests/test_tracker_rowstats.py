@@ -44,6 +44,13 @@ def test_the_extension_is_built_where_a_compiler_is():
     assert record_stats._rowstats is not None, "tracker.recording._rowstats was not built: `pip install -e .`"
 
 
+def _chosen_args(ids=(2, 1), kept=None, id_type=np.int64):
+    """``chosen_stats``'s arguments for two rows of 8 tokens, with one of them the wrong shape or type."""
+    f32 = np.float32
+    k = None if kept is None else np.zeros(kept, f32)
+    return np.zeros((2, 8), f32), np.zeros(ids, id_type), np.zeros((2, 8), f32), k, np.zeros((2, 3), f32)
+
+
 @pytest.mark.parametrize(
     "call",
     [
@@ -56,27 +63,9 @@ def test_the_extension_is_built_where_a_compiler_is():
         ),
         lambda ext: ext.top_k(np.zeros((2, 8), np.float32), np.zeros((2, 9), np.float32), np.zeros((2, 9), np.int64)),
         lambda ext: ext.top_k(np.zeros((2, 8), np.float32), np.zeros((2, 3), np.float32), np.zeros((2, 3), np.int32)),
-        lambda ext: ext.chosen_stats(
-            np.zeros((2, 8), np.float32),
-            np.zeros((3, 1), np.int64),
-            np.zeros((2, 8), np.float32),
-            None,
-            np.zeros((2, 3), np.float32),
-        ),
-        lambda ext: ext.chosen_stats(
-            np.zeros((2, 8), np.float32),
-            np.zeros((2, 1), np.int64),
-            np.zeros((2, 8), np.float32),
-            np.zeros((3, 4), np.float32),
-            np.zeros((2, 3), np.float32),
-        ),
-        lambda ext: ext.chosen_stats(
-            np.zeros((2, 8), np.float32),
-            np.zeros((2, 1), np.int32),
-            np.zeros((2, 8), np.float32),
-            None,
-            np.zeros((2, 3), np.float32),
-        ),
+        lambda ext: ext.chosen_stats(*_chosen_args(ids=(3, 1))),  # ids of another batch
+        lambda ext: ext.chosen_stats(*_chosen_args(kept=(3, 4))),  # kept of another batch
+        lambda ext: ext.chosen_stats(*_chosen_args(id_type=np.int32)),  # int32 ids
     ],
 )
 def test_the_extension_refuses_buffers_it_cannot_read(call):

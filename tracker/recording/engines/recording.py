@@ -143,8 +143,9 @@ class EngineRecording:
             self._last.append((recorder, rows, requests, steps))
 
     def _hold_bound(self) -> None:
-        """Before a step that starts a new chunk: keep room for one more chunk of each recorder under the bound, by having the writer take
-        the oldest complete rows out (parts written early); wait for it only when there is no room."""
+        """Before a step that starts a new chunk: keep room for one more chunk of each recorder under the bound,
+        by having the writer take the oldest complete rows out (parts written early); wait for it only when there
+        is no room."""
         limit = self.bound.limit
         if limit is None:
             return
