@@ -108,6 +108,21 @@ def restored_schema(schema: pa.Schema, metadata: RunMetadata, arrow_schema: bool
     by a pyarrow user): a column of the run's type keeps its field as written (the field metadata of its
     time). Columns the metadata does not name keep their types.
     """
+    bare = schema.remove_metadata()
+    key = (bare.serialize().to_pybytes(), metadata.storage, tuple(metadata.stages), metadata.vocab_size)
+    key += (metadata.top_k, arrow_schema)
+    restored = _RESTORED.get(key)
+    if restored is None:  # a table's parts share a few schemas: 0.2 ms a part, of 1.5 ms, in a first question
+        restored = _RESTORED[key] = _restored_schema(bare, metadata, arrow_schema)
+        if len(_RESTORED) > 256:
+            _RESTORED.pop(next(iter(_RESTORED)))
+    return restored.with_metadata(schema.metadata) if schema.metadata else restored
+
+
+_RESTORED: dict[tuple, pa.Schema] = {}
+
+
+def _restored_schema(schema: pa.Schema, metadata: RunMetadata, arrow_schema: bool) -> pa.Schema:
     expected = _expected(metadata, set(schema.names))
     fields = []
     for field in schema:
@@ -117,7 +132,7 @@ def restored_schema(schema: pa.Schema, metadata: RunMetadata, arrow_schema: bool
         want = expected.get(name)
         kept = want is None or (arrow_schema and name == field.name and field.type == want.type)
         fields.append(field if kept or not _restorable(field, want, name != field.name) else want)
-    return pa.schema(fields, metadata=schema.metadata)
+    return pa.schema(fields)
 
 
 def _restorable(field: pa.Field, want: pa.Field, bits: bool) -> bool:

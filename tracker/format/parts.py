@@ -76,7 +76,9 @@ class _ParquetPart:
         )
         check_row_groups(path, self.file.metadata)  # row counts a damaged footer lowered lose no rows silently
         self.nbytes = int(os.path.getsize(path) if source is None else source.size())
+        self._file_schema = self.file.schema_arrow  # pyarrow builds it anew on every access (20 µs)
         self._run: RunMetadata | None = None
+        self._schema: pa.Schema | None = None  # the run schema, once bound
         self._names: dict[str, str] = {}  # run column -> file column, where they differ
 
     @property
@@ -92,7 +94,7 @@ class _ParquetPart:
         """``(run metadata JSON, vocabulary hash)``: from the footer (a single file), or from the
         :data:`~tracker.format.columns.RUN_META` column (a table's part: its first row); None where absent."""
         footer = self.footer
-        if META_RUN in footer or RUN_META not in self.file.schema_arrow.names:
+        if META_RUN in footer or RUN_META not in self._file_schema.names:
             ref = footer.get(META_VOCAB_REF)
             return footer.get(META_RUN), None if ref is None else ref.decode("ascii", "replace")
         try:
@@ -113,16 +115,21 @@ class _ParquetPart:
     @property
     def schema(self) -> pa.Schema:
         """The run schema once bound (the file's own before), with the footer's metadata."""
-        raw = self.file.schema_arrow
+        if self._schema is not None:
+            return self._schema
+        raw = self._file_schema
         if not self._arrow:
             raw = raw.with_metadata(self.footer)
-        return raw if self._run is None else restored_schema(raw, self._run, self._arrow)
+        if self._run is None:
+            return raw
+        self._schema = restored_schema(raw, self._run, self._arrow)
+        return self._schema
 
     def bind(self, metadata: RunMetadata) -> None:
         """Read columns in the run schema that ``metadata`` describes from now on. RunFileError when a
         list column's rows cannot all be as wide as the metadata says (told by the footer's counts)."""
-        self._run = metadata
-        names = self.file.schema_arrow.names
+        self._run, self._schema = metadata, None
+        names = self._file_schema.names
         if metadata.storage in ("float16", "bfloat16"):  # the values as their bit patterns (a table's layout)
             self._names = {
                 f"{s}_logits": bits_name(s, metadata.storage)
@@ -134,7 +141,7 @@ class _ParquetPart:
     def _check_widths(self) -> None:
         """Each row group of a list column holds ``k`` rows of the run's width and ``rows - k`` null rows (one
         entry each), so its count of entries is ``k * width + rows - k`` for some ``k`` in ``[0, rows]``."""
-        meta, file_schema, schema = self.file.metadata, self.file.schema_arrow, self.schema
+        meta, file_schema, schema = self.file.metadata, self._file_schema, self.schema
         leaves = {meta.schema.column(j).path.split(".")[0]: j for j in range(meta.num_columns)}
         for field, have in zip(schema, file_schema):
             if not pa.types.is_fixed_size_list(field.type) or have.name not in leaves:
@@ -170,7 +177,7 @@ class _ParquetPart:
 
     def read_columns(self, columns: list[str]) -> pa.Table:
         """Every row of ``columns`` (run names; those the file lacks are left out)."""
-        there = set(self.file.schema_arrow.names)
+        there = set(self._file_schema.names)
         wanted = [c for c in self._file_columns(columns) if c in there]
         return self._restored(self.file.read(columns=wanted, use_threads=False))
 
@@ -188,11 +195,11 @@ class _ParquetPart:
 
     def read_all(self) -> pa.Table:
         """Every row and column but the generations' metadata."""
-        names = [n for n in self.file.schema_arrow.names if n not in NOT_ROWS]
+        names = [n for n in self._file_schema.names if n not in NOT_ROWS]
         return self._restored(self.file.read(columns=names, use_threads=True))
 
     def generations(self) -> list[dict]:
-        if GENERATIONS_COLUMN not in self.file.schema_arrow.names:
+        if GENERATIONS_COLUMN not in self._file_schema.names:
             return []
         return generations_from_column(self.file.read(columns=[GENERATIONS_COLUMN]).column(0))
 

@@ -160,9 +160,22 @@ class RunSource:
         return self.names[0] if len(self.names) == 1 else posixpath.dirname(self.names[0])
 
 
+#: The (schema, run shape) pairs this process found consistent: a table's thousand parts share a handful of
+#: schemas, and checking each part's took 0.5 ms of the 2 s a first question over 1,000 runs spent opening.
+_CONSISTENT: dict[tuple, None] = {}
+
+
 def _check_part(part: Part, metadata: RunMetadata) -> None:
-    part.bind(metadata)
-    check_schemas([(part.path, part.schema)], metadata, spill=True)  # this file alone; the run's all at load
+    part.bind(metadata)  # checks this file's row widths against its footer's counts
+    schema = part.schema
+    key = (schema.remove_metadata().serialize().to_pybytes(), metadata.storage, tuple(metadata.stages))
+    key += (metadata.vocab_size, metadata.top_k)  # all that check_schemas reads of the metadata
+    if key in _CONSISTENT:
+        return
+    check_schemas([(part.path, schema)], metadata, spill=True)  # this file alone; the run's all at load
+    if len(_CONSISTENT) >= 256:
+        _CONSISTENT.clear()
+    _CONSISTENT[key] = None
 
 
 def _metadata(path: str, raw: bytes | None) -> RunMetadata:
