@@ -42,7 +42,7 @@ ROWSTATS = Extension(
     "tracker.recording._rowstats",
     ["tracker/recording/_rowstats.c"],
     optional=True,
-    extra_compile_args=[] if sys.platform == "win32" else ["-O3", "-Wno-psabi"],
+    extra_compile_args=[] if sys.platform == "win32" else ["-O3", "-Wno-psabi", "-ffp-contract=off"],
 )
 
 setup(cmdclass={"build_py": BuildWithSampleRuns}, ext_modules=[ROWSTATS])

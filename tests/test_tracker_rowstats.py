@@ -51,13 +51,27 @@ def _chosen_args(ids=(2, 1), kept=None, id_type=np.int64):
     return np.zeros((2, 8), f32), np.zeros(ids, id_type), np.zeros((2, 8), f32), k, np.zeros((2, 3), f32)
 
 
+def _half_args(offset=None, bits=None, kind=0):
+    """``half_rows``'s arguments for two rows of 8 tokens, with one of them the wrong shape, type or value."""
+    f32 = np.float32
+    offset = np.zeros((2, 1), f32) if offset is None else offset
+    bits = np.zeros((2, 8), np.int16) if bits is None else bits
+    return np.zeros((2, 8), f32), offset, bits, np.zeros((2, 1), f32), kind
+
+
 @pytest.mark.parametrize(
     "call",
     [
-        lambda ext: ext.row_stats(np.zeros((2, 8)), np.zeros((2, 5), np.float32)),  # float64 rows
-        lambda ext: ext.row_stats(np.zeros(8, np.float32), np.zeros((1, 5), np.float32)),  # one dimension
-        lambda ext: ext.row_stats(np.zeros((2, 8), np.float32), np.zeros((3, 5), np.float32)),  # wrong out
-        lambda ext: ext.row_stats(np.zeros((2, 16), np.float32)[:, ::2], np.zeros((2, 5), np.float32)),  # strided
+        lambda ext: ext.row_stats(np.zeros((2, 8)), None, np.zeros((2, 8), np.float32)),  # float64 rows
+        lambda ext: ext.row_stats(np.zeros(8, np.float32), None, np.zeros((1, 8), np.float32)),  # one dimension
+        lambda ext: ext.row_stats(np.zeros((2, 8), np.float32), None, np.zeros((3, 8), np.float32)),  # wrong out
+        lambda ext: ext.row_stats(np.zeros((2, 16), np.float32)[:, ::2], None, np.zeros((2, 8), np.float32)),
+        lambda ext: ext.row_stats(np.zeros((2, 8), np.float32), np.array([[8]]), np.zeros((2, 8), np.float32)),
+        lambda ext: ext.row_stats(np.zeros((2, 8), np.float32), np.array([[-1]]), np.zeros((2, 8), np.float32)),
+        lambda ext: ext.half_rows(*_half_args(kind=2)),  # neither float16 nor bfloat16
+        lambda ext: ext.half_rows(*_half_args(bits=np.zeros((2, 8), np.int32))),
+        lambda ext: ext.half_rows(*_half_args(bits=np.zeros((2, 7), np.int16))),
+        lambda ext: ext.half_rows(*_half_args(offset=np.zeros((3, 1), np.float32))),
         lambda ext: ext.pair_stats(
             np.zeros((2, 8), np.float32), np.zeros((2, 9), np.float32), np.zeros((2, 3), np.float32)
         ),
@@ -204,6 +218,33 @@ def test_stored_log_sum_exp_and_chosen_token_statistics_of_half_precision_rows(p
         assert found[r, CHOSEN_STATS.index("chosen_logit")] == x[r, c]
         assert found[r, CHOSEN_STATS.index("p_chosen")] == pytest.approx(np.exp(float(x[r, c]) - lse), rel=1e-5)
         assert found[r, CHOSEN_STATS.index("rank_chosen")] == (x[r] > x[r, c]).sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 7, 8, 257, 4099])
+def test_half_precision_rows_are_torchs_rounding_and_their_log_sum_exp_float64s(path, dtype, vocab):
+    """What float16 and bfloat16 storage keep: each row minus its best logit, rounded as torch rounds (bit for
+    bit: values near 0, subnormal, past float16's range, masked), with the log-sum-exp of the rounded values
+    within float32 rounding of float64's; rows holding NaN or +inf as torch's kernels give them."""
+    rng = np.random.default_rng()
+    x = edge_rows(rng, vocab)
+    x[0] *= np.float32(2e4)  # far past float16's range below the best logit: rounds to -inf there
+    x[1, : vocab // 2] = x[1].max() - rng.uniform(0, 1e-4, size=vocab // 2).astype(np.float32)  # subnormal gaps
+    for rows in (x[[0, 1, 2, 3, 4, 7]], x):  # without and with the rows that hold NaN or +inf
+        t = torch.from_numpy(rows)
+        stats = row_stats(t, None, None)
+        offset = torch.where(torch.isfinite(stats[:, 2]), stats[:, 2], 0.0)
+        kept, stored = record_stats.half_rows(t, stats, offset, dtype)
+        want = (t - offset[:, None]).to(dtype)
+        assert torch.equal(kept.view(torch.int16), want.view(torch.int16))
+        rounded = want.double().numpy()
+        rounded = np.where(np.isnan(rounded), NEG, rounded)
+        with np.errstate(divide="ignore"):
+            lse = np.log(np.exp(rounded).sum(axis=1)) + offset.double().numpy()
+        exact = stats[:, 0].double().numpy()
+        lse = np.where(np.isfinite(lse) & np.isfinite(exact), lse, exact)  # nothing allowed, +inf: the row's own
+        np.testing.assert_allclose(stored[:, 0].double().numpy(), lse, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(stored[:, 1:].numpy(), stats[:, 1:].numpy())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -9,7 +9,9 @@
  * small sorted buffer while a vector comparison skips the tokens below its smallest.
  *
  * Functions (each takes C-contiguous buffers, releases the interpreter lock while it runs):
- *   row_stats(x, out)            x [B, V] float32; out [B, 5] float32: max, lse, entropy, allowed, special
+ *   row_stats(x, eos, out)       x [B, V] float32; eos [1, E] int64 (ids in the row) or None; out [B, 8]
+ *                                float32 in record_stats.ROW_STATS order: lse, allowed, max, entropy, NaN count,
+ *                                p_eos (NaN without eos), and NaN for the two statistics of a pair
  *   pair_stats(nat, x, out)      nat, x [B, V] float32; out [B, 3] float32: removed mass, margin, special
  *   top_k(x, values, ids)        x [B, V] float32; values [B, k] float32, ids [B, k] int64: each row's k largest
  *                                entries, largest first, NaN never chosen while k others remain
@@ -18,8 +20,13 @@
  *                                values, largest first) or None; out [B, 3] float32: the chosen token's logit,
  *                                probability and rank (NaN never greater; counted among the kept values when
  *                                it is at least their last); an id outside the row gives NaN
- * A row is "special" (1.0, its other values left unset) when it holds NaN or +inf: the caller computes
- * those rows another way. -inf tokens are masked: they weigh nothing and are not allowed.
+ *   half_rows(x, offset, bits, lse, kind)  x [B, V] float32 (no NaN or +inf), offset [B, 1] float32 (each
+ *                                row's largest value); bits [B, V] int16: x - offset rounded to float16 (kind 0,
+ *                                where FLOAT16 is 1: a CPU with F16C) or bfloat16 (kind 1), to nearest even as
+ *                                torch rounds; lse [B, 1] float32: the log-sum-exp of the rounded values (-inf
+ *                                where every one is -inf)
+ * A row is "special" when it holds NaN or +inf (row_stats: its max is +inf or its NaN count not 0, its
+ * other values left unset; pair_stats: 1.0 in its flag): the caller computes those rows another way. -inf tokens are masked: they weigh nothing and are not allowed.
  *
  * Built by setup.py as an optional extension: where it cannot be built, record_stats computes the same
  * values with torch's kernels (the statistics equal within float32 rounding, the top k's values exactly).
@@ -29,6 +36,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
 
 #define BLOCK 256 /* tokens summed in float before the sums are added in double (a multiple of LANES) */
 
@@ -164,6 +172,81 @@ static void exp_sums(const float *x, Py_ssize_t v, float top, double *total, dou
     }
     *total = s;
     *weighted = sz;
+}
+
+/* One row: x - offset rounded into bits (to nearest even, as torch rounds), and the log-sum-exp of the
+ * rounded values (all <= 0 when offset is the row's largest value; clamped to [-87, 0] for exp, as exp_sums
+ * does). bfloat16 by its bits; float16 by F16C's conversions (one instruction each way for eight lanes),
+ * where the CPU has them (a CPU without: record_stats rounds with torch). */
+typedef uint32_t vu __attribute__((vector_size(32)));
+typedef uint16_t vb __attribute__((vector_size(16)));
+
+static inline __attribute__((always_inline)) vf round_bf16(vf a, int16_t *bits) {
+    vu u = (vu)a; /* no NaN here: the caller's rows hold none */
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    vb h = __builtin_convertvector(u, vb);
+    memcpy(bits, &h, sizeof h);
+    return (vf)(u << 16);
+}
+
+static inline __attribute__((always_inline)) vf weight(vf r) { /* e^r of a rounded value, 0 for -inf */
+    vf z = vsel(r > splat(0.0f), splat(0.0f), vmax(r, splat(-87.0f)));
+    return vsel(r > splat(-INFINITY), exp_neg(z), splat(0.0f));
+}
+
+static inline __attribute__((always_inline)) float half_row(const float *x, Py_ssize_t v, float offset,
+                                                            int16_t *bits, vf (*round)(vf, int16_t *)) {
+    const vf shift = splat(offset);
+    Py_ssize_t i = 0, whole = v - v % LANES;
+    double s = 0.0;
+    while (i < whole) {
+        vf bs = splat(0.0f);
+        for (Py_ssize_t end = i + BLOCK < whole ? i + BLOCK : whole; i < end; i += LANES)
+            bs += weight(round(load(x + i) - shift, bits + i));
+        for (int l = 0; l < LANES; l++)
+            s += bs[l];
+    }
+    if (i < v) { /* the row's last tokens, padded with -inf */
+        float tail[LANES];
+        int16_t tail_bits[LANES];
+        for (int l = 0; l < LANES; l++)
+            tail[l] = i + l < v ? x[i + l] : -INFINITY;
+        vf e = weight(round(load(tail) - shift, tail_bits));
+        memcpy(bits + i, tail_bits, (size_t)(v - i) * sizeof *bits);
+        for (int l = 0; l < LANES; l++)
+            s += e[l];
+    }
+    return s > 0.0 ? (float)log(s) : -INFINITY;
+}
+
+VECTOR_CLONES
+static float bf16_row(const float *x, Py_ssize_t v, float offset, int16_t *bits) {
+    return half_row(x, v, offset, bits, round_bf16);
+}
+
+#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(_M_X64))
+#include <immintrin.h>
+#define HAVE_F16C 1
+__attribute__((target("avx2,f16c"), always_inline)) static inline vf round_f16(vf a, int16_t *bits) {
+    __m128i h = _mm256_cvtps_ph((__m256)a, _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128((__m128i *)bits, h);
+    return (vf)_mm256_cvtph_ps(h);
+}
+
+__attribute__((target("avx2,f16c"))) static float f16_row(const float *x, Py_ssize_t v, float offset,
+                                                           int16_t *bits) {
+    return half_row(x, v, offset, bits, round_f16);
+}
+#else
+#define HAVE_F16C 0
+#endif
+
+static int float16_here(void) {
+#if HAVE_F16C
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+#else
+    return 0;
+#endif
 }
 
 /* Pass 1 of a pair: the natural row's maximum where the stage masks the token (x == -inf) and where it
@@ -353,7 +436,7 @@ static int get_typed(PyObject *obj, Py_buffer *view, int writable, const char *n
         return -1;
     if (view->ndim != 2 || view->itemsize != itemsize || view->format == NULL || strcmp(view->format, format) != 0) {
         PyErr_Format(PyExc_ValueError, "%s: a 2-D C-contiguous %s array is needed", name,
-                     itemsize == 8 ? "int64" : "float32");
+                     itemsize == 8 ? "int64" : itemsize == 2 ? "int16" : "float32");
         PyBuffer_Release(view);
         return -1;
     }
@@ -366,21 +449,35 @@ static int get_rows(PyObject *obj, Py_buffer *view, int writable, const char *na
 
 static PyObject *row_stats(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "row_stats(x, out) takes 2 arguments, got %zd", nargs);
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "row_stats(x, eos, out) takes 3 arguments, got %zd", nargs);
         return NULL;
     }
-    Py_buffer xb, ob;
+    Py_buffer xb, eb = {0}, ob;
+    int has_eos = args[1] != Py_None;
     if (get_rows(args[0], &xb, 0, "x") < 0)
         return NULL;
-    if (get_rows(args[1], &ob, 1, "out") < 0) {
+    if (has_eos && get_typed(args[1], &eb, 0, "eos", "l", 8) < 0 && get_typed(args[1], &eb, 0, "eos", "q", 8) < 0) {
         PyBuffer_Release(&xb);
         return NULL;
     }
-    Py_ssize_t b = xb.shape[0], v = xb.shape[1];
-    if (ob.shape[0] != b || ob.shape[1] != 5) {
-        PyErr_Format(PyExc_ValueError, "out must have shape (%zd, 5), got (%zd, %zd)", b, ob.shape[0], ob.shape[1]);
+    PyErr_Clear();
+    if (get_rows(args[2], &ob, 1, "out") < 0) {
         PyBuffer_Release(&xb);
+        if (has_eos)
+            PyBuffer_Release(&eb);
+        return NULL;
+    }
+    Py_ssize_t b = xb.shape[0], v = xb.shape[1], n_eos = has_eos ? eb.shape[1] : 0;
+    const int64_t *eos = has_eos ? (const int64_t *)eb.buf : NULL;
+    int bad = ob.shape[0] != b || ob.shape[1] != 8 || (has_eos && eb.shape[0] != 1);
+    for (Py_ssize_t j = 0; j < n_eos && !bad; j++)
+        bad = eos[j] < 0 || eos[j] >= v;
+    if (bad) {
+        PyErr_Format(PyExc_ValueError, "row_stats: out (%zd, 8) and eos (1, E) of ids in [0, %zd) or None needed", b, v);
+        PyBuffer_Release(&xb);
+        if (has_eos)
+            PyBuffer_Release(&eb);
         PyBuffer_Release(&ob);
         return NULL;
     }
@@ -389,28 +486,39 @@ static PyObject *row_stats(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t r = 0; r < b; r++) {
         const float *row = x + r * v;
-        float *o = out + r * 5;
+        float *o = out + r * 8;
         float top;
         Py_ssize_t nan, posinf, neginf;
         scan(row, v, &top, &nan, &posinf, &neginf);
-        o[0] = top;
-        o[3] = (float)(v - neginf);
-        o[4] = (nan || posinf) ? 1.0f : 0.0f;
-        if (o[4] != 0.0f)
-            continue;
+        o[1] = (float)(v - neginf);
+        o[2] = top;
+        o[4] = (float)nan;
+        o[5] = o[6] = o[7] = NAN;
+        if (nan || posinf)
+            continue; /* special: top is +inf or the NaN count is not 0 */
         if (top == -INFINITY) { /* nothing allowed */
-            o[1] = -INFINITY;
-            o[2] = NAN;
+            o[0] = -INFINITY;
+            o[3] = NAN;
+            o[5] = has_eos ? 0.0f : NAN;
             continue;
         }
         double total, weighted;
         exp_sums(row, v, top, &total, &weighted);
         double log_total = log(total);
-        o[1] = (float)((double)top + log_total);
-        o[2] = (float)(log_total - weighted / total);
+        float lse = (float)((double)top + log_total);
+        o[0] = lse;
+        o[3] = (float)(log_total - weighted / total);
+        if (has_eos) {
+            float p = 0.0f; /* a masked EOS weighs 0 */
+            for (Py_ssize_t j = 0; j < n_eos; j++)
+                p += row[eos[j]] > -INFINITY ? expf(row[eos[j]] - lse) : 0.0f;
+            o[5] = p;
+        }
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&xb);
+    if (has_eos)
+        PyBuffer_Release(&eb);
     PyBuffer_Release(&ob);
     Py_RETURN_NONE;
 }
@@ -598,18 +706,91 @@ static PyObject *chosen_stats(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
+static PyObject *half_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "half_rows(x, offset, bits, lse, kind) takes 5 arguments, got %zd", nargs);
+        return NULL;
+    }
+    long kind = PyLong_AsLong(args[4]);
+    if (kind == -1 && PyErr_Occurred())
+        return NULL;
+    if ((kind != 0 || !float16_here()) && kind != 1) {
+        PyErr_Format(PyExc_ValueError, "half_rows: kind must be %s1 (bfloat16), got %ld",
+                     float16_here() ? "0 (float16) or " : "", kind);
+        return NULL;
+    }
+    Py_buffer xb, fb, bb, lb;
+    if (get_rows(args[0], &xb, 0, "x") < 0)
+        return NULL;
+    if (get_rows(args[1], &fb, 0, "offset") < 0) {
+        PyBuffer_Release(&xb);
+        return NULL;
+    }
+    if (get_typed(args[2], &bb, 1, "bits", "h", 2) < 0) {
+        PyBuffer_Release(&xb);
+        PyBuffer_Release(&fb);
+        return NULL;
+    }
+    if (get_rows(args[3], &lb, 1, "lse") < 0) {
+        PyBuffer_Release(&xb);
+        PyBuffer_Release(&fb);
+        PyBuffer_Release(&bb);
+        return NULL;
+    }
+    Py_ssize_t b = xb.shape[0], v = xb.shape[1];
+    if (fb.shape[0] != b || fb.shape[1] != 1 || bb.shape[0] != b || bb.shape[1] != v || lb.shape[0] != b ||
+        lb.shape[1] != 1) {
+        PyErr_Format(PyExc_ValueError, "half_rows: offset (%zd, 1), bits (%zd, %zd) and lse (%zd, 1) needed", b, b, v,
+                     b);
+        PyBuffer_Release(&xb);
+        PyBuffer_Release(&fb);
+        PyBuffer_Release(&bb);
+        PyBuffer_Release(&lb);
+        return NULL;
+    }
+    const float *x = (const float *)xb.buf, *offset = (const float *)fb.buf;
+    int16_t *bits = (int16_t *)bb.buf;
+    float *lse = (float *)lb.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = 0; r < b; r++) {
+#if HAVE_F16C
+        if (kind == 0) {
+            lse[r] = f16_row(x + r * v, v, offset[r], bits + r * v);
+            continue;
+        }
+#endif
+        lse[r] = bf16_row(x + r * v, v, offset[r], bits + r * v);
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&xb);
+    PyBuffer_Release(&fb);
+    PyBuffer_Release(&bb);
+    PyBuffer_Release(&lb);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"row_stats", (PyCFunction)(void (*)(void))row_stats, METH_FASTCALL,
-     "row_stats(x, out): max, lse, entropy, allowed count and a special flag of each float32 row"},
+     "row_stats(x, eos, out): lse, allowed count, max, entropy, NaN count and p_eos of each float32 row"},
     {"pair_stats", (PyCFunction)(void (*)(void))pair_stats, METH_FASTCALL,
      "pair_stats(nat, x, out): removed natural mass, margin and a special flag of each row pair"},
     {"top_k", (PyCFunction)(void (*)(void))top_k, METH_FASTCALL,
      "top_k(x, values, ids): the k largest entries of each float32 row, largest first, NaN never chosen"},
     {"chosen_stats", (PyCFunction)(void (*)(void))chosen_stats, METH_FASTCALL,
      "chosen_stats(x, ids, stats, kept, out): each row's chosen token's logit, probability and rank"},
+    {"half_rows", (PyCFunction)(void (*)(void))half_rows, METH_FASTCALL,
+     "half_rows(x, offset, bits, lse, kind): rows minus offset rounded to float16 or bfloat16, their log-sum-exp"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rowstats", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__rowstats(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__rowstats(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "FLOAT16", float16_here()) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

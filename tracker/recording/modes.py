@@ -23,7 +23,7 @@ import torch
 
 from tracker.format.schema import STORAGE_KINDS
 from tracker.reading.selection import count_arg
-from tracker.recording.record_stats import CHOSEN_STATS, ROW_STATS, offset_rows, row_stats, stored_lse, top_k
+from tracker.recording.record_stats import CHOSEN_STATS, ROW_STATS, half_rows, offset_rows, row_stats, top_k
 
 __all__ = ["AUTO_STEPS", "STATISTICS", "FullRows", "Storage", "Stored", "TopK", "stats_when_recorded"]
 
@@ -144,10 +144,7 @@ class FullRows(Storage):
             found = row_stats(x, eos, natural)
             return Stored({"logits": x, "stats": found}, found)
         found, offset = offset_rows(x, eos, natural)
-        kept = (x.float() - offset[:, None]).to(_DTYPES[self.kind])
-        stored = found.clone()
-        nan_free = found.device.type == "cpu" and not bool(found[:, 4].any())  # a host value only on the CPU
-        stored[:, 0] = stored_lse(kept, found[:, 0] - offset, nan_free) + offset
+        kept, stored = half_rows(x, found, offset, _DTYPES[self.kind])
         return Stored({"logits": kept, "stats": stored}, found)
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tracker.reading.rows import EXP_FLOOR, NEG_INF, probabilities
+from tracker.reading.rows import EXP_FLOOR, NEG_INF
 
 try:
     from tracker.recording import _rowstats
@@ -35,7 +35,7 @@ except ImportError:  # built without a C compiler: torch's kernels (the same sta
     _rowstats = None
 
 __all__ = ["CHOSEN_STATS", "ROW_STATS", "chosen_stats", "eos_on", "offset_rows", "pair_stats", "probability"]
-__all__ += ["row_stats", "stored_lse", "top_k"]
+__all__ += ["half_rows", "row_stats", "stored_lse", "top_k"]
 
 #: Order of the values :func:`row_stats` packs per row (the schema's statistics columns up to the margin).
 ROW_STATS = ("lse", "allowed", "max", "entropy", "nan", "p_eos", "removed_mass", "margin")
@@ -114,25 +114,22 @@ def _row_stats_general(x: torch.Tensor, eos: torch.Tensor | None, natural: torch
 
 
 def _row_stats_cpu(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Tensor | None) -> torch.Tensor:
-    """:func:`row_stats` of CPU rows through the ``_rowstats`` extension (two passes a row, on one thread: torch's
-    CPU kernels cost a pass per statistic, and a dispatch per small operation); rows holding NaN or ``+inf``
-    take the general kernels."""
+    """:func:`row_stats` of CPU rows through the ``_rowstats`` extension (two passes a row, on one thread, and
+    the statistics packed in place: torch's CPU kernels cost a pass per statistic, and a dispatch per small
+    operation); rows holding NaN or ``+inf`` take the general kernels."""
     rows = np.ascontiguousarray(x.detach().float().numpy())
-    out = np.empty((rows.shape[0], 5), dtype=np.float32)  # max, lse, entropy, allowed, special
-    _rowstats.row_stats(rows, out)
-    plain = out[:, 4] == 0
-    if not plain.all():
-        packed = torch.empty(rows.shape[0], len(ROW_STATS))
-        special = torch.from_numpy(np.flatnonzero(~plain))
-        packed[special] = _row_stats_general(x[special], eos, None if natural is None else natural[special])
-        if plain.any():
-            keep = torch.from_numpy(np.flatnonzero(plain))
-            packed[keep] = _row_stats_cpu(x[keep], eos, None if natural is None else natural[keep])
-        return packed
-    packed = np.full((rows.shape[0], len(ROW_STATS)), np.nan, dtype=np.float32)  # in ROW_STATS order
-    packed[:, 0], packed[:, 1], packed[:, 2], packed[:, 3], packed[:, 4] = out[:, 1], out[:, 3], out[:, 0], out[:, 2], 0
-    if eos is not None and eos.numel():
-        packed[:, 5] = probabilities(rows[:, eos.numpy()], out[:, 1:2]).sum(axis=1)  # a masked EOS weighs 0
+    packed = np.empty((rows.shape[0], len(ROW_STATS)), dtype=np.float32)
+    ids = np.ascontiguousarray(eos.numpy().reshape(1, -1)) if eos is not None and eos.numel() else None
+    _rowstats.row_stats(rows, ids, packed)
+    special = (packed[:, 4] != 0) | (packed[:, 2] == math.inf)
+    if special.any():
+        out = torch.from_numpy(packed)
+        some = torch.from_numpy(np.flatnonzero(special))
+        out[some] = _row_stats_general(x[some], eos, None if natural is None else natural[some])
+        if natural is not None and not special.all():
+            keep = torch.from_numpy(np.flatnonzero(~special))
+            out[keep] = _row_stats_cpu(x[keep], eos, natural[keep])
+        return out
     if natural is not None:
         nat = np.ascontiguousarray(natural.detach().float().numpy())
         pair = np.empty((nat.shape[0], 3), dtype=np.float32)
@@ -173,21 +170,45 @@ def stored_lse(kept: torch.Tensor, exact: torch.Tensor, nan_free: bool = False) 
     they sum to 1 (with the full row's ``exact`` log-sum-exp, a rounded-up
     best logit would read as a probability above 1). Where it or ``exact`` is
     not finite (nothing allowed, a ``+inf`` row, a logit past float16's
-    range) it is ``exact``. ``nan_free``: the rows hold no NaN (known on the host: two passes fewer, the
+    range) it is ``exact``. ``nan_free``: the rows hold no NaN (two passes fewer, the
     same values). Kernels on the rows' device; no synchronisation.
     """
-    if kept.device.type == "cpu" and exact.device.type == "cpu" and _rowstats is not None and kept.shape[1]:
-        rounded = np.ascontiguousarray(kept.float().numpy())
-        out = np.empty((rounded.shape[0], 5), dtype=np.float32)
-        _rowstats.row_stats(rounded, out)  # two passes a row, on one thread
-        if not out[:, 4].any():  # no NaN or +inf among the rounded values
-            lse, full = out[:, 1], exact.numpy()
-            return torch.from_numpy(np.where(np.isfinite(lse) & np.isfinite(full), lse, full))
     rounded = kept.to(device=exact.device, dtype=torch.float32)
     if not nan_free:
         rounded = rounded.masked_fill(torch.isnan(rounded), NEG_INF)
     lse = torch.logsumexp(rounded, dim=1)
     return torch.where(torch.isfinite(lse) & torch.isfinite(exact), lse, exact)
+
+
+def half_rows(x: torch.Tensor, stats: torch.Tensor, offset: torch.Tensor, dtype: torch.dtype) -> tuple:
+    """``(kept, stored)``: rows ``x`` minus ``offset`` (:func:`offset_rows`) rounded to ``dtype`` (float16 or
+    bfloat16), and their statistics ``stats`` with the log-sum-exp of the rounded rows (:func:`stored_lse`).
+
+    CPU rows without NaN or ``+inf`` take one call of the extension (the rounding, torch's to nearest even,
+    and the sum in one pass: in a vLLM step the torch spelling cost six dispatches and a second statistics
+    pass); other rows, torch's kernels on their device. No synchronisation with an accelerator.
+    """
+    if x.device.type == "cpu" and _rowstats is not None and x.shape[1] and dtype in _HALF_KINDS:
+        found, off = stats.numpy(), offset.numpy()
+        if not (found[:, 4].any() or (found[:, 2] == math.inf).any()):  # NaN or +inf: the general kernels
+            rows = np.ascontiguousarray(x.detach().float().numpy())
+            kept = torch.empty(rows.shape, dtype=dtype)
+            lse = np.empty((rows.shape[0], 1), dtype=np.float32)
+            _rowstats.half_rows(rows, off.reshape(-1, 1), kept.view(torch.int16).numpy(), lse, _HALF_KINDS[dtype])
+            exact, lse = found[:, 0] - off, lse[:, 0]
+            stored = found.copy()
+            stored[:, 0] = np.where(np.isfinite(lse) & np.isfinite(exact), lse, exact) + off
+            return kept, torch.from_numpy(stored)
+    exact = stats[:, 0] - offset
+    kept = (x.float() - offset[:, None]).to(dtype)
+    stored = stats.clone()
+    nan_free = stats.device.type == "cpu" and not bool(stats[:, 4].any())  # a host value only on the CPU
+    stored[:, 0] = stored_lse(kept, exact, nan_free) + offset
+    return kept, stored
+
+
+#: The extension's rounding of each half-precision type (float16 where the CPU converts it: F16C).
+_HALF_KINDS = {torch.bfloat16: 1, **({torch.float16: 0} if getattr(_rowstats, "FLOAT16", 0) else {})}
 
 
 def offset_rows(
