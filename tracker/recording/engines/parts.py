@@ -14,6 +14,7 @@ running, as far as they got) and commits it.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -54,7 +55,8 @@ class PartWriter:
         self._vocab: dict[int, Vocabulary] = {}
         self._worker = Worker("logitscope-parts", depth=256)
         self._live: dict[int, Request] = {}  # generation -> request, while it runs
-        self._pending: list[Future[Any]] = []
+        self._pending: deque[Future[Any]] = deque()  # in submission order: the worker runs them in turn
+        self._failed: list[Future[Any]] = []
         self._lock = threading.Lock()
         self.closed = False
 
@@ -82,7 +84,7 @@ class PartWriter:
     def flush(self) -> None:
         """Wait until every part asked for so far is committed. Raises the first failure (once)."""
         with self._lock:
-            pending, self._pending = self._pending, []
+            pending, self._pending, self._failed = [*self._failed, *self._pending], deque(), []
         failure = None
         for future in pending:
             try:
@@ -109,7 +111,10 @@ class PartWriter:
     def _submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         future = self._worker.submit(fn, *args)
         with self._lock:
-            self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]
+            while self._pending and self._pending[0].done():  # the oldest only: a scan of all, with 64 requests
+                done = self._pending.popleft()  # ending at one step, cost 0.2 ms a step
+                if done.exception() is not None:
+                    self._failed.append(done)  # until flush raises it
             self._pending.append(future)
         return future
 
