@@ -142,7 +142,10 @@ class _ParquetPart:
         """Each row group of a list column holds ``k`` rows of the run's width and ``rows - k`` null rows (one
         entry each), so its count of entries is ``k * width + rows - k`` for some ``k`` in ``[0, rows]``."""
         meta, file_schema, schema = self.file.metadata, self._file_schema, self.schema
-        leaves = {meta.schema.column(j).path.split(".")[0]: j for j in range(meta.num_columns)}
+        if meta.num_columns == len(file_schema):  # a leaf per column (flat and list columns): in their order
+            leaves = {name: j for j, name in enumerate(file_schema.names)}
+        else:
+            leaves = {meta.schema.column(j).path.split(".")[0]: j for j in range(meta.num_columns)}
         for field, have in zip(schema, file_schema):
             if not pa.types.is_fixed_size_list(field.type) or have.name not in leaves:
                 continue

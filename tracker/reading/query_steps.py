@@ -20,6 +20,7 @@ with a stage per processor, take the run-by-run path. Needs pyarrow and numpy.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -27,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 
 from processors.vocab import Vocabulary
 from tracker.format.checks import RunFileError, arrow_reason, check_ids, check_stats, stats_damage
@@ -113,12 +115,16 @@ def _statistics(columns: set[str] | None, stage: str) -> list[str]:
     return [f"{stage}_{n}" for n in _STATS if n in wanted]
 
 
-def scan_runs(sources: Sequence[Any], columns: set[str] | None = None, threads: int = 8) -> Scanned:
+def scan_runs(sources: Sequence[Any], columns: set[str] | None = None, threads: int | None = None) -> Scanned:
     """The id and statistics columns of ``sources`` (:class:`~tracker.reading.query_sources.RunSource`) that
     the ``steps`` columns ``columns`` need (None: all), the runs in the order they were read
     (:attr:`Scanned.sources`). RunFileError naming a file that cannot be read."""
     ids = _IDS if columns is None or "processor_error" in columns else _IDS[:4]
     names = [ids + [c for s in source.metadata.stages for c in _statistics(columns, s)] for source in sources]
+    if threads is None:  # parts on a disk: opening and checking one holds the interpreter, more readers than
+        # cores only wait (1,000 parts: 1.8 s with one, 1.6-1.8 with two or four, 1.9-2.0 with eight, on 2 cores)
+        remote = any(not isinstance(s.fs, pafs.LocalFileSystem) for s in sources)
+        threads = 8 if remote else min(4, os.cpu_count() or 1)
     table, src = _read(sources, [_wanted(s, n) for s, n in zip(sources, names)], threads)
     return Scanned(sources, table, src)
 
