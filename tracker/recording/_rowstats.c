@@ -35,6 +35,7 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdarg.h>
 #include <string.h>
 
 
@@ -429,60 +430,76 @@ static Py_ssize_t row_count_above(const float *x, Py_ssize_t v, float value) {
     return n;
 }
 
-static int get_typed(PyObject *obj, Py_buffer *view, int writable, const char *name, const char *format,
-                     Py_ssize_t itemsize) {
-    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_ND | (writable ? PyBUF_WRITABLE : 0)) <
-        0)
+/* The buffers of a call, from a spec of one letter per argument: f a float32, q an int64, h an int16 array
+ * (2-D, C-contiguous; upper case: written to; a '?' after it: None is allowed, its view left empty), i an
+ * argument that is not a buffer. 0, or -1 with an exception set and no buffer held. */
+static void release(Py_buffer *views, int n) {
+    for (int i = 0; i < n; i++)
+        if (views[i].obj != NULL)
+            PyBuffer_Release(&views[i]);
+}
+
+static int get_all(const char *call, const char *spec, const char *const *names, PyObject *const *args,
+                   Py_ssize_t nargs, Py_buffer *views) {
+    int n = 0;
+    for (const char *c = spec; *c; c++)
+        n += *c != '?';
+    if (nargs != n) {
+        PyErr_Format(PyExc_TypeError, "%s takes %d arguments, got %zd", call, n, nargs);
         return -1;
-    if (view->ndim != 2 || view->itemsize != itemsize || view->format == NULL || strcmp(view->format, format) != 0) {
-        PyErr_Format(PyExc_ValueError, "%s: a 2-D C-contiguous %s array is needed", name,
-                     itemsize == 8 ? "int64" : itemsize == 2 ? "int16" : "float32");
-        PyBuffer_Release(view);
-        return -1;
+    }
+    for (int i = 0; *spec; spec++, i++) {
+        char type = (char)(*spec | 0x20); /* lower case */
+        int writable = *spec != type, optional = spec[1] == '?';
+        spec += optional;
+        views[i].obj = NULL;
+        if (type == 'i' || (optional && args[i] == Py_None))
+            continue;
+        const char *want = type == 'f' ? "float32" : type == 'q' ? "int64" : "int16";
+        Py_ssize_t size = type == 'f' ? 4 : type == 'q' ? 8 : 2;
+        int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_ND | (writable ? PyBUF_WRITABLE : 0);
+        if (PyObject_GetBuffer(args[i], &views[i], flags) < 0) {
+            views[i].obj = NULL;
+            release(views, i);
+            return -1;
+        }
+        const char *format = views[i].format == NULL ? "" : views[i].format;
+        int same = type == 'q' ? strcmp(format, "l") == 0 || strcmp(format, "q") == 0 : format[0] == type && !format[1];
+        if (views[i].ndim != 2 || views[i].itemsize != size || !same) {
+            PyErr_Format(PyExc_ValueError, "%s: a 2-D C-contiguous %s array is needed", names[i], want);
+            release(views, i + 1);
+            return -1;
+        }
     }
     return 0;
 }
 
-static int get_rows(PyObject *obj, Py_buffer *view, int writable, const char *name) {
-    return get_typed(obj, view, writable, name, "f", 4);
+/* ValueError(format, ...) with the call's buffers released. */
+static PyObject *refuse(Py_buffer *views, int n, const char *format, ...) {
+    release(views, n);
+    va_list args;
+    va_start(args, format);
+    PyErr_FormatV(PyExc_ValueError, format, args);
+    va_end(args);
+    return NULL;
 }
 
 static PyObject *row_stats(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "row_stats(x, eos, out) takes 3 arguments, got %zd", nargs);
+    static const char *const names[] = {"x", "eos", "out"};
+    Py_buffer vw[3];
+    if (get_all("row_stats(x, eos, out)", "fq?F", names, args, nargs, vw) < 0)
         return NULL;
-    }
-    Py_buffer xb, eb = {0}, ob;
-    int has_eos = args[1] != Py_None;
-    if (get_rows(args[0], &xb, 0, "x") < 0)
-        return NULL;
-    if (has_eos && get_typed(args[1], &eb, 0, "eos", "l", 8) < 0 && get_typed(args[1], &eb, 0, "eos", "q", 8) < 0) {
-        PyBuffer_Release(&xb);
-        return NULL;
-    }
-    PyErr_Clear();
-    if (get_rows(args[2], &ob, 1, "out") < 0) {
-        PyBuffer_Release(&xb);
-        if (has_eos)
-            PyBuffer_Release(&eb);
-        return NULL;
-    }
-    Py_ssize_t b = xb.shape[0], v = xb.shape[1], n_eos = has_eos ? eb.shape[1] : 0;
-    const int64_t *eos = has_eos ? (const int64_t *)eb.buf : NULL;
-    int bad = ob.shape[0] != b || ob.shape[1] != 8 || (has_eos && eb.shape[0] != 1);
+    int has_eos = vw[1].obj != NULL;
+    Py_ssize_t b = vw[0].shape[0], v = vw[0].shape[1], n_eos = has_eos ? vw[1].shape[1] : 0;
+    const int64_t *eos = has_eos ? (const int64_t *)vw[1].buf : NULL;
+    int bad = vw[2].shape[0] != b || vw[2].shape[1] != 8 || (has_eos && vw[1].shape[0] != 1);
     for (Py_ssize_t j = 0; j < n_eos && !bad; j++)
         bad = eos[j] < 0 || eos[j] >= v;
-    if (bad) {
-        PyErr_Format(PyExc_ValueError, "row_stats: out (%zd, 8) and eos (1, E) of ids in [0, %zd) or None needed", b, v);
-        PyBuffer_Release(&xb);
-        if (has_eos)
-            PyBuffer_Release(&eb);
-        PyBuffer_Release(&ob);
-        return NULL;
-    }
-    const float *x = (const float *)xb.buf;
-    float *out = (float *)ob.buf;
+    if (bad)
+        return refuse(vw, 3, "row_stats: out (%zd, 8) and eos (1, E) of ids in [0, %zd) or None needed", b, v);
+    const float *x = (const float *)vw[0].buf;
+    float *out = (float *)vw[2].buf;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t r = 0; r < b; r++) {
         const float *row = x + r * v;
@@ -516,41 +533,21 @@ static PyObject *row_stats(PyObject *self, PyObject *const *args, Py_ssize_t nar
         }
     }
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&xb);
-    if (has_eos)
-        PyBuffer_Release(&eb);
-    PyBuffer_Release(&ob);
+    release(vw, 3);
     Py_RETURN_NONE;
 }
 
 static PyObject *pair_stats(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "pair_stats(nat, x, out) takes 3 arguments, got %zd", nargs);
+    static const char *const names[] = {"nat", "x", "out"};
+    Py_buffer vw[3];
+    if (get_all("pair_stats(nat, x, out)", "ffF", names, args, nargs, vw) < 0)
         return NULL;
-    }
-    Py_buffer nb, xb, ob;
-    if (get_rows(args[0], &nb, 0, "nat") < 0)
-        return NULL;
-    if (get_rows(args[1], &xb, 0, "x") < 0) {
-        PyBuffer_Release(&nb);
-        return NULL;
-    }
-    if (get_rows(args[2], &ob, 1, "out") < 0) {
-        PyBuffer_Release(&nb);
-        PyBuffer_Release(&xb);
-        return NULL;
-    }
-    Py_ssize_t b = nb.shape[0], v = nb.shape[1];
-    if (xb.shape[0] != b || xb.shape[1] != v || ob.shape[0] != b || ob.shape[1] != 3) {
-        PyErr_Format(PyExc_ValueError, "pair_stats: nat and x must have one shape (%zd, %zd), out (%zd, 3)", b, v, b);
-        PyBuffer_Release(&nb);
-        PyBuffer_Release(&xb);
-        PyBuffer_Release(&ob);
-        return NULL;
-    }
-    const float *nat = (const float *)nb.buf, *x = (const float *)xb.buf;
-    float *out = (float *)ob.buf;
+    Py_ssize_t b = vw[0].shape[0], v = vw[0].shape[1];
+    if (vw[1].shape[0] != b || vw[1].shape[1] != v || vw[2].shape[0] != b || vw[2].shape[1] != 3)
+        return refuse(vw, 3, "pair_stats: nat and x must have one shape (%zd, %zd), out (%zd, 3)", b, v, b);
+    const float *nat = (const float *)vw[0].buf, *x = (const float *)vw[1].buf;
+    float *out = (float *)vw[2].buf;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t r = 0; r < b; r++) {
         const float *nrow = nat + r * v, *xrow = x + r * v;
@@ -578,99 +575,48 @@ static PyObject *pair_stats(PyObject *self, PyObject *const *args, Py_ssize_t na
         o[0] = (float)(mass < 0.0 ? 0.0 : mass > 1.0 ? 1.0 : mass);
     }
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&nb);
-    PyBuffer_Release(&xb);
-    PyBuffer_Release(&ob);
+    release(vw, 3);
     Py_RETURN_NONE;
 }
 
 static PyObject *top_k(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "top_k(x, values, ids) takes 3 arguments, got %zd", nargs);
+    static const char *const names[] = {"x", "values", "ids"};
+    Py_buffer vw[3];
+    if (get_all("top_k(x, values, ids)", "fFQ", names, args, nargs, vw) < 0)
         return NULL;
-    }
-    Py_buffer xb, vb, ib;
-    if (get_rows(args[0], &xb, 0, "x") < 0)
-        return NULL;
-    if (get_rows(args[1], &vb, 1, "values") < 0) {
-        PyBuffer_Release(&xb);
-        return NULL;
-    }
-    if (get_typed(args[2], &ib, 1, "ids", "l", 8) < 0 && get_typed(args[2], &ib, 1, "ids", "q", 8) < 0) {
-        PyBuffer_Release(&xb);
-        PyBuffer_Release(&vb);
-        return NULL;
-    }
-    PyErr_Clear();
-    Py_ssize_t b = xb.shape[0], v = xb.shape[1], k = vb.shape[1];
-    if (vb.shape[0] != b || ib.shape[0] != b || ib.shape[1] != k || k < 1 || k > v) {
-        PyErr_Format(PyExc_ValueError, "top_k: values and ids must have one shape (%zd, k) with 1 <= k <= %zd", b, v);
-        PyBuffer_Release(&xb);
-        PyBuffer_Release(&vb);
-        PyBuffer_Release(&ib);
-        return NULL;
-    }
-    const float *x = (const float *)xb.buf;
-    float *values = (float *)vb.buf;
-    int64_t *ids = (int64_t *)ib.buf;
+    Py_ssize_t b = vw[0].shape[0], v = vw[0].shape[1], k = vw[1].shape[1];
+    if (vw[1].shape[0] != b || vw[2].shape[0] != b || vw[2].shape[1] != k || k < 1 || k > v)
+        return refuse(vw, 3, "top_k: values and ids must have one shape (%zd, k) with 1 <= k <= %zd", b, v);
+    const float *x = (const float *)vw[0].buf;
+    float *values = (float *)vw[1].buf;
+    int64_t *ids = (int64_t *)vw[2].buf;
     float *maxima = v / 16 >= 2 * k ? PyMem_RawMalloc((size_t)(v / 16) * sizeof(float)) : NULL; /* else one pass */
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t r = 0; r < b; r++)
         row_top_k(x + r * v, v, k, values + r * k, ids + r * k, maxima);
     Py_END_ALLOW_THREADS
     PyMem_RawFree(maxima);
-    PyBuffer_Release(&xb);
-    PyBuffer_Release(&vb);
-    PyBuffer_Release(&ib);
+    release(vw, 3);
     Py_RETURN_NONE;
 }
 
 static PyObject *chosen_stats(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "chosen_stats(x, ids, stats, kept, out) takes 5 arguments, got %zd", nargs);
+    static const char *const names[] = {"x", "ids", "stats", "kept", "out"};
+    Py_buffer vw[5];
+    if (get_all("chosen_stats(x, ids, stats, kept, out)", "fqff?F", names, args, nargs, vw) < 0)
         return NULL;
-    }
-    Py_buffer xb, ib, sb, kb = {0}, ob;
-    int has_kept = args[3] != Py_None;
-    if (get_rows(args[0], &xb, 0, "x") < 0)
-        return NULL;
-    if (get_typed(args[1], &ib, 0, "ids", "l", 8) < 0 && get_typed(args[1], &ib, 0, "ids", "q", 8) < 0) {
-        PyBuffer_Release(&xb);
-        return NULL;
-    }
-    PyErr_Clear();
-    if (get_rows(args[2], &sb, 0, "stats") < 0) {
-        PyBuffer_Release(&xb);
-        PyBuffer_Release(&ib);
-        return NULL;
-    }
-    if ((has_kept && get_rows(args[3], &kb, 0, "kept") < 0) || get_rows(args[4], &ob, 1, "out") < 0) {
-        if (has_kept && kb.obj != NULL)
-            PyBuffer_Release(&kb);
-        PyBuffer_Release(&xb);
-        PyBuffer_Release(&ib);
-        PyBuffer_Release(&sb);
-        return NULL;
-    }
-    Py_ssize_t b = xb.shape[0], v = xb.shape[1], k = has_kept ? kb.shape[1] : 0, s = sb.shape[1];
-    if (ib.shape[0] != b || ib.shape[1] != 1 || sb.shape[0] != b || s < 2 || ob.shape[0] != b || ob.shape[1] != 3 ||
-        (has_kept && (kb.shape[0] != b || k < 1))) {
-        PyErr_Format(PyExc_ValueError,
-                     "chosen_stats: ids (%zd, 1), stats (%zd, >= 2), kept (%zd, >= 1) or None, out (%zd, 3) needed", b,
-                     b, b, b);
-        PyBuffer_Release(&xb);
-        PyBuffer_Release(&ib);
-        PyBuffer_Release(&sb);
-        if (has_kept)
-            PyBuffer_Release(&kb);
-        PyBuffer_Release(&ob);
-        return NULL;
-    }
-    const float *x = (const float *)xb.buf, *stats = (const float *)sb.buf, *kept = has_kept ? kb.buf : NULL;
-    const int64_t *ids = (const int64_t *)ib.buf;
-    float *out = (float *)ob.buf;
+    int has_kept = vw[3].obj != NULL;
+    Py_ssize_t b = vw[0].shape[0], v = vw[0].shape[1], k = has_kept ? vw[3].shape[1] : 0, s = vw[2].shape[1];
+    if (vw[1].shape[0] != b || vw[1].shape[1] != 1 || vw[2].shape[0] != b || s < 2 || vw[4].shape[0] != b ||
+        vw[4].shape[1] != 3 || (has_kept && (vw[3].shape[0] != b || k < 1)))
+        return refuse(vw, 5, "chosen_stats: ids (%zd, 1), stats (%zd, >= 2), kept (%zd, >= 1) or None, out (%zd, 3) needed",
+                      b, b, b, b);
+    const float *x = (const float *)vw[0].buf, *stats = (const float *)vw[2].buf;
+    const float *kept = has_kept ? (const float *)vw[3].buf : NULL;
+    const int64_t *ids = (const int64_t *)vw[1].buf;
+    float *out = (float *)vw[4].buf;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t r = 0; r < b; r++) {
         float *o = out + r * 3, lse = stats[r * s], allowed = stats[r * s + 1];
@@ -697,61 +643,31 @@ static PyObject *chosen_stats(PyObject *self, PyObject *const *args, Py_ssize_t 
         o[2] = (float)rank;
     }
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&xb);
-    PyBuffer_Release(&ib);
-    PyBuffer_Release(&sb);
-    if (has_kept)
-        PyBuffer_Release(&kb);
-    PyBuffer_Release(&ob);
+    release(vw, 5);
     Py_RETURN_NONE;
 }
 
 static PyObject *half_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "half_rows(x, offset, bits, lse, kind) takes 5 arguments, got %zd", nargs);
+    static const char *const names[] = {"x", "offset", "bits", "lse", "kind"};
+    Py_buffer vw[5];
+    if (get_all("half_rows(x, offset, bits, lse, kind)", "ffHFi", names, args, nargs, vw) < 0)
         return NULL;
-    }
     long kind = PyLong_AsLong(args[4]);
-    if (kind == -1 && PyErr_Occurred())
-        return NULL;
-    if ((kind != 0 || !float16_here()) && kind != 1) {
-        PyErr_Format(PyExc_ValueError, "half_rows: kind must be %s1 (bfloat16), got %ld",
-                     float16_here() ? "0 (float16) or " : "", kind);
+    if (kind == -1 && PyErr_Occurred()) {
+        release(vw, 5);
         return NULL;
     }
-    Py_buffer xb, fb, bb, lb;
-    if (get_rows(args[0], &xb, 0, "x") < 0)
-        return NULL;
-    if (get_rows(args[1], &fb, 0, "offset") < 0) {
-        PyBuffer_Release(&xb);
-        return NULL;
-    }
-    if (get_typed(args[2], &bb, 1, "bits", "h", 2) < 0) {
-        PyBuffer_Release(&xb);
-        PyBuffer_Release(&fb);
-        return NULL;
-    }
-    if (get_rows(args[3], &lb, 1, "lse") < 0) {
-        PyBuffer_Release(&xb);
-        PyBuffer_Release(&fb);
-        PyBuffer_Release(&bb);
-        return NULL;
-    }
-    Py_ssize_t b = xb.shape[0], v = xb.shape[1];
-    if (fb.shape[0] != b || fb.shape[1] != 1 || bb.shape[0] != b || bb.shape[1] != v || lb.shape[0] != b ||
-        lb.shape[1] != 1) {
-        PyErr_Format(PyExc_ValueError, "half_rows: offset (%zd, 1), bits (%zd, %zd) and lse (%zd, 1) needed", b, b, v,
-                     b);
-        PyBuffer_Release(&xb);
-        PyBuffer_Release(&fb);
-        PyBuffer_Release(&bb);
-        PyBuffer_Release(&lb);
-        return NULL;
-    }
-    const float *x = (const float *)xb.buf, *offset = (const float *)fb.buf;
-    int16_t *bits = (int16_t *)bb.buf;
-    float *lse = (float *)lb.buf;
+    if ((kind != 0 || !float16_here()) && kind != 1)
+        return refuse(vw, 5, "half_rows: kind must be %s1 (bfloat16), got %ld", float16_here() ? "0 (float16) or " : "",
+                      kind);
+    Py_ssize_t b = vw[0].shape[0], v = vw[0].shape[1];
+    if (vw[1].shape[0] != b || vw[1].shape[1] != 1 || vw[2].shape[0] != b || vw[2].shape[1] != v ||
+        vw[3].shape[0] != b || vw[3].shape[1] != 1)
+        return refuse(vw, 5, "half_rows: offset (%zd, 1), bits (%zd, %zd) and lse (%zd, 1) needed", b, b, v, b);
+    const float *x = (const float *)vw[0].buf, *offset = (const float *)vw[1].buf;
+    int16_t *bits = (int16_t *)vw[2].buf;
+    float *lse = (float *)vw[3].buf;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t r = 0; r < b; r++) {
 #if HAVE_F16C
@@ -763,10 +679,7 @@ static PyObject *half_rows(PyObject *self, PyObject *const *args, Py_ssize_t nar
         lse[r] = bf16_row(x + r * v, v, offset[r], bits + r * v);
     }
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&xb);
-    PyBuffer_Release(&fb);
-    PyBuffer_Release(&bb);
-    PyBuffer_Release(&lb);
+    release(vw, 5);
     Py_RETURN_NONE;
 }
 
