@@ -34,6 +34,12 @@ try:
 except ImportError:  # built without a C compiler: torch's kernels (the same statistics within float32 rounding)
     _rowstats = None
 
+# torch's CPU exp and log (MKL VML) may give values 6e-5 off on their first call in a process when two threads
+# share it (pytorch/pytorch#188792, torch 2.13: 2 fresh processes of 16; exact from the second call on): called
+# once here, so that no recorded statistic is the first call's.
+for _op in (torch.exp, torch.log):
+    _op(torch.zeros(1 << 16))
+
 __all__ = ["CHOSEN_STATS", "ROW_STATS", "chosen_stats", "eos_on", "offset_rows", "pair_stats", "probability"]
 __all__ += ["half_rows", "row_stats", "stored_lse", "top_k"]
 
