@@ -61,7 +61,6 @@ facts travel in the schema metadata under :data:`META_RUN` (JSON) and
 from __future__ import annotations
 
 import json
-from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
@@ -441,8 +440,7 @@ def check_columns(
     the schema's; a run of several files passes the union of theirs). ValueError saying which column is
     missing, of which wrong type, or there twice.
     """
-    names = schema.names
-    if repeated := sorted(n for n, count in Counter(names).items() if count > 1):
+    if repeated := sorted({n for n in schema.names if schema.names.count(n) > 1}):
         raise ValueError(f"it holds columns {repeated} more than once; a run file has each column once")
     try:
         expected = run_schema(metadata.storage, metadata.stages, metadata.vocab_size, metadata.top_k)
@@ -455,7 +453,7 @@ def check_columns(
             f"its metadata declares storage {metadata.storage!r} with stages {metadata.stages} "
             f"(vocabulary {metadata.vocab_size}), but columns {missing} are missing"
         )
-    names = set(names)
+    names = set(schema.names)
     for stage in metadata.stages:  # a stage's statistics come together: some without the others is damage
         kept = [n for n in stat_names(stage) if f"{stage}_{n}" in names]
         if kept and "entropy" in kept and len(kept) < len(stat_names(stage)):
