@@ -11,7 +11,8 @@
  * Functions (each takes C-contiguous buffers, releases the interpreter lock while it runs):
  *   row_stats(x, eos, out)       x [B, V] float32; eos [1, E] int64 (ids in the row) or None; out [B, 8]
  *                                float32 in record_stats.ROW_STATS order: lse, allowed, max, entropy, NaN count,
- *                                p_eos (NaN without eos), and NaN for the two statistics of a pair
+ *                                p_eos (NaN without eos), and NaN for the two statistics of a pair; returns the
+ *                                count of special rows
  *   pair_stats(nat, x, out)      nat, x [B, V] float32; out [B, 3] float32: removed mass, margin, special
  *   top_k(x, values, ids)        x [B, V] float32; values [B, k] float32, ids [B, k] int64: each row's k largest
  *                                entries, largest first, NaN never chosen while k others remain
@@ -20,11 +21,12 @@
  *                                values, largest first) or None; out [B, 3] float32: the chosen token's logit,
  *                                probability and rank (NaN never greater; counted among the kept values when
  *                                it is at least their last); an id outside the row gives NaN
- *   half_rows(x, offset, bits, lse, kind)  x [B, V] float32 (no NaN or +inf), offset [B, 1] float32 (each
- *                                row's largest value); bits [B, V] int16: x - offset rounded to float16 (kind 0,
- *                                where FLOAT16 is 1: a CPU with F16C) or bfloat16 (kind 1), to nearest even as
- *                                torch rounds; lse [B, 1] float32: the log-sum-exp of the rounded values (-inf
- *                                where every one is -inf)
+ *   half_rows(x, offset, bits, lse, kind)  x [B, V] float32, offset [B, 1] float32 (each row's largest value);
+ *                                bits [B, V] int16: x - offset rounded to float16 (kind 0, where FLOAT16 is 1: a
+ *                                CPU with F16C) or bfloat16 (kind 1), to nearest even as torch rounds; lse [B, 1]
+ *                                float32: the log-sum-exp of the rounded values (-inf where every one is -inf);
+ *                                returns the count of rows holding NaN or +inf (their lse NaN, their bits not
+ *                                to be used)
  * A row is "special" when it holds NaN or +inf (row_stats: its max is +inf or its NaN count not 0, its
  * other values left unset; pair_stats: 1.0 in its flag): the caller computes those rows another way. -inf tokens are masked: they weigh nothing and are not allowed.
  *
@@ -183,7 +185,7 @@ typedef uint32_t vu __attribute__((vector_size(32)));
 typedef uint16_t vb __attribute__((vector_size(16)));
 
 static inline __attribute__((always_inline)) vf round_bf16(vf a, int16_t *bits) {
-    vu u = (vu)a; /* no NaN here: the caller's rows hold none */
+    vu u = (vu)a; /* a NaN may round to inf here: half_row flags its row, whose bits are not used */
     u = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
     vb h = __builtin_convertvector(u, vb);
     memcpy(bits, &h, sizeof h);
@@ -197,13 +199,17 @@ static inline __attribute__((always_inline)) vf weight(vf r) { /* e^r of a round
 
 static inline __attribute__((always_inline)) float half_row(const float *x, Py_ssize_t v, float offset,
                                                             int16_t *bits, vf (*round)(vf, int16_t *)) {
-    const vf shift = splat(offset);
+    const vf shift = splat(offset), pinf = splat(INFINITY);
     Py_ssize_t i = 0, whole = v - v % LANES;
+    vi odd = {0}; /* a NaN or +inf entry: the caller's other path */
     double s = 0.0;
     while (i < whole) {
         vf bs = splat(0.0f);
-        for (Py_ssize_t end = i + BLOCK < whole ? i + BLOCK : whole; i < end; i += LANES)
-            bs += weight(round(load(x + i) - shift, bits + i));
+        for (Py_ssize_t end = i + BLOCK < whole ? i + BLOCK : whole; i < end; i += LANES) {
+            vf a = load(x + i);
+            odd |= (a != a) | (a == pinf);
+            bs += weight(round(a - shift, bits + i));
+        }
         for (int l = 0; l < LANES; l++)
             s += bs[l];
     }
@@ -212,11 +218,16 @@ static inline __attribute__((always_inline)) float half_row(const float *x, Py_s
         int16_t tail_bits[LANES];
         for (int l = 0; l < LANES; l++)
             tail[l] = i + l < v ? x[i + l] : -INFINITY;
-        vf e = weight(round(load(tail) - shift, tail_bits));
+        vf a = load(tail);
+        odd |= (a != a) | (a == pinf);
+        vf e = weight(round(a - shift, tail_bits));
         memcpy(bits + i, tail_bits, (size_t)(v - i) * sizeof *bits);
         for (int l = 0; l < LANES; l++)
             s += e[l];
     }
+    for (int l = 0; l < LANES; l++)
+        if (odd[l])
+            return NAN;
     return s > 0.0 ? (float)log(s) : -INFINITY;
 }
 
@@ -500,6 +511,7 @@ static PyObject *row_stats(PyObject *self, PyObject *const *args, Py_ssize_t nar
         return refuse(vw, 3, "row_stats: out (%zd, 8) and eos (1, E) of ids in [0, %zd) or None needed", b, v);
     const float *x = (const float *)vw[0].buf;
     float *out = (float *)vw[2].buf;
+    Py_ssize_t special = 0;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t r = 0; r < b; r++) {
         const float *row = x + r * v;
@@ -511,8 +523,10 @@ static PyObject *row_stats(PyObject *self, PyObject *const *args, Py_ssize_t nar
         o[2] = top;
         o[4] = (float)nan;
         o[5] = o[6] = o[7] = NAN;
-        if (nan || posinf)
-            continue; /* special: top is +inf or the NaN count is not 0 */
+        if (nan || posinf) {
+            special++; /* its top is +inf or its NaN count not 0 */
+            continue;
+        }
         if (top == -INFINITY) { /* nothing allowed */
             o[0] = -INFINITY;
             o[3] = NAN;
@@ -534,7 +548,7 @@ static PyObject *row_stats(PyObject *self, PyObject *const *args, Py_ssize_t nar
     }
     Py_END_ALLOW_THREADS
     release(vw, 3);
-    Py_RETURN_NONE;
+    return PyLong_FromSsize_t(special);
 }
 
 static PyObject *pair_stats(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -668,19 +682,22 @@ static PyObject *half_rows(PyObject *self, PyObject *const *args, Py_ssize_t nar
     const float *x = (const float *)vw[0].buf, *offset = (const float *)vw[1].buf;
     int16_t *bits = (int16_t *)vw[2].buf;
     float *lse = (float *)vw[3].buf;
+    Py_ssize_t odd = 0;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t r = 0; r < b; r++) {
 #if HAVE_F16C
         if (kind == 0) {
             lse[r] = f16_row(x + r * v, v, offset[r], bits + r * v);
+            odd += isnan(lse[r]);
             continue;
         }
 #endif
         lse[r] = bf16_row(x + r * v, v, offset[r], bits + r * v);
+        odd += isnan(lse[r]);
     }
     Py_END_ALLOW_THREADS
     release(vw, 5);
-    Py_RETURN_NONE;
+    return PyLong_FromSsize_t(odd);
 }
 
 static PyMethodDef methods[] = {
