@@ -15,6 +15,7 @@ import torch
 
 import tracker.recording.record_stats as record_stats
 from tracker import LogitTrackingProcessor
+from tracker.recording.modes import Storage
 from tracker.recording.record_stats import CHOSEN_STATS, ROW_STATS, chosen_stats, row_stats, stored_lse, top_k
 
 NEG = -np.inf
@@ -319,3 +320,18 @@ def test_the_top_k_storage_of_a_tracker_reads_back_as_torch_topk(path):
         values, ids = torch.topk(x[row], 20)
         np.testing.assert_array_equal(got[ids.numpy()], values.numpy())
         assert np.isnan(got).sum() == 40000 - 20
+
+
+@pytest.mark.parametrize("storage", ["float32", "float16", "bfloat16", "topk"])
+def test_the_accelerator_path_reads_no_device_value(storage):
+    """Each storage mode's work and the chosen token's statistics, on a device other than the CPU, are kernels
+    only: run on the meta device, which holds no values, any host read (``item``, ``bool``, ``tolist``,
+    ``nonzero``) raises."""
+    with pytest.raises(RuntimeError):  # what makes this test able to fail
+        bool(torch.zeros(1, device="meta").any())
+    x, natural = torch.randn(4, 1000, device="meta"), torch.randn(4, 1000, device="meta")
+    eos, ids = torch.tensor([2], device="meta"), torch.zeros(4, dtype=torch.int64, device="meta")
+    stored = Storage.parse(storage, 20).store(x, natural, eos, True)
+    assert {t.device.type for t in stored.columns.values()} == {"meta"}
+    kept = stored.columns["logits"] if storage == "topk" else None
+    assert chosen_stats(x, ids, stored.stats, kept).shape == (4, len(CHOSEN_STATS))
