@@ -117,3 +117,56 @@ def test_a_damaged_statistic_in_one_of_many_runs_names_that_run(tmp_path):
     pq.write_table(table.set_column(index, table.schema.field(index), pa.array(entropy, pa.float32())), paths[1])
     with pytest.raises(ValueError, match=rf"{runs[1].run_id}\.parquet.*'natural_entropy' holds values outside"):
         open_dataset(tmp_path).sql("SELECT avg(entropy_natural) FROM steps")
+
+
+def _kept_file(cache) -> list:
+    return sorted(cache.rglob("*.columns.parquet"))
+
+
+def test_a_table_answers_the_same_from_what_an_earlier_process_kept_and_sees_new_commits(tmp_path):
+    import pyarrow.parquet as pq
+
+    runs = _runs()
+    table = tmp_path / "table"
+    for run in runs[:3]:
+        run.to_dataset(table)
+    query = "SELECT run_id, generation, sequence, step, entropy_natural, p_eos_natural FROM steps"
+    first = open_dataset(table).sql(query)
+    assert len(_kept_file(tmp_path / "cache")) == 1
+    _equal(open_dataset(table).sql(query), first)
+    _equal(open_dataset(table).sql("SELECT * FROM steps"), _slow(runs[:3])[0])  # more columns than were kept
+
+    runs[3].to_dataset(table)  # a new commit: in the next answer, with the kept ones
+    _equal(open_dataset(table).sql(query), _slow(runs[:4])[0].select(first.column_names))
+
+    kept = _kept_file(tmp_path / "cache")[0]
+    rows, index_of_parts = pq.read_table(kept), pq.read_metadata(kept).metadata
+    at = rows.schema.get_field_index("natural_entropy")
+    lies = rows.set_column(at, rows.schema.field(at), pa.array(np.full(rows.num_rows, -1.0, np.float32)))
+    with pq.ParquetWriter(kept, lies.schema, store_schema=False) as writer:  # kept values that fail the checks
+        writer.write_table(lies)
+        writer.add_key_value_metadata(index_of_parts)
+    expected = _slow(runs[:4])[0].select(first.column_names)
+    _equal(open_dataset(table).sql(query), expected)  # answered from the parts, and kept anew
+    assert np.nanmin(pq.read_table(kept).column("natural_entropy").to_numpy(zero_copy_only=False)) >= 0
+
+    kept.write_bytes(kept.read_bytes()[:-100] + bytes(100))  # a damaged file: as if nothing was kept
+    _equal(open_dataset(table).sql(query), expected)
+
+
+def test_a_table_part_with_rows_narrower_than_its_run_says_is_refused_when_its_rows_are_read(tmp_path):
+    import pyarrow.parquet as pq
+
+    runs = _runs()[:2]
+    for run in runs:
+        run.to_dataset(tmp_path)
+    part = next((tmp_path / f"run_id={runs[0].run_id}").glob("*.parquet"))
+    rows = pq.read_table(part)
+    at = rows.schema.get_field_index("natural_logits")
+    narrow = pa.array([None if r is None else r[:-1] for r in rows.column(at).to_pylist()], pa.list_(pa.float32()))
+    pq.write_table(rows.set_column(at, rows.schema.field(at).with_type(narrow.type), narrow), part)
+    assert open_dataset(tmp_path).sql("SELECT count(*) FROM steps").column(0)[0].as_py() > 0  # statistics only
+    data = open_dataset(tmp_path)
+    data.sql("SELECT count(*) FROM candidates")
+    (error,) = data.skipped
+    assert part.name in str(error) and "'natural_logits'" in str(error) and str(error).count("cannot be read") == 1

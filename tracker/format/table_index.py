@@ -11,7 +11,10 @@ A part whose commit did not (written by another tool, or with metadata past
 part never changes, so what was read of it is kept per table in
 ``~/.cache/logitscope/table-index/`` (``$LOGITSCOPE_CACHE`` overrides). The
 footers read in this process are kept too (at most :data:`FOOTERS_KEPT`), so
-that reading the parts' columns next does not parse them again. Needs pyarrow only.
+that reading the parts' columns next does not parse them again; so are the
+columns a query scanned of them, in one local file per table
+(:func:`keep_columns`, :func:`kept_columns`): the next process answers from it
+instead of opening every part. Needs pyarrow only.
 """
 
 from __future__ import annotations
@@ -35,12 +38,16 @@ from tracker.format.spill import atomic_path
 from tracker.format.table import Committed, RunTable
 
 __all__ = ["PartFacts", "part_facts", "run_summary_of", "CACHE_ENV", "FOOTERS_KEPT", "footer_of", "cache_folder"]
+__all__ += ["COLUMNS_KEPT", "keep_columns", "kept_columns"]
 
 #: Where what was read of committed parts is kept (default ``~/.cache/logitscope``).
 CACHE_ENV = "LOGITSCOPE_CACHE"
 #: Parsed footers kept in this process for the next read of the same parts.
 FOOTERS_KEPT = 4096
 _INDEX_VERSION = 1
+#: The most Arrow bytes of a table's scanned columns kept on this machine (a larger table's are not kept).
+COLUMNS_KEPT = 256 << 20
+_KEPT_KEY = b"logitscope.kept"
 _PROMPT_IDS = 64
 
 _footers: OrderedDict[tuple[str, str], pq.FileMetaData] = OrderedDict()
@@ -309,3 +316,55 @@ def run_summary_of(table: RunTable, parts: list[PartFacts]) -> dict[str, Any]:
         "prompt": prompt[:300],
         "bytes": sum(p.size for p in parts),
     }
+
+
+def _columns_file(location: str) -> Path:
+    return cache_folder() / f"{hashlib.sha1(location.encode()).hexdigest()[:24]}.columns.parquet"
+
+
+def kept_columns(location: str, parts: dict[str, int]) -> dict[str, pa.Table]:
+    """The columns an earlier scan kept of the table at ``location``'s committed parts ``parts`` (path ->
+    size): per part kept with that size, its rows as read then (column names as the run's). A kept file
+    that fails its checks (page checksums, its index against its rows) counts as none; the values go
+    through the same checks as those read from the parts (:mod:`tracker.reading.query_steps`)."""
+    try:
+        file = pq.ParquetFile(_columns_file(location), memory_map=True, page_checksum_verification=True)
+        index = json.loads((file.metadata.metadata or {})[_KEPT_KEY])
+        if index.get("version") != _INDEX_VERSION or index.get("location") != location:
+            return {}
+        entries = [(str(p), int(s), int(n), [str(c) for c in cs]) for p, s, n, cs in index["parts"]]
+        if sum(n for _, _, n, _ in entries) != file.metadata.num_rows or any(n < 0 for _, _, n, _ in entries):
+            return {}
+        table = file.read(use_threads=False)
+        found, offset = {}, 0
+        for path, size, rows, columns in entries:
+            if parts.get(path) == size:
+                found[path] = table.slice(offset, rows).select(columns)
+            offset += rows
+        return found
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, pa.ArrowException):
+        return {}
+
+
+def keep_columns(location: str, parts: dict[str, tuple[int, pa.Table]]) -> None:
+    """Keep ``parts`` (path -> (size, the columns read of it)) of the table at ``location`` for the next
+    process, in place of what was kept (those not given are forgotten). Kept only up to
+    :data:`COLUMNS_KEPT` bytes; a cache that cannot be written is only slower next time."""
+    if not parts:
+        return
+    index = [[path, size, t.num_rows, t.column_names] for path, (size, t) in parts.items()]
+    body = json.dumps({"version": _INDEX_VERSION, "location": location, "parts": index}, separators=(",", ":"))
+    with contextlib.suppress(OSError, pa.ArrowException):
+        table = pa.concat_tables([t for _, t in parts.values()], promote_options="permissive").combine_chunks()
+        if table.nbytes > COLUMNS_KEPT:
+            return
+        target = _columns_file(location)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with (
+            atomic_path(target) as tmp,
+            pq.ParquetWriter(
+                tmp, table.schema, compression="lz4", write_page_checksum=True, store_schema=False
+            ) as writer,
+        ):
+            writer.write_table(table)
+            writer.add_key_value_metadata({_KEPT_KEY: body.encode()})

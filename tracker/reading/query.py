@@ -264,8 +264,14 @@ class Dataset:
         steps = []
         if fast:
             scanned = scan_runs(fast, columns)
+            try:
+                table, self._texts = steps_of_runs(scanned, self._vocabularies, columns)
+            except RunFileError:
+                if not scanned.kept:
+                    raise
+                scanned = scan_runs(fast, columns, use_kept=False)  # what was kept failed the checks: the parts
+                table, self._texts = steps_of_runs(scanned, self._vocabularies, columns)
             self._scanned = list(scanned.sources)  # what the texts refer to
-            table, self._texts = steps_of_runs(scanned, self._vocabularies, columns)
             steps.append(table)
         self._steps_columns = None if columns is None else set(columns)
         slow = [s for s in self._sources if not self._scannable(s)]

@@ -50,7 +50,7 @@ class RunSource:
         metadata: the run metadata (a table's run: without its generations, read with its columns).
         generations, sequences: its generations, and their sequences, counted from the footers.
         rows, steps, size: its rows, its largest step + 1, its bytes.
-        columns: each file's columns (the run's names). file_rows: each file's rows.
+        columns: each file's columns (the run's names). file_rows, file_sizes: each file's rows and bytes.
         lengths: per generation, each sequence's length where its host told it.
     """
 
@@ -66,6 +66,7 @@ class RunSource:
     size: int = 0
     columns: list[set[str]] = field(default_factory=list)
     file_rows: list[int] = field(default_factory=list)
+    file_sizes: list[int] = field(default_factory=list)
     lengths: dict[int, list[int]] = field(default_factory=dict)
     table: RunTable | None = None
     _parts: list[Part] | None = None
@@ -90,7 +91,7 @@ class RunSource:
                     part = open_part(Path(path), metadata=footer)
                 else:
                     part = open_part(path, self.fs, _url(self.fs, path), metadata=footer)
-                _check_part(part, self.metadata)
+                _check_part(part, self.metadata, widths_now=self.table is None)
                 opened.append(part)
             self._parts = opened
         return self._parts
@@ -142,6 +143,8 @@ class RunSource:
                 check_generations(found, self.metadata.vocab_size)
             except (pa.ArrowException, OSError) as exc:
                 raise RunFileError(part.path, arrow_reason(exc)) from exc
+            except RunFileError:
+                raise
             except ValueError as exc:
                 raise RunFileError(part.path, str(exc)) from exc
             entries += found
@@ -165,8 +168,8 @@ class RunSource:
 _CONSISTENT: dict[tuple, None] = {}
 
 
-def _check_part(part: Part, metadata: RunMetadata) -> None:
-    part.bind(metadata)  # checks this file's row widths against its footer's counts
+def _check_part(part: Part, metadata: RunMetadata, widths_now: bool = True) -> None:
+    part.bind(metadata, widths_now)  # its rows' widths against its footer's counts (later: when a list is read)
     schema = part.schema
     key = (schema.remove_metadata().serialize().to_pybytes(), metadata.storage, tuple(metadata.stages))
     key += (metadata.vocab_size, metadata.top_k)  # all that check_schemas reads of the metadata
@@ -205,6 +208,7 @@ def _of_table(found: FoundRun) -> RunSource:
         size=sum(f.size for f in facts),
         columns=[{c[: -len(suffix)] + "_logits" if c.endswith(suffix) else c for c in f.columns} for f in facts],
         file_rows=[f.rows for f in facts],
+        file_sizes=[f.size for f in facts],
         lengths={g: list(ls) for f in facts for g, ls in f.lengths},
         table=found.table,
     )

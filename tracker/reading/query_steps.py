@@ -54,11 +54,13 @@ ALWAYS = ("run_id", "generation", "sequence", "step")
 
 @dataclass
 class Scanned:
-    """The id and statistics columns of several runs (``src``: each row's run, an index into ``sources``)."""
+    """The id and statistics columns of several runs (``src``: each row's run, an index into ``sources``;
+    ``kept``: some came from what this machine kept of a table's parts)."""
 
     sources: Sequence[Any]
     table: pa.Table
     src: np.ndarray
+    kept: bool = False
 
     def run_table(self, i: int) -> pa.Table:
         return self.table.filter(pa.array(self.src == i))
@@ -68,21 +70,55 @@ def _wanted(source: Any, names: list[str]) -> list[str]:
     return [c for c in names if all(c in cols for cols in source.columns)]
 
 
-def _read(sources: Sequence[Any], wanted: list[list[str]], threads: int) -> tuple[pa.Table, np.ndarray]:
-    """``wanted[i]`` of every file of ``sources[i]`` as one table, and each row's source, part by part through
-    the checked opener, ``threads`` runs at a time. (DuckDB's Parquet reader read a thousand local parts in
-    half the time, 0.21-0.24 s against 0.43-0.47 s, but checks no page checksum: a flipped byte of a value
-    was answered as another value.)"""
-    tables: list[pa.Table] = []
-    owners: list[np.ndarray] = []
+def _kept_parts(source: Any) -> list[str] | None:
+    """The source's files as parts of its table (paths inside it), or None: not a table's run."""
+    table = source.table
+    if table is None or len(source.file_sizes) != len(source.files):
+        return None
+    return [f[len(table.where) + 1 :] for f in source.files]
+
+
+def _read(
+    sources: Sequence[Any], wanted: list[list[str]], threads: int, *, use_kept: bool = True, keep: bool = True
+) -> tuple[pa.Table, np.ndarray, bool]:
+    """``wanted[i]`` of every file of ``sources[i]`` as one table, each row's source, and whether any came
+    from this machine's cache. Parts are read through the checked opener, ``threads`` runs at a time; a
+    table's parts whose columns an earlier scan kept (:func:`~tracker.format.table_index.kept_columns`) come
+    from there instead (``use_kept``), and what is read of a table's parts is kept for the next process, with
+    what was kept of them before (``keep``). (DuckDB's Parquet reader read a thousand local parts in half
+    the time, 0.21-0.24 s against 0.43-0.47 s, but checks no page checksum: a flipped byte of a value was
+    answered as another value.)"""
+    from tracker.format.table_index import keep_columns, kept_columns
+
+    named = [_kept_parts(s) if use_kept or keep else None for s in sources]
+    sizes: dict[str, dict[str, int]] = {}
+    for source, parts in zip(sources, named):
+        if parts is not None:
+            sizes.setdefault(source.table.location, {}).update(zip(parts, source.file_sizes))
+    kept = {where: kept_columns(where, parts) if use_kept else {} for where, parts in sizes.items()}
+    there = [{} if parts is None else kept[s.table.location] for s, parts in zip(sources, named)]
+    cached = [
+        parts is not None and all(p in there[i] and set(wanted[i]) <= set(there[i][p].column_names) for p in parts)
+        for i, parts in enumerate(named)
+    ]
+    fresh: dict[str, dict[str, tuple[int, pa.Table]]] = {}
 
     def read(i: int) -> list[pa.Table]:  # opening and checking a part is on the readers too (half its time)
+        parts = named[i]
+        if cached[i]:
+            return [there[i][p].select(wanted[i]) for p in parts]  # type: ignore[union-attr]
         done = []
-        for part in sources[i].parts():
+        for j, part in enumerate(sources[i].parts()):
+            names = wanted[i]
+            if parts is not None and parts[j] in there[i]:  # what was kept of it too: the cache only grows
+                names = list(dict.fromkeys(names + there[i][parts[j]].column_names))
             try:
-                done.append(part.read_columns(wanted[i]))
+                table = part.read_columns(names)
             except (pa.ArrowException, OSError) as exc:
                 raise RunFileError(part.path, arrow_reason(exc)) from exc
+            if parts is not None and keep:
+                fresh.setdefault(sources[i].table.location, {})[parts[j]] = (sources[i].file_sizes[j], table)
+            done.append(table.select([c for c in wanted[i] if c in table.column_names]))
         return done
 
     if len(sources) > 1 and threads > 1:
@@ -90,13 +126,17 @@ def _read(sources: Sequence[Any], wanted: list[list[str]], threads: int) -> tupl
             done = list(pool.map(read, range(len(sources))))
     else:
         done = [read(i) for i in range(len(sources))]
+    for where, read_now in fresh.items():  # what was kept (of parts still committed) and what was read now
+        keep_columns(where, {**{p: (sizes[where][p], t) for p, t in kept[where].items()}, **read_now})
+    tables: list[pa.Table] = []
+    owners: list[np.ndarray] = []
     for i, read_tables in enumerate(done):
         for table in read_tables:
             tables.append(table)
             owners.append(np.full(table.num_rows, i, dtype=np.int64))
     if not tables:
-        return pa.table({}), np.zeros(0, np.int64)
-    return pa.concat_tables(tables, promote_options="permissive"), np.concatenate(owners)
+        return pa.table({}), np.zeros(0, np.int64), any(cached)
+    return pa.concat_tables(tables, promote_options="permissive"), np.concatenate(owners), any(cached)
 
 
 def _statistics(columns: set[str] | None, stage: str) -> list[str]:
@@ -115,18 +155,21 @@ def _statistics(columns: set[str] | None, stage: str) -> list[str]:
     return [f"{stage}_{n}" for n in _STATS if n in wanted]
 
 
-def scan_runs(sources: Sequence[Any], columns: set[str] | None = None, threads: int | None = None) -> Scanned:
+def scan_runs(
+    sources: Sequence[Any], columns: set[str] | None = None, threads: int | None = None, use_kept: bool = True
+) -> Scanned:
     """The id and statistics columns of ``sources`` (:class:`~tracker.reading.query_sources.RunSource`) that
     the ``steps`` columns ``columns`` need (None: all), the runs in the order they were read
-    (:attr:`Scanned.sources`). RunFileError naming a file that cannot be read."""
+    (:attr:`Scanned.sources`); a table's parts from what an earlier scan kept of them where it has those
+    columns (``use_kept``). RunFileError naming a file that cannot be read."""
     ids = _IDS if columns is None or "processor_error" in columns else _IDS[:4]
     names = [ids + [c for s in source.metadata.stages for c in _statistics(columns, s)] for source in sources]
     if threads is None:  # parts on a disk: opening and checking one holds the interpreter, more readers than
         # cores only wait (1,000 parts: 1.8 s with one, 1.6-1.8 with two or four, 1.9-2.0 with eight, on 2 cores)
         remote = any(not isinstance(s.fs, pafs.LocalFileSystem) for s in sources)
         threads = 8 if remote else min(4, os.cpu_count() or 1)
-    table, src = _read(sources, [_wanted(s, n) for s, n in zip(sources, names)], threads)
-    return Scanned(sources, table, src)
+    table, src, kept = _read(sources, [_wanted(s, n) for s, n in zip(sources, names)], threads, use_kept=use_kept)
+    return Scanned(sources, table, src, kept)
 
 
 def _check(scanned: Scanned, src: np.ndarray, vocab: np.ndarray, keys: np.ndarray) -> None:
@@ -317,7 +360,7 @@ def _entries(sources: Sequence[Any], threads: int) -> list[dict[int, dict]]:
     need = [i for i, s in enumerate(sources) if s.metadata.generations == [] and s.generations]
     found: dict[int, list[dict]] = {i: list(s.metadata.generations) for i, s in enumerate(sources) if i not in need}
     chosen = [sources[i] for i in need]
-    table, src = _read(chosen, [[GENERATIONS_COLUMN] for _ in need], threads)
+    table, src, _ = _read(chosen, [[GENERATIONS_COLUMN] for _ in need], threads, use_kept=False, keep=False)
     if need and GENERATIONS_COLUMN in table.column_names:
         column = table.column(GENERATIONS_COLUMN)
         column = column if pa.types.is_string(column.type) else column.cast(pa.string())
