@@ -1,9 +1,13 @@
-"""``logitscope vacuum TABLE`` and ``logitscope convert SOURCE TABLE``: a table's upkeep from the command line.
+"""``logitscope vacuum TABLE``, ``logitscope compact TABLE`` and ``logitscope convert SOURCE TABLE``: a table's
+upkeep from the command line.
 
 ``vacuum`` removes what no commit of the table names (a killed writer's
 parts, parts a rewritten run replaced, vocabularies no part names), older
 than ``--older-than`` hours (a week by default: writers still at work keep
-their parts until they commit); ``--dry-run`` lists them. ``convert`` writes
+their parts until they commit); ``--dry-run`` lists them. ``compact`` rewrites
+each run of at least ``--min-parts`` committed parts (a server's, a part a
+commit) as parts of about ``--max-mb`` each (:mod:`tracker.reading.compact`);
+``--dry-run`` says what it would do. ``convert`` writes
 every complete run at SOURCE (a folder of completion markers written before
 tables, a folder of run files, another table) into the table at TABLE, each
 read and checked as ``Run.load`` reads it. A bad location ends in one line
@@ -14,11 +18,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from logitscope.cli_args import fail
 
-__all__ = ["add_parsers", "cmd_vacuum", "cmd_convert"]
+__all__ = ["add_parsers", "cmd_vacuum", "cmd_compact", "cmd_convert"]
 
 
 def _hours(text: str) -> float:
@@ -31,8 +36,21 @@ def _hours(text: str) -> float:
     return value
 
 
+def _count(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+        return value
+
+    return parse
+
+
 def add_parsers(sub: Any) -> None:
-    """Add the ``vacuum`` and ``convert`` subcommands to the command line's subparsers."""
+    """Add the ``vacuum``, ``compact`` and ``convert`` subcommands to the command line's subparsers."""
     from tracker.format.upkeep import DEFAULT_AGE_HOURS
 
     vacuum = sub.add_parser(
@@ -52,6 +70,20 @@ def add_parsers(sub: Any) -> None:
     )
     vacuum.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
     vacuum.set_defaults(handler=cmd_vacuum, command_parser=vacuum)
+    compact = sub.add_parser(
+        "compact",
+        help="rewrite a table's runs of many small parts (a server's) as a few larger ones",
+        description="Rewrite each run of the table at TABLE that has at least --min-parts committed parts as "
+        "parts of about --max-mb each, one commit per run that removes exactly the parts it read (parts a writer "
+        "commits meanwhile stay). Readers answer the same; each part costs a reader about 1.5 ms whatever its "
+        "size. The replaced parts stay on disk until `logitscope vacuum`.",
+    )
+    compact.add_argument("table", metavar="TABLE", help="the table's folder or URL")
+    compact.add_argument("--min-parts", type=_count(2), default=16, metavar="N", help="runs of at least N parts (16)")
+    compact.add_argument("--max-mb", type=_count(1), default=256, metavar="MB", help="the most per new part (256)")
+    compact.add_argument("--run", action="append", metavar="RUN_ID", help="only this run (repeatable)")
+    compact.add_argument("--dry-run", action="store_true", help="say what would be rewritten, write nothing")
+    compact.set_defaults(handler=cmd_compact, command_parser=compact)
     convert = sub.add_parser(
         "convert",
         help="copy the runs of a dataset written before tables (or of run files) into a table",
@@ -78,6 +110,37 @@ def cmd_vacuum(args: argparse.Namespace, parser: argparse.ArgumentParser, out: T
     print(
         f"{verb} {len(removed.parts)} part file(s) and {len(removed.vocabularies)} vocabulary file(s)", file=sys.stderr
     )
+    return 0
+
+
+def cmd_compact(args: argparse.Namespace, parser: argparse.ArgumentParser, out: TextIO | None = None) -> int:
+    from tracker.format.layout import RunFileError
+    from tracker.format.table import TableError
+    from tracker.reading.compact import Compacted, compact
+
+    out = out or sys.stdout
+
+    def said(done: Compacted) -> None:
+        print(
+            f"{done.run_id}: {done.parts_before} parts ({done.bytes_before / 1e6:.1f} MB) -> {done.parts_after} "
+            f"({done.bytes_after / 1e6:.1f} MB)",
+            file=out,
+            flush=True,
+        )
+
+    try:
+        done = compact(
+            args.table,
+            min_parts=args.min_parts,
+            max_bytes=args.max_mb << 20,
+            run_ids=args.run,
+            dry_run=args.dry_run,
+            progress=said,
+        )
+    except (TableError, RunFileError, ValueError, OSError) as exc:
+        fail(parser, "TABLE", exc)
+    verb = "would rewrite" if args.dry_run else "rewrote"
+    print(f"{verb} {len(done)} run(s); `logitscope vacuum` frees the replaced parts' space", file=sys.stderr)
     return 0
 
 

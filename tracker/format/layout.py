@@ -56,6 +56,7 @@ __all__ = [
     "Part",
     "RunLayout",
     "open_layout",
+    "layout_of",
     "open_part",
     "is_partition",
     "arrow_reason",
@@ -248,7 +249,11 @@ def open_layout(path: str | os.PathLike[str], run_id: str | None = None) -> RunL
     for a file or folder that is not a readable run, and ValueError when a
     dataset root holds several runs and ``run_id`` names none of them.
     """
-    found = locate(path, run_id)
+    return layout_of(locate(path, run_id), run_id)
+
+
+def layout_of(found: FoundRun, run_id: str | None = None) -> RunLayout:
+    """:func:`open_layout` of a run already found (a table run's ``files`` may be some of its parts)."""
     if found.kind == "spill":
         return _checked(_spill(found), run_id)
     if not found.files:

@@ -299,20 +299,28 @@ class RunTable:
             store_vocab(self.fs, self.where, serialized)
         return Staged(name, run_id, size, rows.num_rows, schema, _add_stats(rows, part))
 
-    def commit(self, staged: list[Staged], *, replace: set[str] | frozenset[str] = frozenset()) -> int:
+    def commit(
+        self,
+        staged: list[Staged],
+        *,
+        replace: set[str] | frozenset[str] = frozenset(),
+        remove: set[str] | frozenset[str] = frozenset(),
+    ) -> int:
         """Name ``staged`` parts in one commit (the table is made by the first); with ``replace``, the same
-        commit removes the parts those runs had. Returns the new version. Concurrent commits from other
-        writers are retried against; TableError naming the table when the commit cannot be made."""
+        commit removes the parts those runs had; with ``remove``, exactly these parts (paths in the table:
+        TableError, nothing committed, when one is no longer committed). Returns the new version. Concurrent
+        commits from other writers are retried against; TableError naming the table when the commit cannot
+        be made."""
         from deltalake.exceptions import CommitFailedError, DeltaError
 
-        if not staged and not replace:
+        if not staged and not replace and not remove:
             return self.version()
         last: Exception | None = None
         others = 0
         for attempt in range(_COMMIT_TRIES):
             try:
                 with self._committing:  # one commit at a time from this process (its snapshot is shared)
-                    self._commit(staged, replace)
+                    self._commit(staged, replace, remove)
                 return self.version()
             except (CommitFailedError, DeltaError, OSError) as exc:
                 # a concurrent writer committed first (or made the table, or changed its schema): read, retry;
@@ -340,7 +348,9 @@ class RunTable:
         fields.setdefault(GENERATIONS_COLUMN, pa.field(GENERATIONS_COLUMN, pa.string()))
         return pa.schema([*fields.values(), pa.field("run_id", pa.string())])
 
-    def _commit(self, staged: list[Staged], replace: set[str] | frozenset[str]) -> None:
+    def _commit(
+        self, staged: list[Staged], replace: set[str] | frozenset[str], remove: set[str] | frozenset[str]
+    ) -> None:
         from deltalake import Schema
         from deltalake.schema import Field
         from deltalake.transaction import AddAction, RemoveAction, create_table_with_add_actions
@@ -372,9 +382,16 @@ class RunTable:
             delta.alter.add_columns([Field.from_arrow(f) for f in new])
             delta = self._snapshot()
         removes = []
-        if replace:
-            for part in self.committed():
-                if part.run_id in replace:
+        if replace or remove:
+            committed = self.committed()
+            gone = sorted(set(remove) - {p.path for p in committed})
+            if gone:
+                raise TableError(
+                    f"the table at '{self.location}' no longer holds {len(gone)} of the parts this commit removes "
+                    f"({gone[0]}...): another writer removed or replaced them; nothing was committed"
+                )
+            for part in committed:
+                if part.run_id in replace or part.path in remove:
                     removes.append(RemoveAction(part.path, True, now, part.size, {"run_id": part.run_id}))
         delta.create_write_transaction(removes + adds, mode="append", schema=delta.schema(), partition_by=["run_id"])
 
