@@ -98,9 +98,10 @@ class _ParquetPart:
         if META_RUN in footer or RUN_META not in self._file_schema.names:
             ref = footer.get(META_VOCAB_REF)
             return footer.get(META_RUN), None if ref is None else ref.decode("ascii", "replace")
-        try:
+        try:  # its first row only: one value for every row, which read whole took 0.23 s for 12,800 rows
             groups = self.file.metadata.num_row_groups
-            column = self.file.read_row_group(0, columns=[RUN_META]).column(0) if groups else None
+            first = next(self.file.iter_batches(1, row_groups=[0], columns=[RUN_META]), None) if groups else None
+            column = None if first is None else first.column(0)
         except (pa.ArrowException, OSError) as exc:  # a damaged page (checksum), a truncated file
             raise RunFileError(self.path, arrow_reason(exc)) from exc
         raw = column[0].as_py() if column is not None and len(column) else None
