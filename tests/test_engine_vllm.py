@@ -402,8 +402,7 @@ def test_an_idle_checkpoint_whose_part_is_written_after_the_engine_stepped_again
         received.append(logits.numpy().copy())
         sampled = tracker.apply(logits).argmax(dim=1).tolist()
         if step in (1, 3):  # the engine stepped again before the writer took the idle checkpoint's rows
-            for request in recording.writer.live():
-                recording.writer.checkpoint(recording._recorders[request.options.key], request)
+            recording.writer.checkpoint([(recording._recorders[r.options.key], r) for r in recording.writer.live()])
             recording.writer.flush()
         outputs.append(sampled[0])
     builder.removed_append(0)

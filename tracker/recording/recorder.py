@@ -16,7 +16,7 @@ last step's exact rows (the stored copy where it is exact, else a copy nobody el
 Memory: the recorders sharing a :class:`~tracker.recording.memory.MemoryBound` hold at most its bytes of host
 chunks; past it, the oldest complete chunks spill (:mod:`tracker.recording.spill_handoff`: Arrow IPC files,
 each written once by the run's writer thread, read back through a memory map). An engine takes rows out
-instead, a generation at a time (:meth:`Recorder.take_generation`, :meth:`Recorder.take_oldest`), and writes
+instead, by generation (:meth:`Recorder.take_generations`, :meth:`Recorder.take_oldest`), and writes
 them as parts of its runs.
 """
 

@@ -57,6 +57,8 @@ class PartWriter:
         self._live: dict[int, Request] = {}  # generation -> request, while it runs
         self._pending: deque[Future[Any]] = deque()  # in submission order: the worker runs them in turn
         self._failed: list[Future[Any]] = []
+        self._ending: list[tuple[Recorder, Request]] = []  # ended, waiting for the writer (one job for them all)
+        self._end_queued = False
         self._lock = threading.Lock()
         self.closed = False
 
@@ -70,12 +72,17 @@ class PartWriter:
         return list(self._live.values())
 
     def end(self, recorder: Recorder, request: Request) -> None:
-        """Write ``request``'s rows as a part (returns at once)."""
-        self._submit(self._write_end, recorder, request)
+        """Write ``request``'s rows as a part (returns at once). Requests that end before the writer gets to
+        them are written together: a part per storage, one copy out of the recorder."""
+        with self._lock:
+            self._ending.append((recorder, request))
+            queued, self._end_queued = self._end_queued, True
+        if not queued:
+            self._submit(self._write_ended)
 
-    def checkpoint(self, recorder: Recorder, request: Request) -> None:
-        """Write the rows ``request`` holds now as a part, keeping it running (returns at once)."""
-        self._submit(self._write_checkpoint, recorder, request)
+    def checkpoint(self, requests: list[tuple[Recorder, Request]]) -> None:
+        """Write the rows ``requests`` hold now as parts (one per storage), keeping them running (returns at once)."""
+        self._submit(self._write_checkpoint, requests)
 
     def spill(self, recorders: list[Recorder]) -> Future[Any]:
         """Take the oldest complete chunk of rows out of each recorder and write them early (returns at once)."""
@@ -104,7 +111,7 @@ class PartWriter:
         self.closed = True
         if recorders is not None:
             for request in list(self._live.values()):
-                self._submit(self._write_end, recorders[request.options.key], request)
+                self.end(recorders[request.options.key], request)
         self._worker.close()
         self.table.close()
 
@@ -120,14 +127,19 @@ class PartWriter:
 
     # ---------------------------------------------------------------- on the writer's thread
 
-    def _write_end(self, recorder: Recorder, request: Request) -> None:
-        if self._live.pop(request.generation, None) is not None:  # not written already (ended, then closed)
-            self._write(recorder, request, recorder.take_generation(request.generation), ended=True)
+    def _write_ended(self) -> None:
+        with self._lock:
+            ending, self._ending, self._end_queued = self._ending, [], False
+        ended = [(c, r) for c, r in ending if self._live.pop(r.generation, None) is not None]  # not written already
+        for recorder, requests in _by_recorder(ended):
+            self._write(recorder, requests, recorder.take_generations([r.generation for r in requests]), ended=True)
 
-    def _write_checkpoint(self, recorder: Recorder, request: Request) -> None:
-        if request.generation in self._live:  # not ended meanwhile (its part took its rows)
+    def _write_checkpoint(self, requests: list[tuple[Recorder, Request]]) -> None:
+        running = [(c, r) for c, r in requests if r.generation in self._live]  # not ended meanwhile
+        for recorder, group in _by_recorder(running):
             # the engine may have stepped since the checkpoint was asked for: rows awaiting their tokens stay
-            self._write(recorder, request, recorder.take_generation(request.generation, running=True), ended=True)
+            taken = recorder.take_generations([r.generation for r in group], running=True)
+            self._write(recorder, group, taken, ended=True)
 
     def _write_spill(self, recorders: list[Recorder]) -> bool:
         """The oldest complete rows of each recorder as early parts of their generations; False when no recorder
@@ -137,27 +149,29 @@ class PartWriter:
             taken = recorder.take_oldest()
             freed |= taken is not None
             for generation, batches in (taken or {}).items():
-                self._write(recorder, self._live[generation], batches, ended=False)  # running: ended took its rows
+                self._write(recorder, [self._live[generation]], batches, ended=False)  # running: ended took its rows
         return freed
 
-    def _write(self, recorder: Recorder, request: Request, batches: list, ended: bool) -> None:
-        """Hand the rows ``batches`` (if any) to the table as a part of the request's generation; its metadata
-        says how long the request is so far and, when it may have ended, when."""
+    def _write(self, recorder: Recorder, requests: list[Request], batches: list, ended: bool) -> None:
+        """Hand the rows ``batches`` (if any) to the table as a part of the requests' generations; their metadata
+        says how long each request is so far and, when it may have ended, when."""
         if not any(b.num_rows for b in batches):
             return
-        entry = request.entry()
+        entries = [r.entry() for r in requests]
         if ended:
-            entry.update(ended_at=now(), lengths=[len(request.outputs)])
+            stamp = now()
+            for entry, request in zip(entries, requests):
+                entry.update(ended_at=stamp, lengths=[len(request.outputs)])
         vocab = recorder.vocab_size or 0
         metadata = RunMetadata(
-            run_id=request.run_id,
+            run_id=requests[0].run_id,
             storage=recorder.storage_kind,
             top_k=recorder.storage.k_for(vocab),
             stages=list(recorder.stages),
             vocab_size=vocab,
             eos_token_ids=list(recorder.eos_token_ids),
             model=self.facts.get("model"),
-            generations=[entry],
+            generations=entries,
             library_version=library_version(),
             created_at=self.created_at,
             extra=dict(self.facts.get("extra") or {}),
@@ -173,3 +187,11 @@ class PartWriter:
             vocab = Vocabulary.placeholder(size) if tokenizer is None else vocab_for(tokenizer, size)
             self._vocab[size] = vocab
         return vocab
+
+
+def _by_recorder(requests: list[tuple[Recorder, Request]]) -> list[tuple[Recorder, list[Request]]]:
+    """The requests grouped by the recorder (the storage) holding their rows, in order."""
+    groups: dict[int, tuple[Recorder, list[Request]]] = {}
+    for recorder, request in requests:
+        groups.setdefault(id(recorder), (recorder, []))[1].append(request)
+    return list(groups.values())

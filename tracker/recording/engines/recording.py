@@ -167,8 +167,7 @@ class EngineRecording:
             if any(len(r.outputs) <= s for _, _, requests, steps in self._last for r, s in zip(requests, steps)):
                 return False  # a step still in progress (its tokens not appended yet): not idle after all
             self.finish_step()
-            for request in self.writer.live():
-                self.writer.checkpoint(self._recorders[request.options.key], request)
+            self.writer.checkpoint([(self._recorders[r.options.key], r) for r in self.writer.live()])
             return True
 
     def flush(self) -> None:
