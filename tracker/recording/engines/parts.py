@@ -20,6 +20,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from processors.vocab import Vocabulary, vocab_for
 from tracker.format.provenance import library_version
 from tracker.format.schema import RunMetadata
@@ -157,6 +159,9 @@ class PartWriter:
         says how long each request is so far and, when it may have ended, when."""
         if not any(b.num_rows for b in batches):
             return
+        if len(requests) > 1:  # those with rows here (one whose rows all went early, or none came, adds nothing)
+            held = set(np.unique(np.concatenate([b.column("generation").to_numpy() for b in batches])).tolist())
+            requests = [r for r in requests if r.generation in held]
         entries = [r.entry() for r in requests]
         if ended:
             stamp = now()
