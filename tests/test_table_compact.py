@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pyarrow as pa
 import pytest
-from test_fleet_store import recorded
+from test_fleet_store import recorded, s3  # noqa: F401 - s3: the moto server fixture
 from test_table import _committed_rows, _part
 
 from tracker import Run, open_dataset
@@ -53,13 +53,14 @@ def _answers(root) -> tuple:
     return steps, sequences, loaded.to_arrow().sort_by([("generation", "ascending"), ("step", "ascending")]), loaded
 
 
-def test_a_run_of_many_parts_reads_the_same_in_fewer_and_plain_engines_see_each_row_once(tmp_path):
-    tmp_path = tmp_path / "table"
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_run_of_many_parts_reads_the_same_in_fewer_and_plain_engines_see_each_row_once(where, s3, tmp_path):  # noqa: F811
+    tmp_path = str(tmp_path / "table") if where == "local" else f"s3://bucket/compact-{tmp_path.name}"
     _server_table(tmp_path)
     assert len(_parts(tmp_path, "server-1")) == 13
-    other = _parts(tmp_path, next(r for r in _committed_rows(str(tmp_path)) if r != "server-1"))
+    other = _parts(tmp_path, next(r for r in _committed_rows(tmp_path) if r != "server-1"))
     steps, sequences, rows, loaded = _answers(tmp_path)
-    counts = _committed_rows(str(tmp_path))
+    counts = _committed_rows(tmp_path)
 
     done = compact(tmp_path, min_parts=2, dry_run=True)
     assert [(d.run_id, d.parts_before, d.parts_after) for d in done] == [("server-1", 13, 1)]
@@ -73,7 +74,7 @@ def test_a_run_of_many_parts_reads_the_same_in_fewer_and_plain_engines_see_each_
     assert after[0].equals(steps) and after[1].equals(sequences) and after[2].equals(rows)
     assert after[3].metadata.generations == loaded.metadata.generations
     assert next(g for g in after[3].metadata.generations if g["generation"] == 3)["lengths"] == [6]
-    assert _committed_rows(str(tmp_path)) == counts
+    assert _committed_rows(tmp_path) == counts
     assert compact(tmp_path, min_parts=2) == []  # nothing left to do
 
     removed = vacuum(tmp_path, older_than_hours=0)
