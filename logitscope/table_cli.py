@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from typing import Any, TextIO
 
-from logitscope.cli_args import fail
+from logitscope.cli_args import fail, positive_int
 
 __all__ = ["add_parsers", "cmd_vacuum", "cmd_compact", "cmd_convert"]
 
@@ -34,19 +33,6 @@ def _hours(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be a number of hours >= 0, got {text!r}")
     return value
-
-
-def _count(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
-        return value
-
-    return parse
 
 
 def add_parsers(sub: Any) -> None:
@@ -79,8 +65,10 @@ def add_parsers(sub: Any) -> None:
         "size. The replaced parts stay on disk until `logitscope vacuum`.",
     )
     compact.add_argument("table", metavar="TABLE", help="the table's folder or URL")
-    compact.add_argument("--min-parts", type=_count(2), default=16, metavar="N", help="runs of at least N parts (16)")
-    compact.add_argument("--max-mb", type=_count(1), default=256, metavar="MB", help="the most per new part (256)")
+    compact.add_argument(
+        "--min-parts", type=positive_int, default=16, metavar="N", help="runs of at least N parts, N >= 2 (16)"
+    )
+    compact.add_argument("--max-mb", type=positive_int, default=256, metavar="MB", help="the most per new part (256)")
     compact.add_argument("--run", action="append", metavar="RUN_ID", help="only this run (repeatable)")
     compact.add_argument("--dry-run", action="store_true", help="say what would be rewritten, write nothing")
     compact.set_defaults(handler=cmd_compact, command_parser=compact)
@@ -119,6 +107,8 @@ def cmd_compact(args: argparse.Namespace, parser: argparse.ArgumentParser, out: 
     from tracker.reading.compact import Compacted, compact
 
     out = out or sys.stdout
+    if args.min_parts < 2:
+        fail(parser, "--min-parts", f"must be >= 2 (a run of one part has nothing to merge), got {args.min_parts}")
 
     def said(done: Compacted) -> None:
         print(

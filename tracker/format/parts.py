@@ -53,7 +53,7 @@ class Part(Protocol):
     @property
     def footer(self) -> dict[bytes, bytes]: ...
     def described(self) -> tuple[bytes | None, str | None]: ...
-    def bind(self, metadata: RunMetadata, widths_now: bool = True) -> None: ...
+    def bind(self, metadata: RunMetadata) -> None: ...
     def block_sizes(self) -> list[int]: ...
     def read_ids(self) -> pa.Table: ...
     def read_block(self, block: int, columns: tuple[str, ...]) -> tuple[pa.Table, int]: ...
@@ -80,7 +80,6 @@ class _ParquetPart:
         self._run: RunMetadata | None = None
         self._schema: pa.Schema | None = None  # the run schema, once bound
         self._names: dict[str, str] = {}  # run column -> file column, where they differ
-        self._widths = False  # the list columns' widths checked against the footer's counts
 
     @property
     def footer(self) -> dict[bytes, bytes]:
@@ -127,12 +126,10 @@ class _ParquetPart:
         self._schema = restored_schema(raw, self._run, self._arrow)
         return self._schema
 
-    def bind(self, metadata: RunMetadata, widths_now: bool = True) -> None:
+    def bind(self, metadata: RunMetadata) -> None:
         """Read columns in the run schema that ``metadata`` describes from now on. RunFileError when a
-        list column's rows cannot all be as wide as the metadata says (told by the footer's counts): now, or
-        with ``widths_now=False`` at the first read of a list column (a scan of statistics columns reads
-        none: a thousand parts' checks took 0.16 s of a 1.6 s question)."""
-        self._run, self._schema, self._widths = metadata, None, False
+        list column's rows cannot all be as wide as the metadata says (told by the footer's counts)."""
+        self._run, self._schema = metadata, None
         names = self._file_schema.names
         if metadata.storage in ("float16", "bfloat16"):  # the values as their bit patterns (a table's layout)
             self._names = {
@@ -140,9 +137,7 @@ class _ParquetPart:
                 for s in metadata.stages
                 if bits_name(s, metadata.storage) in names and f"{s}_logits" not in names
             }
-        if widths_now:
-            self._check_widths()
-            self._widths = True
+        self._check_widths()
 
     def _check_widths(self) -> None:
         """Each row group of a list column holds ``k`` rows of the run's width and ``rows - k`` null rows (one
@@ -169,9 +164,6 @@ class _ParquetPart:
     def _restored(self, table: pa.Table) -> pa.Table:
         if self._run is None:
             return table
-        if not self._widths and any(pa.types.is_list(t) or pa.types.is_large_list(t) for t in table.schema.types):
-            self._check_widths()
-            self._widths = True
         try:
             return restore(table, self._run, self.path, self._arrow)
         except ValueError as exc:
@@ -237,7 +229,7 @@ class _IpcPart:
     def described(self) -> tuple[bytes | None, str | None]:
         return self.footer.get(META_RUN), None
 
-    def bind(self, metadata: RunMetadata, widths_now: bool = True) -> None:
+    def bind(self, metadata: RunMetadata) -> None:
         """Nothing to do: an IPC file keeps the run schema as it is."""
 
     def _batch(self, i: int) -> pa.RecordBatch:

@@ -91,7 +91,7 @@ class RunSource:
                     part = open_part(Path(path), metadata=footer)
                 else:
                     part = open_part(path, self.fs, _url(self.fs, path), metadata=footer)
-                _check_part(part, self.metadata, widths_now=self.table is None)
+                _check_part(part, self.metadata)
                 opened.append(part)
             self._parts = opened
         return self._parts
@@ -168,8 +168,8 @@ class RunSource:
 _CONSISTENT: dict[tuple, None] = {}
 
 
-def _check_part(part: Part, metadata: RunMetadata, widths_now: bool = True) -> None:
-    part.bind(metadata, widths_now)  # its rows' widths against its footer's counts (later: when a list is read)
+def _check_part(part: Part, metadata: RunMetadata) -> None:
+    part.bind(metadata)  # checks this file's row widths against its footer's counts
     schema = part.schema
     key = (schema.remove_metadata().serialize().to_pybytes(), metadata.storage, tuple(metadata.stages))
     key += (metadata.vocab_size, metadata.top_k)  # all that check_schemas reads of the metadata
