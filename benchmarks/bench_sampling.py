@@ -31,7 +31,7 @@ top-k + top-p (temperature 0.7, top-k 50, top-p 0.9) and min-p (temperature
 everywhere. Each call is timed with CUDA events (blocks of 20 calls, the two
 sides alternating, medians over blocks); the pipe is called with its uniform
 numbers drawn on the device and ``on_dead="flag"``, with ``auto`` (what a
-user gets: ``sort`` below ``PIVOT_FROM_ROWS`` rows, ``pivot`` from there) and
+user gets: ``sort`` on a GPU) and
 each sync-free algorithm named (default ``sort`` and ``pivot``; ``radix``
 on request). Blocks are added (up to ``--max-repeats``) until the ratio's
 spread, the interquartile range of the per-block ratios over their median,

@@ -306,7 +306,7 @@ class LogitsPipe:
             u = u.to(device=data.device, dtype=torch.float64)
         if max_top_k is not None and (not isinstance(max_top_k, int) or isinstance(max_top_k, bool) or max_top_k < 1):
             raise PipeError(f"max_top_k must be an int >= 1 (a bound of the per-row top_k), got {max_top_k!r}")
-        algorithm = resolve_algorithm(self.algorithm, data.device, batch)
+        algorithm = resolve_algorithm(self.algorithm, data.device)
         taps_by_stage: dict[str, tuple[TapFn, ...]] = {}
         allowed = self.tap_stages
         for i, tap in enumerate(taps or ()):
