@@ -12,8 +12,9 @@ probabilities are read with; its statistics are the full row's.
 
 These run once per recorded stage and step, over the batch's rows at once. None
 of them synchronises with an accelerator: batched kernels whose small results
-are copied to the host with the rows (on a CPU, the ``_rowstats`` extension's
-two passes a row, where it is built). The read side
+are copied to the host with the rows (on a GPU with Triton, one kernel each:
+:mod:`.stats_triton`; on a CPU, the ``_rowstats`` extension's two passes a row,
+where it is built; elsewhere torch's kernels, the reference both are tested against). The read side
 (:mod:`tracker.reading.block`, :mod:`tracker.reading.analysis`) reads the packed values
 by the names in :data:`ROW_STATS` and :data:`CHOSEN_STATS`.
 """
@@ -21,6 +22,7 @@ by the names in :data:`ROW_STATS` and :data:`CHOSEN_STATS`.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,6 +64,15 @@ def eos_on(cache: dict[Any, torch.Tensor], ids: Sequence[int], vocab: int, devic
     return eos
 
 
+def _kernels(x: torch.Tensor) -> Any:
+    """:mod:`.stats_triton` where its kernels run on ``x`` (a GPU with Triton; imported on first use), else None."""
+    if x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    from tracker.recording import stats_triton
+
+    return stats_triton if stats_triton.kernel_ready(x) else None
+
+
 def probability(logit: torch.Tensor, lse: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """``exp(logit - lse)`` with the record's rules: NaN entries weigh 0, a ``+inf`` row is a one-hot.
 
@@ -85,6 +96,8 @@ def row_stats(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Tensor |
     masked of them; without, they are NaN. Whole-row kernels only: no host
     read, no synchronisation.
     """
+    if (kernels := _kernels(x)) is not None:
+        return kernels.row_stats(x, eos, natural)
     if x.device.type == "cpu" and _rowstats is not None and x.shape[1]:
         return _row_stats_cpu(x, eos, natural)
     return _row_stats_general(x, eos, natural)
@@ -206,6 +219,8 @@ def half_rows(x: torch.Tensor, stats: torch.Tensor, offset: torch.Tensor, dtype:
             stored = found.copy()
             stored[:, 0] = np.where(np.isfinite(lse) & np.isfinite(exact), lse, exact) + off
             return kept, torch.from_numpy(stored)
+    if (kernels := _kernels(x)) is not None:
+        return kernels.half_rows(x, stats, offset, dtype)
     exact = stats[:, 0] - offset
     kept = (x.float() - offset[:, None]).to(dtype)
     stored = stats.clone()
@@ -244,6 +259,8 @@ def chosen_stats(
     (no entry outside them is larger). Same device as ``x``, no synchronisation.
     """
     cpu = x.device.type == "cpu" and stats.device.type == "cpu" and chosen.device.type == "cpu"
+    if (kernels := _kernels(x)) is not None:
+        return kernels.chosen_stats(x, chosen, stats)
     if cpu and _rowstats is not None and x.shape[1]:
         return _chosen_stats_cpu(x, chosen, stats, kept)
     return _chosen_stats_general(x, chosen, stats)
