@@ -199,3 +199,26 @@ def test_top_k_storage_reads_a_masked_token_as_0_where_every_allowed_token_was_k
     np.testing.assert_allclose(natural[known], expected[known], rtol=1e-6)
     constrained_kept = ~np.isnan(probs) & (probs > 0)
     assert (known | ~constrained_kept).all() and known.sum() > 5 * len(natural)
+
+
+@pytest.mark.parametrize("storage", ["float32", "float16", "topk"])
+def test_a_tracker_dropped_after_generate_is_freed_at_once(model, storage):
+    """A tracker used with its stopping criteria and then dropped goes with its last reference, not at the
+    cyclic collector's next pass: its chunks go back to the pool for the next tracker (fresh memory cost 3-10x
+    more to fault in, a 128k model loop in float16 ran 2.4-2.7x untracked with the memory reused, 3.9-4.2x
+    without)."""
+    import gc
+    import weakref
+
+    tok = byte_tokenizer(V)
+    enc = tok(["the cat sat"], return_tensors="pt")
+    gc.disable()
+    try:
+        tracker = LogitTrackingProcessor(None, tokenizer=tok, storage=storage)
+        _generate(model, tracker, enc, 4)
+        assert tracker.run.num_rows == 4
+        gone = weakref.ref(tracker)
+        del tracker
+        assert gone() is None
+    finally:
+        gc.enable()

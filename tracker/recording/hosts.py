@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
 import os
 import threading
@@ -277,16 +278,7 @@ class TransformersHost:
         Pass it as ``model.generate(..., stopping_criteria=StoppingCriteriaList([tracker.stopping_criteria()]))``
         so that the last step's token is recorded without calling :meth:`finish`.
         """
-        from transformers import StoppingCriteria
-
-        tracker = self
-
-        class TrackerChosenTokens(StoppingCriteria):
-            def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-                tracker._observe_sequences(input_ids)
-                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-        return TrackerChosenTokens()
+        return _chosen_tokens_class()(self)
 
     def finish(self, output: Any = None) -> Run:
         """End the generation in progress; with the host's output, record the last step's tokens.
@@ -378,3 +370,22 @@ def check_tracker_arguments(
     for name, value in (("processor_stages", processor_stages), ("prompt_logprobs", prompt_logprobs)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+@functools.cache
+def _chosen_tokens_class() -> type:
+    """The class of :meth:`TransformersHost.stopping_criteria`'s objects, made once (transformers imported then): a
+    class made per call would hold its tracker in a closure inside a reference cycle, so a tracker dropped
+    after ``generate`` would keep its chunks until the cyclic collector ran, and the next tracker would take
+    fresh memory instead of reusing them (see ``docs/performance.md``)."""
+    from transformers import StoppingCriteria
+
+    class TrackerChosenTokens(StoppingCriteria):
+        def __init__(self, tracker: Any) -> None:
+            self.tracker = tracker
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            self.tracker._observe_sequences(input_ids)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return TrackerChosenTokens
