@@ -9,7 +9,9 @@ Sections, all in one process, so that the ratios compare like with like:
 - the Generator free (temperature 1), with a regex, with a JSON schema, at
   B = 1, 8, 32;
 - the Generator tracked (``add_tracking``) in every storage mode (float32,
-  bfloat16, float16, topk) at B = 1, 16, 64;
+  bfloat16, float16, topk) at B = 1, 16, 64 (with ``--stats-against-torch``,
+  also each mode with the recorder's statistics kernels against the same mode
+  with torch's kernels, ``LOGITSCOPE_STATS_TRITON=0``);
 - ``model.generate`` on the same model and prompts (temperature 1) at B = 1,
   8, 32;
 - the sampling pipe against transformers' warpers (``pipe_grid`` from
@@ -219,6 +221,7 @@ def measure(
     max_repeats: int | None = None,
     log: Callable[[str], None] = print,
     on_row: Callable[[list[Row]], None] = lambda rows: None,
+    stats_against_torch: bool = False,
 ) -> list[Row]:
     """Every section of the module docstring on ``model``: rows of step times, syncs, ratios and spreads.
 
@@ -226,7 +229,9 @@ def measure(
     measured in pairs with its baseline (the free Generator, or for
     ``model.generate`` the free Generator as the baseline of the ratio
     generate / Generator). ``on_row`` is called with the rows so far after
-    each new one (to save partial results).
+    each new one (to save partial results). ``stats_against_torch``: also each tracked mode with the
+    recorder's statistics kernels (``tracker/recording/stats_triton.py``) against the same mode with torch's
+    kernels (``LOGITSCOPE_STATS_TRITON=0``), sections ``stats kernels MODE``.
     """
     from processors import JSONLogitsProcessor, RegexLogitsProcessor
     from sampling import Generator, SamplingParams
@@ -238,13 +243,21 @@ def measure(
     def prompts(batch: int) -> list[str]:
         return [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
 
-    def generator_run(make_processors: Callable[[], list], batch: int, tracking: str | None = None):
+    def generator_run(
+        make_processors: Callable[[], list], batch: int, tracking: str | None = None, kernels: str | None = None
+    ):
         gen = Generator(model, tokenizer, logits_processor=make_processors())
         if tracking is not None:
             add_tracking(gen, storage=tracking, top_k=20)
 
         def run(steps: int) -> None:
-            gen.generate(prompts(batch), SamplingParams(temperature=1.0, seed=0, max_new_tokens=steps, ignore_eos=True))
+            if kernels is not None:
+                os.environ["LOGITSCOPE_STATS_TRITON"] = kernels
+            try:
+                params = SamplingParams(temperature=1.0, seed=0, max_new_tokens=steps, ignore_eos=True)
+                gen.generate(prompts(batch), params)
+            finally:
+                os.environ.pop("LOGITSCOPE_STATS_TRITON", None)
             if tracking is not None:
                 gen.logits_processor.clear()  # type: ignore[attr-defined]
 
@@ -271,10 +284,10 @@ def measure(
 
     rows: list[Row] = []
 
-    def add(section: str, batch: int, run, free, last: int, planned: int = 1) -> None:
+    def add(section: str, batch: int, run, free, last: int, planned: int = 1, baseline: str = "free") -> None:
         m = compare_steps(run, free, short, last, repeats, max_repeats, device)
         syncs = syncs_per_step(run, short, last, device, planned)
-        row = Row(section, batch, m["a"] * 1e3, syncs, "free", m["b"] * 1e3, m["ratio"], m["spread"], m["pairs"])
+        row = Row(section, batch, m["a"] * 1e3, syncs, baseline, m["b"] * 1e3, m["ratio"], m["spread"], m["pairs"])
         rows.append(row)
         on_row(rows)
         log(
@@ -299,6 +312,10 @@ def measure(
         free = generator_run(lambda: [], batch)
         for mode in STORAGE_MODES:
             add(f"tracked {mode}", batch, generator_run(lambda: [], batch, tracking=mode), free, tracked_long)
+            if stats_against_torch:
+                torch_stats = generator_run(lambda: [], batch, tracking=mode, kernels="0")
+                kernels = generator_run(lambda: [], batch, tracking=mode, kernels="1")
+                add(f"stats kernels {mode}", batch, kernels, torch_stats, tracked_long, baseline="torch statistics")
         log(f"  pinned staging after the tracked sections at B={batch}: {pinned_bytes()} bytes by device")
     return rows
 
@@ -317,7 +334,8 @@ def format_rows(rows: list[Row]) -> str:
         )
     lines.append(
         "ratio: this section's step time over the free Generator's at the same batch, measured in alternating "
-        "pairs (below 1: faster); for model.generate, above 1 means the Generator is faster"
+        "pairs (below 1: faster); for model.generate, above 1 means the Generator is faster; for stats kernels, "
+        "over the same mode's with torch's statistics kernels"
     )
     return "\n".join(lines)
 
@@ -332,6 +350,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="pairs per section at least (default 5; quick 2)")
     parser.add_argument("--max-repeats", type=int, default=None, help="pairs per section at most (default 3x)")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    parser.add_argument(
+        "--stats-against-torch",
+        action="store_true",
+        help="also each tracked mode with the recorder's statistics kernels against torch's kernels",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit(
@@ -355,7 +378,16 @@ def main() -> None:
                 json.dump(dict(header=header, rows=[asdict(r) for r in rows], grid=grid or []), f, indent=1)
             os.replace(args.json + ".tmp", args.json)
 
-    rows = measure(model, tokenizer, "cuda", steps=steps, repeats=repeats, max_repeats=args.max_repeats, on_row=save)
+    rows = measure(
+        model,
+        tokenizer,
+        "cuda",
+        steps=steps,
+        repeats=repeats,
+        max_repeats=args.max_repeats,
+        on_row=save,
+        stats_against_torch=args.stats_against_torch,
+    )
     model.to("meta")  # free its GPU memory before the pipe grid (the closures above are done with it)
     torch.cuda.empty_cache()
     grid: list[dict[str, Any]] = []

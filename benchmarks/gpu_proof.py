@@ -128,6 +128,8 @@ def _gpu_section(data: dict[str, Any] | None, step: dict[str, Any]) -> list[str]
         section = r["section"]
         if section == "model.generate":
             goal, ok = ">= 1.5x", r["ratio"] >= 1.5
+        elif section.startswith("stats kernels"):  # bench_gpu.py --stats-against-torch: against torch's kernels
+            goal, ok = "< 1x", r["ratio"] < 1.0
         else:
             limit = goals.get(section, 1.03)
             goal, ok = f"<= {limit:.2f}x", r["ratio"] <= limit

@@ -61,10 +61,12 @@ def test_the_benchmarks_run_end_to_end_on_a_cpu_and_the_report_shows_them(tmp_pa
     model = LlamaForCausalLM(config).eval()
     rows = bench_gpu.measure(
         model, tok, "cpu", batches=(2,), tracked_batches=(2,), steps=(1, 2, 2), repeats=1, max_repeats=1,
-        log=lambda line: None,
+        log=lambda line: None, stats_against_torch=True,
     )  # fmt: skip
     sections = [r.section for r in rows]
-    assert sections == ["free", "regex", "json", "model.generate"] + [f"tracked {m}" for m in bench_gpu.STORAGE_MODES]
+    tracked = [s for m in bench_gpu.STORAGE_MODES for s in (f"tracked {m}", f"stats kernels {m}")]
+    assert sections == ["free", "regex", "json", "model.generate", *tracked]
+    assert {r.baseline for r in rows if r.section.startswith("stats kernels")} == {"torch statistics"}
     assert all(r.ratio is not None and r.ratio == r.ratio and r.pairs == 1 for r in rows[1:])
     grid = pipe_grid("cpu", batches=(2,), vocabs=(2100,), repeats=1, max_repeats=1, algorithms=("auto", "pivot"))
     assert len(grid) == 3 * 2 and all(g["ratio"] > 0 for g in grid)
