@@ -122,3 +122,38 @@ def test_the_statistics_kernels_in_the_interpreter():
     code = f"import test_stats_triton as t; t.check('cpu', {seed}); print('KERNELS OK')"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=root)
     assert done.returncode == 0 and "KERNELS OK" in done.stdout, (seed, done.stdout[-2000:] + done.stderr[-4000:])
+
+
+def test_a_kernel_triton_refuses_leaves_the_statistics_to_torch(monkeypatch):
+    """A Triton that cannot build a kernel for the GPU at hand (its compiler, the GPU's limits): one warning
+    naming the error, then the same statistics from torch's kernels for the rest of the process."""
+    pytest.importorskip("triton")
+    import warnings
+
+    from triton.runtime.errors import OutOfResources
+
+    from tracker.recording import record_stats as R
+    from tracker.recording import stats_triton as T
+
+    class Refused:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise OutOfResources(1 << 20, 1 << 16, "shared memory")
+
+            return launch
+
+    monkeypatch.setattr(T, "FAILED", [])
+    monkeypatch.setattr(T, "_row_stats_kernel", Refused())
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels' path for CPU rows
+    x, natural = rows_with_edges(random.randrange(1 << 30))
+    with pytest.warns(RuntimeWarning, match=r"statistics kernels cannot run here \(OutOfResources: .*shared memory"):
+        found = R.row_stats(x, None, natural)
+    want = R._row_stats_general(x, None, natural)
+    assert torch.allclose(found, want, rtol=3e-5, atol=3e-6, equal_nan=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        stats = R.row_stats(x, None, None)
+        chosen = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9])
+        assert torch.allclose(
+            R.chosen_stats(x, chosen, stats), R._chosen_stats_general(x, chosen, stats), equal_nan=True
+        )

@@ -96,8 +96,8 @@ def row_stats(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Tensor |
     masked of them; without, they are NaN. Whole-row kernels only: no host
     read, no synchronisation.
     """
-    if (kernels := _kernels(x)) is not None:
-        return kernels.row_stats(x, eos, natural)
+    if (kernels := _kernels(x)) is not None and (found := kernels.row_stats(x, eos, natural)) is not None:
+        return found
     if x.device.type == "cpu" and _rowstats is not None and x.shape[1]:
         return _row_stats_cpu(x, eos, natural)
     return _row_stats_general(x, eos, natural)
@@ -219,8 +219,8 @@ def half_rows(x: torch.Tensor, stats: torch.Tensor, offset: torch.Tensor, dtype:
             stored = found.copy()
             stored[:, 0] = np.where(np.isfinite(lse) & np.isfinite(exact), lse, exact) + off
             return kept, torch.from_numpy(stored)
-    if (kernels := _kernels(x)) is not None:
-        return kernels.half_rows(x, stats, offset, dtype)
+    if (kernels := _kernels(x)) is not None and (rounded := kernels.half_rows(x, stats, offset, dtype)) is not None:
+        return rounded
     exact = stats[:, 0] - offset
     kept = (x.float() - offset[:, None]).to(dtype)
     stored = stats.clone()
@@ -259,8 +259,8 @@ def chosen_stats(
     (no entry outside them is larger). Same device as ``x``, no synchronisation.
     """
     cpu = x.device.type == "cpu" and stats.device.type == "cpu" and chosen.device.type == "cpu"
-    if (kernels := _kernels(x)) is not None:
-        return kernels.chosen_stats(x, chosen, stats)
+    if (kernels := _kernels(x)) is not None and (found := kernels.chosen_stats(x, chosen, stats)) is not None:
+        return found
     if cpu and _rowstats is not None and x.shape[1]:
         return _chosen_stats_cpu(x, chosen, stats, kept)
     return _chosen_stats_general(x, chosen, stats)

@@ -20,6 +20,8 @@ runs the kernels on CPU tensors, which is how the tests check them without a GPU
 from __future__ import annotations
 
 import os
+import warnings
+from typing import Any
 
 import torch
 
@@ -30,6 +32,10 @@ try:
     import triton.language as tl
 
     AVAILABLE = True
+    try:
+        from triton.errors import TritonError as _KernelError
+    except ImportError:  # an older Triton: its compiler's error
+        from triton.compiler.errors import CompilationError as _KernelError
 except ImportError:  # torch's kernels then (record_stats' general path)
     AVAILABLE = False
 
@@ -38,11 +44,14 @@ __all__ = ["AVAILABLE", "chosen_stats", "half_rows", "kernel_ready", "row_stats"
 BLOCK = 1024
 """Entries one program reads at a time."""
 
+FAILED: list[str] = []
+"""The kernels' first failure (a Triton that cannot compile them for this GPU), after which torch's run."""
+
 
 def kernel_ready(x: torch.Tensor) -> bool:
-    """Whether the kernels run on ``x``: Triton importable, ``LOGITSCOPE_STATS_TRITON`` not ``0``, and a CUDA
-    tensor (or a CPU one under ``TRITON_INTERPRET=1``) with a vocabulary."""
-    if not AVAILABLE or not x.shape[-1] or os.environ.get("LOGITSCOPE_STATS_TRITON") == "0":
+    """Whether the kernels run on ``x``: Triton importable, ``LOGITSCOPE_STATS_TRITON`` not ``0``, no kernel
+    failed in this process, and a CUDA tensor (or a CPU one under ``TRITON_INTERPRET=1``) with a vocabulary."""
+    if not AVAILABLE or FAILED or not x.shape[-1] or os.environ.get("LOGITSCOPE_STATS_TRITON") == "0":
         return False
     return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
@@ -257,9 +266,28 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def row_stats(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Tensor | None) -> torch.Tensor:
-    """:func:`tracker.recording.record_stats.row_stats` in one launch (see :func:`kernel_ready`). Does not
-    synchronise."""
+def _launch(kernel: Any, batch: int, *args: Any, **meta: Any) -> bool:
+    """Launch ``kernel`` with a program per row; False (with a warning, once) where Triton refuses it (a
+    compiler or a GPU it does not support): the recording goes on with torch's kernels."""
+    try:
+        kernel[(batch,)](*args, **meta)
+        return True
+    except _KernelError as error:
+        last = (str(error).strip().splitlines() or [""])[-1][:300]
+        FAILED.append(f"{type(error).__name__}: {last}")
+        warnings.warn(
+            f"logitscope's statistics kernels cannot run here ({FAILED[0]}); the statistics are computed with "
+            "torch's kernels from now on (the same values, more launches a step; LOGITSCOPE_STATS_TRITON=0 "
+            "skips the kernels)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return False
+
+
+def row_stats(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Tensor | None) -> torch.Tensor | None:
+    """:func:`tracker.recording.record_stats.row_stats` in one launch (see :func:`kernel_ready`); None where the
+    kernel cannot run (:func:`_launch`). Does not synchronise."""
     x = _rows(x)
     batch, vocab = x.shape
     out = torch.empty((batch, 8), dtype=torch.float32, device=x.device)
@@ -269,7 +297,9 @@ def row_stats(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Tensor |
     has_eos = eos is not None and eos.numel() > 0
     ids = eos if has_eos else out
     n_eos = eos.numel() if has_eos else 0
-    _row_stats_kernel[(batch,)](
+    done = _launch(
+        _row_stats_kernel,
+        batch,
         x,
         x.stride(0),
         nat,
@@ -284,24 +314,27 @@ def row_stats(x: torch.Tensor, eos: torch.Tensor | None, natural: torch.Tensor |
         EOS_BLOCK=triton.next_power_of_2(max(n_eos, 1)),
         BLOCK=BLOCK,
     )
-    return out
+    return out if done else None
 
 
-def chosen_stats(x: torch.Tensor, chosen: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
-    """:func:`tracker.recording.record_stats.chosen_stats` in one launch. Does not synchronise."""
+def chosen_stats(x: torch.Tensor, chosen: torch.Tensor, stats: torch.Tensor) -> torch.Tensor | None:
+    """:func:`tracker.recording.record_stats.chosen_stats` in one launch (None where it cannot run). Does not
+    synchronise."""
     x = _rows(x)
     batch, vocab = x.shape
     out = torch.empty((batch, 3), dtype=torch.float32, device=x.device)
     if batch:
         ids = chosen.reshape(-1).to(device=x.device, dtype=torch.int64)
-        _chosen_kernel[(batch,)](x, x.stride(0), ids, stats.float().contiguous(), out, vocab, BLOCK=BLOCK)
+        if not _launch(_chosen_kernel, batch, x, x.stride(0), ids, stats.float().contiguous(), out, vocab, BLOCK=BLOCK):
+            return None
     return out
 
 
 def half_rows(
     x: torch.Tensor, stats: torch.Tensor, offset: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`tracker.recording.record_stats.half_rows` in one launch. Does not synchronise."""
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`tracker.recording.record_stats.half_rows` in one launch (None where it cannot run). Does not
+    synchronise."""
     x = _rows(x)
     batch, vocab = x.shape
     kept = torch.empty((batch, vocab), dtype=dtype, device=x.device)
@@ -309,5 +342,7 @@ def half_rows(
     if batch:
         offset = offset.to(device=x.device, dtype=torch.float32).contiguous()
         bits, bf16 = kept.view(torch.int16), dtype == torch.bfloat16
-        _half_kernel[(batch,)](x, x.stride(0), stats.contiguous(), offset, bits, stored, vocab, BF16=bf16, BLOCK=BLOCK)
+        args = (x, x.stride(0), stats.contiguous(), offset, bits, stored, vocab)
+        if not _launch(_half_kernel, batch, *args, BF16=bf16, BLOCK=BLOCK):
+            return None
     return kept, stored
