@@ -50,7 +50,8 @@ FAILED: list[str] = []
 
 def kernel_ready(x: torch.Tensor) -> bool:
     """Whether the kernels run on ``x``: Triton importable, ``LOGITSCOPE_STATS_TRITON`` not ``0``, no kernel
-    failed in this process, and a CUDA tensor (or a CPU one under ``TRITON_INTERPRET=1``) with a vocabulary."""
+    failed in this process, and a CUDA tensor (or a CPU one under ``TRITON_INTERPRET=1``) with a vocabulary.
+    Every step; reads shapes and the environment only (no synchronisation)."""
     if not AVAILABLE or FAILED or not x.shape[-1] or os.environ.get("LOGITSCOPE_STATS_TRITON") == "0":
         return False
     return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
@@ -268,7 +269,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def _launch(kernel: Any, batch: int, *args: Any, **meta: Any) -> bool:
     """Launch ``kernel`` with a program per row; False (with a warning, once) where Triton refuses it (a
-    compiler or a GPU it does not support): the recording goes on with torch's kernels."""
+    compiler or a GPU it does not support): the recording goes on with torch's kernels. Every step; an
+    asynchronous launch (no synchronisation; the first one in a process compiles the kernel)."""
     try:
         kernel[(batch,)](*args, **meta)
         return True
