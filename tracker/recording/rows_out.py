@@ -52,7 +52,8 @@ class RowsOut:
                 mask = np.isin(chunk.generation[: chunk.n], wanted)
                 if running:
                     mask &= chunk.chosen_set[: chunk.n] | chunk.superseded[: chunk.n]
-                out += self._take(chunk, mask, by_generation=False).get(-1, [])
+                if (batch := self._take(chunk, mask)) is not None:
+                    out.append(batch)
             if len(out) > 1 and len(wanted) > 1:  # a generation's rows in several chunks: together again
                 table = pa.Table.from_batches(out)
                 order = np.argsort(table.column("generation").to_numpy(), kind="stable")
@@ -66,25 +67,23 @@ class RowsOut:
         with self._lock:
             for chunk in self._chunks:
                 if chunk is not self._active and chunk.n and not chunk.on_disk and chunk.complete(self._ended):
-                    return self._take(chunk, np.ones(chunk.n, dtype=bool))
+                    batch = self._take(chunk, np.ones(chunk.n, dtype=bool))
+                    return {} if batch is None else _by_generation(batch)
             return None
 
-    def _take(self, chunk: Chunk, mask: np.ndarray, by_generation: bool = True) -> dict[int, list[pa.RecordBatch]]:
-        """The rows ``mask`` of ``chunk`` not taken yet, out of memory, by generation (or all under ``-1``, ordered
-        by generation; copied, superseded rows left out); the chunk is given back once all its rows are taken."""
+    def _take(self, chunk: Chunk, mask: np.ndarray) -> pa.RecordBatch | None:
+        """The rows ``mask`` of ``chunk`` not taken yet, out of memory, as one batch ordered by generation, then as
+        recorded (copied; superseded rows left out; None without such rows); the chunk is given back once all its
+        rows are taken."""
         mask = mask & ~chunk.taken[: chunk.n]
-        out: dict[int, list[pa.RecordBatch]] = {}
+        out = None
         if mask.any():
             if chunk.staging:
                 self._memory.to_host(chunk)
-            live, schema = mask & ~chunk.superseded[: chunk.n], self.schema()
-            if not by_generation and live.any():
-                picked = np.flatnonzero(live)
+            picked = np.flatnonzero(mask & ~chunk.superseded[: chunk.n])
+            if len(picked):
                 picked = picked[np.argsort(chunk.generation[picked], kind="stable")]
-                out[-1] = [self._to_batch(chunk, schema, picked)]
-            for generation in np.unique(chunk.generation[: chunk.n][live]).tolist() if by_generation else ():
-                picked = np.flatnonzero(live & (chunk.generation[: chunk.n] == generation))
-                out[generation] = [self._to_batch(chunk, schema, picked)]
+                out = self._to_batch(chunk, self.schema(), picked)
             chunk.taken[: chunk.n] |= mask
             self._release_if_taken(chunk)
         return out
@@ -98,3 +97,11 @@ class RowsOut:
         self._memory.release(chunk)
         self._chunks.remove(chunk)
         self.version += 1
+
+
+def _by_generation(batch: pa.RecordBatch) -> dict[int, list[pa.RecordBatch]]:
+    """A batch ordered by generation as slices of it, by generation."""
+    generations = batch.column("generation").to_numpy()
+    found, starts = np.unique(generations, return_index=True)
+    ends = [*starts[1:].tolist(), len(generations)]
+    return {int(g): [batch.slice(a, b - a)] for g, a, b in zip(found.tolist(), starts.tolist(), ends)}
