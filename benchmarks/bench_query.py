@@ -221,12 +221,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=32_000)
     parser.add_argument("--k", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5, help="rounds of each timing")
-    parser.add_argument("--keep", default=None, metavar="FOLDER", help="write the table here and keep it")
+    parser.add_argument(
+        "--keep",
+        default=None,
+        metavar="FOLDER",
+        help="write the table here and keep it (a table already there is timed as it is)",
+    )
     parser.add_argument("--previous", default=None, metavar="CHECKOUT", help="a checkout of the previous release")
     parser.add_argument("--s3", type=int, default=0, metavar="RUNS", help="also this many runs on a moto S3 server")
     args = parser.parse_args(argv)
 
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench-query-"))
+    if args.keep and (root / "_delta_log").is_dir():  # a table kept by an earlier run: time it again
+        print(f"the table kept at {root}, as written then")
+        compare(str(root), args.repeats)
+        return 0
     try:
         start = time.perf_counter()
         ids, rows = make_table(root, args.runs, min(args.distinct, args.runs), args.steps, args.vocab, args.k)

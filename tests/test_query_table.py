@@ -172,3 +172,48 @@ def test_a_table_part_with_rows_narrower_than_its_run_says_is_refused_naming_it_
     error = str(refused.value)
     assert part.name in error and "'natural_logits'" in error and "not 40 wide" in error
     assert error.count("cannot be read") == 1
+
+
+def _flip_a_value(part, column: str) -> None:
+    """Flip one byte of ``column``'s last data page in the Parquet file ``part`` (inside its compressed
+    values, past the page header), keeping the file's size and footer."""
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(part).metadata.row_group(0)
+    chunk = next(meta.column(j) for j in range(meta.num_columns) if meta.column(j).path_in_schema == column)
+    data = bytearray(part.read_bytes())
+    at = chunk.data_page_offset + chunk.total_compressed_size - 3
+    data[at] ^= 0x10
+    part.write_bytes(bytes(data))
+
+
+def test_small_table_parts_are_read_in_one_scan_only_when_their_bytes_are_the_ones_written(tmp_path):
+    """Small local parts are read by DuckDB's reader, which checks no page checksum: each part's name carries
+    its bytes' digest, and a part whose bytes changed is read through the checked opener instead, which
+    refuses it naming the file (rather than answer a flipped value as another value)."""
+    from tracker.format.checks import RunFileError
+    from tracker.format.run_file import part_digest
+
+    runs = _runs()
+    for run in runs:
+        run.to_dataset(tmp_path)
+    parts = sorted(tmp_path.glob("run_id=*/*.parquet"))
+    assert len(parts) == len(runs)
+    for part in parts:  # named for their bytes
+        assert part.name.endswith(f"-{part_digest(part.read_bytes())}.parquet")
+    query = "SELECT * FROM steps"
+    _equal(open_dataset(tmp_path).sql(query), _slow(runs)[0])
+
+    damaged = parts[2]
+    _flip_a_value(damaged, "natural_entropy")
+    with pytest.raises(RunFileError, match=damaged.name):
+        _fresh(tmp_path).sql(query)
+
+
+def _fresh(root):
+    """The dataset at ``root`` as a process that kept nothing of it sees it."""
+    import os
+    import shutil
+
+    shutil.rmtree(os.environ["LOGITSCOPE_CACHE"], ignore_errors=True)
+    return open_dataset(root)

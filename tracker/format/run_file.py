@@ -21,6 +21,7 @@ when a commit names it (:mod:`tracker.format.table`). Needs pyarrow and numpy on
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import replace
@@ -47,12 +48,16 @@ __all__ = [
     "ROW_GROUP_BYTES",
     "write_parquet",
     "write_part",
+    "part_digest",
+    "PART_DIGEST_LEN",
     "parquet_table",
     "check_compression",
     "is_statistic",
     "SCALAR_CODEC",
 ]
 
+#: Hex digits of a part's SHA-256 its name ends with (:func:`part_digest`).
+PART_DIGEST_LEN = 16
 #: Bytes of values per Parquet row group: reading one step back reads about this much.
 ROW_GROUP_BYTES = 8 << 20
 #: The codec of the id and statistics columns (when the values are compressed at all).
@@ -115,7 +120,13 @@ def is_statistic(name: str) -> bool:
     return name in _ID_STATS or name.endswith(_STAT_SUFFIXES)
 
 
-def _write(table: pa.Table, where: str, metadata: RunMetadata, compression: str | None, fs: pafs.FileSystem) -> None:
+def _write(
+    table: pa.Table,
+    where: str | pa.NativeFile,
+    metadata: RunMetadata,
+    compression: str | None,
+    fs: pafs.FileSystem | None,
+) -> None:
     width = metadata.top_k if metadata.storage == "topk" else metadata.vocab_size
     row_bytes = max(1, width * 4 * max(1, len(metadata.stages)))
     values = compression if compression and compression.lower() != "none" else "none"
@@ -203,22 +214,46 @@ def _write_local(
         fsync_path(folder)  # the file's entry (and, with scratch, its new folder's)
 
 
+def part_digest(data: bytes | pa.Buffer) -> str:
+    """What a table's part name ends with: the first 16 hex digits of its bytes' SHA-256."""
+    return hashlib.sha256(data).hexdigest()[:PART_DIGEST_LEN]
+
+
 def write_part(
     table: pa.Table,
     metadata: RunMetadata,
     fs: pafs.FileSystem,
-    where: str,
+    prefix: str,
     part: str,
     compression: str | None = "zstd",
-) -> tuple[int, pa.Schema]:
-    """Write one part of a table's run at ``where`` (inside ``fs``): the rows of ``table`` (the run schema),
-    ``metadata`` holding the part's generations, ``part`` its :data:`~tracker.format.columns.RUN_META`
-    value. Returns the bytes written and the file's schema. Atomic on a local disk; one upload on an
-    object store."""
+) -> tuple[str, int, pa.Schema]:
+    """Write one part of a table's run at ``<prefix>-<digest>.parquet`` (inside ``fs``; ``digest``:
+    :func:`part_digest` of the file's bytes, so that a reader checks the whole part against the name its
+    commit gives before a reader that checks no page checksum reads it): the rows of ``table`` (the run
+    schema), ``metadata`` holding the part's generations, ``part`` its
+    :data:`~tracker.format.columns.RUN_META` value. Returns the path, the bytes written and the file's
+    schema. The file is made in memory (a part is at most a table writer's batch), then written atomically
+    on a local disk, in one upload on an object store."""
     check_compression(compression)
     data = parquet_table(table, metadata, part=part)
+    sink = pa.BufferOutputStream()
+    _write(data, sink, metadata, compression, None)
+    written = sink.getvalue()
+    where = f"{prefix}-{part_digest(written)}.parquet"
     if isinstance(fs, pafs.LocalFileSystem):
-        _write_local(data, Path(where), metadata, compression, None)
+        target = Path(where)
+        try:
+            with atomic_path(target) as tmp:
+                with open(tmp, "wb") as out:
+                    out.write(memoryview(written))
+                    out.flush()
+                    os.fsync(out.fileno())
+        except OSError as exc:  # disk full, I/O error: say which file
+            if exc.filename is not None or exc.errno is None:
+                raise
+            raise OSError(exc.errno, f"{os.strerror(exc.errno)}: the part could not be written to '{target}'") from exc
+        fsync_path(target.parent)
     else:
-        _write(data, where, metadata, compression, fs)
-    return int(fs.get_file_info(where).size or 0), data.schema.remove_metadata()
+        with fs.open_output_stream(where) as out:
+            out.write(written)
+    return where, written.size, data.schema.remove_metadata()

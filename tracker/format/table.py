@@ -18,7 +18,9 @@ reader sees it: nothing names it), :meth:`RunTable.commit` names any number of
 staged parts in one commit. A writer killed between the two leaves a file that
 no reader ever sees; ``vacuum`` removes it. Committed parts never change: a
 run written again is a new commit that removes its old parts and adds the new
-ones (:meth:`RunTable.commit` with ``replace``). Needs ``deltalake`` and pyarrow.
+ones (:meth:`RunTable.commit` with ``replace``). A part's name ends with the digest of its bytes
+(:func:`~tracker.format.run_file.part_digest`), so that a reader that checks no page checksum reads it only
+once its bytes are known to be the writer's (:mod:`tracker.format.scan`). Needs ``deltalake`` and pyarrow.
 """
 
 from __future__ import annotations
@@ -291,10 +293,10 @@ class RunTable:
         run_id = check_run_id(metadata.run_id)
         serialized = (rows.schema.metadata or {}).get(META_VOCAB)
         vocab_ref = None if serialized is None else vocab_key(serialized)[0]
-        name = f"run_id={run_id}/part-{_stamp()}-{secrets.token_hex(8)}.parquet"
-        where = f"{self.where}/{name}"
+        prefix = f"run_id={run_id}/part-{_stamp()}-{secrets.token_hex(8)}"
         part = part_json(metadata, "natural_entropy" in rows.schema.names, vocab_ref)
-        size, schema = write_part(rows, metadata, self.fs, where, part, compression)
+        where, size, schema = write_part(rows, metadata, self.fs, f"{self.where}/{prefix}", part, compression)
+        name = where[len(self.where) + 1 :]
         if serialized is not None:  # after the part: a part that could not be written leaves nothing behind
             store_vocab(self.fs, self.where, serialized)
         return Staged(name, run_id, size, rows.num_rows, schema, _add_stats(rows, part))

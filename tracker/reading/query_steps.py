@@ -32,7 +32,13 @@ import pyarrow.fs as pafs
 
 from processors.vocab import Vocabulary
 from tracker.format.checks import RunFileError, arrow_reason, check_ids, check_stats, stats_damage
-from tracker.format.schema import GENERATIONS_COLUMN, STAT_COLUMNS, check_generations, generations_from_column
+from tracker.format.schema import (
+    GENERATIONS_COLUMN,
+    ID_SCHEMA,
+    STAT_COLUMNS,
+    check_generations,
+    generations_from_column,
+)
 from tracker.reading.query_views import INT_PREFIXES, SEQUENCES_SCHEMA, sampling_of
 
 __all__ = ["Scanned", "scan_runs", "steps_of_runs", "sequences_of_runs"]
@@ -48,6 +54,8 @@ _SHOWN = {
     "p_eos": ("p_eos",),
     "nan": ("nan",),
 }
+#: The id columns' types, as every run file holds them.
+_TYPES = {f.name: f.type for f in ID_SCHEMA}
 #: The ``steps`` columns every table of it has.
 ALWAYS = ("run_id", "generation", "sequence", "step")
 
@@ -102,11 +110,18 @@ def _read(
         for i, parts in enumerate(named)
     ]
     fresh: dict[str, dict[str, tuple[int, pa.Table]]] = {}
+    scanned = _scan(sources, wanted, named, there, cached, threads)
+    for i, tables in scanned.items():
+        if named[i] is not None and keep:
+            for j, table in enumerate(tables):
+                fresh.setdefault(sources[i].table.location, {})[named[i][j]] = (sources[i].file_sizes[j], table)
 
     def read(i: int) -> list[pa.Table]:  # opening and checking a part is on the readers too (half its time)
         parts = named[i]
         if cached[i]:
             return [there[i][p].select(wanted[i]) for p in parts]  # type: ignore[union-attr]
+        if i in scanned:
+            return [t.select(wanted[i]) for t in scanned[i]]
         done = []
         for j, part in enumerate(sources[i].parts()):
             names = wanted[i]
@@ -121,11 +136,15 @@ def _read(
             done.append(table.select([c for c in wanted[i] if c in table.column_names]))
         return done
 
-    if len(sources) > 1 and threads > 1:
+    opened = [i for i in range(len(sources)) if not cached[i] and i not in scanned]  # the parts' own reader
+    done: list[list[pa.Table]] = [[] for _ in sources]
+    if len(opened) > 1 and threads > 1:
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="logitscope-read") as pool:
-            done = list(pool.map(read, range(len(sources))))
-    else:
-        done = [read(i) for i in range(len(sources))]
+            for i, tables in zip(opened, pool.map(read, opened)):
+                done[i] = tables
+    for i in range(len(sources)):
+        if i not in opened or len(opened) == 1 or threads == 1:
+            done[i] = read(i)
     for where, read_now in fresh.items():  # what was kept (of parts still committed) and what was read now
         keep_columns(where, {**{p: (sizes[where][p], t) for p, t in kept[where].items()}, **read_now})
     tables: list[pa.Table] = []
@@ -137,6 +156,76 @@ def _read(
     if not tables:
         return pa.table({}), np.zeros(0, np.int64), any(cached)
     return pa.concat_tables(tables, promote_options="permissive"), np.concatenate(owners), any(cached)
+
+
+def _stat_type(column: str) -> pa.DataType | None:
+    """A statistics column's type (``<stage>_<statistic>``), None for another column."""
+    suffix = max((s for s in STAT_COLUMNS if column.endswith(f"_{s}")), key=len, default=None)
+    return None if suffix is None else STAT_COLUMNS[suffix]
+
+
+def _scan(
+    sources: Sequence[Any],
+    wanted: list[list[str]],
+    named: list[list[str] | None],
+    there: list[dict[str, pa.Table]],
+    cached: list[bool],
+    threads: int,
+) -> dict[int, list[pa.Table]]:
+    """Per run read here, its parts' columns (``wanted``, and what was kept of them before: the cache only
+    grows), one table per part: the small local parts of a table whose bytes match their names, in one
+    DuckDB scan per set of columns (:mod:`tracker.format.scan`). The other runs are left out, and so is a
+    set of columns DuckDB could not read as asked."""
+    from tracker.format.scan import MAX_SCAN_BYTES, verified
+
+    chosen = [
+        i
+        for i, s in enumerate(sources)
+        if not cached[i]
+        and named[i] is not None
+        and isinstance(s.fs, pafs.LocalFileSystem)
+        and len(s.file_rows) == len(s.files)
+        and all(0 < size <= MAX_SCAN_BYTES for size in s.file_sizes)
+    ]
+    files = [f for i in chosen for f in sources[i].files]
+    if len(files) < 2:  # one part: pyarrow's open costs no more than DuckDB's connection
+        return {}
+    matching = iter(verified(files, threads))  # before DuckDB reads a byte of them
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i in chosen:
+        if all([next(matching) for _ in sources[i].files]):
+            kept = [c for p in named[i] for c in there[i].get(p, pa.table({})).column_names]  # type: ignore[union-attr]
+            present = [c for c in dict.fromkeys(kept) if all(c in cols for cols in sources[i].columns)]
+            groups.setdefault(tuple(dict.fromkeys(wanted[i] + present)), []).append(i)
+    found: dict[int, list[pa.Table]] = {}
+    for columns, members in groups.items():
+        found.update(_scan_group(sources, columns, members))
+    return found
+
+
+def _scan_group(sources: Sequence[Any], columns: tuple[str, ...], members: list[int]) -> dict[int, list[pa.Table]]:
+    """``columns`` of the parts of the runs ``members`` in one DuckDB scan, one table per part; {} when DuckDB
+    cannot read them so."""
+    from tracker.format.scan import ScanUnavailable, scan_columns
+
+    kinds = {c: _TYPES.get(c) or _stat_type(c) for c in columns}
+    if not members or any(kind is None for kind in kinds.values()):  # not an id or statistics column
+        return {}
+    files = [f for i in members for f in sources[i].files]
+    try:
+        table, index = scan_columns(files, kinds, [n for i in members for n in sources[i].file_rows])  # type: ignore[arg-type]
+    except ScanUnavailable:
+        return {}
+    order = np.argsort(index, kind="stable")
+    table, bounds = table.take(order), np.r_[0, np.cumsum(np.bincount(index, minlength=len(files)))]
+    found: dict[int, list[pa.Table]] = {}
+    k = 0
+    for i in members:
+        found[i] = []
+        for _ in sources[i].files:
+            found[i].append(table.slice(int(bounds[k]), int(bounds[k + 1] - bounds[k])))
+            k += 1
+    return found
 
 
 def _statistics(columns: set[str] | None, stage: str) -> list[str]:
