@@ -282,18 +282,18 @@ def _recorded(root) -> dict[str, list[dict]]:
     return _generations([Run.load(root, run_id=e.run_id) for e in list_runs(root, cache=False)])
 
 
-def test_a_server_that_goes_idle_writes_its_finished_requests_and_a_stopped_one_keeps_them(tmp_path):
+def test_a_server_that_goes_idle_writes_its_finished_requests_and_a_stopped_one_keeps_them(server):
     """vLLM tells a processor that a request finished only at its next step, and kills its worker process when
-    stopped: the parts of requests that finished are written once the engine is idle, before it is stopped."""
-    with Server(DEMO_MODEL_PATH, tmp_path, LOGITSCOPE_RUNS=str(tmp_path / "runs")) as running:
-        status, _ = _completion(running, PROMPTS[0], {"request_id": "last"}, max_tokens=6)
-        assert status == 200
-        deadline = time.monotonic() + 30
-        while "last" not in _recorded(tmp_path / "runs") and time.monotonic() < deadline:
-            time.sleep(0.2)
-        running.stop()
-    found = _recorded(tmp_path / "runs")
-    assert "last" in found, running.tail()
+    stopped: the parts of requests that finished are written once the engine is idle, before it is stopped.
+    (The module's server, stopped here: the last test that uses it.)"""
+    status, _ = _completion(server, PROMPTS[0], {"request_id": "last"}, max_tokens=6)
+    assert status == 200
+    deadline = time.monotonic() + 30
+    while "last" not in _recorded(server.workdir / "runs") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    server.stop()
+    found = _recorded(server.workdir / "runs")
+    assert "last" in found, server.tail()
     assert found["last"][0]["steps"].tolist() == list(range(6))
     assert (found["last"][0]["chosen"] >= 0).all()
 
