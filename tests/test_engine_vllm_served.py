@@ -4,8 +4,10 @@ The engine runs in its own environment (``tests/vllm_engine.py``) with logitscop
 ``logprobs_mode`` ``processed_logprobs`` (then ``processed_logits``): each request's top logprobs (logits) are
 what vLLM sampled from, after its penalties, temperature, min-p, top-k and top-p. The run read back here must
 hold them in its ``sampled`` (``top_p``) stage at every step, within float32 rounding, every token vLLM drew
-must lie in that stage's support, and a greedy request's support is its one token. Each engine start takes
-about a minute on two cores.
+must lie in that stage's support, and a greedy request's support is its one token. The engine core runs in
+the script's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, a setting of vLLM's: importing vLLM takes about
+15 s here, and a separate engine process imports it again); the engine with its own process, as ``LLM(...)``
+runs by default, is ``test_engine_vllm_real.py``'s. Each engine start takes about 25 s on two cores.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def _served(tmp_path_factory, mode: str) -> tuple[Run, dict]:
         for name, params in REQUESTS.items()
     ]
     args = {"model": str(MODEL), "engine": {"logprobs_mode": mode}, "batches": [batch]}
-    out = run_script("generate.py", args, work, LOGITSCOPE_RUNS=str(work / "runs"))
+    env = {"LOGITSCOPE_RUNS": str(work / "runs"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    out = run_script("generate.py", args, work, **env)
     answers = {name: answer["outputs"][0] for name, answer in zip(REQUESTS, out["batches"][0])}
     return Run.load(work / "runs"), answers
 

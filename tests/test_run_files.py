@@ -204,7 +204,6 @@ def test_the_shipped_sample_runs_read_as_distributions(path):
 
 KILLED_DATASET_EXPORT = """
 import os, signal, sys
-import pyarrow.parquet as pq
 import torch
 from tracker import LogitTrackingProcessor
 
@@ -214,10 +213,10 @@ for _ in range(3):
     ids = torch.cat([ids, tracker(ids, torch.randn(1, 50)).argmax(1, keepdim=True)], 1)
 tracker.finish(ids)
 
-def killed(self, table, **kwargs):  # the process dies with the part half written
+def killed(fd):  # the process dies with the part written but not yet on disk for sure
     os.kill(os.getpid(), signal.SIGKILL)
 
-pq.ParquetWriter.write_table = killed
+os.fsync = killed
 tracker.to_dataset(sys.argv[1])
 """
 
