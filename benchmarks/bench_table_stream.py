@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=32_000)
     parser.add_argument("--k", type=int, default=20)
     parser.add_argument("--commit-every", type=float, default=1.0, metavar="SECONDS")
-    parser.add_argument("--baseline", type=int, default=1000, metavar="REQUESTS", help="requests for the baseline")
+    parser.add_argument("--baseline", type=int, default=1000, metavar="REQUESTS", help="requests for the baseline (0: none)")
     parser.add_argument("--s3", action="store_true", help="also stream into a moto S3 server on 127.0.0.1")
     args = parser.parse_args(argv)
 
@@ -152,12 +152,13 @@ def main(argv: list[str] | None = None) -> int:
         result = stream(str(work / "table"), args.requests, table, metadata, args.commit_every)
         nbytes = sum(p.stat().st_size for p in (work / "table").rglob("*") if p.is_file())
         report("table", result, args.requests, nbytes)
-        took = baseline(work / "markers", args.baseline, run)
-        nbytes = sum(p.stat().st_size for p in (work / "markers").rglob("*") if p.is_file())
-        print(
-            f"baseline (a file and a marker per request): {args.baseline / took:,.0f} requests/s over "
-            f"{args.baseline:,} requests; {nbytes / args.baseline / 1e3:.1f} KB per request"
-        )
+        if args.baseline > 0:  # 0: the table alone
+            took = baseline(work / "markers", args.baseline, run)
+            nbytes = sum(p.stat().st_size for p in (work / "markers").rglob("*") if p.is_file())
+            print(
+                f"baseline (a file and a marker per request): {args.baseline / took:,.0f} requests/s over "
+                f"{args.baseline:,} requests; {nbytes / args.baseline / 1e3:.1f} KB per request"
+            )
         if args.s3:
             on_s3(args.requests, table, metadata, args.commit_every)
     finally:
