@@ -61,8 +61,9 @@ def add_parsers(sub: Any) -> None:
         help="rewrite a table's runs of many small parts (a server's) as a few larger ones",
         description="Rewrite each run of the table at TABLE that has at least --min-parts committed parts as "
         "parts of about --max-mb each, one commit per run that removes exactly the parts it read (parts a writer "
-        "commits meanwhile stay). Readers answer the same; each part costs a reader about 1.5 ms whatever its "
-        "size. The replaced parts stay on disk until `logitscope vacuum`.",
+        "commits meanwhile stay), and the parts written before part names carried the digest of their bytes (queries "
+        "read those one by one). Readers answer the same; each part read one by one costs a reader about 1.5 ms "
+        "whatever its size. The replaced parts stay on disk until `logitscope vacuum`.",
     )
     compact.add_argument("table", metavar="TABLE", help="the table's folder or URL")
     compact.add_argument(

@@ -200,7 +200,7 @@ def test_small_table_parts_are_read_in_one_scan_only_when_their_bytes_are_the_on
     parts = sorted(tmp_path.glob("run_id=*/*.parquet"))
     assert len(parts) == len(runs)
     for part in parts:  # named for their bytes
-        assert part.name.endswith(f"-{part_digest(part.read_bytes())}.parquet")
+        assert part.name.endswith(f"-sha{part_digest(part.read_bytes())}.parquet")
     query = "SELECT * FROM steps"
     _equal(open_dataset(tmp_path).sql(query), _slow(runs)[0])
 

@@ -132,3 +132,41 @@ def test_compact_from_the_command_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["compact", str(tmp_path)])
     assert "is not a table" in capsys.readouterr().err
+
+
+def test_parts_written_before_names_carried_their_digest_are_rewritten_with_it(tmp_path, monkeypatch):
+    """A table written before part names ended with the digest of their bytes (the writer of then is
+    imitated: the same part under a name without it) is rewritten by compact, whatever its runs' part
+    counts; every reader answers the same after, and each part's name then names its bytes."""
+    from pathlib import Path
+
+    import tracker.format.table as table_module
+    from tracker.format.run_file import named_digest, part_digest
+
+    written = table_module.write_part
+
+    def undigested(*args, **kwargs):
+        where, size, schema = written(*args, **kwargs)
+        old = where[: where.rindex("-sha")] + ".parquet"
+        Path(where).rename(old)
+        return old, size, schema
+
+    root = tmp_path / "table"
+    with monkeypatch.context() as patched:
+        patched.setattr(table_module, "write_part", undigested)
+        _server_table(root, generations=3)
+    committed = RunTable(root).committed()
+    assert committed and all(named_digest(p.path) is None for p in committed)
+    before = _answers(root)
+
+    done = compact(root)  # the default --min-parts: runs of 1 and 4 parts
+    assert sorted((d.run_id, d.parts_after) for d in done) == sorted(
+        (p.run_id, 1) for p in {c.run_id: c for c in committed}.values()
+    )
+    after = RunTable(root).committed()
+    assert len(after) == len(done)
+    for part in after:
+        assert named_digest(part.path) == part_digest((root / part.path).read_bytes())
+    for old, new in zip(before[:3], _answers(root)[:3]):
+        assert old.equals(new)
+    assert compact(root) == []  # nothing left to rewrite

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -49,6 +50,7 @@ __all__ = [
     "write_parquet",
     "write_part",
     "part_digest",
+    "named_digest",
     "PART_DIGEST_LEN",
     "parquet_table",
     "check_compression",
@@ -219,6 +221,16 @@ def part_digest(data: bytes | pa.Buffer) -> str:
     return hashlib.sha256(data).hexdigest()[:PART_DIGEST_LEN]
 
 
+_NAMED_DIGEST = re.compile(rf"-sha([0-9a-f]{{{PART_DIGEST_LEN}}})\.parquet$")
+
+
+def named_digest(path: str) -> str | None:
+    """The digest a part's name ends with (:func:`write_part`), None for a name without one (a part written
+    before names carried it)."""
+    found = _NAMED_DIGEST.search(path)
+    return None if found is None else found.group(1)
+
+
 def write_part(
     table: pa.Table,
     metadata: RunMetadata,
@@ -227,7 +239,7 @@ def write_part(
     part: str,
     compression: str | None = "zstd",
 ) -> tuple[str, int, pa.Schema]:
-    """Write one part of a table's run at ``<prefix>-<digest>.parquet`` (inside ``fs``; ``digest``:
+    """Write one part of a table's run at ``<prefix>-sha<digest>.parquet`` (inside ``fs``; ``digest``:
     :func:`part_digest` of the file's bytes, so that a reader checks the whole part against the name its
     commit gives before a reader that checks no page checksum reads it): the rows of ``table`` (the run
     schema), ``metadata`` holding the part's generations, ``part`` its
@@ -239,7 +251,7 @@ def write_part(
     sink = pa.BufferOutputStream()
     _write(data, sink, metadata, compression, None)
     written = sink.getvalue()
-    where = f"{prefix}-{part_digest(written)}.parquet"
+    where = f"{prefix}-sha{part_digest(written)}.parquet"
     if isinstance(fs, pafs.LocalFileSystem):
         target = Path(where)
         try:

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pyarrow as pa
 
-from tracker.format.run_file import PART_DIGEST_LEN
+from tracker.format.run_file import PART_DIGEST_LEN, named_digest
 
 __all__ = ["scan_columns", "verified", "ScanUnavailable", "MAX_SCAN_BYTES"]
 
@@ -40,7 +40,6 @@ __all__ = ["scan_columns", "verified", "ScanUnavailable", "MAX_SCAN_BYTES"]
 MAX_SCAN_BYTES = 1 << 20
 #: File paths DuckDB reads as they are (no glob characters, no quotes).
 _PLAIN = re.compile(r"^[A-Za-z0-9/._=:-]+$")
-_DIGEST = re.compile(rf"-([0-9a-f]{{{PART_DIGEST_LEN}}})\.parquet$")
 
 
 class ScanUnavailable(Exception):
@@ -48,7 +47,7 @@ class ScanUnavailable(Exception):
 
 
 def _matches(path: str) -> bool:
-    named = _DIGEST.search(path)
+    named = named_digest(path)
     if named is None:
         return False
     digest = hashlib.sha256()
@@ -58,7 +57,7 @@ def _matches(path: str) -> bool:
                 digest.update(chunk)
     except OSError:
         return False
-    return digest.hexdigest()[:PART_DIGEST_LEN] == named.group(1)
+    return digest.hexdigest()[:PART_DIGEST_LEN] == named
 
 
 def verified(paths: list[str], threads: int = 2) -> list[bool]:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from tracker.format.checks import check_rows
 from tracker.format.discovery import find_runs
 from tracker.format.layout import layout_of
+from tracker.format.run_file import named_digest
 from tracker.format.table import RunTable, TableError, is_table
 from tracker.reading.run import Run
 
@@ -71,7 +72,9 @@ def compact(
     progress: Callable[[Compacted], None] | None = None,
 ) -> list[Compacted]:
     """Rewrite each run of the table at ``location`` that has at least ``min_parts`` committed parts as
-    parts of at most about ``max_bytes`` each (one commit per run; see the module). ``run_ids``: only these
+    parts of at most about ``max_bytes`` each (one commit per run; see the module), and every part written
+    before part names carried the digest of their bytes (so that queries read it in one scan with the
+    others: :mod:`tracker.format.scan`). ``run_ids``: only these
     runs; ``dry_run``: say what would be done, write nothing; ``progress``: called after each run.
 
     Returns what was done to each run rewritten. TableError for a location that is not a table, or a run
@@ -87,10 +90,12 @@ def compact(
     found = [r for r in find_runs(table.location, depth=1) if r.kind == "table"]
     done = []
     for run in found:
-        if (wanted is not None and run.run_id not in wanted) or len(run.files) < min_parts:
+        undigested = [named_digest(f) is None for f in run.files]  # written before names carried it
+        if (wanted is not None and run.run_id not in wanted) or (len(run.files) < min_parts and not any(undigested)):
             continue
         sizes = [f.size for f in run.facts]
-        groups = [g for g in _groups(sizes, max_bytes) if len(g) > 1]
+        many = len(run.files) >= min_parts
+        groups = [g for g in _groups(sizes, max_bytes) if (many and len(g) > 1) or any(undigested[i] for i in g)]
         if not groups:
             continue
         merged = sum(len(g) for g in groups)
