@@ -138,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=32_000)
     parser.add_argument("--k", type=int, default=20)
     parser.add_argument("--commit-every", type=float, default=1.0, metavar="SECONDS")
-    parser.add_argument("--baseline", type=int, default=1000, metavar="REQUESTS", help="requests for the baseline (0: none)")
+    parser.add_argument(
+        "--baseline", type=int, default=1000, metavar="REQUESTS", help="requests for the baseline (0: none)"
+    )
     parser.add_argument("--s3", action="store_true", help="also stream into a moto S3 server on 127.0.0.1")
     args = parser.parse_args(argv)
 
