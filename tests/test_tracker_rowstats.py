@@ -301,7 +301,9 @@ def test_top_k_keeps_the_values_torch_topk_keeps_and_never_nan(path, vocab, k):
     rng = np.random.default_rng()
     rows = edge_rows(rng, vocab)
     ties = np.round(rng.normal(size=vocab), 1).astype(np.float32)  # many equal values
-    x = torch.from_numpy(np.concatenate([rows, ties[None], rng.normal(size=(5, vocab)).astype(np.float32)]))
+    rising = np.sort(rng.normal(size=vocab)).astype(np.float32)  # each token above the last: the bar rises each time
+    ordered = np.stack([rising, rising[::-1]])
+    x = torch.from_numpy(np.concatenate([rows, ties[None], ordered, rng.normal(size=(5, vocab)).astype(np.float32)]))
     values, ids = top_k(x, min(k, vocab))
     want, _ = torch.topk(x.masked_fill(torch.isnan(x), -np.inf), min(k, vocab), dim=1)
     assert torch.equal(values, want)

@@ -340,8 +340,8 @@ static void split_sums(const float *nat, const float *x, Py_ssize_t v, float top
  *
  * A first pass folds the row into v / 16 group maxima (group j: the tokens j + g r, r < 16, an elementwise maximum
  * of sixteen contiguous slabs); the k-th largest of them is a floor that at least k tokens reach, so the top k are
- * among the tokens at or above it. A second pass keeps those in a sorted buffer, a vector comparison skipping
- * eight tokens at a time while none reaches the floor (later, the buffer's smallest). */
+ * among the tokens at or above it. A second pass keeps those in a sorted buffer, vector comparisons skipping
+ * 32 tokens at a time while none reaches the floor (later, the buffer's smallest). */
 VECTOR_CLONES
 static float group_floor(const float *x, Py_ssize_t v, Py_ssize_t k, float *maxima) {
     Py_ssize_t groups = v / 16, j = 0;
@@ -385,23 +385,34 @@ static float group_floor(const float *x, Py_ssize_t v, Py_ssize_t k, float *maxi
     return maxima[want];
 }
 
+/* Whether any lane of a comparison's mask is set (four 64-bit words OR-ed: no lane extracted one by one). */
+static inline int lanes_any(vi m) {
+    uint64_t w[4];
+    memcpy(w, &m, sizeof w);
+    return (w[0] | w[1] | w[2] | w[3]) != 0;
+}
+
+#define SKIP (4 * LANES) /* tokens a skip test covers */
+
 VECTOR_CLONES
 static void row_top_k(const float *x, Py_ssize_t v, Py_ssize_t k, float *values, int64_t *ids, float *maxima) {
     float floor = maxima != NULL ? group_floor(x, v, k, maxima) : -INFINITY;
     Py_ssize_t filled = 0, i = 0;
     float low = floor;
+    vf bar = splat(low);
     while (i < v) {
-        if (i + LANES <= v) { /* skip eight tokens below the bar at once */
-            vi above = filled < k ? load(x + i) >= splat(low) : load(x + i) > splat(low);
-            int any = 0;
-            for (int j = 0; j < LANES; j++)
-                any |= above[j];
-            if (!any) {
-                i += LANES;
+        if (i + SKIP <= v) { /* skip 32 tokens below the bar at once */
+            const float *p = x + i;
+            vi above = filled < k ? (load(p) >= bar) | (load(p + LANES) >= bar) | (load(p + 2 * LANES) >= bar) |
+                                        (load(p + 3 * LANES) >= bar)
+                                  : (load(p) > bar) | (load(p + LANES) > bar) | (load(p + 2 * LANES) > bar) |
+                                        (load(p + 3 * LANES) > bar);
+            if (!lanes_any(above)) {
+                i += SKIP;
                 continue;
             }
         }
-        Py_ssize_t end = i + LANES <= v ? i + LANES : v;
+        Py_ssize_t end = i + SKIP <= v ? i + SKIP : v;
         for (; i < end; i++) {
             float a = x[i];
             if (filled < k ? !(a >= low) : !(a > low))
@@ -413,8 +424,10 @@ static void row_top_k(const float *x, Py_ssize_t v, Py_ssize_t k, float *values,
             }
             values[j] = a;
             ids[j] = i;
-            if (filled == k)
+            if (filled == k) {
                 low = values[k - 1];
+                bar = splat(low);
+            }
         }
     }
     for (Py_ssize_t j = 0; filled < k && j < v; j++) /* fewer than k entries that are not NaN: NaN ones last */
