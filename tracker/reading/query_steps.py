@@ -137,13 +137,14 @@ def _read(
         return done
 
     opened = [i for i in range(len(sources)) if not cached[i] and i not in scanned]  # the parts' own reader
+    pooled = set(opened) if len(opened) > 1 and threads > 1 else set()
     done: list[list[pa.Table]] = [[] for _ in sources]
-    if len(opened) > 1 and threads > 1:
+    if pooled:
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="logitscope-read") as pool:
             for i, tables in zip(opened, pool.map(read, opened)):
                 done[i] = tables
     for i in range(len(sources)):
-        if i not in opened or len(opened) == 1 or threads == 1:
+        if i not in pooled:
             done[i] = read(i)
     for where, read_now in fresh.items():  # what was kept (of parts still committed) and what was read now
         keep_columns(where, {**{p: (sizes[where][p], t) for p, t in kept[where].items()}, **read_now})
