@@ -50,6 +50,7 @@ __all__ = [
     "write_parquet",
     "write_part",
     "part_digest",
+    "file_digest",
     "named_digest",
     "PART_DIGEST_LEN",
     "parquet_table",
@@ -221,6 +222,19 @@ def part_digest(data: bytes | pa.Buffer) -> str:
     return hashlib.sha256(data).hexdigest()[:PART_DIGEST_LEN]
 
 
+def file_digest(path: str | os.PathLike[str]) -> str:
+    """:func:`part_digest` of a local file's bytes: a small file read whole, a larger one a megabyte at a time
+    into one buffer (a fresh megabyte per read cost its page faults again)."""
+    with open(path, "rb", buffering=0) as file:
+        if os.fstat(file.fileno()).st_size <= 1 << 20:
+            return part_digest(file.read())
+        digest, buffer = hashlib.sha256(), bytearray(1 << 20)
+        view = memoryview(buffer)
+        while count := file.readinto(buffer):
+            digest.update(view[:count])
+    return digest.hexdigest()[:PART_DIGEST_LEN]
+
+
 _NAMED_DIGEST = re.compile(rf"-sha([0-9a-f]{{{PART_DIGEST_LEN}}})\.parquet$")
 
 
@@ -244,28 +258,22 @@ def write_part(
     commit gives before a reader that checks no page checksum reads it): the rows of ``table`` (the run
     schema), ``metadata`` holding the part's generations, ``part`` its
     :data:`~tracker.format.columns.RUN_META` value. Returns the path, the bytes written and the file's
-    schema. The file is made in memory (a part is at most a table writer's batch), then written atomically
-    on a local disk, in one upload on an object store."""
+    schema. On a local disk the file is written atomically under a provisional name, hashed as it lies in
+    the operating system's cache, then renamed (made in memory first, a 30 MB part took 0.19-0.41 s to stage
+    against 0.17-0.21 s); on an object store it is made in memory and uploaded once."""
     check_compression(compression)
     data = parquet_table(table, metadata, part=part)
+    if isinstance(fs, pafs.LocalFileSystem):
+        provisional = Path(f"{prefix}.parquet")
+        _write_local(data, provisional, metadata, compression, None)
+        where = f"{prefix}-sha{file_digest(provisional)}.parquet"
+        os.replace(provisional, where)  # a writer killed before leaves a file no commit names: vacuum's
+        fsync_path(provisional.parent)
+        return where, os.path.getsize(where), data.schema.remove_metadata()
     sink = pa.BufferOutputStream()
     _write(data, sink, metadata, compression, None)
     written = sink.getvalue()
     where = f"{prefix}-sha{part_digest(written)}.parquet"
-    if isinstance(fs, pafs.LocalFileSystem):
-        target = Path(where)
-        try:
-            with atomic_path(target) as tmp:
-                with open(tmp, "wb") as out:
-                    out.write(memoryview(written))
-                    out.flush()
-                    os.fsync(out.fileno())
-        except OSError as exc:  # disk full, I/O error: say which file
-            if exc.filename is not None or exc.errno is None:
-                raise
-            raise OSError(exc.errno, f"{os.strerror(exc.errno)}: the part could not be written to '{target}'") from exc
-        fsync_path(target.parent)
-    else:
-        with fs.open_output_stream(where) as out:
-            out.write(written)
+    with fs.open_output_stream(where) as out:
+        out.write(written)
     return where, written.size, data.schema.remove_metadata()

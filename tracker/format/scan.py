@@ -24,14 +24,13 @@ file at fault. Needs pyarrow and numpy, and duckdb for the scan.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
 
-from tracker.format.run_file import PART_DIGEST_LEN, named_digest
+from tracker.format.run_file import file_digest, named_digest
 
 __all__ = ["scan_columns", "verified", "ScanUnavailable", "MAX_SCAN_BYTES"]
 
@@ -50,14 +49,10 @@ def _matches(path: str) -> bool:
     named = named_digest(path)
     if named is None:
         return False
-    digest = hashlib.sha256()
     try:
-        with open(path, "rb") as file:
-            while chunk := file.read(1 << 20):
-                digest.update(chunk)
+        return file_digest(path) == named
     except OSError:
         return False
-    return digest.hexdigest()[:PART_DIGEST_LEN] == named
 
 
 def verified(paths: list[str], threads: int = 2) -> list[bool]:
