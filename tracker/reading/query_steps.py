@@ -34,10 +34,10 @@ from processors.vocab import Vocabulary
 from tracker.format.checks import RunFileError, arrow_reason, check_ids, check_stats, stats_damage
 from tracker.format.schema import (
     GENERATIONS_COLUMN,
-    ID_SCHEMA,
     STAT_COLUMNS,
     check_generations,
     generations_from_column,
+    run_schema,
 )
 from tracker.reading.query_views import INT_PREFIXES, SEQUENCES_SCHEMA, sampling_of
 
@@ -54,8 +54,6 @@ _SHOWN = {
     "p_eos": ("p_eos",),
     "nan": ("nan",),
 }
-#: The id columns' types, as every run file holds them.
-_TYPES = {f.name: f.type for f in ID_SCHEMA}
 #: The ``steps`` columns every table of it has.
 ALWAYS = ("run_id", "generation", "sequence", "step")
 
@@ -159,12 +157,6 @@ def _read(
     return pa.concat_tables(tables, promote_options="permissive"), np.concatenate(owners), any(cached)
 
 
-def _stat_type(column: str) -> pa.DataType | None:
-    """A statistics column's type (``<stage>_<statistic>``), None for another column."""
-    suffix = max((s for s in STAT_COLUMNS if column.endswith(f"_{s}")), key=len, default=None)
-    return None if suffix is None else STAT_COLUMNS[suffix]
-
-
 def _scan(
     sources: Sequence[Any],
     wanted: list[list[str]],
@@ -209,12 +201,16 @@ def _scan_group(sources: Sequence[Any], columns: tuple[str, ...], members: list[
     cannot read them so."""
     from tracker.format.scan import ScanUnavailable, scan_columns
 
-    kinds = {c: _TYPES.get(c) or _stat_type(c) for c in columns}
-    if not members or any(kind is None for kind in kinds.values()):  # not an id or statistics column
+    if not members:
         return {}
+    meta = sources[members[0]].metadata  # the group's runs read these columns: they have their stages
+    schema = run_schema(meta.storage, meta.stages, meta.vocab_size, meta.top_k, stats=True)
+    if any(c not in schema.names for c in columns):
+        return {}
+    kinds = {c: schema.field(c).type for c in columns}
     files = [f for i in members for f in sources[i].files]
     try:
-        table, index = scan_columns(files, kinds, [n for i in members for n in sources[i].file_rows])  # type: ignore[arg-type]
+        table, index = scan_columns(files, kinds, [n for i in members for n in sources[i].file_rows])
     except ScanUnavailable:
         return {}
     order = np.argsort(index, kind="stable")
